@@ -1,0 +1,242 @@
+"""The amaxd client: one trainer rank talking to the daemon on its node."""
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Mapping, Optional, Sequence
+
+import grpc
+import numpy as np
+
+from ._gen import amaxd_pb2 as pb
+from .errors import AmaxdError, from_rpc_error
+from .placement import Placement
+
+DEFAULT_SOCKET = "/run/amaxd/amaxd.sock"
+_SVC = "/amaxd.v1.Calibration/"
+
+FP8_E4M3 = pb.FP8_E4M3
+FP8_E5M2 = pb.FP8_E5M2
+NVFP4 = pb.NVFP4
+MXFP8 = pb.MXFP8
+RUNNING_MAX = pb.RUNNING_MAX
+PER_EPOCH = pb.PER_EPOCH
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A scale recipe (see docs/NUMERICS.md)."""
+
+    format: int = FP8_E4M3
+    rule: int = 0  # pb.CURRENT / pb.DELAYED for FP8
+    margin: float = 0.0
+    history_len: int = 0
+    history_reduce: int = 0  # pb.HISTORY_MAX / pb.MOST_RECENT
+    eps: float = 0.0
+    power_of_2: bool = False
+    nvfp4_convention: int = 0  # pb.TRANSFORMER_ENGINE / pb.MODELOPT
+
+    @staticmethod
+    def fp8_current(fmt=FP8_E4M3, eps=0.0, power_of_2=False):
+        return Recipe(format=fmt, rule=pb.CURRENT, eps=eps, power_of_2=power_of_2)
+
+    @staticmethod
+    def fp8_delayed(fmt=FP8_E4M3, margin=0.0, history_len=1, reduce="max"):
+        r = pb.MOST_RECENT if reduce == "most_recent" else pb.HISTORY_MAX
+        return Recipe(format=fmt, rule=pb.DELAYED, margin=margin, history_len=history_len,
+                      history_reduce=r)
+
+    @staticmethod
+    def nvfp4(convention="te"):
+        c = pb.MODELOPT if convention == "modelopt" else pb.TRANSFORMER_ENGINE
+        return Recipe(format=NVFP4, nvfp4_convention=c)
+
+    @staticmethod
+    def mxfp8():
+        return Recipe(format=MXFP8)
+
+    def to_pb(self):
+        return pb.Recipe(format=self.format, rule=self.rule, margin=self.margin,
+                         history_len=self.history_len, history_reduce=self.history_reduce,
+                         eps=self.eps, power_of_2=self.power_of_2,
+                         nvfp4_convention=self.nvfp4_convention)
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """A quantizer as this rank sees it. `placement` None means the whole tensor."""
+
+    name: str
+    global_shape: Sequence[int]
+    recipe: Recipe = Recipe()
+    placement: Optional[Placement] = None
+    accumulation: int = 0
+    peer_group: str = ""
+    scale_group: str = ""
+
+    def to_pb(self):
+        q = pb.QuantizerSpec(name=self.name, global_shape=[int(d) for d in self.global_shape],
+                             recipe=self.recipe.to_pb(), accumulation=self.accumulation,
+                             peer_group=self.peer_group, scale_group=self.scale_group)
+        if self.placement is not None:
+            q.offset.extend(int(o) for o in self.placement.offset)
+            q.local_shape.extend(int(d) for d in self.placement.local_shape)
+        return q
+
+
+@dataclass
+class Result:
+    """One quantizer's reconciled state, restricted to this rank's block."""
+
+    name: str
+    offset: tuple
+    shape: tuple
+    amax: np.ndarray
+    scale: np.ndarray
+    scale_inv: np.ndarray
+    block_scales: np.ndarray  # uint8: NVFP4 E4M3 block scale or MXFP8 E8M0
+    global_amax: float
+    global_scale: float
+    global_scale_inv: float
+    missing: int
+
+    @staticmethod
+    def from_pb(r):
+        shape = tuple(r.shape)
+
+        def f32(b):
+            return np.frombuffer(b, dtype="<f4").reshape(shape).copy()
+
+        return Result(r.name, tuple(r.offset), shape, f32(r.amax), f32(r.scale),
+                      f32(r.scale_inv),
+                      np.frombuffer(r.block_scales, dtype=np.uint8).reshape(shape).copy(),
+                      r.global_amax, r.global_scale, r.global_scale_inv, r.missing)
+
+
+def _to_f32_bytes(values) -> bytes:
+    """numpy arrays, Python scalars/lists and torch tensors -> float32 LE bytes."""
+    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
+        values = values.detach().float().cpu().numpy()
+    return np.ascontiguousarray(np.asarray(values, dtype="<f4")).tobytes()
+
+
+def _target(socket, address):
+    if address:
+        return address
+    path = socket or os.environ.get("AMAXD_SOCKET") or DEFAULT_SOCKET
+    return path if path.startswith("unix:") else "unix:" + path
+
+
+class Client:
+    """A connection of one rank of one job to its node's daemon.
+
+    Use as a context manager. Every method raises an amaxd.errors.AmaxdError
+    subclass on a gRPC error status.
+    """
+
+    def __init__(self, job: str, rank: int, world_size: int, *, socket: Optional[str] = None,
+                 address: Optional[str] = None, timeout: float = 600.0,
+                 max_message_bytes: int = 64 << 20):
+        self.job, self.rank, self.world_size = job, int(rank), int(world_size)
+        self.timeout = timeout
+        opts = [("grpc.max_send_message_length", max_message_bytes),
+                ("grpc.max_receive_message_length", -1)]
+        self._channel = grpc.insecure_channel(_target(socket, address), options=opts)
+        self._calls = {}
+        self.epoch = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self._channel.close()
+
+    def _unary(self, method, req, resp_cls, timeout=None):
+        fn = self._calls.get(method)
+        if fn is None:
+            fn = self._channel.unary_unary(_SVC + method, request_serializer=lambda m: m.SerializeToString(),
+                                           response_deserializer=resp_cls.FromString)
+            self._calls[method] = fn
+        try:
+            return fn(req, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    # -- the API --
+
+    def join(self, timeout=None):
+        """Blocks until all world_size ranks have joined; returns the open epoch."""
+        r = self._unary("Join", pb.JoinRequest(job=self.job, rank=self.rank,
+                                               world_size=self.world_size), pb.JoinResponse, timeout)
+        self.epoch = r.epoch
+        return r
+
+    def register(self, quantizers: Iterable[Quantizer]):
+        req = pb.RegisterRequest(job=self.job, rank=self.rank,
+                                 quantizers=[q.to_pb() for q in quantizers])
+        return self._unary("RegisterQuantizers", req, pb.RegisterResponse)
+
+    def _send_req(self, amax: Mapping[str, object], epoch: int):
+        return pb.SendAmaxRequest(job=self.job, rank=self.rank, epoch=epoch,
+                                  updates=[pb.AmaxUpdate(name=n, values=_to_f32_bytes(v))
+                                           for n, v in amax.items()])
+
+    def send(self, amax: Mapping[str, object], epoch: int = 0):
+        """Merges {name: local amax block} into the open epoch (atomic)."""
+        return self._unary("SendAmax", self._send_req(amax, epoch), pb.SendAmaxResponse)
+
+    def stream(self, batches: Iterable[Mapping[str, object]], epoch: int = 0):
+        """Sends many batches on one client-streaming call; returns the total accepted."""
+        fn = self._channel.stream_unary(_SVC + "StreamAmax",
+                                        request_serializer=lambda m: m.SerializeToString(),
+                                        response_deserializer=pb.SendAmaxResponse.FromString)
+        try:
+            return fn((self._send_req(b, epoch) for b in batches), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def reconcile(self, names: Sequence[str] = (), epoch: int = 0, timeout=None) -> Dict[str, Result]:
+        """Ends this rank's epoch; blocks until every rank did; returns {name: Result}."""
+        r = self._unary("Reconcile", pb.ReconcileRequest(job=self.job, rank=self.rank, epoch=epoch,
+                                                         names=list(names)),
+                        pb.ReconcileResponse, timeout)
+        self.epoch = r.next_epoch
+        return {q.name: Result.from_pb(q) for q in r.results}
+
+    def get_scales(self, names: Sequence[str] = (), whole: bool = False) -> Dict[str, Result]:
+        r = self._unary("GetScales", pb.GetScalesRequest(job=self.job, rank=self.rank,
+                                                         names=list(names), **{"global": whole}),
+                        pb.GetScalesResponse)
+        return {q.name: Result.from_pb(q) for q in r.results}
+
+    def reset(self, names: Sequence[str] = (), drop_job: bool = False):
+        return self._unary("Reset", pb.ResetRequest(job=self.job, names=list(names),
+                                                    drop_job=drop_job), pb.ResetResponse)
+
+    def status(self, job: str = ""):
+        return self._unary("Status", pb.StatusRequest(job=job), pb.StatusResponse)
+
+    def list_quantizers(self):
+        return self._unary("ListQuantizers", pb.ListQuantizersRequest(job=self.job),
+                           pb.ListQuantizersResponse)
+
+    def health(self, service: str = "") -> str:
+        """grpc.health.v1 Check; returns "SERVING", "NOT_SERVING"...
+
+        Encoded by hand (one string field in, one enum field out) so that this
+        package never registers grpc/health/v1/health.proto and cannot clash
+        with grpcio-health-checking in the same process."""
+        req = b"" if not service else b"\x0a" + bytes([len(service)]) + service.encode()
+        fn = self._channel.unary_unary("/grpc.health.v1.Health/Check")
+        try:
+            raw = fn(req, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        status = raw[1] if len(raw) >= 2 and raw[0] == 0x08 else 0
+        return {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}.get(status,
+                                                                                       "UNKNOWN")
+
+
+__all__ = ["Client", "Quantizer", "Recipe", "Result", "AmaxdError", "Placement", "pb",
+           "FP8_E4M3", "FP8_E5M2", "NVFP4", "MXFP8", "RUNNING_MAX", "PER_EPOCH"]

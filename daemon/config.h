@@ -1,0 +1,97 @@
+/*
+ * config.h - the one configuration table of amaxd.
+ *
+ * Each entry has a name, a type, a default, bounds, flags and a description;
+ * the table drives the config file (INI, keys in an [amaxd] section or at top
+ * level), AMAXD_<NAME> environment variables, --name=value flags, --help and
+ * the Status RPC. Precedence: default < file < environment < command line.
+ */
+#ifndef AMX_CONFIG_H
+#define AMX_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+#include "status.h"
+
+enum { AMX_CFG_STR, AMX_CFG_INT, AMX_CFG_BOOL, AMX_CFG_ENUM, AMX_CFG_MODE };
+enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
+
+/* X(name, type, default, min, max, enum_values, flags, description) */
+#define AMX_CONFIG_TABLE(X)                                                                        \
+    X(socket, AMX_CFG_STR, "/run/amaxd/amaxd.sock", 0, 0, NULL, AMX_CFG_IMMUTABLE,                 \
+      "Unix socket path trainers connect to (empty: no Unix socket)")                              \
+    X(socket_mode, AMX_CFG_MODE, "0660", 0, 0777, NULL, AMX_CFG_IMMUTABLE,                         \
+      "permission bits of the Unix socket (octal)")                                                \
+    X(tcp, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                                         \
+      "also listen on this TCP host:port (empty: none; loopback only unless allow_remote)")        \
+    X(allow_remote, AMX_CFG_BOOL, "false", 0, 1, NULL, AMX_CFG_IMMUTABLE,                          \
+      "allow a non-loopback tcp address (the API has no authentication)")                          \
+    X(backend, AMX_CFG_ENUM, "auto", 0, 0, "auto|host|cuda", AMX_CFG_IMMUTABLE,                    \
+      "state backend: cuda keeps amax state in GPU memory; auto = cuda when a GPU is usable")      \
+    X(log_level, AMX_CFG_ENUM, "info", 0, 0, "error|warn|info|debug", 0, "log verbosity")          \
+    X(log_file, AMX_CFG_STR, "", 0, 0, NULL, 0,                                                    \
+      "append logs to this file, re-opened on SIGHUP (empty: stderr)")                             \
+    X(max_message_bytes, AMX_CFG_INT, "67108864", 4096, 1073741824, NULL, AMX_CFG_IMMUTABLE,       \
+      "largest gRPC message accepted, bytes (larger ones get RESOURCE_EXHAUSTED)")                 \
+    X(max_cells, AMX_CFG_INT, "268435456", 1, 4294967295LL, NULL, 0,                               \
+      "largest catalog of one job, in float32 amax cells (history included)")                      \
+    X(max_quantizers, AMX_CFG_INT, "4194304", 1, 1073741824, NULL, 0,                              \
+      "most quantizers in one job")                                                                \
+    X(max_jobs, AMX_CFG_INT, "64", 1, 65536, NULL, 0, "most jobs served at once")                  \
+    X(max_world_size, AMX_CFG_INT, "65536", 1, 1048576, NULL, 0,                                   \
+      "largest world size a job may declare")                                                      \
+    X(join_timeout_ms, AMX_CFG_INT, "300000", 10, 86400000, NULL, 0,                               \
+      "how long Join waits for the other ranks before DEADLINE_EXCEEDED")                          \
+    X(reconcile_timeout_ms, AMX_CFG_INT, "600000", 10, 86400000, NULL, 0,                          \
+      "how long Reconcile waits for the other ranks before DEADLINE_EXCEEDED")                     \
+    X(shutdown_grace_ms, AMX_CFG_INT, "5000", 0, 600000, NULL, 0,                                  \
+      "on SIGTERM, how long calls in flight may finish before they are cancelled")
+
+enum {
+#define AMX__CFG_ENUM(name, type, def, min, max, values, flags, desc) AMX_CFG_##name,
+    AMX_CONFIG_TABLE(AMX__CFG_ENUM)
+#undef AMX__CFG_ENUM
+        AMX_CFG_COUNT
+};
+
+typedef struct amx_config {
+    char *text[AMX_CFG_COUNT]; /* current value of every entry, as text */
+    /* Typed views, kept in step with text[] by amx_config_set. */
+    const char *socket, *tcp, *backend, *log_level, *log_file;
+    int64_t socket_mode, max_message_bytes, max_cells, max_quantizers, max_jobs, max_world_size;
+    int64_t join_timeout_ms, reconcile_timeout_ms, shutdown_grace_ms;
+    int allow_remote;
+} amx_config_t;
+
+/* Fills `cfg` with the defaults. Free with amx_config_free. */
+void amx_config_init(amx_config_t *cfg);
+void amx_config_free(amx_config_t *cfg);
+
+/* Sets one entry from text, checking type and bounds. `name` may use '-'
+ * for '_'. EINVAL with a sentence naming the entry on failure (cfg is then
+ * unchanged). */
+amx_status_t amx_config_set(amx_config_t *cfg, const char *name, const char *value, amx_err_t *err);
+
+/* Reads an INI file of `name = value` lines. */
+amx_status_t amx_config_load_file(amx_config_t *cfg, const char *path, amx_err_t *err);
+
+/* Applies AMAXD_<NAME> variables from the environment. */
+amx_status_t amx_config_load_env(amx_config_t *cfg, amx_err_t *err);
+
+enum { AMX_CFG_RUN = 0, AMX_CFG_HELP = 1, AMX_CFG_VERSION = 2 };
+
+/* Applies defaults, --config/AMAXD_CONFIG file, environment and command line
+ * in that order. Sets *action to RUN, HELP or VERSION. */
+amx_status_t amx_config_from_args(amx_config_t *cfg, int argc, char **argv, int *action,
+                                  amx_err_t *err);
+
+/* Writes --help text generated from the table. */
+void amx_config_usage(FILE *out, const char *prog);
+
+/* Calls fn for each entry with its current text and whether it is the default. */
+void amx_config_foreach(const amx_config_t *cfg,
+                        void (*fn)(void *ud, const char *name, const char *value, int is_default),
+                        void *ud);
+
+#endif

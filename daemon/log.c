@@ -1,0 +1,73 @@
+#include "log.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+int amx_log_level = AMX_LOG_INFO;
+
+static int log_fd = 2;
+static int log_journal = -1; /* -1: not decided yet */
+
+static const char *const level_name[] = {"error", "warn", "info", "debug"};
+static const int level_syslog[] = {3, 4, 6, 7};
+
+int amx_log_parse_level(const char *s)
+{
+    for (int i = 0; i < 4; i++)
+        if (strcmp(s, level_name[i]) == 0) return i;
+    return -1;
+}
+
+void amx_log_write(int level, const char *subsys, const char *fmt, ...)
+{
+    char line[2048];
+    size_t n = 0;
+    if (level < 0) level = 0;
+    if (level > 3) level = 3;
+    if (log_journal < 0) log_journal = getenv("JOURNAL_STREAM") != NULL;
+    if (log_journal && log_fd == 2) {
+        n = (size_t)snprintf(line, sizeof(line), "<%d>%s: ", level_syslog[level], subsys);
+    } else {
+        struct timespec ts;
+        struct tm tm;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        gmtime_r(&ts.tv_sec, &tm);
+        n = strftime(line, sizeof(line), "%Y-%m-%dT%H:%M:%S", &tm);
+        n += (size_t)snprintf(line + n, sizeof(line) - n, ".%03ldZ %-5s %s: ", ts.tv_nsec / 1000000,
+                              level_name[level], subsys);
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    int m = vsnprintf(line + n, sizeof(line) - n - 1, fmt, ap);
+    va_end(ap);
+    if (m < 0) m = 0;
+    n += (size_t)m < sizeof(line) - n - 1 ? (size_t)m : sizeof(line) - n - 2;
+    line[n++] = '\n';
+    ssize_t w = write(log_fd, line, n);
+    (void)w;
+}
+
+int amx_log_open(const char *path)
+{
+    if (path == NULL || path[0] == '\0') {
+        if (log_fd != 2) close(log_fd);
+        log_fd = 2;
+        return 0;
+    }
+    int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
+    if (fd < 0) return -errno;
+    if (log_fd != 2) close(log_fd);
+    log_fd = fd;
+    return 0;
+}
+
+void amx_log_close(void)
+{
+    amx_log_open(NULL);
+}

@@ -1,0 +1,150 @@
+/*
+ * main.c - amaxd start-up, signals and shutdown.
+ *
+ * The daemon context lives on main's stack and is passed by pointer; the
+ * libuv loop thread owns it. SIGTERM/SIGINT stop gracefully and exit 0,
+ * SIGHUP re-opens the log file.
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "config.h"
+#include "log.h"
+#include "registry.h"
+#include "rpc.h"
+#include "service.h"
+#include "state.h"
+#include "version.h"
+
+typedef struct amx_daemon {
+    uv_loop_t loop;
+    amx_config_t cfg;
+    amx_registry_t *reg;
+    amx_rpc_t *rpc;
+    uv_signal_t sig_term, sig_int, sig_hup;
+    uv_timer_t tick;
+    int stopping;
+} amx_daemon_t;
+
+static void on_tick(uv_timer_t *t)
+{
+    amx_daemon_t *d = t->data;
+    amx_registry_expire(d->reg, amx__now_ms());
+}
+
+static void on_rpc_stopped(void *ud)
+{
+    amx_daemon_t *d = ud;
+    uv_close((uv_handle_t *)&d->tick, NULL);
+    uv_close((uv_handle_t *)&d->sig_term, NULL);
+    uv_close((uv_handle_t *)&d->sig_int, NULL);
+    uv_close((uv_handle_t *)&d->sig_hup, NULL);
+}
+
+static void on_stop_signal(uv_signal_t *s, int signum)
+{
+    amx_daemon_t *d = s->data;
+    if (d->stopping) {
+        AMX_WARN("main", "signal %d again while stopping; still waiting for calls to end", signum);
+        return;
+    }
+    d->stopping = 1;
+    AMX_INFO("main", "signal %d: shutting down", signum);
+    amx_rpc_stop(d->rpc, (uint64_t)d->cfg.shutdown_grace_ms, on_rpc_stopped, d);
+}
+
+static void on_hup(uv_signal_t *s, int signum)
+{
+    amx_daemon_t *d = s->data;
+    (void)signum;
+    int rc = amx_log_open(d->cfg.log_file);
+    if (rc != 0)
+        AMX_ERROR("main", "SIGHUP: cannot re-open log file %s: %s", d->cfg.log_file, strerror(-rc));
+    else
+        AMX_INFO("main", "SIGHUP: log re-opened");
+}
+
+static void log_setting(void *ud, const char *name, const char *value, int is_default)
+{
+    (void)ud;
+    if (!is_default) AMX_INFO("config", "%s = %s", name, value);
+}
+
+int main(int argc, char **argv)
+{
+    amx_daemon_t d;
+    amx_err_t err = {0};
+    int action;
+    memset(&d, 0, sizeof(d));
+    amx_config_init(&d.cfg);
+    if (amx_config_from_args(&d.cfg, argc, argv, &action, &err) != AMX_OK) {
+        fprintf(stderr, "amaxd: %s\n", err.msg);
+        amx_config_free(&d.cfg);
+        return 2;
+    }
+    if (action == AMX_CFG_HELP) {
+        amx_config_usage(stdout, argv[0]);
+        amx_config_free(&d.cfg);
+        return 0;
+    }
+    if (action == AMX_CFG_VERSION) {
+        printf("amaxd %s (cuda backend %s)\n", AMAXD_VERSION,
+               AMAXD_HAVE_CUDA ? "compiled in" : "not compiled in");
+        amx_config_free(&d.cfg);
+        return 0;
+    }
+    amx_log_level = amx_log_parse_level(d.cfg.log_level);
+    if (amx_log_open(d.cfg.log_file) != 0) {
+        fprintf(stderr, "amaxd: cannot open log file %s\n", d.cfg.log_file);
+        amx_config_free(&d.cfg);
+        return 1;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    AMX_INFO("main", "amaxd %s starting (pid %d)", AMAXD_VERSION, (int)getpid());
+    amx_config_foreach(&d.cfg, log_setting, NULL);
+
+    const char *backend = d.cfg.backend;
+    if (strcmp(backend, "auto") == 0) backend = amx_state_cuda_available() ? "cuda" : "host";
+    if (amx_registry_create(&d.cfg, backend, &d.reg, &err) != AMX_OK) {
+        AMX_ERROR("main", "state backend %s: %s", backend, err.msg);
+        amx_config_free(&d.cfg);
+        return 1;
+    }
+    AMX_INFO("main", "state backend: %s, collective: local", backend);
+
+    uv_loop_init(&d.loop);
+    double start = (double)amx__now_ms() / 1000.0;
+    if (amx_rpc_start(&d.loop, &d.cfg, d.reg, start, &d.rpc, &err) != AMX_OK) {
+        AMX_ERROR("main", "%s", err.msg);
+        amx_registry_destroy(d.reg);
+        uv_run(&d.loop, UV_RUN_DEFAULT);
+        uv_loop_close(&d.loop);
+        amx_config_free(&d.cfg);
+        return 1;
+    }
+    uv_signal_init(&d.loop, &d.sig_term);
+    uv_signal_init(&d.loop, &d.sig_int);
+    uv_signal_init(&d.loop, &d.sig_hup);
+    d.sig_term.data = d.sig_int.data = d.sig_hup.data = &d;
+    uv_signal_start(&d.sig_term, on_stop_signal, SIGTERM);
+    uv_signal_start(&d.sig_int, on_stop_signal, SIGINT);
+    uv_signal_start(&d.sig_hup, on_hup, SIGHUP);
+    uv_timer_init(&d.loop, &d.tick);
+    d.tick.data = &d;
+    uv_timer_start(&d.tick, on_tick, 50, 50);
+    AMX_INFO("main", "ready");
+
+    uv_run(&d.loop, UV_RUN_DEFAULT);
+
+    amx_rpc_free(d.rpc);
+    amx_registry_destroy(d.reg);
+    if (uv_loop_close(&d.loop) != 0) AMX_WARN("main", "event loop closed with handles still open");
+    AMX_INFO("main", "stopped");
+    amx_log_close();
+    amx_config_free(&d.cfg);
+    return 0;
+}

@@ -1,0 +1,668 @@
+/*
+ * rpc.c - gRPC C-core server plumbing.
+ *
+ * Each call is an amx_call_t with four tags (new, recv, send, close). The
+ * completion-queue thread pushes (tag, ok) pairs into a queue and wakes the
+ * loop; the loop thread does everything else. A call is freed when its
+ * status has been sent (or it was abandoned) and RECV_CLOSE_ON_SERVER has
+ * completed, whichever is last.
+ *
+ * For every registered method several requests stay posted, and one
+ * grpc_server_request_call stays posted for unknown methods, which are
+ * answered UNIMPLEMENTED (otherwise they would hang until their deadline).
+ */
+#include "rpc.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/time.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "log.h"
+#include "service.h"
+
+#define POSTED_PER_METHOD 8
+#define UNKNOWN_METHOD -1
+
+enum { TAG_NEW, TAG_RECV, TAG_SEND, TAG_CLOSE, TAG_SHUTDOWN };
+
+typedef struct tag {
+    struct amx_call *call;
+    int what;
+} tag_t;
+
+struct amx_call {
+    amx_waiter_t waiter; /* first member: service.c recovers the call from it */
+    amx_rpc_t *rpc;
+    int method; /* index into amx__methods, or UNKNOWN_METHOD */
+    grpc_call *call;
+    gpr_timespec deadline;
+    grpc_metadata_array md;
+    grpc_call_details details;
+    grpc_byte_buffer *payload;
+    grpc_byte_buffer *recv_buf;
+    grpc_byte_buffer *send_buf;
+    grpc_slice status_details;
+    int cancelled;
+    int started, replied, closed, recv_pending, send_pending;
+    ProtobufCMessage *request; /* kept while the call waits in the registry */
+    uint64_t stream_accepted, stream_epoch;
+    tag_t t_new, t_recv, t_send, t_close;
+    struct amx_call *prev, *next; /* live calls */
+};
+
+typedef struct event {
+    void *tag;
+    int ok;
+} event_t;
+
+struct amx_rpc {
+    uv_loop_t *loop;
+    const amx_config_t *cfg;
+    amx_svc_t svc;
+    grpc_server *server;
+    grpc_completion_queue *cq;
+    void *method_handles[32];
+    pthread_t cq_thread;
+    int cq_thread_started;
+    uv_async_t wake;
+    pthread_mutex_t mu;
+    event_t *queue;
+    size_t qlen, qcap;
+    amx_call_t *calls; /* live calls */
+    uint32_t ncalls;
+    int stopping, server_shut, cq_done;
+    tag_t t_shutdown;
+    uv_timer_t grace;
+    int grace_started;
+    void (*on_stopped)(void *);
+    void *stopped_ud;
+    char unix_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+};
+
+/* ---- completion-queue thread ---- */
+
+static void *cq_main(void *arg)
+{
+    amx_rpc_t *rpc = arg;
+    for (;;) {
+        grpc_event ev =
+            grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        pthread_mutex_lock(&rpc->mu);
+        if (rpc->qlen == rpc->qcap) {
+            size_t cap = rpc->qcap ? rpc->qcap * 2 : 256;
+            event_t *q = realloc(rpc->queue, cap * sizeof(event_t));
+            if (q == NULL) {
+                /* Nothing sane remains: an event lost here would hang a call forever. */
+                AMX_ERROR("rpc", "out of memory queueing a completion event; aborting");
+                abort();
+            }
+            rpc->queue = q;
+            rpc->qcap = cap;
+        }
+        rpc->queue[rpc->qlen].tag = ev.type == GRPC_QUEUE_SHUTDOWN ? NULL : ev.tag;
+        rpc->queue[rpc->qlen].ok = ev.success;
+        rpc->qlen++;
+        pthread_mutex_unlock(&rpc->mu);
+        uv_async_send(&rpc->wake);
+        if (ev.type == GRPC_QUEUE_SHUTDOWN) return NULL;
+    }
+}
+
+/* ---- calls ---- */
+
+static amx_call_t *call_new(amx_rpc_t *rpc, int method)
+{
+    amx_call_t *c = calloc(1, sizeof(*c));
+    if (c == NULL) return NULL;
+    c->rpc = rpc;
+    c->method = method;
+    c->t_new = (tag_t){c, TAG_NEW};
+    c->t_recv = (tag_t){c, TAG_RECV};
+    c->t_send = (tag_t){c, TAG_SEND};
+    c->t_close = (tag_t){c, TAG_CLOSE};
+    grpc_metadata_array_init(&c->md);
+    grpc_call_details_init(&c->details);
+    c->next = rpc->calls;
+    if (rpc->calls) rpc->calls->prev = c;
+    rpc->calls = c;
+    rpc->ncalls++;
+    return c;
+}
+
+static void call_free(amx_call_t *c)
+{
+    amx_rpc_t *rpc = c->rpc;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        rpc->calls = c->next;
+    if (c->next) c->next->prev = c->prev;
+    rpc->ncalls--;
+    if (c->waiter.job != NULL) amx_registry_cancel(rpc->svc.reg, &c->waiter);
+    if (c->request) protobuf_c_message_free_unpacked(c->request, NULL);
+    if (c->payload) grpc_byte_buffer_destroy(c->payload);
+    if (c->recv_buf) grpc_byte_buffer_destroy(c->recv_buf);
+    if (c->send_buf) grpc_byte_buffer_destroy(c->send_buf);
+    if (c->replied) grpc_slice_unref(c->status_details);
+    grpc_metadata_array_destroy(&c->md);
+    grpc_call_details_destroy(&c->details);
+    if (c->call) grpc_call_unref(c->call);
+    free(c);
+}
+
+static void maybe_free(amx_call_t *c)
+{
+    if (c->closed && !c->send_pending && !c->recv_pending) call_free(c);
+}
+
+/* Posts one request for `method` so that a new call of it can be accepted. */
+static void post_request(amx_rpc_t *rpc, int method)
+{
+    if (rpc->stopping) return;
+    amx_call_t *c = call_new(rpc, method);
+    if (c == NULL) {
+        AMX_ERROR("rpc", "out of memory posting a request; fewer calls can be accepted");
+        return;
+    }
+    grpc_call_error e;
+    if (method == UNKNOWN_METHOD) {
+        e = grpc_server_request_call(rpc->server, &c->call, &c->details, &c->md, rpc->cq, rpc->cq,
+                                     &c->t_new);
+    } else {
+        int stream = amx__methods[method].client_streaming;
+        e = grpc_server_request_registered_call(rpc->server, rpc->method_handles[method], &c->call,
+                                                &c->deadline, &c->md, stream ? NULL : &c->payload,
+                                                rpc->cq, rpc->cq, &c->t_new);
+    }
+    if (e != GRPC_CALL_OK) {
+        AMX_ERROR("rpc", "grpc_server_request_call failed: %d", (int)e);
+        call_free(c);
+    }
+}
+
+void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const ProtobufCMessage *resp)
+{
+    if (c->replied || c->closed) {
+        /* Answered already, or the client is gone: nobody to answer. */
+        return;
+    }
+    grpc_op ops[3];
+    size_t n = 0;
+    memset(ops, 0, sizeof(ops));
+    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+    n++;
+    if (st == AMX_OK && resp != NULL) {
+        size_t len = protobuf_c_message_get_packed_size(resp);
+        grpc_slice s = grpc_slice_malloc(len);
+        protobuf_c_message_pack(resp, GRPC_SLICE_START_PTR(s));
+        c->send_buf = grpc_raw_byte_buffer_create(&s, 1);
+        grpc_slice_unref(s);
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n].data.send_message.send_message = c->send_buf;
+        n++;
+    }
+    c->status_details = grpc_slice_from_copied_string(st == AMX_OK ? "" : (msg ? msg : ""));
+    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[n].data.send_status_from_server.status = (grpc_status_code)amx_status_grpc(st);
+    ops[n].data.send_status_from_server.status_details = &c->status_details;
+    n++;
+    c->replied = 1;
+    c->send_pending = 1;
+    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->t_send, NULL);
+    if (e != GRPC_CALL_OK) {
+        AMX_ERROR("rpc", "sending a status failed: grpc_call_error %d", (int)e);
+        c->send_pending = 0;
+    }
+}
+
+amx_waiter_t *amx__call_waiter(amx_call_t *c)
+{
+    return &c->waiter;
+}
+
+/* Unpacks a byte buffer into a message; NULL and a sentence when it is not one. */
+static ProtobufCMessage *unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
+                                amx_err_t *err)
+{
+    grpc_byte_buffer_reader r;
+    if (!grpc_byte_buffer_reader_init(&r, bb)) {
+        amx_err_set(err, AMX_EINVAL, "request payload could not be read (compressed?)");
+        return NULL;
+    }
+    grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+    grpc_byte_buffer_reader_destroy(&r);
+    ProtobufCMessage *m =
+        protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+    if (m == NULL)
+        amx_err_set(err, AMX_EINVAL, "request is not a valid %s message (%zu bytes)", desc->name,
+                    (size_t)GRPC_SLICE_LENGTH(s));
+    grpc_slice_unref(s);
+    return m;
+}
+
+static void post_recv(amx_call_t *c)
+{
+    grpc_op op;
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_MESSAGE;
+    op.data.recv_message.recv_message = &c->recv_buf;
+    c->recv_pending = 1;
+    if (grpc_call_start_batch(c->call, &op, 1, &c->t_recv, NULL) != GRPC_CALL_OK) {
+        c->recv_pending = 0;
+        amx__call_reply(c, AMX_EINTERNAL, "could not read the stream", NULL);
+    }
+}
+
+static void on_new(amx_call_t *c, int ok)
+{
+    amx_rpc_t *rpc = c->rpc;
+    if (!ok) {
+        /* The server is shutting down: this request will never be a call. */
+        call_free(c);
+        return;
+    }
+    post_request(rpc, c->method);
+    c->started = 1;
+    grpc_op op;
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    op.data.recv_close_on_server.cancelled = &c->cancelled;
+    if (grpc_call_start_batch(c->call, &op, 1, &c->t_close, NULL) != GRPC_CALL_OK) {
+        AMX_ERROR("rpc", "could not watch a call for its end; dropping it");
+        c->closed = 1;
+        maybe_free(c);
+        return;
+    }
+    if (c->method == UNKNOWN_METHOD) {
+        char path[256];
+        snprintf(path, sizeof(path), "%.*s", (int)GRPC_SLICE_LENGTH(c->details.method),
+                 (const char *)GRPC_SLICE_START_PTR(c->details.method));
+        char msg[400];
+        snprintf(msg, sizeof(msg), "method %s is not served by amaxd (see proto/amaxd/v1)", path);
+        AMX_WARN("rpc", "%s", msg);
+        amx__call_reply(c, AMX_EUNIMPL, msg, NULL);
+        return;
+    }
+    const amx_method_t *m = &amx__methods[c->method];
+    if (m->client_streaming) {
+        post_recv(c);
+        return;
+    }
+    amx_err_t err = {0};
+    if (c->payload == NULL) {
+        amx_err_set(&err, AMX_EINVAL, "%s: the call carried no request message", m->path);
+    } else {
+        c->request = unpack(c->payload, m->request, &err);
+        grpc_byte_buffer_destroy(c->payload);
+        c->payload = NULL;
+    }
+    if (c->request == NULL) {
+        AMX_WARN("rpc", "%s rejected: %s", m->path, err.msg);
+        amx__call_reply(c, err.code, err.msg, NULL);
+        return;
+    }
+    m->handler(&rpc->svc, c, c->request);
+}
+
+static void on_recv(amx_call_t *c, int ok)
+{
+    c->recv_pending = 0;
+    if (!ok || c->replied) {
+        maybe_free(c);
+        return;
+    }
+    amx_rpc_t *rpc = c->rpc;
+    if (c->recv_buf == NULL) { /* half-close: the stream is complete */
+        Amaxd__V1__SendAmaxResponse resp = AMAXD__V1__SEND_AMAX_RESPONSE__INIT;
+        resp.accepted = c->stream_accepted;
+        resp.epoch = c->stream_epoch;
+        amx__call_reply(c, AMX_OK, NULL, &resp.base);
+        return;
+    }
+    amx_err_t err = {0};
+    ProtobufCMessage *m = unpack(c->recv_buf, amx__methods[c->method].request, &err);
+    grpc_byte_buffer_destroy(c->recv_buf);
+    c->recv_buf = NULL;
+    if (m == NULL) {
+        AMX_WARN("rpc", "StreamAmax rejected after %llu accepted updates: %s",
+                 (unsigned long long)c->stream_accepted, err.msg);
+        amx__call_reply(c, err.code, err.msg, NULL);
+        return;
+    }
+    amx_status_t st =
+        amx__service_stream_msg(&rpc->svc, m, &c->stream_accepted, &c->stream_epoch, &err);
+    protobuf_c_message_free_unpacked(m, NULL);
+    if (st != AMX_OK) {
+        amx__call_reply(c, st, err.msg, NULL);
+        return;
+    }
+    post_recv(c);
+}
+
+static void check_stopped(amx_rpc_t *rpc);
+
+static void dispatch(amx_rpc_t *rpc, event_t *ev)
+{
+    if (ev->tag == NULL) {
+        rpc->cq_done = 1;
+        check_stopped(rpc);
+        return;
+    }
+    tag_t *t = ev->tag;
+    if (t->what == TAG_SHUTDOWN) {
+        rpc->server_shut = 1;
+        check_stopped(rpc);
+        return;
+    }
+    amx_call_t *c = t->call;
+    switch (t->what) {
+    case TAG_NEW:
+        on_new(c, ev->ok);
+        break;
+    case TAG_RECV:
+        on_recv(c, ev->ok);
+        break;
+    case TAG_SEND:
+        c->send_pending = 0;
+        maybe_free(c);
+        break;
+    case TAG_CLOSE:
+        c->closed = 1;
+        if (c->waiter.job != NULL) {
+            /* Cancelled or past its deadline while waiting in the registry. */
+            amx_registry_cancel(rpc->svc.reg, &c->waiter);
+        }
+        maybe_free(c);
+        break;
+    }
+}
+
+static void on_wake(uv_async_t *h)
+{
+    amx_rpc_t *rpc = h->data;
+    for (;;) {
+        pthread_mutex_lock(&rpc->mu);
+        size_t n = rpc->qlen;
+        event_t *batch = NULL;
+        if (n > 0) {
+            batch = malloc(n * sizeof(event_t));
+            if (batch == NULL) {
+                pthread_mutex_unlock(&rpc->mu);
+                AMX_ERROR("rpc", "out of memory draining events; aborting");
+                abort();
+            }
+            memcpy(batch, rpc->queue, n * sizeof(event_t));
+            rpc->qlen = 0;
+        }
+        pthread_mutex_unlock(&rpc->mu);
+        if (n == 0) return;
+        for (size_t i = 0; i < n; i++)
+            dispatch(rpc, &batch[i]);
+        free(batch);
+    }
+}
+
+/* ---- listening ---- */
+
+static amx_status_t check_unix_path(const char *path, int *stale, amx_err_t *err)
+{
+    struct sockaddr_un sa;
+    *stale = 0;
+    if (strlen(path) >= sizeof(sa.sun_path))
+        return amx_err_set(err, AMX_EINVAL, "socket path '%s' is longer than %zu bytes", path,
+                           sizeof(sa.sun_path) - 1);
+    char dir[sizeof(sa.sun_path)];
+    snprintf(dir, sizeof(dir), "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash != NULL && slash != dir) {
+        *slash = '\0';
+        struct stat stt;
+        if (stat(dir, &stt) != 0 || !S_ISDIR(stt.st_mode))
+            return amx_err_set(err, AMX_EIO,
+                               "cannot listen on %s: directory %s does not exist (under systemd, "
+                               "RuntimeDirectory=amaxd creates it)",
+                               path, dir);
+    }
+    struct stat stt;
+    if (lstat(path, &stt) != 0) return AMX_OK;
+    if (!S_ISSOCK(stt.st_mode))
+        return amx_err_set(err, AMX_EEXIST,
+                           "cannot listen on %s: a file that is not a socket is there", path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return amx_err_set(err, AMX_EIO, "socket(): %s", strerror(errno));
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int rc = connect(fd, (struct sockaddr *)&sa, sizeof(sa));
+    close(fd);
+    if (rc == 0)
+        return amx_err_set(err, AMX_EEXIST,
+                           "another process (an amaxd?) is already listening on %s", path);
+    *stale = 1;
+    return AMX_OK;
+}
+
+static int is_loopback(const char *hostport)
+{
+    char host[256];
+    const char *colon = strrchr(hostport, ':');
+    if (colon == NULL) return 0;
+    size_t n = (size_t)(colon - hostport);
+    if (n >= sizeof(host)) return 0;
+    memcpy(host, hostport, n);
+    host[n] = '\0';
+    if (strcmp(host, "localhost") == 0 || strcmp(host, "[::1]") == 0) return 1;
+    struct in_addr a;
+    if (inet_pton(AF_INET, host, &a) == 1) return (ntohl(a.s_addr) >> 24) == 127;
+    return 0;
+}
+
+amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registry_t *reg,
+                           double start_time, amx_rpc_t **out, amx_err_t *err)
+{
+    amx_status_t st = AMX_OK;
+    int stale = 0;
+    if (cfg->socket[0] == '\0' && cfg->tcp[0] == '\0')
+        return amx_err_set(err, AMX_EINVAL, "neither socket nor tcp is set: nothing to listen on");
+    if (cfg->tcp[0] != '\0' && !cfg->allow_remote && !is_loopback(cfg->tcp))
+        return amx_err_set(err, AMX_EINVAL,
+                           "tcp=%s is not a loopback address; the API has no authentication, so "
+                           "set allow_remote=true only on a trusted network",
+                           cfg->tcp);
+    if (cfg->socket[0] != '\0') AMX_CHECK(check_unix_path(cfg->socket, &stale, err));
+
+    amx_rpc_t *rpc = calloc(1, sizeof(*rpc));
+    if (rpc == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    rpc->loop = loop;
+    rpc->cfg = cfg;
+    rpc->svc.reg = reg;
+    rpc->svc.cfg = cfg;
+    rpc->svc.start_time = start_time;
+    rpc->t_shutdown = (tag_t){NULL, TAG_SHUTDOWN};
+    pthread_mutex_init(&rpc->mu, NULL);
+
+    grpc_init();
+    grpc_arg args[2];
+    args[0].type = GRPC_ARG_INTEGER;
+    args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+    args[0].value.integer = (int)cfg->max_message_bytes;
+    args[1].type = GRPC_ARG_INTEGER;
+    args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+    args[1].value.integer = -1;
+    grpc_channel_args cargs = {2, args};
+    rpc->server = grpc_server_create(&cargs, NULL);
+    rpc->cq = grpc_completion_queue_create_for_next(NULL);
+    grpc_server_register_completion_queue(rpc->server, rpc->cq, NULL);
+    for (size_t i = 0; i < amx__n_methods; i++)
+        rpc->method_handles[i] = grpc_server_register_method(
+            rpc->server, amx__methods[i].path, NULL,
+            amx__methods[i].client_streaming ? GRPC_SRM_PAYLOAD_NONE
+                                             : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER,
+            0);
+
+    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    char addr[300];
+    if (cfg->socket[0] != '\0') {
+        if (stale) {
+            AMX_WARN("rpc", "removing stale socket %s", cfg->socket);
+            unlink(cfg->socket);
+        }
+        snprintf(addr, sizeof(addr), "unix:%s", cfg->socket);
+        if (grpc_server_add_http2_port(rpc->server, addr, creds) == 0) {
+            st = amx_err_set(err, AMX_EIO, "cannot listen on %s (permissions?)", addr);
+            goto fail_creds;
+        }
+        snprintf(rpc->unix_path, sizeof(rpc->unix_path), "%s", cfg->socket);
+    }
+    if (cfg->tcp[0] != '\0' && grpc_server_add_http2_port(rpc->server, cfg->tcp, creds) == 0) {
+        st = amx_err_set(err, AMX_EIO, "cannot listen on tcp %s (address in use?)", cfg->tcp);
+        goto fail_creds;
+    }
+    grpc_server_credentials_release(creds);
+    grpc_server_start(rpc->server);
+    if (rpc->unix_path[0] != '\0' && chmod(rpc->unix_path, (mode_t)cfg->socket_mode) != 0)
+        AMX_WARN("rpc", "chmod %s %llo: %s", rpc->unix_path, (unsigned long long)cfg->socket_mode,
+                 strerror(errno));
+
+    uv_async_init(loop, &rpc->wake, on_wake);
+    rpc->wake.data = rpc;
+    if (pthread_create(&rpc->cq_thread, NULL, cq_main, rpc) != 0) {
+        st = amx_err_set(err, AMX_EINTERNAL, "cannot start the completion-queue thread");
+        goto fail_started;
+    }
+    rpc->cq_thread_started = 1;
+    for (size_t i = 0; i < amx__n_methods; i++)
+        for (int k = 0; k < POSTED_PER_METHOD; k++)
+            post_request(rpc, (int)i);
+    post_request(rpc, UNKNOWN_METHOD);
+    if (rpc->unix_path[0] != '\0')
+        AMX_INFO("rpc", "listening on unix:%s (mode %04llo)", rpc->unix_path,
+                 (unsigned long long)cfg->socket_mode);
+    if (cfg->tcp[0] != '\0') AMX_INFO("rpc", "listening on tcp %s", cfg->tcp);
+    *out = rpc;
+    return AMX_OK;
+
+fail_creds:
+    grpc_server_credentials_release(creds);
+    grpc_server_destroy(rpc->server);
+    grpc_completion_queue_shutdown(rpc->cq);
+    while (grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(rpc->cq);
+    grpc_shutdown_blocking();
+    pthread_mutex_destroy(&rpc->mu);
+    free(rpc);
+    return st;
+fail_started:
+    grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
+    grpc_server_cancel_all_calls(rpc->server);
+    grpc_completion_queue_shutdown(rpc->cq);
+    while (grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_server_destroy(rpc->server);
+    grpc_completion_queue_destroy(rpc->cq);
+    grpc_shutdown_blocking();
+    uv_close((uv_handle_t *)&rpc->wake, NULL);
+    return st; /* rpc is leaked deliberately: the async handle is closing */
+}
+
+/* ---- stopping ---- */
+
+static void on_grace(uv_timer_t *t)
+{
+    amx_rpc_t *rpc = t->data;
+    if (amx_rpc_calls(rpc) > 0)
+        AMX_WARN("rpc", "grace period over: cancelling %u calls in flight", amx_rpc_calls(rpc));
+    grpc_server_cancel_all_calls(rpc->server);
+}
+
+static void on_closed(uv_handle_t *h)
+{
+    amx_rpc_t *rpc = h->data;
+    if (--rpc->grace_started == 0 && rpc->on_stopped) rpc->on_stopped(rpc->stopped_ud);
+}
+
+static void check_stopped(amx_rpc_t *rpc)
+{
+    if (rpc->server_shut && !rpc->cq_done && rpc->server != NULL) {
+        /* Every call is finished: the server and the queue can go. */
+        grpc_server_destroy(rpc->server);
+        rpc->server = NULL;
+        grpc_completion_queue_shutdown(rpc->cq);
+        return;
+    }
+    if (!rpc->cq_done) return;
+    pthread_join(rpc->cq_thread, NULL);
+    rpc->cq_thread_started = 0;
+    while (rpc->calls != NULL) {
+        rpc->calls->closed = 1;
+        rpc->calls->send_pending = rpc->calls->recv_pending = 0;
+        call_free(rpc->calls);
+    }
+    grpc_completion_queue_destroy(rpc->cq);
+    rpc->cq = NULL;
+    grpc_shutdown_blocking();
+    if (rpc->unix_path[0] != '\0') {
+        struct stat stt;
+        if (lstat(rpc->unix_path, &stt) == 0 && S_ISSOCK(stt.st_mode)) unlink(rpc->unix_path);
+    }
+    AMX_INFO("rpc", "server stopped");
+    rpc->grace_started = 2;
+    uv_timer_stop(&rpc->grace);
+    uv_close((uv_handle_t *)&rpc->grace, on_closed);
+    uv_close((uv_handle_t *)&rpc->wake, on_closed);
+}
+
+void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud), void *ud)
+{
+    if (rpc->stopping) return;
+    rpc->stopping = 1;
+    rpc->svc.stopping = 1;
+    rpc->on_stopped = on_stopped;
+    rpc->stopped_ud = ud;
+    AMX_INFO("rpc", "stopping: %u calls in flight, grace %llu ms", amx_rpc_calls(rpc),
+             (unsigned long long)grace_ms);
+    grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
+    /* Calls that wait for other ranks would outlast any grace period. */
+    for (amx_call_t *c = rpc->calls; c != NULL; c = c->next) {
+        if (c->waiter.job != NULL) {
+            amx_registry_cancel(rpc->svc.reg, &c->waiter);
+            amx__call_reply(c, AMX_EUNAVAIL,
+                            "amaxd is shutting down; the job's state is lost unless it was "
+                            "snapshotted: re-join after the daemon restarts",
+                            NULL);
+        }
+    }
+    uv_timer_init(rpc->loop, &rpc->grace);
+    rpc->grace.data = rpc;
+    uv_timer_start(&rpc->grace, on_grace, grace_ms, 0);
+}
+
+void amx_rpc_free(amx_rpc_t *rpc)
+{
+    if (rpc == NULL) return;
+    free(rpc->queue);
+    pthread_mutex_destroy(&rpc->mu);
+    free(rpc);
+}
+
+uint32_t amx_rpc_calls(const amx_rpc_t *rpc)
+{
+    uint32_t n = 0;
+    for (const amx_call_t *c = rpc->calls; c != NULL; c = c->next)
+        n += c->started;
+    return n;
+}
