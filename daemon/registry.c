@@ -915,6 +915,12 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const Amaxd__V1__SendAmaxReq
                                u, up->name, up->values.len, req->rank,
                                (unsigned long long)pl->ncells,
                                (unsigned long long)pl->ncells * sizeof(float));
+        if (up->has_data.len != 0 && up->has_data.len != pl->ncells)
+            return amx_err_set(err, AMX_EINVAL,
+                               "update %zu: quantizer '%s' has_data has %zu bytes; it needs one "
+                               "per cell of rank %u's block (%llu) or none",
+                               u, up->name, up->has_data.len, req->rank,
+                               (unsigned long long)pl->ncells);
         nvals += pl->ncells;
         nruns += pl->ndim == 0 ? 1 : pl->ncells / pl->shape[pl->ndim - 1];
     }
@@ -930,7 +936,12 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const Amaxd__V1__SendAmaxReq
         const placement_t *pl = &r->pls[r->pl_of_q[qi] - 1];
         float *dst = reg->stage + ctx.src_base;
         memcpy(dst, up->values.data, up->values.len); /* float32 LE on an LE host */
+        const uint8_t *mask = up->has_data.len ? up->has_data.data : NULL;
         for (uint64_t c = 0; c < pl->ncells; c++) {
+            if (mask != NULL && mask[c] == 0) {
+                dst[c] = -INFINITY; /* no data: the merge leaves the cell as it is */
+                continue;
+            }
             float v = dst[c];
             if (!(v >= 0.0f) || !isfinite(v))
                 return amx_err_set(err, AMX_EINVAL,

@@ -15,6 +15,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <limits.h>
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
@@ -233,8 +234,16 @@ amx_waiter_t *amx__call_waiter(amx_call_t *c)
 
 /* Unpacks a byte buffer into a message; NULL and a sentence when it is not one. */
 static ProtobufCMessage *unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
-                                amx_err_t *err)
+                                int64_t max_bytes, amx_err_t *err)
 {
+    size_t len = grpc_byte_buffer_length(bb);
+    if ((int64_t)len > max_bytes) {
+        amx_err_set(err, AMX_ENOMEM,
+                    "a %s message of %zu bytes exceeds max_message_bytes=%lld; split it into "
+                    "smaller batches (or stream them)",
+                    desc->name, len, (long long)max_bytes);
+        return NULL;
+    }
     grpc_byte_buffer_reader r;
     if (!grpc_byte_buffer_reader_init(&r, bb)) {
         amx_err_set(err, AMX_EINVAL, "request payload could not be read (compressed?)");
@@ -303,7 +312,7 @@ static void on_new(amx_call_t *c, int ok)
     if (c->payload == NULL) {
         amx_err_set(&err, AMX_EINVAL, "%s: the call carried no request message", m->path);
     } else {
-        c->request = unpack(c->payload, m->request, &err);
+        c->request = unpack(c->payload, m->request, rpc->cfg->max_message_bytes, &err);
         grpc_byte_buffer_destroy(c->payload);
         c->payload = NULL;
     }
@@ -318,6 +327,11 @@ static void on_new(amx_call_t *c, int ok)
 static void on_recv(amx_call_t *c, int ok)
 {
     c->recv_pending = 0;
+    if (!ok && !c->replied && !c->closed)
+        AMX_WARN("rpc",
+                 "StreamAmax: reading message %llu failed (over twice max_message_bytes, "
+                 "or the client went away)",
+                 (unsigned long long)c->stream_accepted + 1);
     if (!ok || c->replied) {
         maybe_free(c);
         return;
@@ -331,7 +345,8 @@ static void on_recv(amx_call_t *c, int ok)
         return;
     }
     amx_err_t err = {0};
-    ProtobufCMessage *m = unpack(c->recv_buf, amx__methods[c->method].request, &err);
+    ProtobufCMessage *m =
+        unpack(c->recv_buf, amx__methods[c->method].request, rpc->cfg->max_message_bytes, &err);
     grpc_byte_buffer_destroy(c->recv_buf);
     c->recv_buf = NULL;
     if (m == NULL) {
@@ -496,7 +511,10 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     grpc_arg args[2];
     args[0].type = GRPC_ARG_INTEGER;
     args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    args[0].value.integer = (int)cfg->max_message_bytes;
+    /* The daemon enforces max_message_bytes itself (a precise status and a
+     * log line); the core's limit is only a ceiling against absurd sizes. */
+    args[0].value.integer =
+        cfg->max_message_bytes > INT_MAX / 2 ? INT_MAX : (int)(2 * cfg->max_message_bytes);
     args[1].type = GRPC_ARG_INTEGER;
     args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
     args[1].value.integer = -1;

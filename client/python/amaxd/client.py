@@ -118,6 +118,17 @@ def _to_f32_bytes(values) -> bytes:
     return np.ascontiguousarray(np.asarray(values, dtype="<f4")).tobytes()
 
 
+def _update(name, values):
+    """An AmaxUpdate from an array, or from a numpy masked array whose masked
+    cells had no data on this rank (e.g. experts that received no tokens)."""
+    if isinstance(values, np.ma.MaskedArray):
+        mask = np.ma.getmaskarray(values)
+        data = np.ma.getdata(values)
+        return pb.AmaxUpdate(name=name, values=_to_f32_bytes(np.where(mask, 0, data)),
+                             has_data=(~mask).astype(np.uint8).tobytes())
+    return pb.AmaxUpdate(name=name, values=_to_f32_bytes(values))
+
+
 def _target(socket, address):
     if address:
         return address
@@ -179,8 +190,7 @@ class Client:
 
     def _send_req(self, amax: Mapping[str, object], epoch: int):
         return pb.SendAmaxRequest(job=self.job, rank=self.rank, epoch=epoch,
-                                  updates=[pb.AmaxUpdate(name=n, values=_to_f32_bytes(v))
-                                           for n, v in amax.items()])
+                                  updates=[_update(n, v) for n, v in amax.items()])
 
     def send(self, amax: Mapping[str, object], epoch: int = 0):
         """Merges {name: local amax block} into the open epoch (atomic)."""
