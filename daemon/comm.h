@@ -10,6 +10,10 @@
 
 #include "status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct amx_comm amx_comm_t;
 
 struct amx_comm {
@@ -26,5 +30,9 @@ struct amx_comm {
 
 /* The collective of a job served by this daemon alone. Never fails. */
 amx_comm_t *amx_comm_local_create(void);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -222,11 +222,11 @@ AMX_HD uint8_t amx_nvfp4_block_modelopt(float block_amax, float global_amax)
 
 /*
  * NVFP4 block encode scale as TE's quantizer uses it:
- * min(1 / (S_dec_b * (1 / S_enc)), FLT_MAX); a zero block gives FLT_MAX.
+ * min(1 / (S_dec_b * S_dec), FLT_MAX) with S_dec = 1 / S_enc (computed once
+ * per quantizer by the caller); a zero block gives FLT_MAX.
  */
-AMX_HD float amx_nvfp4_block_encode(float s_dec_b, float s_enc)
+AMX_HD float amx_nvfp4_block_encode(float s_dec_b, float s_dec)
 {
-    float s_dec = 1.0f / s_enc;
     float r = 1.0f / (s_dec_b * s_dec);
     return r < FLT_MAX ? r : FLT_MAX;
 }

@@ -63,6 +63,8 @@ typedef struct job {
     rank_t *ranks;
     quant_t *q;
     amx_qdesc_t *desc;
+    uint32_t *stamp; /* per quantizer: the last SendAmax batch that named it */
+    uint32_t batch;
     uint32_t nq, cap_q;
     amx_strmap_t qmap;
     group_table_t peer, scale;
@@ -205,6 +207,7 @@ static void job_free(job_t *j)
         free(j->q[i].name);
     free(j->q);
     free(j->desc);
+    free(j->stamp);
     amx_strmap_free(&j->qmap);
     group_free(&j->peer);
     group_free(&j->scale);
@@ -648,6 +651,10 @@ static amx_status_t job_reserve_q(job_t *j, uint32_t nq)
     amx_qdesc_t *d = realloc(j->desc, cap * sizeof(amx_qdesc_t));
     if (d == NULL) return AMX_ENOMEM;
     j->desc = d;
+    uint32_t *stamp = realloc(j->stamp, cap * sizeof(uint32_t));
+    if (stamp == NULL) return AMX_ENOMEM;
+    memset(stamp + j->cap_q, 0, (cap - j->cap_q) * sizeof(uint32_t));
+    j->stamp = stamp;
     j->cap_q = cap;
     if (amx_strmap_reserve(&j->qmap, cap) != 0) return AMX_ENOMEM;
     return AMX_OK;
@@ -895,6 +902,11 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const Amaxd__V1__SendAmaxReq
     /* Pass 1: names, placements and sizes. */
     uint64_t nvals = 0;
     size_t nruns = 0;
+    int overlap = 0;
+    if (++j->batch == 0) { /* wrapped: forget old stamps */
+        memset(j->stamp, 0, j->cap_q * sizeof(uint32_t));
+        j->batch = 1;
+    }
     for (size_t u = 0; u < req->n_updates; u++) {
         const Amaxd__V1__AmaxUpdate *up = req->updates[u];
         uint32_t qi;
@@ -908,6 +920,8 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const Amaxd__V1__SendAmaxReq
                                "'%s'; Register it from this rank first",
                                u, req->rank, up->name, j->name);
         const placement_t *pl = &r->pls[r->pl_of_q[qi] - 1];
+        overlap |= j->stamp[qi] == j->batch; /* named twice in this batch */
+        j->stamp[qi] = j->batch;
         if (up->values.len != pl->ncells * sizeof(float))
             return amx_err_set(err, AMX_EINVAL,
                                "update %zu: quantizer '%s' has %zu bytes of values; rank %u's "
@@ -953,7 +967,8 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const Amaxd__V1__SendAmaxReq
         for_each_row(pl, j->q[qi].shape, j->desc[qi].base, stage_row, &ctx);
         ctx.src_base += pl->ncells;
     }
-    AMX_CHECK(j->state->ops->merge(j->state, reg->stage, nvals, reg->runs, ctx.nruns, err));
+    AMX_CHECK(
+        j->state->ops->merge(j->state, reg->stage, nvals, reg->runs, ctx.nruns, overlap, err));
     j->updates += req->n_updates;
     resp->accepted = req->n_updates;
     resp->epoch = j->epoch;

@@ -24,6 +24,10 @@
 #include "recipe.h"
 #include "status.h"
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* What a backend needs to know of one quantizer to post-process it. */
 typedef struct amx_qdesc {
     uint64_t base;      /* first cell in the flat buffers */
@@ -56,9 +60,10 @@ typedef struct amx_state_ops {
     amx_status_t (*reserve)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
                             amx_err_t *err);
     /* Max-merges `nruns` runs of `vals` into pending. The values were
-     * validated by the caller (finite, >= 0). */
+     * validated by the caller (finite and >= 0, or -inf for "no data").
+     * `overlap` is set when two runs of the batch may hit the same cell. */
     amx_status_t (*merge)(amx_state_t *st, const float *vals, uint64_t nvals, const amx_run_t *runs,
-                          size_t nruns, amx_err_t *err);
+                          size_t nruns, int overlap, amx_err_t *err);
     /* Finishes an epoch: all-reduce MAX of pending through `comm`, then
      * accumulation, peer fill, global amax, scale groups and scales for all
      * `nq` quantizers; publishes the out_* arrays and clears pending. On
@@ -109,5 +114,9 @@ int amx__state_cuda_probe(void);
  * backends; returns ENOMEM on failure.
  */
 amx_status_t amx__state_grow_outputs(amx_state_t *st, uint64_t ncells, uint32_t nq, amx_err_t *err);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

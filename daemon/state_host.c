@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "postproc.h"
 #include "state.h"
 
 typedef struct host_state {
@@ -85,10 +86,10 @@ nomem:
 }
 
 static amx_status_t host_merge(amx_state_t *st, const float *vals, uint64_t nvals,
-                               const amx_run_t *runs, size_t nruns, amx_err_t *err)
+                               const amx_run_t *runs, size_t nruns, int overlap, amx_err_t *err)
 {
     host_state_t *h = st->impl;
-    (void)nvals, (void)err;
+    (void)nvals, (void)overlap, (void)err;
     for (size_t r = 0; r < nruns; r++) {
         float *dst = h->pending + runs[r].dst;
         const float *src = vals + runs[r].src;
@@ -96,89 +97,6 @@ static amx_status_t host_merge(amx_state_t *st, const float *vals, uint64_t nval
             dst[i] = amx_fmaxf(dst[i], src[i]);
     }
     return AMX_OK;
-}
-
-/* The amax a cell takes this epoch from its accumulation rule. */
-static float accumulate_cell(host_state_t *h, const amx_qdesc_t *q, uint64_t c, float reduced)
-{
-    if (q->accumulation != AMX_ACC_PER_EPOCH) {
-        float a = amx_fmaxf(h->accum[q->base + c], reduced);
-        h->accum[q->base + c] = a;
-        return a;
-    }
-    float *ring = h->history + q->hist_base;
-    ring[(uint64_t)q->hist_head * q->ncells + c] = reduced;
-    if (q->recipe.history_reduce == AMX_HIST_MOST_RECENT) return reduced;
-    float a = -INFINITY;
-    for (uint32_t s = 0; s < q->hist_len; s++)
-        a = amx_fmaxf(a, ring[(uint64_t)s * q->ncells + c]);
-    return a;
-}
-
-/* Scales of one cell from its amax `a` (-inf means no data). */
-static void scale_cell(amx_state_t *st, host_state_t *h, const amx_qdesc_t *q, uint64_t cell,
-                       float a, float gamax, float s_enc)
-{
-    const amx_recipe_t *r = &q->recipe;
-    float v = a > 0.0f ? a : 0.0f; /* -inf (no data) reads as 0 */
-    float scale, inv;
-    uint8_t byte = 0;
-    switch (r->format) {
-    case AMX_FMT_NVFP4:
-        byte = r->nvfp4_convention == AMX_NVFP4_MODELOPT ? amx_nvfp4_block_modelopt(v, gamax)
-                                                         : amx_nvfp4_block_te(v, s_enc);
-        scale = amx_e4m3_to_float(byte);
-        inv = amx_nvfp4_block_encode(scale, s_enc);
-        break;
-    case AMX_FMT_MXFP8:
-        byte = amx_mxfp8_e8m0(v);
-        scale = amx_e8m0_encode(byte);
-        inv = amx_e8m0_decode(byte);
-        break;
-    default:
-        if (r->rule == AMX_RULE_DELAYED) {
-            scale = amx_fp8_delayed_scale(v, r->scaled_max, h->prev_scale[cell]);
-            h->prev_scale[cell] = scale;
-        } else {
-            scale = amx_fp8_current_scale(v, amx_fp8_max(r->format), r->power_of_2, r->eps);
-        }
-        inv = amx_fp8_scale_inv(scale);
-        break;
-    }
-    st->out_scale[cell] = scale;
-    st->out_scale_inv[cell] = inv;
-    st->out_bytes[cell] = byte;
-}
-
-/* Global scale of quantizer `qi` from its (group) global amax. */
-static void scale_global(amx_state_t *st, host_state_t *h, const amx_qdesc_t *q, uint32_t qi,
-                         float g)
-{
-    const amx_recipe_t *r = &q->recipe;
-    float s;
-    switch (r->format) {
-    case AMX_FMT_NVFP4:
-        s = amx_nvfp4_global_encode(g);
-        st->out_gscale[qi] = s;
-        st->out_gscale_inv[qi] = 1.0f / s;
-        return;
-    case AMX_FMT_MXFP8: {
-        uint8_t e = amx_mxfp8_e8m0(g);
-        st->out_gscale[qi] = amx_e8m0_encode(e);
-        st->out_gscale_inv[qi] = amx_e8m0_decode(e);
-        return;
-    }
-    default:
-        if (r->rule == AMX_RULE_DELAYED) {
-            s = amx_fp8_delayed_scale(g, r->scaled_max, h->prev_gscale[qi]);
-            h->prev_gscale[qi] = s;
-        } else {
-            s = amx_fp8_current_scale(g, amx_fp8_max(r->format), r->power_of_2, r->eps);
-        }
-        st->out_gscale[qi] = s;
-        st->out_gscale_inv[qi] = amx_fp8_scale_inv(s);
-        return;
-    }
 }
 
 static amx_status_t host_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
@@ -206,7 +124,8 @@ static amx_status_t host_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint3
         const amx_qdesc_t *q = &qs[qi];
         float m = -INFINITY;
         for (uint64_t c = 0; c < q->ncells; c++) {
-            float a = accumulate_cell(h, q, c, h->pending[q->base + c]);
+            float a = amx_pp_accumulate(q, &h->accum[q->base + c], h->history + q->hist_base, c,
+                                        h->pending[q->base + c]);
             st->out_amax[q->base + c] = a;
             m = amx_fmaxf(m, a);
         }
@@ -232,10 +151,12 @@ static amx_status_t host_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint3
         float g = q->scale_group >= 0 ? scale_max[q->scale_group] : st->out_gamax[qi];
         g = g > 0.0f ? g : 0.0f;
         st->out_gamax[qi] = g;
-        scale_global(st, h, q, qi, g);
-        float s_enc = st->out_gscale[qi];
-        for (uint64_t c = 0; c < q->ncells; c++)
-            scale_cell(st, h, q, q->base + c, st->out_amax[q->base + c], g, s_enc);
+        amx_pp_global(&q->recipe, g, &h->prev_gscale[qi], &st->out_gscale[qi],
+                      &st->out_gscale_inv[qi]);
+        float s_enc = st->out_gscale[qi], s_dec = st->out_gscale_inv[qi];
+        for (uint64_t i = q->base; i < q->base + q->ncells; i++)
+            amx_pp_cell(&q->recipe, st->out_amax[i], g, s_enc, s_dec, &h->prev_scale[i],
+                        &st->out_scale[i], &st->out_scale_inv[i], &st->out_bytes[i]);
     }
     for (uint64_t i = 0; i < st->ncells; i++)
         h->pending[i] = -INFINITY;

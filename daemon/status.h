@@ -9,6 +9,10 @@
 #include <stdarg.h>
 #include <stddef.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /*
  * X(name, grpc_status_code, text). The gRPC code is the numeric value of
  * grpc_status_code so that this header needs no gRPC include.
@@ -71,5 +75,9 @@ void amx_err_clear(amx_err_t *err);
         (st) = (call);                                                                             \
         if ((st) != AMX_OK) goto label;                                                            \
     } while (0)
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

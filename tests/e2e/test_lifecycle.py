@@ -9,21 +9,25 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 import amaxd
 from conftest import BIN
 
 
 def test_health_serving_and_unknown_service(daemon):
+    # The standard grpc.health.v1 messages (grpcio-health-checking), called
+    # without its generated stub so that any grpcio version works.
     with daemon.channel() as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+        check = ch.unary_unary("/grpc.health.v1.Health/Check",
+                               request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                               response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        assert check(health_pb2.HealthCheckRequest(), timeout=5).status == \
             health_pb2.HealthCheckResponse.SERVING
-        assert stub.Check(health_pb2.HealthCheckRequest(service="amaxd.v1.Calibration"), timeout=5).status == \
+        assert check(health_pb2.HealthCheckRequest(service="amaxd.v1.Calibration"), timeout=5).status == \
             health_pb2.HealthCheckResponse.SERVING
         with pytest.raises(grpc.RpcError) as e:
-            stub.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
+            check(health_pb2.HealthCheckRequest(service="nope"), timeout=5)
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -163,3 +167,20 @@ def test_command_line(tmp_path):
     assert p.returncode == 2 and "unknown option" in p.stderr
     p = subprocess.run([BIN, f"--socket={tmp_path}/nodir/x.sock"], capture_output=True, text=True, timeout=10)
     assert p.returncode == 1 and "does not exist" in p.stderr
+
+
+def test_cuda_backend_refused_cleanly_without_gpu(tmp_path):
+    """--backend=cuda on a host without a usable GPU (or a build without
+    CUDA) must exit 1 at start with a sentence, not crash or limp on."""
+    if os.environ.get("AMAXD_BACKEND") == "cuda":
+        pytest.skip("this run has a GPU and uses the CUDA backend")
+    p = subprocess.Popen([BIN, f"--socket={tmp_path}/c.sock", "--backend=cuda"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = p.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        p.wait()
+        pytest.skip("a usable GPU is present: the CUDA backend started")
+    assert p.returncode == 1
+    assert "without CUDA" in err or "no usable CUDA device" in err, err

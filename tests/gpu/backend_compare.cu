@@ -1,0 +1,320 @@
+/*
+ * backend_compare - the host and CUDA state backends must produce the same
+ * bytes.
+ *
+ *  1. Every conformance vector (tests/vectors/recipes.tsv) evaluated on the
+ *     device with the recipe.h functions the kernels use.
+ *  2. One quantizer per recipe with N cells (default 10^7) of random amax
+ *     (random bit patterns, wide log-uniform values, edge values, cells
+ *     without data), peer and scale groups, several epochs with overlapping
+ *     batches, run through both backends; every result array is compared
+ *     byte for byte after every epoch.
+ *
+ *   backend_compare [VECTORS_TSV] [N]      exit 0 when everything matches
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "postproc.h"
+#include "state.h"
+
+enum { K_E4M3, K_E8M0, K_CUR, K_CUR_P2, K_CUR_E5, K_DEL, K_DEL_M1, K_NVG, K_NVTE, K_NVMO, K_MX };
+static const char *kinds[] = {"e4m3",
+                              "e8m0",
+                              "fp8_current",
+                              "fp8_current_pow2",
+                              "fp8_current_e5m2",
+                              "fp8_delayed",
+                              "fp8_delayed_margin1",
+                              "nvfp4_global",
+                              "nvfp4_te",
+                              "nvfp4_modelopt",
+                              "mxfp8"};
+
+__global__ void k_vectors(const int *kind, const float *x, const float *p, uint32_t *out, int n,
+                          float scaled_max_m1)
+{
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float a = x[i], q = p[i];
+    uint32_t r = 0;
+    switch (kind[i]) {
+    case K_E4M3:
+        r = amx_e4m3_from_float(a);
+        break;
+    case K_E8M0:
+        r = amx_e8m0_from_float(a);
+        break;
+    case K_CUR:
+        r = amx_f2u(amx_fp8_current_scale(a, AMX_E4M3_MAX, 0, q));
+        break;
+    case K_CUR_P2:
+        r = amx_f2u(amx_fp8_current_scale(a, AMX_E4M3_MAX, 1, q));
+        break;
+    case K_CUR_E5:
+        r = amx_f2u(amx_fp8_current_scale(a, AMX_E5M2_MAX, 0, q));
+        break;
+    case K_DEL:
+        r = amx_f2u(amx_fp8_delayed_scale(a, AMX_E4M3_MAX, q));
+        break;
+    case K_DEL_M1:
+        r = amx_f2u(amx_fp8_delayed_scale(a, scaled_max_m1, q));
+        break;
+    case K_NVG:
+        r = amx_f2u(amx_nvfp4_global_encode(a));
+        break;
+    case K_NVTE:
+        r = amx_nvfp4_block_te(a, q);
+        break;
+    case K_NVMO:
+        r = amx_nvfp4_block_modelopt(a, q);
+        break;
+    case K_MX:
+        r = amx_mxfp8_e8m0(a);
+        break;
+    }
+    out[i] = r;
+}
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));                            \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static int run_vectors(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    if (f == NULL) {
+        fprintf(stderr, "cannot open %s\n", path);
+        return 1;
+    }
+    int cap = 1024, n = 0, *kind = (int *)malloc(cap * sizeof(int));
+    float *x = (float *)malloc(cap * 4), *p = (float *)malloc(cap * 4);
+    uint32_t *want = (uint32_t *)malloc(cap * 4);
+    char line[512];
+    while (fgets(line, sizeof(line), f) && n < cap) {
+        char k[64];
+        unsigned xb, pb, w;
+        if (line[0] == '#' || sscanf(line, "%63[^\t]\t%x\t%x\t%x", k, &xb, &pb, &w) != 4) continue;
+        kind[n] = -1;
+        for (int i = 0; i < (int)(sizeof(kinds) / sizeof(kinds[0])); i++)
+            if (!strcmp(k, kinds[i])) kind[n] = i;
+        x[n] = amx_u2f(xb), p[n] = amx_u2f(pb), want[n] = w;
+        n++;
+    }
+    fclose(f);
+    int *dk;
+    float *dx, *dp;
+    uint32_t *dout, *got = (uint32_t *)malloc(n * 4);
+    CK(cudaMalloc(&dk, n * 4));
+    CK(cudaMalloc(&dx, n * 4));
+    CK(cudaMalloc(&dp, n * 4));
+    CK(cudaMalloc(&dout, n * 4));
+    CK(cudaMemcpy(dk, kind, n * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dx, x, n * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dp, p, n * 4, cudaMemcpyHostToDevice));
+    k_vectors<<<(n + 127) / 128, 128>>>(dk, dx, dp, dout, n, AMX_E4M3_MAX * powf(2.0f, -1.0f));
+    CK(cudaGetLastError());
+    CK(cudaMemcpy(got, dout, n * 4, cudaMemcpyDeviceToHost));
+    int bad = 0;
+    for (int i = 0; i < n; i++)
+        if (kind[i] < 0 || got[i] != want[i]) {
+            fprintf(stderr, "vector %d (%s, x=0x%08x p=0x%08x): device 0x%x, expected 0x%x\n", i,
+                    kind[i] >= 0 ? kinds[kind[i]] : "?", amx_f2u(x[i]), amx_f2u(p[i]), got[i],
+                    want[i]);
+            bad++;
+        }
+    printf("vectors on device: %d rows, %d mismatches\n", n, bad);
+    cudaFree(dk), cudaFree(dx), cudaFree(dp), cudaFree(dout);
+    free(kind), free(x), free(p), free(want), free(got);
+    return bad != 0;
+}
+
+/* xorshift64*: reproducible across runs. */
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return rng_state * 2685821657736338717ull;
+}
+
+static float random_amax(void)
+{
+    static const float edge[] = {0.0f,     1.0f,    448.0f,        449.0f,        464.0f,
+                                 57344.0f, 2688.0f, 1.0f / 448.0f, 1e-45f,        1.17549435e-38f,
+                                 FLT_MAX,  6.0f,    0.001953125f,  0.0009765625f, 1.0625f,
+                                 1.1875f,  432.0f,  3.0f,          1e30f,         2.0f};
+    uint64_t r = rnd();
+    switch (r % 20) {
+    case 0:
+    case 1:
+        return -INFINITY; /* no data in this batch */
+    case 2:
+    case 3:
+        return edge[(r >> 8) % (sizeof(edge) / sizeof(edge[0]))];
+    case 4:
+    case 5:
+    case 6:
+    case 7:
+    case 8:
+    case 9:
+        return amx_u2f((uint32_t)(r >> 32) % 0x7f800000u); /* any finite non-negative */
+    default:
+        return expf(((float)((r >> 20) % 4000000) / 100000.0f) - 20.0f); /* e^-20 .. e^20 */
+    }
+}
+
+static int compare(const char *what, const void *a, const void *b, size_t n, size_t elem, int epoch)
+{
+    if (memcmp(a, b, n * elem) == 0) return 0;
+    size_t shown = 0, diff = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (memcmp((const char *)a + i * elem, (const char *)b + i * elem, elem) == 0) continue;
+        diff++;
+        if (shown++ < 5) {
+            uint32_t x = 0, y = 0;
+            memcpy(&x, (const char *)a + i * elem, elem);
+            memcpy(&y, (const char *)b + i * elem, elem);
+            fprintf(stderr, "epoch %d %s[%zu]: host 0x%x, cuda 0x%x\n", epoch, what, i, x, y);
+        }
+    }
+    fprintf(stderr, "epoch %d %s: %zu of %zu differ\n", epoch, what, diff, n);
+    return 1;
+}
+
+int main(int argc, char **argv)
+{
+    const char *vec = argc > 1 ? argv[1] : "tests/vectors/recipes.tsv";
+    uint64_t per = argc > 2 ? strtoull(argv[2], NULL, 10) : 10000000ull;
+    int bad = run_vectors(vec);
+
+    /* One quantizer per recipe. */
+    amx_recipe_t rec[8];
+    memset(rec, 0, sizeof(rec));
+    rec[0].format = AMX_FMT_FP8_E4M3, rec[0].rule = AMX_RULE_CURRENT;
+    rec[1].format = AMX_FMT_FP8_E5M2, rec[1].rule = AMX_RULE_CURRENT, rec[1].power_of_2 = 1,
+    rec[1].eps = 1e-4f;
+    rec[2].format = AMX_FMT_FP8_E4M3, rec[2].rule = AMX_RULE_DELAYED, rec[2].history_len = 4,
+    rec[2].history_reduce = AMX_HIST_MAX, rec[2].margin = 1.0f;
+    rec[3].format = AMX_FMT_FP8_E4M3, rec[3].rule = AMX_RULE_DELAYED, rec[3].history_len = 1,
+    rec[3].history_reduce = AMX_HIST_MOST_RECENT;
+    rec[4].format = AMX_FMT_NVFP4, rec[4].nvfp4_convention = AMX_NVFP4_TE;
+    rec[5].format = AMX_FMT_NVFP4, rec[5].nvfp4_convention = AMX_NVFP4_MODELOPT;
+    rec[6].format = AMX_FMT_MXFP8;
+    rec[7].format = AMX_FMT_FP8_E5M2, rec[7].rule = AMX_RULE_DELAYED, rec[7].history_len = 2,
+    rec[7].history_reduce = AMX_HIST_MAX;
+    const char *names[8] = {"fp8-e4m3-current",
+                            "fp8-e5m2-current-pow2-eps",
+                            "fp8-delayed-H4-m1",
+                            "fp8-delayed-most-recent",
+                            "nvfp4-te",
+                            "nvfp4-modelopt",
+                            "mxfp8",
+                            "fp8-e5m2-delayed-H2"};
+    uint32_t nq = 8;
+    amx_qdesc_t q[8];
+    uint64_t ncells = 0, nhist = 0;
+    for (uint32_t i = 0; i < nq; i++) {
+        memset(&q[i], 0, sizeof(q[i]));
+        rec[i].history_len = rec[i].history_len ? rec[i].history_len : 1;
+        rec[i].history_reduce = rec[i].history_reduce ? rec[i].history_reduce : AMX_HIST_MAX;
+        rec[i].scaled_max =
+            rec[i].format <= 2 ? amx_fp8_max(rec[i].format) * powf(2.0f, -rec[i].margin) : 0.0f;
+        q[i].recipe = rec[i];
+        q[i].base = ncells;
+        q[i].ncells = per;
+        q[i].accumulation =
+            rec[i].rule == AMX_RULE_DELAYED ? AMX_ACC_PER_EPOCH : AMX_ACC_RUNNING_MAX;
+        q[i].hist_len = q[i].accumulation == AMX_ACC_PER_EPOCH ? rec[i].history_len : 1;
+        q[i].hist_base = nhist;
+        if (q[i].accumulation == AMX_ACC_PER_EPOCH) nhist += per * q[i].hist_len;
+        q[i].peer_group = (i == 4 || i == 5 || i == 6) ? 0 : -1;
+        q[i].scale_group = (i == 0 || i == 1) ? 0 : (i == 2 || i == 3) ? 1 : -1;
+        ncells += per;
+    }
+    amx_state_t *h = NULL, *c = NULL;
+    amx_err_t err = {AMX_OK, ""};
+    if (amx_state_create("host", &h, &err) || amx_state_create("cuda", &c, &err) ||
+        h->ops->reserve(h, ncells, nhist, nq, &err) ||
+        c->ops->reserve(c, ncells, nhist, nq, &err)) {
+        fprintf(stderr, "backend set-up: %s\n", err.msg);
+        return 2;
+    }
+    amx_comm_t *comm = amx_comm_local_create();
+    /* Batch 1 stages every cell, batch 2 up to 1024 runs of 4096 values. */
+    uint64_t vcap = ncells > 1024u * 4096u ? ncells : 1024u * 4096u;
+    float *vals = (float *)malloc(vcap * sizeof(float));
+    amx_run_t *runs = (amx_run_t *)malloc((nq + 1024) * sizeof(amx_run_t));
+    for (int epoch = 1; epoch <= 4; epoch++) {
+        /* Batch 1: every cell of every quantizer, one run each. */
+        for (uint64_t i = 0; i < ncells; i++)
+            vals[i] = random_amax();
+        if (epoch == 4) /* an epoch in which the delayed quantizers see nothing */
+            for (uint64_t i = q[2].base; i < q[4].base; i++)
+                vals[i] = -INFINITY;
+        for (uint32_t i = 0; i < nq; i++)
+            runs[i] = (amx_run_t){q[i].base, q[i].base, per};
+        if (h->ops->merge(h, vals, ncells, runs, nq, 0, &err) ||
+            c->ops->merge(c, vals, ncells, runs, nq, 0, &err)) {
+            fprintf(stderr, "merge: %s\n", err.msg);
+            return 2;
+        }
+        /* Batch 2: 1024 random overlapping runs (the atomic path). */
+        uint64_t nv = 0;
+        size_t nr = 0;
+        for (int k = 0; k < 1024; k++) {
+            uint64_t len = 1 + rnd() % (ncells < 4096 ? ncells / 2 : 4096);
+            uint64_t dst = rnd() % (ncells - len);
+            runs[nr++] = (amx_run_t){dst, nv, len};
+            for (uint64_t i = 0; i < len; i++)
+                vals[nv + i] = random_amax();
+            nv += len;
+        }
+        if (h->ops->merge(h, vals, nv, runs, nr, 1, &err) ||
+            c->ops->merge(c, vals, nv, runs, nr, 1, &err)) {
+            fprintf(stderr, "merge: %s\n", err.msg);
+            return 2;
+        }
+        for (uint32_t i = 0; i < nq; i++)
+            q[i].hist_head = (uint32_t)((epoch - 1) % q[i].hist_len);
+        if (h->ops->reconcile(h, q, nq, 1, 2, comm, &err) ||
+            c->ops->reconcile(c, q, nq, 1, 2, comm, &err)) {
+            fprintf(stderr, "reconcile: %s\n", err.msg);
+            return 2;
+        }
+        int e = 0;
+        e |= compare("amax", h->out_amax, c->out_amax, ncells, 4, epoch);
+        e |= compare("scale", h->out_scale, c->out_scale, ncells, 4, epoch);
+        e |= compare("scale_inv", h->out_scale_inv, c->out_scale_inv, ncells, 4, epoch);
+        e |= compare("bytes", h->out_bytes, c->out_bytes, ncells, 1, epoch);
+        e |= compare("global_amax", h->out_gamax, c->out_gamax, nq, 4, epoch);
+        e |= compare("global_scale", h->out_gscale, c->out_gscale, nq, 4, epoch);
+        e |= compare("global_scale_inv", h->out_gscale_inv, c->out_gscale_inv, nq, 4, epoch);
+        uint64_t nonfinite = 0;
+        for (uint64_t i = 0; i < ncells; i++)
+            nonfinite += !isfinite(c->out_scale[i]) || !isfinite(c->out_scale_inv[i]);
+        printf("epoch %d: %llu cells x 8 recipes compared: %s; non-finite scales: %llu\n", epoch,
+               (unsigned long long)per, e ? "MISMATCH" : "identical",
+               (unsigned long long)nonfinite);
+        bad |= e | (nonfinite != 0);
+    }
+    for (uint32_t i = 0; i < nq; i++)
+        printf("  %-28s global_amax %-14.7g global_scale %-14.7g\n", names[i], c->out_gamax[i],
+               c->out_gscale[i]);
+    amx_state_destroy(h);
+    amx_state_destroy(c);
+    comm->destroy(comm);
+    free(vals);
+    free(runs);
+    printf("backend_compare: %s\n", bad ? "FAILED" : "host and CUDA backends agree byte for byte");
+    return bad ? 1 : 0;
+}
