@@ -50,7 +50,8 @@ typedef struct cuda_state {
 static unsigned blocks_for(uint64_t n)
 {
     uint64_t b = (n + THREADS - 1) / THREADS;
-    if (b > 65535u * 16u) b = 65535u * 16u; /* grid-stride loops cover the rest */
+    if (b > 65535u * 16u)
+        b = 65535u * 16u; /* grid-stride loops cover the rest */
     return (unsigned)(b ? b : 1);
 }
 
@@ -116,7 +117,8 @@ __device__ __forceinline__ uint32_t find_q(const amx_qdesc_t *q, uint32_t nq, ui
 __device__ __forceinline__ uint32_t chunk_first_run(const amx_run_t *runs, uint32_t nruns)
 {
     __shared__ uint32_t first;
-    if (threadIdx.x == 0) first = find_run(runs, nruns, (uint64_t)blockIdx.x * CHUNK);
+    if (threadIdx.x == 0)
+        first = find_run(runs, nruns, (uint64_t)blockIdx.x * CHUNK);
     __syncthreads();
     return first;
 }
@@ -124,7 +126,8 @@ __device__ __forceinline__ uint32_t chunk_first_run(const amx_run_t *runs, uint3
 __device__ __forceinline__ uint32_t chunk_first_q(const amx_qdesc_t *qs, uint32_t nq)
 {
     __shared__ uint32_t first;
-    if (threadIdx.x == 0) first = find_q(qs, nq, (uint64_t)blockIdx.x * CHUNK);
+    if (threadIdx.x == 0)
+        first = find_q(qs, nq, (uint64_t)blockIdx.x * CHUNK);
     __syncthreads();
     return first;
 }
@@ -159,16 +162,19 @@ __global__ void k_merge(float *pending, const float *vals, uint64_t nvals, const
     if (overlap) {
 #pragma unroll
         for (int k = 0; k < ITEMS; k++)
-            if (base + (uint64_t)k * THREADS < nvals) atomic_max_nonneg(&pending[dst[k]], v[k]);
+            if (base + (uint64_t)k * THREADS < nvals)
+                atomic_max_nonneg(&pending[dst[k]], v[k]);
         return;
     }
     float old[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++)
-        if (base + (uint64_t)k * THREADS < nvals) old[k] = pending[dst[k]];
+        if (base + (uint64_t)k * THREADS < nvals)
+            old[k] = pending[dst[k]];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++)
-        if (base + (uint64_t)k * THREADS < nvals) pending[dst[k]] = amx_fmaxf(old[k], v[k]);
+        if (base + (uint64_t)k * THREADS < nvals)
+            pending[dst[k]] = amx_fmaxf(old[k], v[k]);
 }
 
 __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells,
@@ -180,12 +186,14 @@ __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
         uint64_t i = base + (uint64_t)k * THREADS;
-        if (i >= ncells) break;
+        if (i >= ncells)
+            break;
         qi = advance_q(qs, nq, qi, i);
         const amx_qdesc_t *q = &qs[qi];
         float a = amx_pp_accumulate(q, &accum[i], hist + q->hist_base, i - q->base, pending[i]);
         out_amax[i] = a;
-        if (q->peer_group >= 0 && a != AMX_NEG_INF) atomic_max_nonneg(&peer_max[q->peer_group], a);
+        if (q->peer_group >= 0 && a != AMX_NEG_INF)
+            atomic_max_nonneg(&peer_max[q->peer_group], a);
     }
 }
 
@@ -201,10 +209,12 @@ __global__ void k_peer_fill(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells,
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
         uint64_t i = base + (uint64_t)k * THREADS;
-        if (i >= ncells) break;
+        if (i >= ncells)
+            break;
         qi = advance_q(qs, nq, qi, i);
         if (qi != mq) {
-            if (m != AMX_NEG_INF) atomic_max_nonneg(&gamax[mq], m);
+            if (m != AMX_NEG_INF)
+                atomic_max_nonneg(&gamax[mq], m);
             m = AMX_NEG_INF;
             mq = qi;
         }
@@ -215,7 +225,8 @@ __global__ void k_peer_fill(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells,
         }
         m = amx_fmaxf(m, a);
     }
-    if (m != AMX_NEG_INF) atomic_max_nonneg(&gamax[mq], m);
+    if (m != AMX_NEG_INF)
+        atomic_max_nonneg(&gamax[mq], m);
 }
 
 __global__ void k_scale_groups(const amx_qdesc_t *qs, uint32_t nq, const float *gamax,
@@ -248,12 +259,14 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, co
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
         uint64_t i = base + (uint64_t)k * THREADS;
-        if (i < ncells) a[k] = out_amax[i];
+        if (i < ncells)
+            a[k] = out_amax[i];
     }
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
         uint64_t i = base + (uint64_t)k * THREADS;
-        if (i >= ncells) break;
+        if (i >= ncells)
+            break;
         qi = advance_q(qs, nq, qi, i);
         float s, inv;
         uint8_t b;
@@ -279,7 +292,8 @@ __global__ void k_reset(const amx_qdesc_t *qs, const uint32_t *ids, uint32_t n, 
         if (q->accumulation == AMX_ACC_PER_EPOCH)
             for (uint64_t c = threadIdx.x; c < (uint64_t)q->hist_len * q->ncells; c += blockDim.x)
                 hist[q->hist_base + c] = AMX_NEG_INF;
-        if (threadIdx.x == 0) prev_g[ids[k]] = 1.0f;
+        if (threadIdx.x == 0)
+            prev_g[ids[k]] = 1.0f;
     }
 }
 
@@ -352,11 +366,7 @@ static amx_status_t cuda_reserve(amx_state_t *st, uint64_t ncells, uint64_t nhis
         AMX_CHECK(grow(c, (void **)&c->q, 0, cap, sizeof(amx_qdesc_t), 0, 0.0f, err));
         c->cap_q = cap;
     }
-    AMX_CHECK(amx__state_grow_outputs(st, ncells, nq, err));
-    if (ncells > st->ncells) st->ncells = ncells;
-    if (nhist > st->nhist) st->nhist = nhist;
-    if (nq > st->nq) st->nq = nq;
-    return AMX_OK;
+    return amx__state_grow_outputs(st, ncells, nhist, nq, err);
 }
 
 static amx_status_t stage_reserve(cuda_state_t *c, uint64_t nvals, size_t nruns, amx_err_t *err)
@@ -392,7 +402,8 @@ extern "C" amx_status_t amx__cuda_merge_launch(float *pending, const float *d_va
                                                const amx_run_t *d_runs, uint32_t nruns, int overlap,
                                                cudaStream_t stream, amx_err_t *err)
 {
-    if (nvals == 0) return AMX_OK;
+    if (nvals == 0)
+        return AMX_OK;
     k_merge<<<chunks_for(nvals), THREADS, 0, stream>>>(pending, d_vals, nvals, d_runs, nruns,
                                                        overlap);
     CU(cudaGetLastError(), "merge kernel launch");
@@ -406,7 +417,8 @@ amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, co
                         float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes,
                         cudaStream_t stream, amx_err_t *err)
 {
-    if (ncells == 0) return AMX_OK;
+    if (ncells == 0)
+        return AMX_OK;
     k_scales<<<chunks_for(ncells), THREADS, 0, stream>>>(
         d_q, nq, ncells, out_amax, gamax, gscale, gscale_inv, prev, out_scale, out_inv, out_bytes);
     CU(cudaGetLastError(), "scale kernel launch");
@@ -417,7 +429,8 @@ static amx_status_t cuda_merge(amx_state_t *st, const float *vals, uint64_t nval
                                const amx_run_t *runs, size_t nruns, int overlap, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
-    if (nvals == 0) return AMX_OK;
+    if (nvals == 0)
+        return AMX_OK;
     AMX_CHECK(stage_reserve(c, nvals, nruns, err));
     memcpy(c->h_stage, vals, nvals * sizeof(float));
     memcpy(c->h_runs, runs, nruns * sizeof(amx_run_t));
@@ -449,7 +462,8 @@ static amx_status_t cuda_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint3
     }
     CU(cudaStreamSynchronize(c->stream), "sync before all-reduce");
     AMX_CHECK(comm->allreduce_max(comm, c->pending, (size_t)n, 1, err));
-    if (nq == 0) return AMX_OK;
+    if (nq == 0)
+        return AMX_OK;
     CU(cudaMemcpyAsync(c->q, qs, nq * sizeof(amx_qdesc_t), cudaMemcpyHostToDevice, c->stream),
        "cudaMemcpyAsync (descriptors)");
     float *peer_max = c->groups, *scale_max = c->groups + npeer;
@@ -490,7 +504,8 @@ static amx_status_t cuda_reset(amx_state_t *st, const amx_qdesc_t *qs, const uin
                                uint32_t n, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
-    if (n == 0) return AMX_OK;
+    if (n == 0)
+        return AMX_OK;
     uint32_t *d_ids = NULL;
     CU(cudaMemcpyAsync(c->q, qs, st->nq * sizeof(amx_qdesc_t), cudaMemcpyHostToDevice, c->stream),
        "cudaMemcpyAsync (descriptors)");
@@ -503,7 +518,8 @@ static amx_status_t cuda_reset(amx_state_t *st, const amx_qdesc_t *qs, const uin
                                                c->hist, c->prev_g);
         e = cudaGetLastError();
     }
-    if (e == cudaSuccess) e = cudaStreamSynchronize(c->stream);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(c->stream);
     cudaFree(d_ids);
     CU(e, "reset");
     return AMX_OK;

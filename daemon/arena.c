@@ -16,7 +16,8 @@ void *amx_arena_alloc(amx_arena_t *a, size_t n)
     if (c == NULL || c->cap - c->used < n) {
         size_t cap = n > 65536 ? n : 65536;
         c = malloc(sizeof(*c) + cap);
-        if (c == NULL) return NULL;
+        if (c == NULL)
+            return NULL;
         c->used = 0;
         c->cap = cap;
         c->next = a->head;
@@ -32,7 +33,8 @@ char *amx_arena_strdup(amx_arena_t *a, const char *s)
 {
     size_t n = strlen(s) + 1;
     char *p = amx_arena_alloc(a, n);
-    if (p != NULL) memcpy(p, s, n);
+    if (p != NULL)
+        memcpy(p, s, n);
     return p;
 }
 

@@ -19,6 +19,7 @@ amx_comm_t *amx_comm_local_create(void)
 {
     static const amx_comm_t proto = {"local", local_allreduce_max, local_destroy, 1, 0};
     amx_comm_t *c = malloc(sizeof(*c));
-    if (c != NULL) *c = proto;
+    if (c != NULL)
+        *c = proto;
     return c;
 }

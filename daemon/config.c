@@ -29,11 +29,13 @@ static int find_entry(const char *name)
 {
     char norm[64];
     size_t n = strlen(name);
-    if (n >= sizeof(norm)) return -1;
+    if (n >= sizeof(norm))
+        return -1;
     for (size_t i = 0; i <= n; i++)
         norm[i] = name[i] == '-' ? '_' : (char)tolower((unsigned char)name[i]);
     for (int i = 0; i < AMX_CFG_COUNT; i++)
-        if (strcmp(table[i].name, norm) == 0) return i;
+        if (strcmp(table[i].name, norm) == 0)
+            return i;
     return -1;
 }
 
@@ -43,7 +45,8 @@ static int enum_allows(const char *values, const char *v)
     for (const char *p = values; *p;) {
         const char *bar = strchr(p, '|');
         size_t len = bar ? (size_t)(bar - p) : strlen(p);
-        if (len == n && strncmp(p, v, n) == 0) return 1;
+        if (len == n && strncmp(p, v, n) == 0)
+            return 1;
         p += len + (bar != NULL);
     }
     return 0;
@@ -148,7 +151,8 @@ static amx_status_t set_index(amx_config_t *cfg, int i, const char *value, amx_e
     int64_t iv;
     AMX_CHECK(parse_value(i, value, &iv, err));
     char *copy = strdup(value);
-    if (copy == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    if (copy == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
     free(cfg->text[i]);
     cfg->text[i] = copy;
     apply_typed(cfg, i, iv);
@@ -175,7 +179,8 @@ void amx_config_free(amx_config_t *cfg)
 amx_status_t amx_config_set(amx_config_t *cfg, const char *name, const char *value, amx_err_t *err)
 {
     int i = find_entry(name);
-    if (i < 0) return amx_err_set(err, AMX_EINVAL, "unknown config entry '%s' (see --help)", name);
+    if (i < 0)
+        return amx_err_set(err, AMX_EINVAL, "unknown config entry '%s' (see --help)", name);
     return set_index(cfg, i, value, err);
 }
 
@@ -207,7 +212,8 @@ amx_status_t amx_config_load_file(amx_config_t *cfg, const char *path, amx_err_t
     int rc = ini_parse(path, cfg_ini_line, &ctx);
     if (rc == -1)
         return amx_err_set(err, AMX_EIO, "cannot open config file %s: %s", path, strerror(errno));
-    if (rc == -2) return amx_err_set(err, AMX_ENOMEM, "out of memory reading %s", path);
+    if (rc == -2)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory reading %s", path);
     if (rc > 0)
         return amx_err_set(err, AMX_EINVAL, "%s: line %d is not a valid 'name = value' line", path,
                            rc);
@@ -223,7 +229,8 @@ amx_status_t amx_config_load_env(amx_config_t *cfg, amx_err_t *err)
             var[n++] = (char)toupper((unsigned char)*p);
         var[n] = '\0';
         const char *v = getenv(var);
-        if (v == NULL) continue;
+        if (v == NULL)
+            continue;
         amx_err_t e = {0};
         if (set_index(cfg, i, v, &e) != AMX_OK)
             return amx_err_set(err, e.code, "environment %s: %s", var, e.msg);
@@ -246,13 +253,15 @@ amx_status_t amx_config_from_args(amx_config_t *cfg, int argc, char **argv, int 
             return AMX_OK;
         }
         if (!strcmp(argv[i], "-c") || !strcmp(argv[i], "--config")) {
-            if (i + 1 >= argc) return amx_err_set(err, AMX_EINVAL, "%s needs a file name", argv[i]);
+            if (i + 1 >= argc)
+                return amx_err_set(err, AMX_EINVAL, "%s needs a file name", argv[i]);
             file = argv[++i];
         } else if (!strncmp(argv[i], "--config=", 9)) {
             file = argv[i] + 9;
         }
     }
-    if (file != NULL && file[0] != '\0') AMX_CHECK(amx_config_load_file(cfg, file, err));
+    if (file != NULL && file[0] != '\0')
+        AMX_CHECK(amx_config_load_file(cfg, file, err));
     AMX_CHECK(amx_config_load_env(cfg, err));
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -260,7 +269,8 @@ amx_status_t amx_config_from_args(amx_config_t *cfg, int argc, char **argv, int 
             i++;
             continue;
         }
-        if (!strncmp(a, "--config=", 9)) continue;
+        if (!strncmp(a, "--config=", 9))
+            continue;
         if (strncmp(a, "--", 2) != 0)
             return amx_err_set(err, AMX_EINVAL, "unexpected argument '%s' (see --help)", a);
         char name[64];

@@ -20,7 +20,8 @@ static const int level_syslog[] = {3, 4, 6, 7};
 int amx_log_parse_level(const char *s)
 {
     for (int i = 0; i < 4; i++)
-        if (strcmp(s, level_name[i]) == 0) return i;
+        if (strcmp(s, level_name[i]) == 0)
+            return i;
     return -1;
 }
 
@@ -28,9 +29,12 @@ void amx_log_write(int level, const char *subsys, const char *fmt, ...)
 {
     char line[2048];
     size_t n = 0;
-    if (level < 0) level = 0;
-    if (level > 3) level = 3;
-    if (log_journal < 0) log_journal = getenv("JOURNAL_STREAM") != NULL;
+    if (level < 0)
+        level = 0;
+    if (level > 3)
+        level = 3;
+    if (log_journal < 0)
+        log_journal = getenv("JOURNAL_STREAM") != NULL;
     if (log_journal && log_fd == 2) {
         n = (size_t)snprintf(line, sizeof(line), "<%d>%s: ", level_syslog[level], subsys);
     } else {
@@ -46,7 +50,8 @@ void amx_log_write(int level, const char *subsys, const char *fmt, ...)
     va_start(ap, fmt);
     int m = vsnprintf(line + n, sizeof(line) - n - 1, fmt, ap);
     va_end(ap);
-    if (m < 0) m = 0;
+    if (m < 0)
+        m = 0;
     n += (size_t)m < sizeof(line) - n - 1 ? (size_t)m : sizeof(line) - n - 2;
     line[n++] = '\n';
     ssize_t w = write(log_fd, line, n);
@@ -56,13 +61,16 @@ void amx_log_write(int level, const char *subsys, const char *fmt, ...)
 int amx_log_open(const char *path)
 {
     if (path == NULL || path[0] == '\0') {
-        if (log_fd != 2) close(log_fd);
+        if (log_fd != 2)
+            close(log_fd);
         log_fd = 2;
         return 0;
     }
     int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
-    if (fd < 0) return -errno;
-    if (log_fd != 2) close(log_fd);
+    if (fd < 0)
+        return -errno;
+    if (log_fd != 2)
+        close(log_fd);
     log_fd = fd;
     return 0;
 }

@@ -16,7 +16,8 @@ extern int amx_log_level;
  * Any thread: each line is written with one write(2). */
 #define AMX_LOG(level, subsys, ...)                                                                \
     do {                                                                                           \
-        if ((level) <= amx_log_level) amx_log_write((level), (subsys), __VA_ARGS__);               \
+        if ((level) <= amx_log_level)                                                              \
+            amx_log_write((level), (subsys), __VA_ARGS__);                                         \
     } while (0)
 
 #define AMX_ERROR(subsys, ...) AMX_LOG(AMX_LOG_ERROR, subsys, __VA_ARGS__)

@@ -71,7 +71,8 @@ static void on_hup(uv_signal_t *s, int signum)
 static void log_setting(void *ud, const char *name, const char *value, int is_default)
 {
     (void)ud;
-    if (!is_default) AMX_INFO("config", "%s = %s", name, value);
+    if (!is_default)
+        AMX_INFO("config", "%s = %s", name, value);
 }
 
 int main(int argc, char **argv)
@@ -108,7 +109,8 @@ int main(int argc, char **argv)
     amx_config_foreach(&d.cfg, log_setting, NULL);
 
     const char *backend = d.cfg.backend;
-    if (strcmp(backend, "auto") == 0) backend = amx_state_cuda_available() ? "cuda" : "host";
+    if (strcmp(backend, "auto") == 0)
+        backend = amx_state_cuda_available() ? "cuda" : "host";
     if (amx_registry_create(&d.cfg, backend, &d.reg, &err) != AMX_OK) {
         AMX_ERROR("main", "state backend %s: %s", backend, err.msg);
         amx_config_free(&d.cfg);
@@ -142,7 +144,8 @@ int main(int argc, char **argv)
 
     amx_rpc_free(d.rpc);
     amx_registry_destroy(d.reg);
-    if (uv_loop_close(&d.loop) != 0) AMX_WARN("main", "event loop closed with handles still open");
+    if (uv_loop_close(&d.loop) != 0)
+        AMX_WARN("main", "event loop closed with handles still open");
     AMX_INFO("main", "stopped");
     amx_log_close();
     amx_config_free(&d.cfg);

@@ -29,7 +29,8 @@ AMX_HD float amx_pp_accumulate(const amx_qdesc_t *q, float *accum, float *ring, 
         return a;
     }
     ring[(uint64_t)q->hist_head * q->ncells + c] = reduced;
-    if (q->recipe.history_reduce == AMX_HIST_MOST_RECENT) return reduced;
+    if (q->recipe.history_reduce == AMX_HIST_MOST_RECENT)
+        return reduced;
     float a = AMX_NEG_INF;
     for (uint32_t s = 0; s < q->hist_len; s++)
         a = amx_fmaxf(a, ring[(uint64_t)s * q->ncells + c]);

@@ -97,7 +97,8 @@ AMX_HD uint8_t amx_e4m3_from_float(float x)
     uint32_t u = amx_f2u(x);
     uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
     uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
+    if (a > 0x7f800000u)
+        return (uint8_t)(sign | 0x7fu);
     if (a >= 0x43e00000u) /* |x| >= 448 (and inf): saturate */
         return (uint8_t)(sign | 0x7eu);
     if (a < 0x3c800000u) {
@@ -110,7 +111,8 @@ AMX_HD uint8_t amx_e4m3_from_float(float x)
     uint32_t e = (a >> 23) - 127u + 7u; /* biased E4M3 exponent, 1..15 */
     uint32_t m = (a >> 20) & 7u;
     uint32_t rest = a & 0xfffffu;
-    if (rest > 0x80000u || (rest == 0x80000u && (m & 1u))) m++;
+    if (rest > 0x80000u || (rest == 0x80000u && (m & 1u)))
+        m++;
     if (m == 8u) {
         m = 0;
         e++;
@@ -123,7 +125,8 @@ AMX_HD float amx_e4m3_to_float(uint8_t v)
 {
     uint32_t sign = (uint32_t)(v & 0x80u) << 24;
     uint32_t e = (v >> 3) & 15u, m = v & 7u;
-    if (e == 15u && m == 7u) return amx_u2f(sign | 0x7fc00000u);
+    if (e == 15u && m == 7u)
+        return amx_u2f(sign | 0x7fc00000u);
     float mag = e == 0 ? (float)m * (1.0f / 512.0f) : amx_u2f(((e + 120u) << 23) | (m << 20));
     return amx_u2f(sign | amx_f2u(mag));
 }
@@ -135,9 +138,12 @@ AMX_HD float amx_e4m3_to_float(uint8_t v)
  */
 AMX_HD uint8_t amx_e8m0_from_float(float val)
 {
-    if (amx_isnan(val)) return 0xffu;
-    if (!amx_isfinite(val)) return 0xfeu;
-    if (val == 0.0f) return 0x00u;
+    if (amx_isnan(val))
+        return 0xffu;
+    if (!amx_isfinite(val))
+        return 0xfeu;
+    if (val == 0.0f)
+        return 0x00u;
     uint32_t u = amx_f2u(val);
     uint32_t exponent = (u >> 23) & 0xffu;
     uint32_t mantissa = u & 0x7fffffu;
@@ -153,11 +159,15 @@ AMX_HD uint8_t amx_e8m0_from_float(float val)
  */
 AMX_HD float amx_fp8_current_scale(float amax, float fp8_max, int power_of_2, float eps)
 {
-    if (amax < eps) amax = eps;
-    if (!amx_isfinite(amax) || amax == 0.0f) return 1.0f;
+    if (amax < eps)
+        amax = eps;
+    if (!amx_isfinite(amax) || amax == 0.0f)
+        return 1.0f;
     float scale = fp8_max / amax;
-    if (!amx_isfinite(scale)) scale = FLT_MAX;
-    if (power_of_2) scale = amx_u2f(amx_f2u(scale) & 0xff800000u);
+    if (!amx_isfinite(scale))
+        scale = FLT_MAX;
+    if (power_of_2)
+        scale = amx_u2f(amx_f2u(scale) & 0xff800000u);
     return scale;
 }
 
@@ -169,7 +179,8 @@ AMX_HD float amx_fp8_current_scale(float amax, float fp8_max, int power_of_2, fl
 AMX_HD float amx_fp8_delayed_scale(float amax, float scaled_max, float prev_scale)
 {
     float scale = (amx_isfinite(amax) && amax > 0.0f) ? scaled_max / amax : prev_scale;
-    if (!amx_isfinite(scale)) scale = FLT_MAX;
+    if (!amx_isfinite(scale))
+        scale = FLT_MAX;
     return scale;
 }
 
@@ -188,7 +199,8 @@ AMX_HD float amx_nvfp4_global_encode(float global_amax)
 {
     float s = AMX_E4M3_MAX * AMX_E2M1_MAX / global_amax;
     s = s < FLT_MAX ? s : FLT_MAX;
-    if (global_amax == 0.0f || s == 0.0f) return 1.0f;
+    if (global_amax == 0.0f || s == 0.0f)
+        return 1.0f;
     return s;
 }
 
@@ -212,11 +224,13 @@ AMX_HD uint8_t amx_nvfp4_block_modelopt(float block_amax, float global_amax)
     if (global_amax > 0.0f) {
         float wsf2 = global_amax / AMX_NVFP4_GLOBAL;
         per_block = block_amax / (AMX_E2M1_MAX * wsf2);
-        if (per_block == 0.0f) per_block = 1.0f;
+        if (per_block == 0.0f)
+            per_block = 1.0f;
     }
     if (!(per_block >= 0.001953125f))
         per_block = 0.001953125f; /* 2^-9, the smallest E4M3 subnormal */
-    if (per_block > AMX_E4M3_MAX) per_block = AMX_E4M3_MAX;
+    if (per_block > AMX_E4M3_MAX)
+        per_block = AMX_E4M3_MAX;
     return amx_e4m3_from_float(per_block);
 }
 

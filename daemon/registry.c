@@ -96,18 +96,22 @@ struct amx_registry {
 static int valid_job_name(const char *s)
 {
     size_t n = strlen(s);
-    if (n == 0 || n > MAX_JOB_NAME) return 0;
+    if (n == 0 || n > MAX_JOB_NAME)
+        return 0;
     for (; *s; s++)
-        if (!isalnum((unsigned char)*s) && *s != '.' && *s != '_' && *s != '-') return 0;
+        if (!isalnum((unsigned char)*s) && *s != '.' && *s != '_' && *s != '-')
+            return 0;
     return 1;
 }
 
 static int valid_name(const char *s)
 {
     size_t n = strlen(s);
-    if (n == 0 || n > MAX_NAME) return 0;
+    if (n == 0 || n > MAX_NAME)
+        return 0;
     for (; *s; s++)
-        if ((unsigned char)*s < 0x21 || (unsigned char)*s > 0x7e) return 0;
+        if ((unsigned char)*s < 0x21 || (unsigned char)*s > 0x7e)
+            return 0;
     return 1;
 }
 
@@ -116,13 +120,15 @@ static void fmt_shape(char *buf, size_t len, const uint32_t *d, size_t n)
     size_t k = (size_t)snprintf(buf, len, "[");
     for (size_t i = 0; i < n && k < len; i++)
         k += (size_t)snprintf(buf + k, len - k, i ? ", %u" : "%u", d[i]);
-    if (k < len) snprintf(buf + k, len - k, "]");
+    if (k < len)
+        snprintf(buf + k, len - k, "]");
 }
 
 static job_t *find_job(amx_registry_t *reg, const char *name)
 {
     for (job_t *j = reg->jobs; j != NULL; j = j->next)
-        if (strcmp(j->name, name) == 0) return j;
+        if (strcmp(j->name, name) == 0)
+            return j;
     return NULL;
 }
 
@@ -237,7 +243,8 @@ static amx_status_t job_create(amx_registry_t *reg, const char *name, uint32_t w
                            "with Reset(drop_job) or raise max_jobs",
                            reg->njobs);
     job_t *j = calloc(1, sizeof(*j));
-    if (j == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory creating job '%s'", name);
+    if (j == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory creating job '%s'", name);
     j->name = strdup(name);
     j->ranks = calloc(world, sizeof(rank_t));
     j->world = world;
@@ -248,7 +255,8 @@ static amx_status_t job_create(amx_registry_t *reg, const char *name, uint32_t w
         goto fail;
     }
     st = amx_state_create(reg->backend, &j->state, err);
-    if (st != AMX_OK) goto fail;
+    if (st != AMX_OK)
+        goto fail;
     j->next = reg->jobs;
     reg->jobs = j;
     reg->njobs++;
@@ -269,7 +277,8 @@ amx_status_t amx_registry_create(const amx_config_t *cfg, const char *backend, a
     AMX_CHECK(amx_state_create(backend, &probe, err));
     amx_state_destroy(probe);
     amx_registry_t *reg = calloc(1, sizeof(*reg));
-    if (reg == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    if (reg == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
     reg->cfg = cfg;
     snprintf(reg->backend, sizeof(reg->backend), "%s", backend);
     *out = reg;
@@ -278,7 +287,8 @@ amx_status_t amx_registry_create(const amx_config_t *cfg, const char *backend, a
 
 void amx_registry_destroy(amx_registry_t *reg)
 {
-    if (reg == NULL) return;
+    if (reg == NULL)
+        return;
     while (reg->jobs != NULL) {
         job_t *j = reg->jobs;
         fail_all_waiters(reg, j, AMX_EUNAVAIL, "the daemon is shutting down; retry after restart");
@@ -334,7 +344,8 @@ amx_status_t amx_registry_join(amx_registry_t *reg, const Amaxd__V1__JoinRequest
                            "job '%s' exists with world size %u, not %u: every rank must declare "
                            "the same world size (or drop the old job with Reset(drop_job))",
                            req->job, j->world, req->world_size);
-    if (j == NULL) AMX_CHECK(job_create(reg, req->job, req->world_size, &j, err));
+    if (j == NULL)
+        AMX_CHECK(job_create(reg, req->job, req->world_size, &j, err));
     rank_t *r = &j->ranks[req->rank];
     if (j->ready) {
         AMX_INFO("registry", "job %s: rank %u re-joined; state kept", j->name, req->rank);
@@ -361,7 +372,8 @@ amx_status_t amx_registry_join(amx_registry_t *reg, const Amaxd__V1__JoinRequest
         j->ready = 1;
         AMX_INFO("registry", "job %s: all %u ranks joined", j->name, j->world);
         for (uint32_t i = 0; i < j->world; i++)
-            if (j->ranks[i].join_w != NULL) complete_join(reg, j, j->ranks[i].join_w, 0);
+            if (j->ranks[i].join_w != NULL)
+                complete_join(reg, j, j->ranks[i].join_w, 0);
     }
     return AMX_OK;
 }
@@ -371,7 +383,8 @@ static void unjoin(amx_registry_t *reg, job_t *j, uint32_t rank)
 {
     j->ranks[rank].joined = 0;
     j->njoined--;
-    if (j->njoined == 0 && !j->ready) job_remove(reg, j);
+    if (j->njoined == 0 && !j->ready)
+        job_remove(reg, j);
 }
 
 /* ---- Register ---- */
@@ -380,7 +393,8 @@ static amx_status_t normalize_recipe(const char *qname, const Amaxd__V1__Recipe 
                                      amx_recipe_t *out, amx_err_t *err)
 {
     memset(out, 0, sizeof(*out));
-    if (in == NULL) return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe is missing", qname);
+    if (in == NULL)
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe is missing", qname);
     int fp8 =
         in->format == AMAXD__V1__FORMAT__FP8_E4M3 || in->format == AMAXD__V1__FORMAT__FP8_E5M2;
     if (in->format < 1 || in->format > 4)
@@ -601,7 +615,8 @@ static amx_status_t group_intern(group_table_t *g, const char *name, int32_t *id
     if (g->n == g->cap) {
         uint32_t cap = g->cap ? g->cap * 2 : 8;
         char **n = realloc(g->names, cap * sizeof(char *));
-        if (n == NULL) return AMX_ENOMEM;
+        if (n == NULL)
+            return AMX_ENOMEM;
         g->names = n;
         g->cap = cap;
     }
@@ -622,7 +637,8 @@ static amx_status_t rank_reserve(rank_t *r, uint32_t nq, uint32_t npls)
         while (cap < nq)
             cap *= 2;
         uint32_t *p = realloc(r->pl_of_q, cap * sizeof(uint32_t));
-        if (p == NULL) return AMX_ENOMEM;
+        if (p == NULL)
+            return AMX_ENOMEM;
         memset(p + r->cap_q, 0, (cap - r->cap_q) * sizeof(uint32_t));
         r->pl_of_q = p;
         r->cap_q = cap;
@@ -632,7 +648,8 @@ static amx_status_t rank_reserve(rank_t *r, uint32_t nq, uint32_t npls)
         while (cap < npls)
             cap *= 2;
         placement_t *p = realloc(r->pls, cap * sizeof(placement_t));
-        if (p == NULL) return AMX_ENOMEM;
+        if (p == NULL)
+            return AMX_ENOMEM;
         r->pls = p;
         r->cap_pls = cap;
     }
@@ -641,22 +658,27 @@ static amx_status_t rank_reserve(rank_t *r, uint32_t nq, uint32_t npls)
 
 static amx_status_t job_reserve_q(job_t *j, uint32_t nq)
 {
-    if (nq <= j->cap_q) return AMX_OK;
+    if (nq <= j->cap_q)
+        return AMX_OK;
     uint32_t cap = j->cap_q ? j->cap_q : 64;
     while (cap < nq)
         cap *= 2;
     quant_t *q = realloc(j->q, cap * sizeof(quant_t));
-    if (q == NULL) return AMX_ENOMEM;
+    if (q == NULL)
+        return AMX_ENOMEM;
     j->q = q;
     amx_qdesc_t *d = realloc(j->desc, cap * sizeof(amx_qdesc_t));
-    if (d == NULL) return AMX_ENOMEM;
+    if (d == NULL)
+        return AMX_ENOMEM;
     j->desc = d;
     uint32_t *stamp = realloc(j->stamp, cap * sizeof(uint32_t));
-    if (stamp == NULL) return AMX_ENOMEM;
+    if (stamp == NULL)
+        return AMX_ENOMEM;
     memset(stamp + j->cap_q, 0, (cap - j->cap_q) * sizeof(uint32_t));
     j->stamp = stamp;
     j->cap_q = cap;
-    if (amx_strmap_reserve(&j->qmap, cap) != 0) return AMX_ENOMEM;
+    if (amx_strmap_reserve(&j->qmap, cap) != 0)
+        return AMX_ENOMEM;
     return AMX_OK;
 }
 
@@ -699,9 +721,11 @@ amx_status_t amx_registry_register(amx_registry_t *reg, const Amaxd__V1__Registe
             }
             new_q++;
             new_cells += it->ncells;
-            if (it->acc == AMX_ACC_PER_EPOCH) new_hist += it->ncells * it->recipe.history_len;
+            if (it->acc == AMX_ACC_PER_EPOCH)
+                new_hist += it->ncells * it->recipe.history_len;
         }
-        if (!it->same_placement) new_pls++;
+        if (!it->same_placement)
+            new_pls++;
     }
     if (j->ncells + j->nhist + new_cells + new_hist > (uint64_t)reg->cfg->max_cells) {
         st = amx_err_set(err, AMX_ENOMEM,
@@ -762,7 +786,8 @@ amx_status_t amx_registry_register(amx_registry_t *reg, const Amaxd__V1__Registe
             d->accumulation = it->acc;
             d->recipe = it->recipe;
             j->ncells += it->ncells;
-            if (it->acc == AMX_ACC_PER_EPOCH) j->nhist += it->ncells * it->recipe.history_len;
+            if (it->acc == AMX_ACC_PER_EPOCH)
+                j->nhist += it->ncells * it->recipe.history_len;
             created++;
         }
         if (!it->same_placement) {
@@ -825,7 +850,8 @@ static void for_each_row(const placement_t *pl, const uint32_t *gshape, uint64_t
             dst += (uint64_t)(pl->off[d] + (d == last ? 0 : idx[d])) * gstride[d];
         fn(ud, dst, row * rowlen, rowlen);
         for (int d = (int)last - 1; d >= 0; d--) {
-            if (++idx[d] < pl->shape[d]) break;
+            if (++idx[d] < pl->shape[d])
+                break;
             idx[d] = 0;
         }
     }
@@ -836,7 +862,8 @@ static void for_each_row(const placement_t *pl, const uint32_t *gshape, uint64_t
 static amx_status_t check_epoch(job_t *j, uint64_t want, uint32_t rank, const char *what,
                                 amx_err_t *err)
 {
-    if (want == 0 || want == j->epoch) return AMX_OK;
+    if (want == 0 || want == j->epoch)
+        return AMX_OK;
     if (want < j->epoch)
         return amx_err_set(err, AMX_EPRECOND,
                            "%s of rank %u names epoch %llu of job '%s', which is already "
@@ -871,7 +898,8 @@ static amx_status_t stage_reserve(amx_registry_t *reg, uint64_t nvals, size_t nr
         while (cap < nvals)
             cap *= 2;
         float *p = realloc(reg->stage, cap * sizeof(float));
-        if (p == NULL) return AMX_ENOMEM;
+        if (p == NULL)
+            return AMX_ENOMEM;
         reg->stage = p;
         reg->stage_cap = cap;
     }
@@ -880,7 +908,8 @@ static amx_status_t stage_reserve(amx_registry_t *reg, uint64_t nvals, size_t nr
         while (cap < nruns)
             cap *= 2;
         amx_run_t *p = realloc(reg->runs, cap * sizeof(amx_run_t));
-        if (p == NULL) return AMX_ENOMEM;
+        if (p == NULL)
+            return AMX_ENOMEM;
         reg->runs = p;
         reg->runs_cap = cap;
     }
@@ -1005,7 +1034,8 @@ static Amaxd__V1__QuantizerResult *build_result(job_t *j, uint32_t qi, const pla
                                                 amx_arena_t *a)
 {
     Amaxd__V1__QuantizerResult *res = amx_arena_alloc(a, sizeof(*res));
-    if (res == NULL) return NULL;
+    if (res == NULL)
+        return NULL;
     amaxd__v1__quantizer_result__init(res);
     res->name = j->q[qi].name;
     res->n_offset = res->n_shape = pl->ndim;
@@ -1095,7 +1125,8 @@ static amx_status_t build_results(job_t *j, int64_t rank, char **names, size_t n
             pl = &j->ranks[rank].pls[j->ranks[rank].pl_of_q[qi] - 1];
         }
         res[i] = build_result(j, qi, pl, a);
-        if (res[i] == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
+        if (res[i] == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
     }
     *out = res;
     *nout = count;
@@ -1111,14 +1142,16 @@ static void missing_ranks(const job_t *j, int joined, char *buf, size_t len)
     buf[0] = '\0';
     for (uint32_t r = 0; r < j->world; r++) {
         int missing = joined ? !j->ranks[r].joined : !j->ranks[r].in_reconcile;
-        if (!missing) continue;
+        if (!missing)
+            continue;
         total++;
         if (shown < 16 && k < len) {
             k += (size_t)snprintf(buf + k, len - k, shown ? ", %u" : "%u", r);
             shown++;
         }
     }
-    if (total > shown && k < len) snprintf(buf + k, len - k, " and %d more", total - shown);
+    if (total > shown && k < len)
+        snprintf(buf + k, len - k, " and %d more", total - shown);
 }
 
 /* All ranks are in: reduce, post-process, answer everyone. */
@@ -1130,7 +1163,8 @@ static void run_epoch(amx_registry_t *reg, job_t *j)
     amx_status_t st = comm == NULL ? amx_err_set(&err, AMX_ENOMEM, "out of memory")
                                    : j->state->ops->reconcile(j->state, j->desc, j->nq, j->peer.n,
                                                               j->scale.n, comm, &err);
-    if (comm != NULL) comm->destroy(comm);
+    if (comm != NULL)
+        comm->destroy(comm);
     if (st != AMX_OK) {
         char msg[1024];
         snprintf(msg, sizeof(msg), "epoch %llu of job '%s' could not be reconciled: %s",
@@ -1148,7 +1182,8 @@ static void run_epoch(amx_registry_t *reg, job_t *j)
               (unsigned long long)e, j->nq, (unsigned long long)j->ncells);
     for (uint32_t r = 0; r < j->world; r++) {
         rank_t *rk = &j->ranks[r];
-        if (!rk->in_reconcile) continue;
+        if (!rk->in_reconcile)
+            continue;
         rk->in_reconcile = 0;
         j->nin_reconcile--;
         amx_waiter_t *w = rk->rec_w;
@@ -1191,14 +1226,16 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const Amaxd__V1__Reconc
     j->nin_reconcile++;
     j->nwaiting++;
     reg->nwaiting++;
-    if (j->nin_reconcile == j->world) run_epoch(reg, j);
+    if (j->nin_reconcile == j->world)
+        run_epoch(reg, j);
     return AMX_OK;
 }
 
 void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w)
 {
     job_t *j = w->job;
-    if (j == NULL) return;
+    if (j == NULL)
+        return;
     rank_t *r = &j->ranks[w->rank];
     w->job = NULL;
     j->nwaiting--;
@@ -1235,7 +1272,8 @@ void amx_registry_expire(amx_registry_t *reg, uint64_t now_ms)
                 int last = j->njoined == 1;
                 finish_waiter(reg, j, w, AMX_ETIMEDOUT, msg, NULL);
                 unjoin(reg, j, rk);
-                if (last) break; /* the job is gone */
+                if (last)
+                    break; /* the job is gone */
                 continue;
             }
             if (r->rec_w != NULL && r->rec_w->deadline_ms <= now_ms) {
@@ -1291,7 +1329,8 @@ amx_status_t amx_registry_reset(amx_registry_t *reg, const Amaxd__V1__ResetReque
     }
     uint32_t n = req->n_names ? (uint32_t)req->n_names : j->nq;
     uint32_t *ids = calloc(n ? n : 1, sizeof(uint32_t));
-    if (ids == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    if (ids == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
     for (uint32_t i = 0; i < n; i++) {
         if (req->n_names == 0) {
             ids[i] = i;
@@ -1309,7 +1348,8 @@ amx_status_t amx_registry_reset(amx_registry_t *reg, const Amaxd__V1__ResetReque
             j->desc[ids[i]].hist_head = 0;
     free(ids);
     resp->reset = n;
-    if (st == AMX_OK) AMX_INFO("registry", "job %s: reset %u quantizers", j->name, n);
+    if (st == AMX_OK)
+        AMX_INFO("registry", "job %s: reset %u quantizers", j->name, n);
     return st;
 }
 
@@ -1319,7 +1359,8 @@ static void add_config(void *ud, const char *name, const char *value, int is_def
     Amaxd__V1__StatusResponse *resp = ctx[0];
     amx_arena_t *a = ctx[1];
     Amaxd__V1__ConfigEntry *e = amx_arena_alloc(a, sizeof(*e));
-    if (e == NULL) return;
+    if (e == NULL)
+        return;
     amaxd__v1__config_entry__init(e);
     e->name = (char *)name;
     e->value = (char *)value;
@@ -1341,9 +1382,11 @@ amx_status_t amx_registry_status(amx_registry_t *reg, const Amaxd__V1__StatusReq
     if (resp->jobs == NULL || resp->config == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of memory");
     for (job_t *j = reg->jobs; j != NULL; j = j->next) {
-        if (req->job[0] != '\0' && strcmp(req->job, j->name) != 0) continue;
+        if (req->job[0] != '\0' && strcmp(req->job, j->name) != 0)
+            continue;
         Amaxd__V1__JobStatus *js = amx_arena_alloc(arena, sizeof(*js));
-        if (js == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory");
+        if (js == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory");
         amaxd__v1__job_status__init(js);
         js->name = j->name;
         js->world_size = j->world;
@@ -1369,12 +1412,14 @@ amx_status_t amx_registry_list(amx_registry_t *reg, const Amaxd__V1__ListQuantiz
     job_t *j;
     AMX_CHECK(ready_job(reg, req->job, 0, 0, &j, err));
     resp->quantizers = amx_arena_alloc(a, (j->nq + 1) * sizeof(*resp->quantizers));
-    if (resp->quantizers == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    if (resp->quantizers == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
     for (uint32_t qi = 0; qi < j->nq; qi++) {
         const amx_qdesc_t *d = &j->desc[qi];
         Amaxd__V1__QuantizerInfo *info = amx_arena_alloc(a, sizeof(*info));
         Amaxd__V1__Recipe *rc = amx_arena_alloc(a, sizeof(*rc));
-        if (info == NULL || rc == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory");
+        if (info == NULL || rc == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory");
         amaxd__v1__quantizer_info__init(info);
         amaxd__v1__recipe__init(rc);
         info->name = j->q[qi].name;

@@ -116,7 +116,8 @@ static void *cq_main(void *arg)
         rpc->qlen++;
         pthread_mutex_unlock(&rpc->mu);
         uv_async_send(&rpc->wake);
-        if (ev.type == GRPC_QUEUE_SHUTDOWN) return NULL;
+        if (ev.type == GRPC_QUEUE_SHUTDOWN)
+            return NULL;
     }
 }
 
@@ -125,7 +126,8 @@ static void *cq_main(void *arg)
 static amx_call_t *call_new(amx_rpc_t *rpc, int method)
 {
     amx_call_t *c = calloc(1, sizeof(*c));
-    if (c == NULL) return NULL;
+    if (c == NULL)
+        return NULL;
     c->rpc = rpc;
     c->method = method;
     c->t_new = (tag_t){c, TAG_NEW};
@@ -135,7 +137,8 @@ static amx_call_t *call_new(amx_rpc_t *rpc, int method)
     grpc_metadata_array_init(&c->md);
     grpc_call_details_init(&c->details);
     c->next = rpc->calls;
-    if (rpc->calls) rpc->calls->prev = c;
+    if (rpc->calls)
+        rpc->calls->prev = c;
     rpc->calls = c;
     rpc->ncalls++;
     return c;
@@ -148,29 +151,39 @@ static void call_free(amx_call_t *c)
         c->prev->next = c->next;
     else
         rpc->calls = c->next;
-    if (c->next) c->next->prev = c->prev;
+    if (c->next)
+        c->next->prev = c->prev;
     rpc->ncalls--;
-    if (c->waiter.job != NULL) amx_registry_cancel(rpc->svc.reg, &c->waiter);
-    if (c->request) protobuf_c_message_free_unpacked(c->request, NULL);
-    if (c->payload) grpc_byte_buffer_destroy(c->payload);
-    if (c->recv_buf) grpc_byte_buffer_destroy(c->recv_buf);
-    if (c->send_buf) grpc_byte_buffer_destroy(c->send_buf);
-    if (c->replied) grpc_slice_unref(c->status_details);
+    if (c->waiter.job != NULL)
+        amx_registry_cancel(rpc->svc.reg, &c->waiter);
+    if (c->request)
+        protobuf_c_message_free_unpacked(c->request, NULL);
+    if (c->payload)
+        grpc_byte_buffer_destroy(c->payload);
+    if (c->recv_buf)
+        grpc_byte_buffer_destroy(c->recv_buf);
+    if (c->send_buf)
+        grpc_byte_buffer_destroy(c->send_buf);
+    if (c->replied)
+        grpc_slice_unref(c->status_details);
     grpc_metadata_array_destroy(&c->md);
     grpc_call_details_destroy(&c->details);
-    if (c->call) grpc_call_unref(c->call);
+    if (c->call)
+        grpc_call_unref(c->call);
     free(c);
 }
 
 static void maybe_free(amx_call_t *c)
 {
-    if (c->closed && !c->send_pending && !c->recv_pending) call_free(c);
+    if (c->closed && !c->send_pending && !c->recv_pending)
+        call_free(c);
 }
 
 /* Posts one request for `method` so that a new call of it can be accepted. */
 static void post_request(amx_rpc_t *rpc, int method)
 {
-    if (rpc->stopping) return;
+    if (rpc->stopping)
+        return;
     amx_call_t *c = call_new(rpc, method);
     if (c == NULL) {
         AMX_ERROR("rpc", "out of memory posting a request; fewer calls can be accepted");
@@ -421,7 +434,8 @@ static void on_wake(uv_async_t *h)
             rpc->qlen = 0;
         }
         pthread_mutex_unlock(&rpc->mu);
-        if (n == 0) return;
+        if (n == 0)
+            return;
         for (size_t i = 0; i < n; i++)
             dispatch(rpc, &batch[i]);
         free(batch);
@@ -450,12 +464,14 @@ static amx_status_t check_unix_path(const char *path, int *stale, amx_err_t *err
                                path, dir);
     }
     struct stat stt;
-    if (lstat(path, &stt) != 0) return AMX_OK;
+    if (lstat(path, &stt) != 0)
+        return AMX_OK;
     if (!S_ISSOCK(stt.st_mode))
         return amx_err_set(err, AMX_EEXIST,
                            "cannot listen on %s: a file that is not a socket is there", path);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0) return amx_err_set(err, AMX_EIO, "socket(): %s", strerror(errno));
+    if (fd < 0)
+        return amx_err_set(err, AMX_EIO, "socket(): %s", strerror(errno));
     memset(&sa, 0, sizeof(sa));
     sa.sun_family = AF_UNIX;
     memcpy(sa.sun_path, path, strlen(path) + 1);
@@ -472,14 +488,18 @@ static int is_loopback(const char *hostport)
 {
     char host[256];
     const char *colon = strrchr(hostport, ':');
-    if (colon == NULL) return 0;
+    if (colon == NULL)
+        return 0;
     size_t n = (size_t)(colon - hostport);
-    if (n >= sizeof(host)) return 0;
+    if (n >= sizeof(host))
+        return 0;
     memcpy(host, hostport, n);
     host[n] = '\0';
-    if (strcmp(host, "localhost") == 0 || strcmp(host, "[::1]") == 0) return 1;
+    if (strcmp(host, "localhost") == 0 || strcmp(host, "[::1]") == 0)
+        return 1;
     struct in_addr a;
-    if (inet_pton(AF_INET, host, &a) == 1) return (ntohl(a.s_addr) >> 24) == 127;
+    if (inet_pton(AF_INET, host, &a) == 1)
+        return (ntohl(a.s_addr) >> 24) == 127;
     return 0;
 }
 
@@ -495,10 +515,12 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
                            "tcp=%s is not a loopback address; the API has no authentication, so "
                            "set allow_remote=true only on a trusted network",
                            cfg->tcp);
-    if (cfg->socket[0] != '\0') AMX_CHECK(check_unix_path(cfg->socket, &stale, err));
+    if (cfg->socket[0] != '\0')
+        AMX_CHECK(check_unix_path(cfg->socket, &stale, err));
 
     amx_rpc_t *rpc = calloc(1, sizeof(*rpc));
-    if (rpc == NULL) return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    if (rpc == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
     rpc->loop = loop;
     rpc->cfg = cfg;
     rpc->svc.reg = reg;
@@ -567,7 +589,8 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     if (rpc->unix_path[0] != '\0')
         AMX_INFO("rpc", "listening on unix:%s (mode %04llo)", rpc->unix_path,
                  (unsigned long long)cfg->socket_mode);
-    if (cfg->tcp[0] != '\0') AMX_INFO("rpc", "listening on tcp %s", cfg->tcp);
+    if (cfg->tcp[0] != '\0')
+        AMX_INFO("rpc", "listening on tcp %s", cfg->tcp);
     *out = rpc;
     return AMX_OK;
 
@@ -610,7 +633,8 @@ static void on_grace(uv_timer_t *t)
 static void on_closed(uv_handle_t *h)
 {
     amx_rpc_t *rpc = h->data;
-    if (--rpc->grace_started == 0 && rpc->on_stopped) rpc->on_stopped(rpc->stopped_ud);
+    if (--rpc->grace_started == 0 && rpc->on_stopped)
+        rpc->on_stopped(rpc->stopped_ud);
 }
 
 static void check_stopped(amx_rpc_t *rpc)
@@ -622,7 +646,8 @@ static void check_stopped(amx_rpc_t *rpc)
         grpc_completion_queue_shutdown(rpc->cq);
         return;
     }
-    if (!rpc->cq_done) return;
+    if (!rpc->cq_done)
+        return;
     pthread_join(rpc->cq_thread, NULL);
     rpc->cq_thread_started = 0;
     while (rpc->calls != NULL) {
@@ -635,7 +660,8 @@ static void check_stopped(amx_rpc_t *rpc)
     grpc_shutdown_blocking();
     if (rpc->unix_path[0] != '\0') {
         struct stat stt;
-        if (lstat(rpc->unix_path, &stt) == 0 && S_ISSOCK(stt.st_mode)) unlink(rpc->unix_path);
+        if (lstat(rpc->unix_path, &stt) == 0 && S_ISSOCK(stt.st_mode))
+            unlink(rpc->unix_path);
     }
     AMX_INFO("rpc", "server stopped");
     rpc->grace_started = 2;
@@ -646,7 +672,8 @@ static void check_stopped(amx_rpc_t *rpc)
 
 void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud), void *ud)
 {
-    if (rpc->stopping) return;
+    if (rpc->stopping)
+        return;
     rpc->stopping = 1;
     rpc->svc.stopping = 1;
     rpc->on_stopped = on_stopped;
@@ -671,7 +698,8 @@ void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud
 
 void amx_rpc_free(amx_rpc_t *rpc)
 {
-    if (rpc == NULL) return;
+    if (rpc == NULL)
+        return;
     free(rpc->queue);
     pthread_mutex_destroy(&rpc->mu);
     free(rpc);

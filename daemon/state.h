@@ -109,11 +109,12 @@ amx_status_t amx__state_cuda_create(amx_state_t **out, amx_err_t *err);
 int amx__state_cuda_probe(void);
 
 /*
- * The per-quantizer post-processing shared by both backends' reference
- * paths: grows out_* arrays (host memory) to the given sizes. Helper for
- * backends; returns ENOMEM on failure.
+ * For backends, at the end of reserve: grows the published out_* arrays
+ * (host memory) and records the new sizes in st. ENOMEM on failure, with the
+ * sizes unchanged.
  */
-amx_status_t amx__state_grow_outputs(amx_state_t *st, uint64_t ncells, uint32_t nq, amx_err_t *err);
+amx_status_t amx__state_grow_outputs(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
+                                     amx_err_t *err);
 
 #ifdef __cplusplus
 }

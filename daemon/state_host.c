@@ -24,19 +24,22 @@ typedef struct host_state {
 static amx_status_t grow_floats(float **p, uint64_t old_n, uint64_t new_n, float fill)
 {
     float *np = realloc(*p, (size_t)(new_n ? new_n : 1) * sizeof(float));
-    if (np == NULL) return AMX_ENOMEM;
+    if (np == NULL)
+        return AMX_ENOMEM;
     for (uint64_t i = old_n; i < new_n; i++)
         np[i] = fill;
     *p = np;
     return AMX_OK;
 }
 
-amx_status_t amx__state_grow_outputs(amx_state_t *st, uint64_t ncells, uint32_t nq, amx_err_t *err)
+amx_status_t amx__state_grow_outputs(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
+                                     amx_err_t *err)
 {
     amx_status_t rc = AMX_OK;
     if (ncells > st->ncells) {
         uint8_t *b = realloc(st->out_bytes, (size_t)ncells);
-        if (b == NULL) goto nomem;
+        if (b == NULL)
+            goto nomem;
         memset(b + st->ncells, 0, (size_t)(ncells - st->ncells));
         st->out_bytes = b;
         if (grow_floats(&st->out_amax, st->ncells, ncells, -INFINITY) != AMX_OK ||
@@ -50,6 +53,9 @@ amx_status_t amx__state_grow_outputs(amx_state_t *st, uint64_t ncells, uint32_t 
             grow_floats(&st->out_gscale_inv, st->nq, nq, 1.0f) != AMX_OK)
             goto nomem;
     }
+    st->ncells = ncells > st->ncells ? ncells : st->ncells;
+    st->nhist = nhist > st->nhist ? nhist : st->nhist;
+    st->nq = nq > st->nq ? nq : st->nq;
     return rc;
 nomem:
     return amx_err_set(err, AMX_ENOMEM, "out of host memory growing result buffers to %llu cells",
@@ -68,18 +74,16 @@ static amx_status_t host_reserve(amx_state_t *st, uint64_t ncells, uint64_t nhis
         h->cap_cells = ncells;
     }
     if (nhist > h->cap_hist) {
-        if (grow_floats(&h->history, h->cap_hist, nhist, -INFINITY) != AMX_OK) goto nomem;
+        if (grow_floats(&h->history, h->cap_hist, nhist, -INFINITY) != AMX_OK)
+            goto nomem;
         h->cap_hist = nhist;
     }
     if (nq > h->cap_q) {
-        if (grow_floats(&h->prev_gscale, h->cap_q, nq, 1.0f) != AMX_OK) goto nomem;
+        if (grow_floats(&h->prev_gscale, h->cap_q, nq, 1.0f) != AMX_OK)
+            goto nomem;
         h->cap_q = nq;
     }
-    AMX_CHECK(amx__state_grow_outputs(st, ncells, nq, err));
-    if (ncells > st->ncells) st->ncells = ncells;
-    if (nhist > st->nhist) st->nhist = nhist;
-    if (nq > st->nq) st->nq = nq;
-    return AMX_OK;
+    return amx__state_grow_outputs(st, ncells, nhist, nq, err);
 nomem:
     return amx_err_set(err, AMX_ENOMEM, "out of host memory growing the amax state to %llu cells",
                        (unsigned long long)ncells);
@@ -129,7 +133,8 @@ static amx_status_t host_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint3
             st->out_amax[q->base + c] = a;
             m = amx_fmaxf(m, a);
         }
-        if (q->peer_group >= 0) peer_max[q->peer_group] = amx_fmaxf(peer_max[q->peer_group], m);
+        if (q->peer_group >= 0)
+            peer_max[q->peer_group] = amx_fmaxf(peer_max[q->peer_group], m);
     }
     /* 2. Peer fill, each quantizer's max, and scale groups' max. */
     for (uint32_t qi = 0; qi < nq; qi++) {
@@ -138,7 +143,8 @@ static amx_status_t host_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint3
         float m = -INFINITY;
         for (uint64_t c = 0; c < q->ncells; c++) {
             float *a = &st->out_amax[q->base + c];
-            if (*a == -INFINITY) *a = fill;
+            if (*a == -INFINITY)
+                *a = fill;
             m = amx_fmaxf(m, *a);
         }
         st->out_gamax[qi] = m;
@@ -236,14 +242,17 @@ int amx_state_cuda_available(void)
 
 amx_status_t amx_state_create(const char *backend, amx_state_t **out, amx_err_t *err)
 {
-    if (strcmp(backend, "host") == 0) return amx__state_host_create(out, err);
-    if (strcmp(backend, "cuda") == 0) return amx__state_cuda_create(out, err);
+    if (strcmp(backend, "host") == 0)
+        return amx__state_host_create(out, err);
+    if (strcmp(backend, "cuda") == 0)
+        return amx__state_cuda_create(out, err);
     return amx_err_set(err, AMX_EINVAL, "unknown state backend '%s' (host or cuda)", backend);
 }
 
 void amx_state_destroy(amx_state_t *st)
 {
-    if (st == NULL) return;
+    if (st == NULL)
+        return;
     st->ops->destroy(st);
     free(st->out_amax);
     free(st->out_scale);

@@ -17,19 +17,22 @@ static const int status_grpc[] = {
 
 const char *amx_strerror(amx_status_t st)
 {
-    if ((unsigned)st >= AMX__STATUS_MAX) return "unknown status";
+    if ((unsigned)st >= AMX__STATUS_MAX)
+        return "unknown status";
     return status_text[st];
 }
 
 int amx_status_grpc(amx_status_t st)
 {
-    if ((unsigned)st >= AMX__STATUS_MAX) return 2; /* GRPC_STATUS_UNKNOWN */
+    if ((unsigned)st >= AMX__STATUS_MAX)
+        return 2; /* GRPC_STATUS_UNKNOWN */
     return status_grpc[st];
 }
 
 amx_status_t amx_err_set(amx_err_t *err, amx_status_t code, const char *fmt, ...)
 {
-    if (err == NULL || err->code != AMX_OK) return code;
+    if (err == NULL || err->code != AMX_OK)
+        return code;
     err->code = code;
     va_list ap;
     va_start(ap, fmt);

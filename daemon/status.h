@@ -67,13 +67,15 @@ void amx_err_clear(amx_err_t *err);
 #define AMX_CHECK(call)                                                                            \
     do {                                                                                           \
         amx_status_t amx__st = (call);                                                             \
-        if (amx__st != AMX_OK) return amx__st;                                                     \
+        if (amx__st != AMX_OK)                                                                     \
+            return amx__st;                                                                        \
     } while (0)
 
 #define AMX_CHECK_GOTO(call, st, label)                                                            \
     do {                                                                                           \
         (st) = (call);                                                                             \
-        if ((st) != AMX_OK) goto label;                                                            \
+        if ((st) != AMX_OK)                                                                        \
+            goto label;                                                                            \
     } while (0)
 
 #ifdef __cplusplus

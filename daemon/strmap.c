@@ -14,9 +14,11 @@ static uint64_t hash(const char *s)
 
 int amx_strmap_get(const amx_strmap_t *m, const char *key, uint32_t *val)
 {
-    if (m->cap == 0) return 0;
+    if (m->cap == 0)
+        return 0;
     for (size_t i = hash(key) & (m->cap - 1);; i = (i + 1) & (m->cap - 1)) {
-        if (m->keys[i] == NULL) return 0;
+        if (m->keys[i] == NULL)
+            return 0;
         if (strcmp(m->keys[i], key) == 0) {
             *val = m->vals[i];
             return 1;
@@ -42,7 +44,8 @@ static void put_nogrow(amx_strmap_t *m, const char *key, uint32_t val)
 
 int amx_strmap_reserve(amx_strmap_t *m, size_t n)
 {
-    if (n * 2 <= m->cap) return 0;
+    if (n * 2 <= m->cap)
+        return 0;
     size_t cap = 16;
     while (cap < n * 2)
         cap <<= 1;
@@ -53,7 +56,8 @@ int amx_strmap_reserve(amx_strmap_t *m, size_t n)
         return -1;
     }
     for (size_t i = 0; i < m->cap; i++)
-        if (m->keys[i] != NULL) put_nogrow(&nm, m->keys[i], m->vals[i]);
+        if (m->keys[i] != NULL)
+            put_nogrow(&nm, m->keys[i], m->vals[i]);
     free(m->keys);
     free(m->vals);
     *m = nm;
@@ -62,7 +66,8 @@ int amx_strmap_reserve(amx_strmap_t *m, size_t n)
 
 int amx_strmap_put(amx_strmap_t *m, const char *key, uint32_t val)
 {
-    if (amx_strmap_reserve(m, m->len + 1) != 0) return -1;
+    if (amx_strmap_reserve(m, m->len + 1) != 0)
+        return -1;
     put_nogrow(m, key, val);
     return 0;
 }

@@ -21,7 +21,8 @@ amaxc_t *amaxc_open(const char *target)
     else
         snprintf(addr, sizeof(addr), "%s", target);
     amaxc_t *c = calloc(1, sizeof(*c));
-    if (c == NULL) return NULL;
+    if (c == NULL)
+        return NULL;
     grpc_init();
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     grpc_arg arg = {GRPC_ARG_INTEGER, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, {.integer = -1}};
@@ -34,7 +35,8 @@ amaxc_t *amaxc_open(const char *target)
 
 void amaxc_close(amaxc_t *c)
 {
-    if (c == NULL) return;
+    if (c == NULL)
+        return;
     grpc_channel_destroy(c->ch);
     grpc_completion_queue_shutdown(c->cq);
     while (
@@ -112,7 +114,8 @@ int amaxc_call(amaxc_t *c, const char *method, const ProtobufCMessage *req,
     grpc_metadata_array_destroy(&init_md);
     grpc_metadata_array_destroy(&trail_md);
     grpc_byte_buffer_destroy(send);
-    if (recv) grpc_byte_buffer_destroy(recv);
+    if (recv)
+        grpc_byte_buffer_destroy(recv);
     grpc_call_unref(call);
     return (int)status;
 }

@@ -146,14 +146,16 @@ static void shape_str(char *buf, size_t len, const uint32_t *d, size_t n)
     size_t k = (size_t)snprintf(buf, len, "[");
     for (size_t i = 0; i < n && k < len; i++)
         k += (size_t)snprintf(buf + k, len - k, i ? ",%u" : "%u", d[i]);
-    if (k < len) snprintf(buf + k, len - k, "]");
+    if (k < len)
+        snprintf(buf + k, len - k, "]");
 }
 
 static int cmd_list(ctx_t *x, const char *given)
 {
     char job[256];
     int rc = pick_job(x, given, job, sizeof(job));
-    if (rc) return rc;
+    if (rc)
+        return rc;
     Amaxd__V1__ListQuantizersRequest req = AMAXD__V1__LIST_QUANTIZERS_REQUEST__INIT;
     req.job = job;
     Amaxd__V1__ListQuantizersResponse *r = NULL;
@@ -189,7 +191,8 @@ static int cmd_list(ctx_t *x, const char *given)
                    q->peer_group, q->scale_group[0] ? " / " : "", q->scale_group);
         }
     }
-    if (x->json) print_json(arr);
+    if (x->json)
+        print_json(arr);
     protobuf_c_message_free_unpacked(&r->base, NULL);
     return 0;
 }
@@ -209,7 +212,8 @@ static int cmd_dump(ctx_t *x, const char *given, const char *name)
 {
     char job[256];
     int rc = pick_job(x, given, job, sizeof(job));
-    if (rc) return rc;
+    if (rc)
+        return rc;
     Amaxd__V1__GetScalesRequest req = AMAXD__V1__GET_SCALES_REQUEST__INIT;
     req.job = job;
     req.global = 1;
@@ -284,7 +288,8 @@ int main(int argc, char **argv)
 {
     ctx_t x = {NULL, 0, 10.0};
     const char *target = getenv("AMAXD_SOCKET");
-    if (target == NULL || target[0] == '\0') target = "/run/amaxd/amaxd.sock";
+    if (target == NULL || target[0] == '\0')
+        target = "/run/amaxd/amaxd.sock";
     int i = 1;
     for (; i < argc && argv[i][0] == '-'; i++) {
         if (!strcmp(argv[i], "--json")) {

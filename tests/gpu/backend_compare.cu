@@ -38,7 +38,8 @@ __global__ void k_vectors(const int *kind, const float *x, const float *p, uint3
                           float scaled_max_m1)
 {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
+    if (i >= n)
+        return;
     float a = x[i], q = p[i];
     uint32_t r = 0;
     switch (kind[i]) {
@@ -102,10 +103,12 @@ static int run_vectors(const char *path)
     while (fgets(line, sizeof(line), f) && n < cap) {
         char k[64];
         unsigned xb, pb, w;
-        if (line[0] == '#' || sscanf(line, "%63[^\t]\t%x\t%x\t%x", k, &xb, &pb, &w) != 4) continue;
+        if (line[0] == '#' || sscanf(line, "%63[^\t]\t%x\t%x\t%x", k, &xb, &pb, &w) != 4)
+            continue;
         kind[n] = -1;
         for (int i = 0; i < (int)(sizeof(kinds) / sizeof(kinds[0])); i++)
-            if (!strcmp(k, kinds[i])) kind[n] = i;
+            if (!strcmp(k, kinds[i]))
+                kind[n] = i;
         x[n] = amx_u2f(xb), p[n] = amx_u2f(pb), want[n] = w;
         n++;
     }
@@ -175,10 +178,12 @@ static float random_amax(void)
 
 static int compare(const char *what, const void *a, const void *b, size_t n, size_t elem, int epoch)
 {
-    if (memcmp(a, b, n * elem) == 0) return 0;
+    if (memcmp(a, b, n * elem) == 0)
+        return 0;
     size_t shown = 0, diff = 0;
     for (size_t i = 0; i < n; i++) {
-        if (memcmp((const char *)a + i * elem, (const char *)b + i * elem, elem) == 0) continue;
+        if (memcmp((const char *)a + i * elem, (const char *)b + i * elem, elem) == 0)
+            continue;
         diff++;
         if (shown++ < 5) {
             uint32_t x = 0, y = 0;
@@ -236,7 +241,8 @@ int main(int argc, char **argv)
             rec[i].rule == AMX_RULE_DELAYED ? AMX_ACC_PER_EPOCH : AMX_ACC_RUNNING_MAX;
         q[i].hist_len = q[i].accumulation == AMX_ACC_PER_EPOCH ? rec[i].history_len : 1;
         q[i].hist_base = nhist;
-        if (q[i].accumulation == AMX_ACC_PER_EPOCH) nhist += per * q[i].hist_len;
+        if (q[i].accumulation == AMX_ACC_PER_EPOCH)
+            nhist += per * q[i].hist_len;
         q[i].peer_group = (i == 4 || i == 5 || i == 6) ? 0 : -1;
         q[i].scale_group = (i == 0 || i == 1) ? 0 : (i == 2 || i == 3) ? 1 : -1;
         ncells += per;

@@ -53,7 +53,8 @@ START_TEST(vectors_file)
     char line[512];
     int rows = 0;
     while (fgets(line, sizeof(line), f)) {
-        if (line[0] == '#' || line[0] == '\n') continue;
+        if (line[0] == '#' || line[0] == '\n')
+            continue;
         char kind[64], why[256] = "";
         unsigned x, p, want;
         int n = sscanf(line, "%63[^\t]\t%x\t%x\t%x\t%255[^\n]", kind, &x, &p, &want, why);
@@ -101,7 +102,8 @@ START_TEST(no_recipe_returns_nonfinite)
     for (int i = 0; i < 200000; i++) {
         uint32_t u = ((uint32_t)rand() << 16 ^ (uint32_t)rand()) & 0x7f7fffffu;
         float a = bits(u), g = bits(((uint32_t)rand() << 16 ^ (uint32_t)rand()) & 0x7f7fffffu);
-        if (g < a) g = a;
+        if (g < a)
+            g = a;
         ck_assert(isfinite(amx_fp8_current_scale(a, AMX_E4M3_MAX, i & 1, 0.0f)));
         ck_assert(isfinite(amx_fp8_scale_inv(amx_fp8_current_scale(a, AMX_E5M2_MAX, 0, 0.0f))));
         float d = amx_fp8_delayed_scale(a, AMX_E4M3_MAX, 1.0f);

@@ -170,7 +170,8 @@ static const Amaxd__V1__QuantizerResult *find(const Amaxd__V1__ReconcileResponse
                                               const char *name)
 {
     for (size_t i = 0; i < r->n_results; i++)
-        if (!strcmp(r->results[i]->name, name)) return r->results[i];
+        if (!strcmp(r->results[i]->name, name))
+            return r->results[i];
     ck_abort_msg("no result for %s", name);
     return NULL;
 }
