@@ -85,13 +85,15 @@ static unsigned chunks_for(uint64_t n)
     return (unsigned)((n + CHUNK - 1) / CHUNK);
 }
 
-/* Index of the run holding staged value i (runs are sorted by src). */
-__device__ __forceinline__ uint32_t find_run(const amx_run_t *runs, uint32_t nruns, uint64_t i)
+/* The last index k < n with a[k].*key <= x, for a sorted by key (runs by
+ * src, quantizer descriptors by base); 0 when there is none. */
+template <typename T>
+__device__ __forceinline__ uint32_t last_le(const T *a, uint32_t n, uint64_t T::*key, uint64_t x)
 {
-    uint32_t lo = 0, hi = nruns;
+    uint32_t lo = 0, hi = n;
     while (hi - lo > 1) {
         uint32_t mid = (lo + hi) / 2;
-        if (runs[mid].src <= i)
+        if (a[mid].*key <= x)
             lo = mid;
         else
             hi = mid;
@@ -99,35 +101,13 @@ __device__ __forceinline__ uint32_t find_run(const amx_run_t *runs, uint32_t nru
     return lo;
 }
 
-/* The quantizer holding flat cell `cell` (descs are sorted by base). */
-__device__ __forceinline__ uint32_t find_q(const amx_qdesc_t *q, uint32_t nq, uint64_t cell)
-{
-    uint32_t lo = 0, hi = nq;
-    while (hi - lo > 1) {
-        uint32_t mid = (lo + hi) / 2;
-        if (q[mid].base <= cell)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    return lo;
-}
-
-/* The first run (or quantizer) of this block's chunk, found by thread 0. */
-__device__ __forceinline__ uint32_t chunk_first_run(const amx_run_t *runs, uint32_t nruns)
+/* last_le for the first cell of this block's chunk, searched by thread 0. */
+template <typename T>
+__device__ __forceinline__ uint32_t chunk_first(const T *a, uint32_t n, uint64_t T::*key)
 {
     __shared__ uint32_t first;
     if (threadIdx.x == 0)
-        first = find_run(runs, nruns, (uint64_t)blockIdx.x * CHUNK);
-    __syncthreads();
-    return first;
-}
-
-__device__ __forceinline__ uint32_t chunk_first_q(const amx_qdesc_t *qs, uint32_t nq)
-{
-    __shared__ uint32_t first;
-    if (threadIdx.x == 0)
-        first = find_q(qs, nq, (uint64_t)blockIdx.x * CHUNK);
+        first = last_le(a, n, key, (uint64_t)blockIdx.x * CHUNK);
     __syncthreads();
     return first;
 }
@@ -145,7 +125,7 @@ __device__ __forceinline__ uint32_t advance_q(const amx_qdesc_t *qs, uint32_t nq
 __global__ void k_merge(float *pending, const float *vals, uint64_t nvals, const amx_run_t *runs,
                         uint32_t nruns, int overlap)
 {
-    uint32_t r = chunk_first_run(runs, nruns);
+    uint32_t r = chunk_first(runs, nruns, &amx_run_t::src);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
     uint64_t dst[ITEMS];
     float v[ITEMS];
@@ -181,7 +161,7 @@ __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells
                              const float *pending, float *accum, float *hist, float *out_amax,
                              float *peer_max)
 {
-    uint32_t qi = chunk_first_q(qs, nq);
+    uint32_t qi = chunk_first(qs, nq, &amx_qdesc_t::base);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
@@ -200,7 +180,7 @@ __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells
 __global__ void k_peer_fill(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells,
                             const float *peer_max, float *out_amax, float *gamax)
 {
-    uint32_t qi = chunk_first_q(qs, nq);
+    uint32_t qi = chunk_first(qs, nq, &amx_qdesc_t::base);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
     /* Each thread keeps a running max of its cells of one quantizer and
      * publishes it once per quantizer: few atomics even for huge tensors. */
@@ -253,7 +233,7 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, co
                          const float *gamax, const float *gscale, const float *gscale_inv,
                          float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes)
 {
-    uint32_t qi = chunk_first_q(qs, nq);
+    uint32_t qi = chunk_first(qs, nq, &amx_qdesc_t::base);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
     float a[ITEMS];
 #pragma unroll
