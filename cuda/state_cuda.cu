@@ -464,18 +464,17 @@ static amx_status_t cuda_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint3
     k_fill<<<blocks_for(n), THREADS, 0, c->stream>>>(c->pending, n, -INFINITY);
     CU(cudaGetLastError(), "fill kernel launch");
     /* Publish the results in host memory. */
-    CU(cudaMemcpyAsync(st->out_amax, c->out_amax, n * 4, cudaMemcpyDeviceToHost, c->stream), "D2H");
-    CU(cudaMemcpyAsync(st->out_scale, c->out_scale, n * 4, cudaMemcpyDeviceToHost, c->stream),
-       "D2H");
-    CU(cudaMemcpyAsync(st->out_scale_inv, c->out_inv, n * 4, cudaMemcpyDeviceToHost, c->stream),
-       "D2H");
-    CU(cudaMemcpyAsync(st->out_bytes, c->out_bytes, n, cudaMemcpyDeviceToHost, c->stream), "D2H");
-    CU(cudaMemcpyAsync(st->out_gamax, c->gamax, nq * 4, cudaMemcpyDeviceToHost, c->stream), "D2H");
-    CU(cudaMemcpyAsync(st->out_gscale, c->gscale, nq * 4, cudaMemcpyDeviceToHost, c->stream),
-       "D2H");
-    CU(cudaMemcpyAsync(st->out_gscale_inv, c->gscale_inv, nq * 4, cudaMemcpyDeviceToHost,
-                       c->stream),
-       "D2H");
+    struct {
+        void *dst;
+        const void *src;
+        size_t bytes;
+    } d2h[] = {{st->out_amax, c->out_amax, n * 4},         {st->out_scale, c->out_scale, n * 4},
+               {st->out_scale_inv, c->out_inv, n * 4},     {st->out_bytes, c->out_bytes, n},
+               {st->out_gamax, c->gamax, nq * 4},          {st->out_gscale, c->gscale, nq * 4},
+               {st->out_gscale_inv, c->gscale_inv, nq * 4}};
+    for (size_t k = 0; k < sizeof(d2h) / sizeof(d2h[0]); k++)
+        CU(cudaMemcpyAsync(d2h[k].dst, d2h[k].src, d2h[k].bytes, cudaMemcpyDeviceToHost, c->stream),
+           "cudaMemcpyAsync (results)");
     CU(cudaStreamSynchronize(c->stream), "epoch kernels");
     return AMX_OK;
 }

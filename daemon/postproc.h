@@ -52,8 +52,10 @@ AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, fl
     if (r->format == AMX_FMT_NVFP4) {
         b = r->nvfp4_convention == AMX_NVFP4_MODELOPT ? amx_nvfp4_block_modelopt(v, g)
                                                       : amx_nvfp4_block_te(v, s_enc);
-        s = amx_e4m3_to_float(b);
-        i = amx_nvfp4_block_encode(s, s_dec);
+        /* scale_inv is the E4M3 block decode scale (TE's scale_inv bytes);
+         * scale is the block encode scale a quantizer multiplies by. */
+        i = amx_e4m3_to_float(b);
+        s = amx_nvfp4_block_encode(i, s_dec);
     } else if (r->format == AMX_FMT_MXFP8) {
         b = amx_mxfp8_e8m0(v);
         s = amx_e8m0_encode(b);

@@ -472,8 +472,8 @@ typedef struct reg_item {
     uint64_t ncells;
     placement_t pl;
     int64_t existing; /* quantizer index, or -1 */
-    int64_t first;    /* earlier item of the same request declaring it, or -1 */
     int same_placement;
+    int32_t peer, scale; /* group indices of a new quantizer (phase 2) */
 } reg_item_t;
 
 static const char *group_name_of(const group_table_t *g, int32_t idx)
@@ -751,22 +751,26 @@ amx_status_t amx_registry_register(amx_registry_t *reg, const Amaxd__V1__Registe
     AMX_CHECK_GOTO(j->state->ops->reserve(j->state, j->ncells + new_cells, j->nhist + new_hist,
                                           j->nq + new_q, err),
                    st, out);
-    /* Phase 3: apply; nothing below fails but group interning (ENOMEM). */
+    /* Group names too: a name interned for a batch that then fails would only
+     * be a group without members, which changes no result. */
+    for (size_t i = 0; i < n; i++) {
+        reg_item_t *it = &items[i];
+        if (it->existing < 0 &&
+            (group_intern(&j->peer, it->spec->peer_group, &it->peer) != AMX_OK ||
+             group_intern(&j->scale, it->spec->scale_group, &it->scale) != AMX_OK)) {
+            st = amx_err_set(err, AMX_ENOMEM, "out of memory interning group names");
+            goto out;
+        }
+    }
+    /* Phase 3: apply; nothing below can fail. */
     uint32_t created = 0, existing = 0;
     for (size_t i = 0; i < n; i++) {
         reg_item_t *it = &items[i];
-        const Amaxd__V1__QuantizerSpec *s = it->spec;
         uint32_t qi;
         if (it->existing >= 0) {
             qi = (uint32_t)it->existing;
             existing++;
         } else {
-            int32_t peer, scale;
-            if (group_intern(&j->peer, s->peer_group, &peer) != AMX_OK ||
-                group_intern(&j->scale, s->scale_group, &scale) != AMX_OK) {
-                st = amx_err_set(err, AMX_ENOMEM, "out of memory interning group names");
-                goto out;
-            }
             qi = j->nq++;
             quant_t *q = &j->q[qi];
             memset(q, 0, sizeof(*q));
@@ -781,8 +785,8 @@ amx_status_t amx_registry_register(amx_registry_t *reg, const Amaxd__V1__Registe
             d->ncells = it->ncells;
             d->hist_base = j->nhist;
             d->hist_len = it->acc == AMX_ACC_PER_EPOCH ? it->recipe.history_len : 1;
-            d->peer_group = peer;
-            d->scale_group = scale;
+            d->peer_group = it->peer;
+            d->scale_group = it->scale;
             d->accumulation = it->acc;
             d->recipe = it->recipe;
             j->ncells += it->ncells;

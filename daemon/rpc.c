@@ -78,8 +78,10 @@ struct amx_rpc {
     int cq_thread_started;
     uv_async_t wake;
     pthread_mutex_t mu;
-    event_t *queue;
+    event_t *queue; /* filled by the CQ thread */
     size_t qlen, qcap;
+    event_t *spare; /* drained by the loop, then swapped back */
+    size_t spare_cap;
     amx_call_t *calls; /* live calls */
     uint32_t ncalls;
     int stopping, server_shut, cq_done;
@@ -420,25 +422,20 @@ static void on_wake(uv_async_t *h)
 {
     amx_rpc_t *rpc = h->data;
     for (;;) {
+        /* Take the whole queue by swapping buffers: no copy, no allocation. */
         pthread_mutex_lock(&rpc->mu);
-        size_t n = rpc->qlen;
-        event_t *batch = NULL;
-        if (n > 0) {
-            batch = malloc(n * sizeof(event_t));
-            if (batch == NULL) {
-                pthread_mutex_unlock(&rpc->mu);
-                AMX_ERROR("rpc", "out of memory draining events; aborting");
-                abort();
-            }
-            memcpy(batch, rpc->queue, n * sizeof(event_t));
-            rpc->qlen = 0;
-        }
+        event_t *batch = rpc->queue;
+        size_t n = rpc->qlen, cap = rpc->qcap;
+        rpc->queue = rpc->spare;
+        rpc->qcap = rpc->spare_cap;
+        rpc->qlen = 0;
         pthread_mutex_unlock(&rpc->mu);
-        if (n == 0)
-            return;
         for (size_t i = 0; i < n; i++)
             dispatch(rpc, &batch[i]);
-        free(batch);
+        rpc->spare = batch; /* only the loop thread touches spare */
+        rpc->spare_cap = cap;
+        if (n == 0)
+            return;
     }
 }
 
@@ -701,6 +698,7 @@ void amx_rpc_free(amx_rpc_t *rpc)
     if (rpc == NULL)
         return;
     free(rpc->queue);
+    free(rpc->spare);
     pthread_mutex_destroy(&rpc->mu);
     free(rpc);
 }

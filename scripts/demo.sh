@@ -18,7 +18,9 @@ for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.05; done
 echo
 "$root/build/amaxctl" --socket "$sock" status
 kill -TERM "$pid"
-wait "$pid"; rc=$?
+rc=0; wait "$pid" || rc=$?
 trap - EXIT
+[ "$rc" -eq 0 ] || echo "amaxd exited with $rc on SIGTERM (expected 0)" >&2
 echo "amaxd stopped (exit $rc); its log:"; sed 's/^/  /' "$tmp/amaxd.log"
 rm -rf "$tmp"
+exit "$rc"

@@ -118,8 +118,8 @@ def scales(fmt, amax, g, rule="current"):
     if fmt == "nvfp4":
         s_enc = nvfp4_global(g)
         b = nvfp4_te(amax, s_enc)
-        sc = e4m3_value(b)
-        return sc, nvfp4_block_encode(sc, s_enc), b, s_enc, F32(1.0) / s_enc
+        dec = e4m3_value(b)
+        return nvfp4_block_encode(dec, s_enc), dec, b, s_enc, F32(1.0) / s_enc
     if fmt == "mxfp8":
         e = mxfp8(amax)
         ge = mxfp8(g)

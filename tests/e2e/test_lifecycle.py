@@ -184,3 +184,12 @@ def test_cuda_backend_refused_cleanly_without_gpu(tmp_path):
         pytest.skip("a usable GPU is present: the CUDA backend started")
     assert p.returncode == 1
     assert "without CUDA" in err or "no usable CUDA device" in err, err
+
+
+def test_client_health_long_service_name(daemon):
+    """The client encodes the service name's length as a varint (> 127 bytes)."""
+    with daemon.client("h", 0, 1) as c:
+        assert c.health("amaxd.v1.Calibration") == "SERVING"
+        with pytest.raises(amaxd.errors.NotFound) as e:
+            c.health("s" * 300)
+    assert "unknown service 'sss" in e.value.message

@@ -95,8 +95,8 @@ def test_all_recipes_over_epochs(daemon):
             elif recipe.format == amaxd.NVFP4:
                 gs = ref.nvfp4_global(g)
                 b = ref.nvfp4_modelopt(amax, g) if recipe.nvfp4_convention == pb.MODELOPT else ref.nvfp4_te(amax, gs)
-                s = ref.e4m3_value(b)
-                si, gsi = ref.nvfp4_block_encode(s, gs), np.float32(1) / gs
+                si = ref.e4m3_value(b)
+                s, gsi = ref.nvfp4_block_encode(si, gs), np.float32(1) / gs
             else:
                 s, si, b, gs, gsi = ref.scales("mxfp8", amax, g)
             assert got.block_scales.tobytes() == np.asarray(b, np.uint8).tobytes(), f"epoch {e} {n} bytes"

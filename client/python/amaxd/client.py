@@ -237,7 +237,14 @@ class Client:
         Encoded by hand (one string field in, one enum field out) so that this
         package never registers grpc/health/v1/health.proto and cannot clash
         with grpcio-health-checking in the same process."""
-        req = b"" if not service else b"\x0a" + bytes([len(service)]) + service.encode()
+        name = service.encode()
+        n, varint = len(name), b""
+        while True:  # the length as a protobuf varint
+            varint += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+            n >>= 7
+            if not n:
+                break
+        req = b"\x0a" + varint + name if name else b""
         fn = self._channel.unary_unary("/grpc.health.v1.Health/Check")
         try:
             raw = fn(req, timeout=self.timeout)
