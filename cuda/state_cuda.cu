@@ -1,19 +1,26 @@
 /*
- * state_cuda.cu - the CUDA state backend: a job's flat amax buffer, history
- * ring, previous scales and results live in GPU memory (cudaMalloc).
- * Contributions are staged in pinned host memory and merged by one kernel
- * launch per batch; an epoch's post-processing runs as kernels that call the
- * same per-cell code as the host backend (daemon/postproc.h), and the
- * results are copied back to host memory once per epoch so that answering a
- * trainer never touches the device.
+ * state_cuda.cu - the CUDA state backend: a job's pending buffers, the
+ * receive buffer, the replicated state and both result sets live in GPU
+ * memory. Contributions are staged in pinned host memory and merged by one
+ * kernel launch per batch; an epoch's finish runs as kernels that call the
+ * same per-cell code as the host backend (daemon/postproc.h). Per-quantizer
+ * results are copied to host memory at the end of each finish; per-cell
+ * results stay on the device and are gathered for each answer
+ * (read_results), so an epoch never copies the whole catalog back.
  *
- * All calls come from the loop thread; the backend uses one stream.
+ * Threads (state.h): the loop thread uses stream `sl`, the job's engine
+ * thread stream `se`; every operation synchronizes its own stream before
+ * it returns. Buffers are allocated and freed stream-ordered
+ * (cudaMallocAsync/cudaFreeAsync): cudaMalloc/cudaFree may synchronize the
+ * whole device, which would make one thread wait for another job's NCCL
+ * kernel that is stuck on a dead peer.
  */
 #include <cuda_runtime.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "postproc.h"
 #include "state.h"
 
@@ -21,21 +28,32 @@
 
 typedef struct cuda_state {
     int device;
-    cudaStream_t stream;
-    float *pending, *accum, *prev, *hist, *prev_g;
-    float *out_amax, *out_scale, *out_inv;
-    uint8_t *out_bytes;
-    float *gamax, *gscale, *gscale_inv;
+    cudaStream_t sl, se;
+    float *pend[2]; /* AMX_HDR_CELLS + pend_n[k] */
+    uint64_t pend_n[2];
+    int active;
+    float *recv; /* AMX_HDR_CELLS + recv_n */
+    uint64_t recv_n;
+    float *accum, *prev, *hist, *prev_g;
+    float *o_amax[2], *o_scale[2], *o_inv[2];
+    uint8_t *o_bytes[2];
+    float *o_gamax[2], *o_gscale[2], *o_ginv[2];
     float *groups;
     size_t cap_groups;
-    amx_qdesc_t *q;
-    uint32_t cap_qdesc;
+    amx_qdesc_t *dq;
+    uint32_t cap_dq;
+    /* Loop-thread staging: values and runs (pinned + device). */
     float *h_stage, *d_stage;
     uint64_t cap_stage;
     amx_run_t *h_runs, *d_runs;
     size_t cap_runs;
-    uint64_t cap_cells, cap_hist;
-    uint32_t cap_q;
+    /* Engine-thread runs. */
+    amx_run_t *e_runs;
+    size_t cap_e_runs;
+    /* Pinned buffers replaced by bigger ones, freed at destroy (freeing
+     * pinned memory may synchronize the device). */
+    void *retired[64];
+    int nretired;
 } cuda_state_t;
 
 /* Converts a CUDA error once, where it happens, keeping the original text. */
@@ -258,124 +276,6 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, co
     }
 }
 
-__global__ void k_reset(const amx_qdesc_t *qs, const uint32_t *ids, uint32_t n, float *pending,
-                        float *accum, float *prev, float *hist, float *prev_g)
-{
-    /* One block per quantizer to reset. */
-    for (uint32_t k = blockIdx.x; k < n; k += gridDim.x) {
-        const amx_qdesc_t *q = &qs[ids[k]];
-        for (uint64_t c = threadIdx.x; c < q->ncells; c += blockDim.x) {
-            pending[q->base + c] = AMX_NEG_INF;
-            accum[q->base + c] = AMX_NEG_INF;
-            prev[q->base + c] = 1.0f;
-        }
-        if (q->accumulation == AMX_ACC_PER_EPOCH)
-            for (uint64_t c = threadIdx.x; c < (uint64_t)q->hist_len * q->ncells; c += blockDim.x)
-                hist[q->hist_base + c] = AMX_NEG_INF;
-        if (threadIdx.x == 0)
-            prev_g[ids[k]] = 1.0f;
-    }
-}
-
-/* ---- buffer management ---- */
-
-/* Grows device array *p from `old` to `n` elements of `size` bytes, keeping
- * contents, filling new float cells with `fill` (when fill_float). */
-static amx_status_t grow(cuda_state_t *c, void **p, uint64_t old, uint64_t n, size_t size,
-                         int fill_float, float fill, amx_err_t *err)
-{
-    void *np = NULL;
-    CU(cudaMalloc(&np, (size_t)(n ? n : 1) * size), "cudaMalloc");
-    if (old > 0) {
-        cudaError_t e =
-            cudaMemcpyAsync(np, *p, (size_t)old * size, cudaMemcpyDeviceToDevice, c->stream);
-        if (e != cudaSuccess) {
-            cudaFree(np);
-            CU(e, "cudaMemcpyAsync (grow)");
-        }
-    }
-    if (n > old) {
-        if (fill_float)
-            k_fill<<<blocks_for(n - old), THREADS, 0, c->stream>>>((float *)np + old, n - old,
-                                                                   fill);
-        else
-            CU(cudaMemsetAsync((char *)np + old * size, 0, (size_t)(n - old) * size, c->stream),
-               "cudaMemsetAsync");
-        CU(cudaGetLastError(), "fill kernel launch");
-    }
-    CU(cudaStreamSynchronize(c->stream), "cudaStreamSynchronize (grow)");
-    cudaFree(*p);
-    *p = np;
-    return AMX_OK;
-}
-
-static amx_status_t cuda_reserve(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                 amx_err_t *err)
-{
-    cuda_state_t *c = (cuda_state_t *)st->impl;
-    const float ninf = -INFINITY;
-    CU(cudaSetDevice(c->device), "cudaSetDevice");
-    if (ncells > c->cap_cells) {
-        uint64_t cap = c->cap_cells ? c->cap_cells : 1024;
-        while (cap < ncells)
-            cap *= 2;
-        AMX_CHECK(grow(c, (void **)&c->pending, c->cap_cells, cap, 4, 1, ninf, err));
-        AMX_CHECK(grow(c, (void **)&c->accum, c->cap_cells, cap, 4, 1, ninf, err));
-        AMX_CHECK(grow(c, (void **)&c->prev, c->cap_cells, cap, 4, 1, 1.0f, err));
-        AMX_CHECK(grow(c, (void **)&c->out_amax, c->cap_cells, cap, 4, 1, ninf, err));
-        AMX_CHECK(grow(c, (void **)&c->out_scale, c->cap_cells, cap, 4, 1, 1.0f, err));
-        AMX_CHECK(grow(c, (void **)&c->out_inv, c->cap_cells, cap, 4, 1, 1.0f, err));
-        AMX_CHECK(grow(c, (void **)&c->out_bytes, c->cap_cells, cap, 1, 0, 0.0f, err));
-        c->cap_cells = cap;
-    }
-    if (nhist > c->cap_hist) {
-        uint64_t cap = c->cap_hist ? c->cap_hist : 1024;
-        while (cap < nhist)
-            cap *= 2;
-        AMX_CHECK(grow(c, (void **)&c->hist, c->cap_hist, cap, 4, 1, ninf, err));
-        c->cap_hist = cap;
-    }
-    if (nq > c->cap_q) {
-        uint32_t cap = c->cap_q ? c->cap_q : 256;
-        while (cap < nq)
-            cap *= 2;
-        AMX_CHECK(grow(c, (void **)&c->prev_g, c->cap_q, cap, 4, 1, 1.0f, err));
-        AMX_CHECK(grow(c, (void **)&c->gamax, c->cap_q, cap, 4, 1, 0.0f, err));
-        AMX_CHECK(grow(c, (void **)&c->gscale, c->cap_q, cap, 4, 1, 1.0f, err));
-        AMX_CHECK(grow(c, (void **)&c->gscale_inv, c->cap_q, cap, 4, 1, 1.0f, err));
-        AMX_CHECK(grow(c, (void **)&c->q, 0, cap, sizeof(amx_qdesc_t), 0, 0.0f, err));
-        c->cap_q = cap;
-    }
-    return amx__state_grow_outputs(st, ncells, nhist, nq, err);
-}
-
-static amx_status_t stage_reserve(cuda_state_t *c, uint64_t nvals, size_t nruns, amx_err_t *err)
-{
-    if (nvals > c->cap_stage) {
-        uint64_t cap = c->cap_stage ? c->cap_stage : 65536;
-        while (cap < nvals)
-            cap *= 2;
-        cudaFreeHost(c->h_stage);
-        cudaFree(c->d_stage);
-        c->h_stage = NULL, c->d_stage = NULL, c->cap_stage = 0;
-        CU(cudaMallocHost(&c->h_stage, cap * sizeof(float)), "cudaMallocHost (staging)");
-        CU(cudaMalloc(&c->d_stage, cap * sizeof(float)), "cudaMalloc (staging)");
-        c->cap_stage = cap;
-    }
-    if (nruns > c->cap_runs) {
-        size_t cap = c->cap_runs ? c->cap_runs : 4096;
-        while (cap < nruns)
-            cap *= 2;
-        cudaFreeHost(c->h_runs);
-        cudaFree(c->d_runs);
-        c->h_runs = NULL, c->d_runs = NULL, c->cap_runs = 0;
-        CU(cudaMallocHost(&c->h_runs, cap * sizeof(amx_run_t)), "cudaMallocHost (runs)");
-        CU(cudaMalloc(&c->d_runs, cap * sizeof(amx_run_t)), "cudaMalloc (runs)");
-        c->cap_runs = cap;
-    }
-    return AMX_OK;
-}
-
 /* Launches the merge kernel on device-resident values and runs (also used
  * by bench/bench_kernels.cu). */
 extern "C" amx_status_t amx__cuda_merge_launch(float *pending, const float *d_vals, uint64_t nvals,
@@ -405,102 +305,589 @@ amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, co
     return AMX_OK;
 }
 
+/* One block per run (grid-stride over runs): dst[r.dst + i] = src[r.src + i]. */
+template <typename T>
+__global__ void k_copy_runs(T *dst, const T *src, const amx_run_t *runs, size_t nruns)
+{
+    for (size_t r = blockIdx.x; r < nruns; r += gridDim.x)
+        for (uint64_t i = threadIdx.x; i < runs[r].len; i += blockDim.x)
+            dst[runs[r].dst + i] = src[runs[r].src + i];
+}
+
+__global__ void k_max_into(float *a, const float *b, uint64_t n)
+{
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x)
+        a[i] = amx_fmaxf(a[i], b[i]);
+}
+
+/* Quantizers flagged `reset` lose their accumulated state (one block each). */
+__global__ void k_reset_flagged(const amx_qdesc_t *qs, uint32_t nq, float *accum, float *prev,
+                                float *hist, float *prev_g)
+{
+    for (uint32_t k = blockIdx.x; k < nq; k += gridDim.x) {
+        const amx_qdesc_t *q = &qs[k];
+        if (!q->reset)
+            continue;
+        for (uint64_t c = threadIdx.x; c < q->ncells; c += blockDim.x) {
+            accum[q->base + c] = AMX_NEG_INF;
+            prev[q->base + c] = 1.0f;
+        }
+        if (q->accumulation == AMX_ACC_PER_EPOCH)
+            for (uint64_t c = threadIdx.x; c < (uint64_t)q->hist_len * q->ncells; c += blockDim.x)
+                hist[q->hist_base + c] = AMX_NEG_INF;
+        if (threadIdx.x == 0)
+            prev_g[k] = 1.0f;
+    }
+}
+
+/* ---- buffers ---- */
+
+static amx_status_t dalloc(void **p, size_t bytes, cudaStream_t s, amx_err_t *err)
+{
+    *p = NULL;
+    CU(cudaMallocAsync(p, bytes ? bytes : 16, s), "cudaMallocAsync");
+    return AMX_OK;
+}
+
+static void dfree(void *p, cudaStream_t s)
+{
+    if (p != NULL)
+        cudaFreeAsync(p, s);
+}
+
+static amx_status_t fill_f(float *p, uint64_t n, float v, cudaStream_t s, amx_err_t *err)
+{
+    if (n == 0)
+        return AMX_OK;
+    k_fill<<<blocks_for(n), THREADS, 0, s>>>(p, n, v);
+    CU(cudaGetLastError(), "fill kernel launch");
+    return AMX_OK;
+}
+
+/* Host runs into a device buffer of the calling thread (grown as needed). */
+static amx_status_t upload_runs(amx_run_t **d, size_t *cap, const amx_run_t *runs, size_t n,
+                                cudaStream_t s, amx_err_t *err)
+{
+    if (n > *cap) {
+        size_t c = *cap ? *cap : 1024;
+        while (c < n)
+            c *= 2;
+        dfree(*d, s);
+        *d = NULL;
+        *cap = 0;
+        AMX_CHECK(dalloc((void **)d, c * sizeof(amx_run_t), s, err));
+        *cap = c;
+    }
+    if (n > 0)
+        CU(cudaMemcpyAsync(*d, runs, n * sizeof(amx_run_t), cudaMemcpyHostToDevice, s),
+           "cudaMemcpyAsync (runs)");
+    return AMX_OK;
+}
+
+template <typename T>
+static amx_status_t copy_runs(T *dst, const T *src, const amx_run_t *d_runs, size_t n,
+                              cudaStream_t s, amx_err_t *err)
+{
+    if (n == 0)
+        return AMX_OK;
+    unsigned grid = n < 65535u * 16u ? (unsigned)n : 65535u * 16u;
+    k_copy_runs<T><<<grid, THREADS, 0, s>>>(dst, src, d_runs, n);
+    CU(cudaGetLastError(), "copy kernel launch");
+    return AMX_OK;
+}
+
+/* Replaces float array *p by a fresh one of n cells set to v, with the
+ * runs of the old one copied (runs already on the device). */
+static amx_status_t remap_f(float **p, uint64_t n, float v, const amx_run_t *d_runs, size_t nruns,
+                            cudaStream_t s, amx_err_t *err)
+{
+    float *np;
+    AMX_CHECK(dalloc((void **)&np, n * sizeof(float), s, err));
+    AMX_CHECK(fill_f(np, n, v, s, err));
+    if (*p != NULL)
+        AMX_CHECK(copy_runs<float>(np, *p, d_runs, nruns, s, err));
+    dfree(*p, s);
+    *p = np;
+    return AMX_OK;
+}
+
+/* ---- loop thread ---- */
+
+static amx_status_t cuda_reserve_pending(amx_state_t *st, uint64_t ncells, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    for (int k = 0; k < 2; k++) {
+        if (c->pend[k] != NULL && ncells <= c->pend_n[k])
+            continue;
+        uint64_t cap = c->pend[k] ? c->pend_n[k] : 0;
+        uint64_t want = cap ? cap : 1024;
+        while (want < ncells)
+            want *= 2;
+        float *np;
+        AMX_CHECK(dalloc((void **)&np, (AMX_HDR_CELLS + want) * sizeof(float), c->sl, err));
+        AMX_CHECK(fill_f(np, AMX_HDR_CELLS, 0.0f, c->sl, err));
+        AMX_CHECK(fill_f(np + AMX_HDR_CELLS, want, -INFINITY, c->sl, err));
+        if (c->pend[k] != NULL)
+            CU(cudaMemcpyAsync(np, c->pend[k], (AMX_HDR_CELLS + cap) * sizeof(float),
+                               cudaMemcpyDeviceToDevice, c->sl),
+               "cudaMemcpyAsync (grow pending)");
+        dfree(c->pend[k], c->sl);
+        c->pend[k] = np;
+        c->pend_n[k] = want;
+    }
+    CU(cudaStreamSynchronize(c->sl), "cudaStreamSynchronize (pending)");
+    st->pend_cells = c->pend_n[c->active];
+    return AMX_OK;
+}
+
+static amx_status_t grow_pinned(cuda_state_t *c, void **h, void **d, uint64_t *cap, uint64_t need,
+                                size_t elem, amx_err_t *err)
+{
+    if (need <= *cap)
+        return AMX_OK;
+    uint64_t n = *cap ? *cap : 65536;
+    while (n < need)
+        n *= 2;
+    void *nh = NULL, *nd = NULL;
+    CU(cudaHostAlloc(&nh, n * elem, cudaHostAllocDefault), "cudaHostAlloc (staging)");
+    if (dalloc(&nd, n * elem, c->sl, err) != AMX_OK) {
+        c->retired[c->nretired < 64 ? c->nretired++ : 63] = nh;
+        return err->code;
+    }
+    if (*h != NULL && c->nretired < 64)
+        c->retired[c->nretired++] = *h;
+    dfree(*d, c->sl);
+    *h = nh;
+    *d = nd;
+    *cap = n;
+    return AMX_OK;
+}
+
 static amx_status_t cuda_merge(amx_state_t *st, const float *vals, uint64_t nvals,
                                const amx_run_t *runs, size_t nruns, int overlap, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     if (nvals == 0)
         return AMX_OK;
-    AMX_CHECK(stage_reserve(c, nvals, nruns, err));
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    uint64_t cr = c->cap_runs;
+    AMX_CHECK(grow_pinned(c, (void **)&c->h_stage, (void **)&c->d_stage, &c->cap_stage, nvals,
+                          sizeof(float), err));
+    AMX_CHECK(grow_pinned(c, (void **)&c->h_runs, (void **)&c->d_runs, &cr, nruns,
+                          sizeof(amx_run_t), err));
+    c->cap_runs = (size_t)cr;
     memcpy(c->h_stage, vals, nvals * sizeof(float));
     memcpy(c->h_runs, runs, nruns * sizeof(amx_run_t));
     CU(cudaMemcpyAsync(c->d_stage, c->h_stage, nvals * sizeof(float), cudaMemcpyHostToDevice,
-                       c->stream),
+                       c->sl),
        "cudaMemcpyAsync (values)");
     CU(cudaMemcpyAsync(c->d_runs, c->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
-                       c->stream),
+                       c->sl),
        "cudaMemcpyAsync (runs)");
-    AMX_CHECK(amx__cuda_merge_launch(c->pending, c->d_stage, nvals, c->d_runs, (uint32_t)nruns,
-                                     overlap, c->stream, err));
+    AMX_CHECK(amx__cuda_merge_launch(c->pend[c->active] + AMX_HDR_CELLS, c->d_stage, nvals,
+                                     c->d_runs, (uint32_t)nruns, overlap, c->sl, err));
     /* The staging buffers are reused by the next batch: wait for this one. */
-    CU(cudaStreamSynchronize(c->stream), "merge");
+    CU(cudaStreamSynchronize(c->sl), "merge");
     return AMX_OK;
 }
 
-static amx_status_t cuda_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
-                                   uint32_t npeer, uint32_t nscale, amx_comm_t *comm,
-                                   amx_err_t *err)
+static void cuda_flip(amx_state_t *st)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
-    uint64_t n = st->ncells;
+    c->active ^= 1;
+    st->pend_cells = c->pend_n[c->active];
+}
+
+static amx_status_t cuda_unflip(amx_state_t *st, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    int fl = c->active ^ 1;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    uint64_t n = c->pend_n[fl] < c->pend_n[c->active] ? c->pend_n[fl] : c->pend_n[c->active];
+    if (n > 0)
+        k_max_into<<<blocks_for(n), THREADS, 0, c->sl>>>(c->pend[c->active] + AMX_HDR_CELLS,
+                                                         c->pend[fl] + AMX_HDR_CELLS, n);
+    CU(cudaGetLastError(), "unflip kernel launch");
+    AMX_CHECK(fill_f(c->pend[fl] + AMX_HDR_CELLS, c->pend_n[fl], -INFINITY, c->sl, err));
+    CU(cudaStreamSynchronize(c->sl), "unflip");
+    return AMX_OK;
+}
+
+/* Pending buffer k moved to the layout of lc (runs on the device). */
+static amx_status_t remap_pend(cuda_state_t *c, int k, const amx_layout_change_t *lc,
+                               const amx_run_t *d_runs, cudaStream_t s, amx_err_t *err)
+{
+    float *np;
+    AMX_CHECK(dalloc((void **)&np, (AMX_HDR_CELLS + lc->ncells) * sizeof(float), s, err));
+    AMX_CHECK(fill_f(np, AMX_HDR_CELLS, 0.0f, s, err));
+    AMX_CHECK(fill_f(np + AMX_HDR_CELLS, lc->ncells, -INFINITY, s, err));
+    if (c->pend[k] != NULL)
+        AMX_CHECK(copy_runs<float>(np + AMX_HDR_CELLS, c->pend[k] + AMX_HDR_CELLS, d_runs,
+                                   lc->npend_runs, s, err));
+    dfree(c->pend[k], s);
+    c->pend[k] = np;
+    c->pend_n[k] = lc->ncells;
+    return AMX_OK;
+}
+
+static amx_status_t cuda_remap_active(amx_state_t *st, const amx_layout_change_t *lc,
+                                      amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    uint64_t cr = c->cap_runs;
+    AMX_CHECK(grow_pinned(c, (void **)&c->h_runs, (void **)&c->d_runs, &cr, lc->npend_runs,
+                          sizeof(amx_run_t), err));
+    c->cap_runs = (size_t)cr;
+    if (lc->npend_runs > 0) {
+        memcpy(c->h_runs, lc->pend, lc->npend_runs * sizeof(amx_run_t));
+        CU(cudaMemcpyAsync(c->d_runs, c->h_runs, lc->npend_runs * sizeof(amx_run_t),
+                           cudaMemcpyHostToDevice, c->sl),
+           "cudaMemcpyAsync (runs)");
+    }
+    AMX_CHECK(remap_pend(c, c->active, lc, c->d_runs, c->sl, err));
+    CU(cudaStreamSynchronize(c->sl), "remap of the pending buffer");
+    st->pend_cells = c->pend_n[c->active];
+    return AMX_OK;
+}
+
+static void cuda_publish(amx_state_t *st)
+{
+    st->front ^= 1;
+}
+
+static amx_status_t cuda_read_results(amx_state_t *st, const amx_run_t *runs, size_t nruns,
+                                      uint64_t total, float *amax, float *scale, float *inv,
+                                      uint8_t *bytes, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    int f = st->front;
+    if (total == 0 || nruns == 0)
+        return AMX_OK;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    /* Gather into the staging buffer (13 bytes a cell), one copy back. */
+    uint64_t need = (total * 13 + 3) / 4;
+    uint64_t cr = c->cap_runs;
+    AMX_CHECK(grow_pinned(c, (void **)&c->h_stage, (void **)&c->d_stage, &c->cap_stage, need,
+                          sizeof(float), err));
+    AMX_CHECK(grow_pinned(c, (void **)&c->h_runs, (void **)&c->d_runs, &cr, nruns,
+                          sizeof(amx_run_t), err));
+    c->cap_runs = (size_t)cr;
+    memcpy(c->h_runs, runs, nruns * sizeof(amx_run_t));
+    CU(cudaMemcpyAsync(c->d_runs, c->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
+                       c->sl),
+       "cudaMemcpyAsync (runs)");
+    float *da = c->d_stage, *ds = da + total, *di = ds + total;
+    uint8_t *db = (uint8_t *)(di + total);
+    AMX_CHECK(copy_runs<float>(da, c->o_amax[f], c->d_runs, nruns, c->sl, err));
+    AMX_CHECK(copy_runs<float>(ds, c->o_scale[f], c->d_runs, nruns, c->sl, err));
+    AMX_CHECK(copy_runs<float>(di, c->o_inv[f], c->d_runs, nruns, c->sl, err));
+    AMX_CHECK(copy_runs<uint8_t>(db, c->o_bytes[f], c->d_runs, nruns, c->sl, err));
+    CU(cudaMemcpyAsync(c->h_stage, c->d_stage, total * 13, cudaMemcpyDeviceToHost, c->sl),
+       "cudaMemcpyAsync (results)");
+    CU(cudaStreamSynchronize(c->sl), "results");
+    float *ha = c->h_stage, *hs = ha + total, *hi = hs + total;
+    memcpy(amax, ha, total * 4);
+    memcpy(scale, hs, total * 4);
+    memcpy(inv, hi, total * 4);
+    memcpy(bytes, hi + total, total);
+    return AMX_OK;
+}
+
+/* ---- engine thread ---- */
+
+/* Output set k sized for n cells and nq quantizers (device), contents
+ * undefined; host globals grown. */
+static amx_status_t size_outputs(amx_state_t *st, int k, uint64_t n, uint32_t nq, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    cudaStream_t s = c->se;
+    if (n != st->out_cells[k] || c->o_amax[k] == NULL) {
+        dfree(c->o_amax[k], s), dfree(c->o_scale[k], s), dfree(c->o_inv[k], s),
+            dfree(c->o_bytes[k], s);
+        c->o_amax[k] = c->o_scale[k] = c->o_inv[k] = NULL;
+        c->o_bytes[k] = NULL;
+        st->out_cells[k] = 0;
+        AMX_CHECK(dalloc((void **)&c->o_amax[k], n * 4, s, err));
+        AMX_CHECK(dalloc((void **)&c->o_scale[k], n * 4, s, err));
+        AMX_CHECK(dalloc((void **)&c->o_inv[k], n * 4, s, err));
+        AMX_CHECK(dalloc((void **)&c->o_bytes[k], n, s, err));
+        st->out_cells[k] = n;
+    }
+    if (nq != st->out_nq[k] || c->o_gamax[k] == NULL) {
+        dfree(c->o_gamax[k], s), dfree(c->o_gscale[k], s), dfree(c->o_ginv[k], s);
+        c->o_gamax[k] = c->o_gscale[k] = c->o_ginv[k] = NULL;
+        AMX_CHECK(dalloc((void **)&c->o_gamax[k], (size_t)nq * 4, s, err));
+        AMX_CHECK(dalloc((void **)&c->o_gscale[k], (size_t)nq * 4, s, err));
+        AMX_CHECK(dalloc((void **)&c->o_ginv[k], (size_t)nq * 4, s, err));
+    }
+    AMX_CHECK(amx__state_grow_globals(st, k, nq, err));
+    st->out_nq[k] = nq;
+    return AMX_OK;
+}
+
+static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    cudaStream_t s = c->se;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    int fl = c->active ^ 1, back = st->front ^ 1;
+    int src = lc->outputs_from_back ? back : st->front;
+    /* All run lists in one upload: cells, hist, qs, pend. */
+    size_t n = lc->ncell_runs + lc->nhist_runs + lc->nq_runs + lc->npend_runs;
+    amx_run_t *all = (amx_run_t *)malloc((n ? n : 1) * sizeof(amx_run_t));
+    if (all == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory");
+    size_t o_c = 0, o_h = lc->ncell_runs, o_q = o_h + lc->nhist_runs, o_p = o_q + lc->nq_runs;
+    memcpy(all + o_c, lc->cells, lc->ncell_runs * sizeof(amx_run_t));
+    memcpy(all + o_h, lc->hist, lc->nhist_runs * sizeof(amx_run_t));
+    memcpy(all + o_q, lc->qs, lc->nq_runs * sizeof(amx_run_t));
+    memcpy(all + o_p, lc->pend, lc->npend_runs * sizeof(amx_run_t));
+    amx_status_t rc = upload_runs(&c->e_runs, &c->cap_e_runs, all, n, s, err);
+    CU(cudaStreamSynchronize(s), "runs upload");
+    free(all);
+    AMX_CHECK(rc);
+    const amx_run_t *rc_ = c->e_runs + o_c, *rh = c->e_runs + o_h, *rq = c->e_runs + o_q,
+                    *rp = c->e_runs + o_p;
+    AMX_CHECK(remap_pend(c, fl, lc, rp, s, err));
+    AMX_CHECK(remap_f(&c->accum, lc->ncells, -INFINITY, rc_, lc->ncell_runs, s, err));
+    AMX_CHECK(remap_f(&c->prev, lc->ncells, 1.0f, rc_, lc->ncell_runs, s, err));
+    AMX_CHECK(remap_f(&c->hist, lc->nhist, -INFINITY, rh, lc->nhist_runs, s, err));
+    AMX_CHECK(remap_f(&c->prev_g, lc->nq, 1.0f, rq, lc->nq_runs, s, err));
+    st->ncells = lc->ncells;
+    st->nhist = lc->nhist;
+    st->nq = lc->nq;
+    /* Results in the new layout, from the published (or imported) ones. */
+    float *na, *ns, *ni, *ga, *gs, *gi;
+    uint8_t *nb;
+    AMX_CHECK(dalloc((void **)&na, lc->ncells * 4, s, err));
+    AMX_CHECK(dalloc((void **)&ns, lc->ncells * 4, s, err));
+    AMX_CHECK(dalloc((void **)&ni, lc->ncells * 4, s, err));
+    AMX_CHECK(dalloc((void **)&nb, lc->ncells, s, err));
+    AMX_CHECK(dalloc((void **)&ga, (size_t)lc->nq * 4, s, err));
+    AMX_CHECK(dalloc((void **)&gs, (size_t)lc->nq * 4, s, err));
+    AMX_CHECK(dalloc((void **)&gi, (size_t)lc->nq * 4, s, err));
+    AMX_CHECK(fill_f(na, lc->ncells, -INFINITY, s, err));
+    AMX_CHECK(fill_f(ns, lc->ncells, 1.0f, s, err));
+    AMX_CHECK(fill_f(ni, lc->ncells, 1.0f, s, err));
+    if (lc->ncells)
+        CU(cudaMemsetAsync(nb, 0, lc->ncells, s), "cudaMemsetAsync");
+    AMX_CHECK(fill_f(ga, lc->nq, 0.0f, s, err));
+    AMX_CHECK(fill_f(gs, lc->nq, 1.0f, s, err));
+    AMX_CHECK(fill_f(gi, lc->nq, 1.0f, s, err));
+    if (c->o_amax[src] != NULL) {
+        AMX_CHECK(copy_runs<float>(na, c->o_amax[src], rc_, lc->ncell_runs, s, err));
+        AMX_CHECK(copy_runs<float>(ns, c->o_scale[src], rc_, lc->ncell_runs, s, err));
+        AMX_CHECK(copy_runs<float>(ni, c->o_inv[src], rc_, lc->ncell_runs, s, err));
+        AMX_CHECK(copy_runs<uint8_t>(nb, c->o_bytes[src], rc_, lc->ncell_runs, s, err));
+    }
+    if (c->o_gamax[src] != NULL) {
+        AMX_CHECK(copy_runs<float>(ga, c->o_gamax[src], rq, lc->nq_runs, s, err));
+        AMX_CHECK(copy_runs<float>(gs, c->o_gscale[src], rq, lc->nq_runs, s, err));
+        AMX_CHECK(copy_runs<float>(gi, c->o_ginv[src], rq, lc->nq_runs, s, err));
+    }
+    dfree(c->o_amax[back], s), dfree(c->o_scale[back], s), dfree(c->o_inv[back], s);
+    dfree(c->o_bytes[back], s), dfree(c->o_gamax[back], s), dfree(c->o_gscale[back], s);
+    dfree(c->o_ginv[back], s);
+    c->o_amax[back] = na, c->o_scale[back] = ns, c->o_inv[back] = ni, c->o_bytes[back] = nb;
+    c->o_gamax[back] = ga, c->o_gscale[back] = gs, c->o_ginv[back] = gi;
+    st->out_cells[back] = lc->ncells;
+    AMX_CHECK(amx__state_grow_globals(st, back, lc->nq, err));
+    st->out_nq[back] = lc->nq;
+    if (lc->nq > 0) {
+        CU(cudaMemcpyAsync(st->g_amax[back], ga, (size_t)lc->nq * 4, cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (globals)");
+        CU(cudaMemcpyAsync(st->g_scale[back], gs, (size_t)lc->nq * 4, cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (globals)");
+        CU(cudaMemcpyAsync(st->g_inv[back], gi, (size_t)lc->nq * 4, cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (globals)");
+    }
+    CU(cudaStreamSynchronize(s), "remap");
+    return AMX_OK;
+}
+
+static amx_status_t cuda_prepare(amx_state_t *st, const float *hdr, uint64_t ncells, float **send,
+                                 float **recv, void **stream, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    int fl = c->active ^ 1;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    if (c->pend[fl] == NULL || ncells > c->pend_n[fl])
+        return amx_err_set(err, AMX_EINTERNAL, "in-flight buffer holds %llu cells, not %llu",
+                           (unsigned long long)(c->pend[fl] ? c->pend_n[fl] : 0),
+                           (unsigned long long)ncells);
+    if (c->recv == NULL || ncells > c->recv_n) {
+        dfree(c->recv, c->se);
+        c->recv = NULL;
+        AMX_CHECK(dalloc((void **)&c->recv, (AMX_HDR_CELLS + ncells) * sizeof(float), c->se, err));
+        c->recv_n = ncells;
+    }
+    CU(cudaMemcpyAsync(c->pend[fl], hdr, AMX_HDR_CELLS * sizeof(float), cudaMemcpyHostToDevice,
+                       c->se),
+       "cudaMemcpyAsync (header)");
+    /* Ordered on the engine stream: the collective runs after the header. */
+    CU(cudaStreamSynchronize(c->se), "header");
+    *send = c->pend[fl];
+    *recv = c->recv;
+    *stream = (void *)c->se;
+    return AMX_OK;
+}
+
+static amx_status_t cuda_read_header(amx_state_t *st, float *hdr, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    CU(cudaMemcpyAsync(hdr, c->recv, AMX_HDR_CELLS * sizeof(float), cudaMemcpyDeviceToHost, c->se),
+       "cudaMemcpyAsync (header)");
+    CU(cudaStreamSynchronize(c->se), "header");
+    return AMX_OK;
+}
+
+static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
+                                uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
+                                amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    cudaStream_t s = c->se;
+    uint64_t t0 = amx_now_us();
+    int fl = c->active ^ 1, back = st->front ^ 1;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    if (ncells != st->ncells)
+        return amx_err_set(err, AMX_EINTERNAL, "finish over %llu cells, the state holds %llu",
+                           (unsigned long long)ncells, (unsigned long long)st->ncells);
     size_t ngroups = (size_t)npeer + nscale;
     if (ngroups > c->cap_groups) {
-        cudaFree(c->groups);
-        c->groups = NULL, c->cap_groups = 0;
-        CU(cudaMalloc(&c->groups, ngroups * sizeof(float)), "cudaMalloc (groups)");
+        dfree(c->groups, s);
+        c->groups = NULL;
+        c->cap_groups = 0;
+        AMX_CHECK(dalloc((void **)&c->groups, ngroups * sizeof(float), s, err));
         c->cap_groups = ngroups;
     }
-    CU(cudaStreamSynchronize(c->stream), "sync before all-reduce");
-    AMX_CHECK(comm->allreduce_max(comm, c->pending, (size_t)n, 1, err));
-    if (nq == 0)
-        return AMX_OK;
-    CU(cudaMemcpyAsync(c->q, qs, nq * sizeof(amx_qdesc_t), cudaMemcpyHostToDevice, c->stream),
-       "cudaMemcpyAsync (descriptors)");
-    float *peer_max = c->groups, *scale_max = c->groups + npeer;
-    if (ngroups)
-        k_fill<<<blocks_for(ngroups), THREADS, 0, c->stream>>>(c->groups, ngroups, -INFINITY);
-    k_fill<<<blocks_for(nq), THREADS, 0, c->stream>>>(c->gamax, nq, -INFINITY);
-    k_accumulate<<<chunks_for(n), THREADS, 0, c->stream>>>(c->q, nq, n, c->pending, c->accum,
-                                                           c->hist, c->out_amax, peer_max);
-    k_peer_fill<<<chunks_for(n), THREADS, 0, c->stream>>>(c->q, nq, n, peer_max, c->out_amax,
-                                                          c->gamax);
-    k_scale_groups<<<blocks_for(nq), THREADS, 0, c->stream>>>(c->q, nq, c->gamax, scale_max);
-    k_global<<<blocks_for(nq), THREADS, 0, c->stream>>>(c->q, nq, scale_max, c->gamax, c->prev_g,
-                                                        c->gscale, c->gscale_inv);
-    CU(cudaGetLastError(), "epoch kernels launch");
-    AMX_CHECK(amx__cuda_scales_launch(c->q, nq, n, c->out_amax, c->gamax, c->gscale, c->gscale_inv,
-                                      c->prev, c->out_scale, c->out_inv, c->out_bytes, c->stream,
-                                      err));
-    k_fill<<<blocks_for(n), THREADS, 0, c->stream>>>(c->pending, n, -INFINITY);
-    CU(cudaGetLastError(), "fill kernel launch");
-    /* Publish the results in host memory. */
+    if (nq > c->cap_dq) {
+        dfree(c->dq, s);
+        c->dq = NULL;
+        c->cap_dq = 0;
+        AMX_CHECK(dalloc((void **)&c->dq, (size_t)nq * sizeof(amx_qdesc_t), s, err));
+        c->cap_dq = nq;
+    }
+    AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    uint64_t n = ncells;
+    const float *red = (from_send ? c->pend[fl] : c->recv) + AMX_HDR_CELLS;
+    if (nq > 0) {
+        CU(cudaMemcpyAsync(c->dq, qs, nq * sizeof(amx_qdesc_t), cudaMemcpyHostToDevice, s),
+           "cudaMemcpyAsync (descriptors)");
+        float *peer_max = c->groups, *scale_max = c->groups + npeer;
+        unsigned nb = nq < 4096 ? nq : 4096;
+        k_reset_flagged<<<nb, THREADS, 0, s>>>(c->dq, nq, c->accum, c->prev, c->hist, c->prev_g);
+        if (ngroups)
+            k_fill<<<blocks_for(ngroups), THREADS, 0, s>>>(c->groups, ngroups, -INFINITY);
+        k_fill<<<blocks_for(nq), THREADS, 0, s>>>(c->o_gamax[back], nq, -INFINITY);
+        if (n > 0) {
+            k_accumulate<<<chunks_for(n), THREADS, 0, s>>>(c->dq, nq, n, red, c->accum, c->hist,
+                                                           c->o_amax[back], peer_max);
+            k_peer_fill<<<chunks_for(n), THREADS, 0, s>>>(c->dq, nq, n, peer_max, c->o_amax[back],
+                                                          c->o_gamax[back]);
+        }
+        k_scale_groups<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, c->o_gamax[back], scale_max);
+        k_global<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, scale_max, c->o_gamax[back],
+                                                    c->prev_g, c->o_gscale[back], c->o_ginv[back]);
+        CU(cudaGetLastError(), "epoch kernels launch");
+        AMX_CHECK(amx__cuda_scales_launch(
+            c->dq, nq, n, c->o_amax[back], c->o_gamax[back], c->o_gscale[back], c->o_ginv[back],
+            c->prev, c->o_scale[back], c->o_inv[back], c->o_bytes[back], s, err));
+        CU(cudaMemcpyAsync(st->g_amax[back], c->o_gamax[back], (size_t)nq * 4,
+                           cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (globals)");
+        CU(cudaMemcpyAsync(st->g_scale[back], c->o_gscale[back], (size_t)nq * 4,
+                           cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (globals)");
+        CU(cudaMemcpyAsync(st->g_inv[back], c->o_ginv[back], (size_t)nq * 4, cudaMemcpyDeviceToHost,
+                           s),
+           "cudaMemcpyAsync (globals)");
+    }
+    AMX_CHECK(fill_f(c->pend[fl] + AMX_HDR_CELLS, c->pend_n[fl], -INFINITY, s, err));
+    CU(cudaStreamSynchronize(s), "epoch kernels");
+    st->last_finish_us = amx_now_us() - t0;
+    return AMX_OK;
+}
+
+static amx_status_t cuda_export(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
+                                const amx_state_arrays_t *d, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    cudaStream_t s = c->se;
+    int f = st->front;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    if (ncells != st->ncells || nhist != st->nhist || nq != st->nq || ncells != st->out_cells[f] ||
+        nq > st->out_nq[f])
+        return amx_err_set(err, AMX_EINTERNAL,
+                           "state export of %llu cells / %u quantizers, the state holds %llu / %u",
+                           (unsigned long long)ncells, nq, (unsigned long long)st->ncells, st->nq);
     struct {
         void *dst;
         const void *src;
         size_t bytes;
-    } d2h[] = {{st->out_amax, c->out_amax, n * 4},         {st->out_scale, c->out_scale, n * 4},
-               {st->out_scale_inv, c->out_inv, n * 4},     {st->out_bytes, c->out_bytes, n},
-               {st->out_gamax, c->gamax, nq * 4},          {st->out_gscale, c->gscale, nq * 4},
-               {st->out_gscale_inv, c->gscale_inv, nq * 4}};
-    for (size_t k = 0; k < sizeof(d2h) / sizeof(d2h[0]); k++)
-        CU(cudaMemcpyAsync(d2h[k].dst, d2h[k].src, d2h[k].bytes, cudaMemcpyDeviceToHost, c->stream),
-           "cudaMemcpyAsync (results)");
-    CU(cudaStreamSynchronize(c->stream), "epoch kernels");
+    } cp[] = {{d->accum, c->accum, ncells * 4},        {d->prev, c->prev, ncells * 4},
+              {d->hist, c->hist, nhist * 4},           {d->prev_g, c->prev_g, (size_t)nq * 4},
+              {d->out_amax, c->o_amax[f], ncells * 4}, {d->out_scale, c->o_scale[f], ncells * 4},
+              {d->out_inv, c->o_inv[f], ncells * 4},   {d->out_bytes, c->o_bytes[f], ncells}};
+    for (size_t k = 0; k < sizeof(cp) / sizeof(cp[0]); k++)
+        if (cp[k].bytes)
+            CU(cudaMemcpyAsync(cp[k].dst, cp[k].src, cp[k].bytes, cudaMemcpyDeviceToHost, s),
+               "cudaMemcpyAsync (export)");
+    CU(cudaStreamSynchronize(s), "export");
+    if (nq) {
+        memcpy(d->g_amax, st->g_amax[f], nq * sizeof(float));
+        memcpy(d->g_scale, st->g_scale[f], nq * sizeof(float));
+        memcpy(d->g_inv, st->g_inv[f], nq * sizeof(float));
+    }
     return AMX_OK;
 }
 
-static amx_status_t cuda_reset(amx_state_t *st, const amx_qdesc_t *qs, const uint32_t *ids,
-                               uint32_t n, amx_err_t *err)
+static amx_status_t cuda_import(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
+                                const amx_state_arrays_t *src, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
-    if (n == 0)
-        return AMX_OK;
-    uint32_t *d_ids = NULL;
-    CU(cudaMemcpyAsync(c->q, qs, st->nq * sizeof(amx_qdesc_t), cudaMemcpyHostToDevice, c->stream),
-       "cudaMemcpyAsync (descriptors)");
-    CU(cudaMalloc(&d_ids, n * sizeof(uint32_t)), "cudaMalloc (reset ids)");
-    cudaError_t e =
-        cudaMemcpyAsync(d_ids, ids, n * sizeof(uint32_t), cudaMemcpyHostToDevice, c->stream);
-    if (e == cudaSuccess) {
-        unsigned nb = n < 4096 ? n : 4096;
-        k_reset<<<nb, THREADS, 0, c->stream>>>(c->q, d_ids, n, c->pending, c->accum, c->prev,
-                                               c->hist, c->prev_g);
-        e = cudaGetLastError();
+    cudaStream_t s = c->se;
+    int back = st->front ^ 1;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    dfree(c->accum, s), dfree(c->prev, s), dfree(c->hist, s), dfree(c->prev_g, s);
+    c->accum = c->prev = c->hist = c->prev_g = NULL;
+    AMX_CHECK(dalloc((void **)&c->accum, ncells * 4, s, err));
+    AMX_CHECK(dalloc((void **)&c->prev, ncells * 4, s, err));
+    AMX_CHECK(dalloc((void **)&c->hist, nhist * 4, s, err));
+    AMX_CHECK(dalloc((void **)&c->prev_g, (size_t)nq * 4, s, err));
+    st->ncells = ncells;
+    st->nhist = nhist;
+    st->nq = nq;
+    AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    struct {
+        void *dst;
+        const void *src;
+        size_t bytes;
+    } cp[] = {{c->accum, src->accum, ncells * 4},
+              {c->prev, src->prev, ncells * 4},
+              {c->hist, src->hist, nhist * 4},
+              {c->prev_g, src->prev_g, (size_t)nq * 4},
+              {c->o_amax[back], src->out_amax, ncells * 4},
+              {c->o_scale[back], src->out_scale, ncells * 4},
+              {c->o_inv[back], src->out_inv, ncells * 4},
+              {c->o_bytes[back], src->out_bytes, ncells},
+              {c->o_gamax[back], src->g_amax, (size_t)nq * 4},
+              {c->o_gscale[back], src->g_scale, (size_t)nq * 4},
+              {c->o_ginv[back], src->g_inv, (size_t)nq * 4}};
+    for (size_t k = 0; k < sizeof(cp) / sizeof(cp[0]); k++)
+        if (cp[k].bytes)
+            CU(cudaMemcpyAsync(cp[k].dst, cp[k].src, cp[k].bytes, cudaMemcpyHostToDevice, s),
+               "cudaMemcpyAsync (import)");
+    CU(cudaStreamSynchronize(s), "import");
+    if (nq) {
+        memcpy(st->g_amax[back], src->g_amax, nq * sizeof(float));
+        memcpy(st->g_scale[back], src->g_scale, nq * sizeof(float));
+        memcpy(st->g_inv[back], src->g_inv, nq * sizeof(float));
     }
-    if (e == cudaSuccess)
-        e = cudaStreamSynchronize(c->stream);
-    cudaFree(d_ids);
-    CU(e, "reset");
     return AMX_OK;
 }
 
@@ -508,19 +895,44 @@ static void cuda_destroy(amx_state_t *st)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     cudaSetDevice(c->device);
-    void *dev[] = {c->pending,   c->accum,   c->prev,      c->hist,  c->prev_g, c->out_amax,
-                   c->out_scale, c->out_inv, c->out_bytes, c->gamax, c->gscale, c->gscale_inv,
-                   c->groups,    c->q,       c->d_stage,   c->d_runs};
+    cudaStreamSynchronize(c->sl);
+    cudaStreamSynchronize(c->se);
+    void *dev[] = {c->pend[0],    c->pend[1],    c->recv,        c->accum,       c->prev,
+                   c->hist,       c->prev_g,     c->o_amax[0],   c->o_amax[1],   c->o_scale[0],
+                   c->o_scale[1], c->o_inv[0],   c->o_inv[1],    c->o_bytes[0],  c->o_bytes[1],
+                   c->o_gamax[0], c->o_gamax[1], c->o_gscale[0], c->o_gscale[1], c->o_ginv[0],
+                   c->o_ginv[1],  c->groups,     c->dq,          c->d_stage,     c->d_runs,
+                   c->e_runs};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
-        cudaFree(dev[i]);
+        if (dev[i] != NULL)
+            cudaFreeAsync(dev[i], c->se);
+    cudaStreamSynchronize(c->se);
     cudaFreeHost(c->h_stage);
     cudaFreeHost(c->h_runs);
-    cudaStreamDestroy(c->stream);
+    for (int i = 0; i < c->nretired; i++)
+        cudaFreeHost(c->retired[i]);
+    cudaStreamDestroy(c->sl);
+    cudaStreamDestroy(c->se);
     free(c);
 }
 
 static const amx_state_ops_t cuda_ops = {
-    "cuda", cuda_reserve, cuda_merge, cuda_reconcile, cuda_reset, cuda_destroy,
+    "cuda",
+    1,
+    cuda_reserve_pending,
+    cuda_merge,
+    cuda_flip,
+    cuda_unflip,
+    cuda_remap_active,
+    cuda_publish,
+    cuda_read_results,
+    cuda_remap,
+    cuda_prepare,
+    cuda_read_header,
+    cuda_finish,
+    cuda_export,
+    cuda_import,
+    cuda_destroy,
 };
 
 extern "C" int amx__state_cuda_probe(void)
@@ -529,13 +941,16 @@ extern "C" int amx__state_cuda_probe(void)
     return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-extern "C" amx_status_t amx__state_cuda_create(amx_state_t **out, amx_err_t *err)
+extern "C" amx_status_t amx__state_cuda_create(int device, amx_state_t **out, amx_err_t *err)
 {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0)
         return amx_err_set(err, AMX_EUNAVAIL, "no usable CUDA device (%s); use --backend=host",
                            e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    if (device < 0 || device >= n)
+        return amx_err_set(err, AMX_EINVAL, "cuda_device %d does not exist (%d visible devices)",
+                           device, n);
     cuda_state_t *c = (cuda_state_t *)calloc(1, sizeof(*c));
     amx_state_t *st = (amx_state_t *)calloc(1, sizeof(*st));
     if (c == NULL || st == NULL) {
@@ -543,8 +958,12 @@ extern "C" amx_status_t amx__state_cuda_create(amx_state_t **out, amx_err_t *err
         free(st);
         return amx_err_set(err, AMX_ENOMEM, "out of host memory");
     }
-    cudaGetDevice(&c->device);
-    e = cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking);
+    c->device = device;
+    e = cudaSetDevice(device);
+    if (e == cudaSuccess)
+        e = cudaStreamCreateWithFlags(&c->sl, cudaStreamNonBlocking);
+    if (e == cudaSuccess)
+        e = cudaStreamCreateWithFlags(&c->se, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
         free(c);
         free(st);

@@ -1,12 +1,30 @@
 /*
- * comm.h - the collective backend: how daemons of one job reduce their flat
- * buffers. "local" (a single daemon) is the only backend of this version;
- * NCCL and Gloo implement the same interface.
+ * comm.h - the collective backend: how the daemons of one job reduce their
+ * flat buffers.
+ *
+ * A communicator connects the participants of one job (the daemons that host
+ * at least one of its trainer ranks), numbered 0..size-1 in the order of
+ * their cluster ranks. It is created once per "communicator generation"
+ * (docs/CLUSTER.md) after a rendezvous through the coordinator's key-value
+ * store, and kept across epochs until a failure.
+ *
+ * Backends:
+ *   local  one participant: nothing to exchange (comm_local.c)
+ *   gloo   CPU buffers, TCP transport, through a C++ shim (comm_gloo.cc)
+ *   nccl   device buffers; every NCCL call runs on one thread (comm_nccl.c)
+ *
+ * Threads: create, allreduce_max and destroy are called on the job's engine
+ * thread (epoch.c) and block it, never the loop thread. abort may be called
+ * from any thread; it makes an operation in flight (or the next one) fail
+ * promptly where the backend can (NCCL: ncclCommAbort; Gloo: closes the
+ * connections). After any failed operation or an abort the communicator is
+ * unusable and must be destroyed.
  */
 #ifndef AMX_COMM_H
 #define AMX_COMM_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "status.h"
 
@@ -14,22 +32,71 @@
 extern "C" {
 #endif
 
+/*
+ * The rendezvous store: a key-value store served by the coordinator
+ * (peer.c), or an in-process one in tests. Both calls block the calling
+ * thread. Keys are printable ASCII; values are bytes.
+ */
+typedef struct amx_kv {
+    void *ud;
+    /* Stores `len` bytes under `key` (replacing any old value). */
+    amx_status_t (*set)(void *ud, const char *key, const void *val, size_t len, amx_err_t *err);
+    /* Waits until `key` exists or the CLOCK_MONOTONIC time `deadline_ms`
+     * passes (ETIMEDOUT); on AMX_OK *val is malloc'd (the caller frees it). */
+    amx_status_t (*get)(void *ud, const char *key, uint64_t deadline_ms, void **val, size_t *len,
+                        amx_err_t *err);
+} amx_kv_t;
+
 typedef struct amx_comm amx_comm_t;
 
-struct amx_comm {
+typedef struct amx_comm_ops {
     const char *name;
-    /* Element-wise MAX all-reduce of `n` floats in place. `on_device` says
-     * whether buf is device memory. Must be entered by every daemon of the
-     * job in the same order; returns ETIMEDOUT/EUNAVAIL when a peer is gone. */
-    amx_status_t (*allreduce_max)(amx_comm_t *c, float *buf, size_t n, int on_device,
-                                  amx_err_t *err);
+    /*
+     * Element-wise MAX of `n` floats over all participants: recv[i] = max
+     * over participants of send[i]. send and recv do not overlap (a failed
+     * operation leaves send untouched). Device memory for nccl, host memory
+     * otherwise; `stream` is the caller's cudaStream_t for nccl (ignored
+     * otherwise). Every participant must call it with the same n, in the
+     * same order. Returns ETIMEDOUT when `deadline_ms` passes, EUNAVAIL
+     * when a peer is gone, EABORTED after abort().
+     */
+    amx_status_t (*allreduce_max)(amx_comm_t *c, const float *send, float *recv, size_t n,
+                                  void *stream, uint64_t deadline_ms, amx_err_t *err);
+    /* Any thread; idempotent. */
+    void (*abort)(amx_comm_t *c);
     void (*destroy)(amx_comm_t *c);
-    int world; /* daemons in the collective */
-    int rank;
+} amx_comm_ops_t;
+
+struct amx_comm {
+    const amx_comm_ops_t *ops;
+    int rank; /* this participant, 0..size-1 */
+    int size;
+    int on_device; /* buffers must be device memory */
 };
 
-/* The collective of a job served by this daemon alone. Never fails. */
-amx_comm_t *amx_comm_local_create(void);
+/* What creating a communicator needs. Strings are borrowed for the call. */
+typedef struct amx_comm_params {
+    int rank, size;
+    const amx_kv_t *kv;   /* rendezvous store (gloo, nccl) */
+    const char *prefix;   /* key prefix unique to this job and generation */
+    const char *host;     /* gloo: the address to bind and advertise */
+    int cuda_device;      /* nccl: the device of the job's state */
+    uint64_t deadline_ms; /* CLOCK_MONOTONIC ms by which the rendezvous must end */
+} amx_comm_params_t;
+
+/* Creates a communicator of backend `name` ("local", "gloo", "nccl").
+ * EUNAVAIL when the backend is not compiled in. Blocks until every
+ * participant has joined the rendezvous or the deadline passes. */
+amx_status_t amx_comm_create(const char *name, const amx_comm_params_t *p, amx_comm_t **out,
+                             amx_err_t *err);
+
+/* Whether backend `name` is compiled in. */
+int amx_comm_available(const char *name);
+
+/* Backend constructors (comm_local.c, comm_gloo.cc, comm_nccl.c). */
+amx_status_t amx__comm_local_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err);
+amx_status_t amx__comm_gloo_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err);
+amx_status_t amx__comm_nccl_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err);
 
 #ifdef __cplusplus
 }

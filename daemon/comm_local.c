@@ -1,13 +1,24 @@
-/* comm_local.c - the collective of a single daemon: nothing to exchange. */
+/*
+ * comm_local.c - the collective of a job with one participant, and the
+ * backend dispatch of comm.h.
+ */
 #include <stdlib.h>
+#include <string.h>
 
 #include "comm.h"
 
-static amx_status_t local_allreduce_max(amx_comm_t *c, float *buf, size_t n, int on_device,
-                                        amx_err_t *err)
+static amx_status_t local_allreduce_max(amx_comm_t *c, const float *send, float *recv, size_t n,
+                                        void *stream, uint64_t deadline_ms, amx_err_t *err)
 {
-    (void)c, (void)buf, (void)n, (void)on_device, (void)err;
+    (void)c, (void)stream, (void)deadline_ms, (void)err;
+    if (send != recv)
+        memcpy(recv, send, n * sizeof(float));
     return AMX_OK;
+}
+
+static void local_abort(amx_comm_t *c)
+{
+    (void)c;
 }
 
 static void local_destroy(amx_comm_t *c)
@@ -15,11 +26,61 @@ static void local_destroy(amx_comm_t *c)
     free(c);
 }
 
-amx_comm_t *amx_comm_local_create(void)
+static const amx_comm_ops_t local_ops = {"local", local_allreduce_max, local_abort, local_destroy};
+
+amx_status_t amx__comm_local_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
 {
-    static const amx_comm_t proto = {"local", local_allreduce_max, local_destroy, 1, 0};
-    amx_comm_t *c = malloc(sizeof(*c));
-    if (c != NULL)
-        *c = proto;
-    return c;
+    amx_comm_t *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    c->ops = &local_ops;
+    c->rank = 0;
+    c->size = 1;
+    (void)p;
+    *out = c;
+    return AMX_OK;
+}
+
+#ifndef AMX_HAVE_GLOO
+amx_status_t amx__comm_gloo_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
+{
+    (void)p, (void)out;
+    return amx_err_set(err, AMX_EUNAVAIL, "this amaxd was built without Gloo");
+}
+#endif
+
+#ifndef AMX_HAVE_NCCL
+amx_status_t amx__comm_nccl_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
+{
+    (void)p, (void)out;
+    return amx_err_set(err, AMX_EUNAVAIL,
+                       "this amaxd was built without NCCL (build with -DAMAXD_CUDA=ON)");
+}
+#endif
+
+int amx_comm_available(const char *name)
+{
+    if (strcmp(name, "local") == 0)
+        return 1;
+#ifdef AMX_HAVE_GLOO
+    if (strcmp(name, "gloo") == 0)
+        return 1;
+#endif
+#ifdef AMX_HAVE_NCCL
+    if (strcmp(name, "nccl") == 0)
+        return 1;
+#endif
+    return 0;
+}
+
+amx_status_t amx_comm_create(const char *name, const amx_comm_params_t *p, amx_comm_t **out,
+                             amx_err_t *err)
+{
+    if (strcmp(name, "local") == 0)
+        return amx__comm_local_create(p, out, err);
+    if (strcmp(name, "gloo") == 0)
+        return amx__comm_gloo_create(p, out, err);
+    if (strcmp(name, "nccl") == 0)
+        return amx__comm_nccl_create(p, out, err);
+    return amx_err_set(err, AMX_EINVAL, "unknown collective backend '%s'", name);
 }

@@ -141,6 +141,45 @@ static void apply_typed(amx_config_t *cfg, int i, int64_t iv)
     case AMX_CFG_shutdown_grace_ms:
         cfg->shutdown_grace_ms = iv;
         break;
+    case AMX_CFG_cluster_size:
+        cfg->cluster_size = iv;
+        break;
+    case AMX_CFG_cluster_rank:
+        cfg->cluster_rank = iv;
+        break;
+    case AMX_CFG_peer_port:
+        cfg->peer_port = iv;
+        break;
+    case AMX_CFG_cuda_device:
+        cfg->cuda_device = iv;
+        break;
+    case AMX_CFG_coordinator:
+        cfg->coordinator = t;
+        break;
+    case AMX_CFG_peer_listen:
+        cfg->peer_listen = t;
+        break;
+    case AMX_CFG_peer_advertise:
+        cfg->peer_advertise = t;
+        break;
+    case AMX_CFG_cluster_secret_file:
+        cfg->cluster_secret_file = t;
+        break;
+    case AMX_CFG_peer_tls_cert:
+        cfg->peer_tls_cert = t;
+        break;
+    case AMX_CFG_peer_tls_key:
+        cfg->peer_tls_key = t;
+        break;
+    case AMX_CFG_peer_tls_ca:
+        cfg->peer_tls_ca = t;
+        break;
+    case AMX_CFG_collective:
+        cfg->collective = t;
+        break;
+    case AMX_CFG_gloo_host:
+        cfg->gloo_host = t;
+        break;
     default:
         break;
     }
@@ -181,7 +220,15 @@ amx_status_t amx_config_set(amx_config_t *cfg, const char *name, const char *val
     int i = find_entry(name);
     if (i < 0)
         return amx_err_set(err, AMX_EINVAL, "unknown config entry '%s' (see --help)", name);
-    return set_index(cfg, i, value, err);
+    AMX_CHECK(set_index(cfg, i, value, err));
+    cfg->set[i] = 1;
+    return AMX_OK;
+}
+
+int amx_config_is_set(const amx_config_t *cfg, const char *name)
+{
+    int i = find_entry(name);
+    return i >= 0 && cfg->set[i];
 }
 
 typedef struct ini_ctx {
@@ -234,6 +281,7 @@ amx_status_t amx_config_load_env(amx_config_t *cfg, amx_err_t *err)
         amx_err_t e = {0};
         if (set_index(cfg, i, v, &e) != AMX_OK)
             return amx_err_set(err, e.code, "environment %s: %s", var, e.msg);
+        cfg->set[i] = 1;
     }
     return AMX_OK;
 }
@@ -296,6 +344,7 @@ amx_status_t amx_config_from_args(amx_config_t *cfg, int argc, char **argv, int 
         amx_err_t e = {0};
         if (set_index(cfg, idx, value, &e) != AMX_OK)
             return amx_err_set(err, e.code, "option --%s: %s", name, e.msg);
+        cfg->set[idx] = 1;
     }
     return AMX_OK;
 }

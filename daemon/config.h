@@ -46,7 +46,36 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
     X(reconcile_timeout_ms, AMX_CFG_INT, "600000", 10, 86400000, NULL, 0,                          \
       "how long Reconcile waits for the other ranks before DEADLINE_EXCEEDED")                     \
     X(shutdown_grace_ms, AMX_CFG_INT, "5000", 0, 600000, NULL, 0,                                  \
-      "on SIGTERM, how long calls in flight may finish before they are cancelled")
+      "on SIGTERM, how long calls in flight may finish before they are cancelled")                 \
+    X(cluster_size, AMX_CFG_INT, "1", 1, 65536, NULL, AMX_CFG_IMMUTABLE,                           \
+      "daemons in the cluster (else from SLURM_NNODES or WORLD_SIZE; 1: a single daemon)")         \
+    X(cluster_rank, AMX_CFG_INT, "0", 0, 65535, NULL, AMX_CFG_IMMUTABLE,                           \
+      "this daemon's rank in the cluster; 0 is the coordinator (else SLURM_NODEID or RANK)")       \
+    X(coordinator, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                                 \
+      "host:port of rank 0's peer service (else the first host of SLURM_JOB_NODELIST, or "         \
+      "MASTER_ADDR:MASTER_PORT)")                                                                  \
+    X(peer_port, AMX_CFG_INT, "7420", 1, 65535, NULL, AMX_CFG_IMMUTABLE,                           \
+      "TCP port of the peer service when neither coordinator nor peer_listen names one")           \
+    X(peer_listen, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                                 \
+      "host:port the peer service binds (empty: all interfaces, the coordinator's port)")          \
+    X(peer_advertise, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                              \
+      "host:port other daemons reach this one on (empty: this host's name and the listen port)")   \
+    X(cluster_secret_file, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                         \
+      "file with the cluster's shared secret (>= 16 bytes, mode 0600); needed when "               \
+      "cluster_size > 1")                                                                          \
+    X(peer_tls_cert, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                               \
+      "PEM certificate of this daemon: with peer_tls_key and peer_tls_ca, peers use mutual TLS")   \
+    X(peer_tls_key, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE | AMX_CFG_SECRET,               \
+      "PEM private key of peer_tls_cert")                                                          \
+    X(peer_tls_ca, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                                 \
+      "PEM CA certificate that signed every daemon's certificate")                                 \
+    X(collective, AMX_CFG_ENUM, "auto", 0, 0, "auto|gloo|nccl", AMX_CFG_IMMUTABLE,                 \
+      "how daemons reduce together: nccl (GPU buffers), gloo (CPU, TCP); auto = nccl with the "    \
+      "cuda backend, else gloo")                                                                   \
+    X(gloo_host, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                                   \
+      "address Gloo binds and advertises (empty: the host of peer_advertise)")                     \
+    X(cuda_device, AMX_CFG_INT, "0", 0, 255, NULL, AMX_CFG_IMMUTABLE,                              \
+      "CUDA device of the cuda backend (and of NCCL)")
 
 enum {
 #define AMX__CFG_ENUM(name, type, def, min, max, values, flags, desc) AMX_CFG_##name,
@@ -58,11 +87,18 @@ enum {
 typedef struct amx_config {
     char *text[AMX_CFG_COUNT]; /* current value of every entry, as text */
     /* Typed views, kept in step with text[] by amx_config_set. */
+    unsigned char set[AMX_CFG_COUNT]; /* given by a file, the environment or a flag */
     const char *socket, *tcp, *backend, *log_level, *log_file;
     int64_t socket_mode, max_message_bytes, max_cells, max_quantizers, max_jobs, max_world_size;
     int64_t join_timeout_ms, reconcile_timeout_ms, shutdown_grace_ms;
     int allow_remote;
+    int64_t cluster_size, cluster_rank, peer_port, cuda_device;
+    const char *coordinator, *peer_listen, *peer_advertise, *cluster_secret_file;
+    const char *peer_tls_cert, *peer_tls_key, *peer_tls_ca, *collective, *gloo_host;
 } amx_config_t;
+
+/* Whether entry `name` was given explicitly (not its default). */
+int amx_config_is_set(const amx_config_t *cfg, const char *name);
 
 /* Fills `cfg` with the defaults. Free with amx_config_free. */
 void amx_config_init(amx_config_t *cfg);

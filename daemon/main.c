@@ -14,15 +14,19 @@
 
 #include "config.h"
 #include "log.h"
+#include "peer.h"
 #include "registry.h"
 #include "rpc.h"
 #include "service.h"
+#include "comm.h"
 #include "state.h"
 #include "version.h"
 
 typedef struct amx_daemon {
     uv_loop_t loop;
     amx_config_t cfg;
+    amx_cluster_id_t id;
+    amx_peer_t *peer;
     amx_registry_t *reg;
     amx_rpc_t *rpc;
     uv_signal_t sig_term, sig_int, sig_hup;
@@ -33,7 +37,9 @@ typedef struct amx_daemon {
 static void on_tick(uv_timer_t *t)
 {
     amx_daemon_t *d = t->data;
-    amx_registry_expire(d->reg, amx__now_ms());
+    uint64_t now = amx__now_ms();
+    amx_registry_expire(d->reg, now);
+    amx_peer_tick(d->peer, now);
 }
 
 static void on_rpc_stopped(void *ud)
@@ -54,6 +60,8 @@ static void on_stop_signal(uv_signal_t *s, int signum)
     }
     d->stopping = 1;
     AMX_INFO("main", "signal %d: shutting down", signum);
+    amx_registry_shutdown(d->reg, "amaxd is shutting down; the job's state is lost unless it was "
+                                  "snapshotted: re-join after the daemon restarts");
     amx_rpc_stop(d->rpc, (uint64_t)d->cfg.shutdown_grace_ms, on_rpc_stopped, d);
 }
 
@@ -93,8 +101,10 @@ int main(int argc, char **argv)
         return 0;
     }
     if (action == AMX_CFG_VERSION) {
-        printf("amaxd %s (cuda backend %s)\n", AMAXD_VERSION,
-               AMAXD_HAVE_CUDA ? "compiled in" : "not compiled in");
+        printf("amaxd %s (cuda backend %s; collectives: local%s%s)\n", AMAXD_VERSION,
+               AMAXD_HAVE_CUDA ? "compiled in" : "not compiled in",
+               amx_comm_available("gloo") ? ", gloo" : "",
+               amx_comm_available("nccl") ? ", nccl" : "");
         amx_config_free(&d.cfg);
         return 0;
     }
@@ -108,26 +118,49 @@ int main(int argc, char **argv)
     AMX_INFO("main", "amaxd %s starting (pid %d)", AMAXD_VERSION, (int)getpid());
     amx_config_foreach(&d.cfg, log_setting, NULL);
 
-    const char *backend = d.cfg.backend;
-    if (strcmp(backend, "auto") == 0)
-        backend = amx_state_cuda_available() ? "cuda" : "host";
-    if (amx_registry_create(&d.cfg, backend, &d.reg, &err) != AMX_OK) {
-        AMX_ERROR("main", "state backend %s: %s", backend, err.msg);
+    if (amx_cluster_resolve(&d.cfg, (const char *(*)(const char *))getenv, &d.id, &err) != AMX_OK) {
+        AMX_ERROR("main", "%s", err.msg);
+        amx_log_close();
         amx_config_free(&d.cfg);
         return 1;
     }
-    AMX_INFO("main", "state backend: %s, collective: local", backend);
-
+    const char *backend = d.cfg.backend;
+    if (strcmp(backend, "auto") == 0)
+        backend = amx_state_cuda_available() ? "cuda" : "host";
     uv_loop_init(&d.loop);
+    if (amx_peer_create(&d.loop, &d.cfg, &d.id, &d.peer, &err) != AMX_OK) {
+        AMX_ERROR("main", "%s", err.msg);
+        uv_loop_close(&d.loop);
+        amx_log_close();
+        amx_config_free(&d.cfg);
+        return 1;
+    }
+    if (amx_registry_create(&d.loop, &d.cfg, backend, d.peer, &d.reg, &err) != AMX_OK) {
+        AMX_ERROR("main", "state backend %s: %s", backend, err.msg);
+        amx_peer_destroy(d.peer);
+        uv_loop_close(&d.loop);
+        amx_log_close();
+        amx_config_free(&d.cfg);
+        return 1;
+    }
+    if (d.id.size > 1)
+        AMX_INFO("main",
+                 "cluster: rank %u of %u (from %s), coordinator %s, this daemon %s, "
+                 "peer service on %s",
+                 d.id.rank, d.id.size, d.id.source, d.id.coordinator, d.id.advertise, d.id.listen);
+    AMX_INFO("main", "state backend: %s, collective: %s", backend, amx_registry_collective(d.reg));
+
     double start = (double)amx__now_ms() / 1000.0;
-    if (amx_rpc_start(&d.loop, &d.cfg, d.reg, start, &d.rpc, &err) != AMX_OK) {
+    if (amx_rpc_start(&d.loop, &d.cfg, d.reg, d.peer, start, &d.rpc, &err) != AMX_OK) {
         AMX_ERROR("main", "%s", err.msg);
         amx_registry_destroy(d.reg);
+        amx_peer_destroy(d.peer);
         uv_run(&d.loop, UV_RUN_DEFAULT);
         uv_loop_close(&d.loop);
         amx_config_free(&d.cfg);
         return 1;
     }
+    amx_peer_attach(d.peer, d.reg, d.rpc);
     uv_signal_init(&d.loop, &d.sig_term);
     uv_signal_init(&d.loop, &d.sig_int);
     uv_signal_init(&d.loop, &d.sig_hup);
@@ -142,8 +175,10 @@ int main(int argc, char **argv)
 
     uv_run(&d.loop, UV_RUN_DEFAULT);
 
-    amx_rpc_free(d.rpc);
-    amx_registry_destroy(d.reg);
+    amx_registry_destroy(d.reg); /* joins the engine threads */
+    uv_run(&d.loop, UV_RUN_DEFAULT);
+    amx_peer_destroy(d.peer);
+    amx_rpc_free(d.rpc); /* shuts gRPC down */
     if (uv_loop_close(&d.loop) != 0)
         AMX_WARN("main", "event loop closed with handles still open");
     AMX_INFO("main", "stopped");

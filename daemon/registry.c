@@ -1,260 +1,272 @@
 /*
- * registry.c - jobs, catalogs, placements, contributions and epochs.
+ * registry.c - jobs, local ranks, the local view of the catalog, placements,
+ * contributions and epochs, on the loop thread.
  *
- * Layout: a job's quantizers are numbered in the order they were first
- * registered; quantizer i owns cells [desc[i].base, +ncells) of the flat
- * buffers of the job's state backend, and PER_EPOCH quantizers also own
- * hist_len * ncells history cells. Results are keyed by name, so this order
- * never shows in an answer.
+ * A quantizer registered here is a proposal (with provisional cells after
+ * the agreed ones) until an epoch's agreement adopts it into the agreed
+ * catalog, whose layout is canonical (catalog.h). Contributions are merged
+ * into the active pending buffer at the quantizer's current cells. When
+ * every local rank of a job has entered Reconcile, the epoch is handed to
+ * the job's engine (epoch.c); its outcome comes back through epoch_done.
  */
 #include "registry.h"
 
-#include <ctype.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
+#include "epoch.h"
+#include "job.h"
 #include "log.h"
+#include "peer.h"
 #include "state.h"
-#include "strmap.h"
 
-#define MAX_DIMS 4
-#define MAX_NAME 255
-#define MAX_JOB_NAME 128
-
-enum { WAIT_JOIN = 1, WAIT_RECONCILE = 2 };
-
-typedef struct placement {
-    uint32_t q;
-    uint32_t ndim;
-    uint32_t off[MAX_DIMS], shape[MAX_DIMS];
-    uint64_t ncells;
-} placement_t;
-
-typedef struct rank {
-    uint8_t joined;
-    uint8_t in_reconcile;
-    amx_waiter_t *join_w, *rec_w;
-    uint32_t *pl_of_q; /* per quantizer: index + 1 into pls, 0 = none */
-    uint32_t cap_q;
-    placement_t *pls;
-    uint32_t npls, cap_pls;
-} rank_t;
-
-typedef struct quant {
-    char *name;
-    uint32_t ndim;
-    uint32_t shape[MAX_DIMS];
-    uint32_t nplacements;
-} quant_t;
-
-typedef struct group_table {
-    char **names;
-    uint32_t n, cap;
-    amx_strmap_t map;
-} group_table_t;
-
-typedef struct job {
-    char *name;
-    uint32_t world;
-    uint32_t njoined;
-    int ready;
-    rank_t *ranks;
-    quant_t *q;
-    amx_qdesc_t *desc;
-    uint32_t *stamp; /* per quantizer: the last SendAmax batch that named it */
-    uint32_t batch;
-    uint32_t nq, cap_q;
-    amx_strmap_t qmap;
-    group_table_t peer, scale;
-    uint64_t ncells, nhist;
-    amx_state_t *state;
-    uint64_t epoch;           /* open epoch, from 1 */
-    uint64_t last_reconciled; /* 0: none yet */
-    uint32_t nin_reconcile;
-    uint32_t nwaiting;
-    uint64_t updates;
-    struct job *next;
-} job_t;
+enum { WAIT_JOIN = 1, WAIT_RECONCILE = 2, WAIT_REGISTER = 3, WAIT_RESET = 4 };
 
 struct amx_registry {
+    uv_loop_t *loop;
     const amx_config_t *cfg;
     char backend[16];
-    job_t *jobs;
+    char collective[16];
+    amx_peer_t *peer;
+    amx_job_t *jobs;
+    amx_job_t *zombies; /* dropped while in flight: freed when the engine returns */
     uint32_t njobs;
     uint32_t nwaiting;
-    /* Scratch for SendAmax: staged values and runs. */
+    int shutting_down;
+    /* Scratch for SendAmax and results: staged values and runs. */
     float *stage;
     uint64_t stage_cap;
     amx_run_t *runs;
     size_t runs_cap;
+    /* Epoch outcomes posted by engine threads. */
+    uv_async_t done_async;
+    pthread_mutex_t done_mu;
+    amx_job_t **done_q, **done_spare;
+    size_t ndone, cap_done, cap_spare;
+    amx_engine_env_t env;
 };
 
-/* ---- validation helpers ---- */
+typedef struct join_ctx {
+    amx_registry_t *reg;
+    amx_job_t *job;
+    uint32_t rank;
+} join_ctx_t;
 
-static int valid_job_name(const char *s)
-{
-    size_t n = strlen(s);
-    if (n == 0 || n > MAX_JOB_NAME)
-        return 0;
-    for (; *s; s++)
-        if (!isalnum((unsigned char)*s) && *s != '.' && *s != '_' && *s != '-')
-            return 0;
-    return 1;
-}
+static void epoch_done(amx_registry_t *reg, amx_job_t *j);
+static void run_deferred(amx_registry_t *reg, amx_job_t *j);
 
-static int valid_name(const char *s)
-{
-    size_t n = strlen(s);
-    if (n == 0 || n > MAX_NAME)
-        return 0;
-    for (; *s; s++)
-        if ((unsigned char)*s < 0x21 || (unsigned char)*s > 0x7e)
-            return 0;
-    return 1;
-}
+/* ---- small helpers ---- */
 
-static void fmt_shape(char *buf, size_t len, const uint32_t *d, size_t n)
+static amx_job_t *find_job(amx_registry_t *reg, const char *name)
 {
-    size_t k = (size_t)snprintf(buf, len, "[");
-    for (size_t i = 0; i < n && k < len; i++)
-        k += (size_t)snprintf(buf + k, len - k, i ? ", %u" : "%u", d[i]);
-    if (k < len)
-        snprintf(buf + k, len - k, "]");
-}
-
-static job_t *find_job(amx_registry_t *reg, const char *name)
-{
-    for (job_t *j = reg->jobs; j != NULL; j = j->next)
+    for (amx_job_t *j = reg->jobs; j != NULL; j = j->next)
         if (strcmp(j->name, name) == 0)
             return j;
     return NULL;
 }
 
-/* The job named in a request, which must exist and be ready, and the rank,
- * which must be inside it. */
-static amx_status_t ready_job(amx_registry_t *reg, const char *name, uint32_t rank, int need_rank,
-                              job_t **out, amx_err_t *err)
+static amx_lrank_t *local_rank(amx_job_t *j, uint32_t r)
 {
-    if (name == NULL || !valid_job_name(name))
+    int32_t s = amx__job_slot(j, r);
+    return s < 0 ? NULL : &j->lr[s];
+}
+
+/* The node a rank lives on, for messages: "daemon 1 (host:port)". */
+static void fmt_rank_home(const amx_job_t *j, uint32_t r, char *buf, size_t len)
+{
+    for (uint32_t p = 0; p < j->mship.npart; p++)
+        for (uint32_t k = 0; k < j->mship.part[p].nranks; k++)
+            if (j->mship.part[p].ranks[k] == r) {
+                snprintf(buf, len, "daemon %u (%s)", j->mship.part[p].daemon,
+                         j->mship.part[p].addr);
+                return;
+            }
+    snprintf(buf, len, "another daemon");
+}
+
+/* The job named in a request, which must exist and be ready; with
+ * need_rank, the rank must be one of this daemon's. */
+static amx_status_t ready_job(amx_registry_t *reg, const char *name, uint32_t rank, int need_rank,
+                              amx_job_t **out, amx_err_t *err)
+{
+    if (name == NULL || !amx_valid_job_name(name))
         return amx_err_set(err, AMX_EINVAL,
                            "job name '%s' is invalid: use 1-%d characters of [A-Za-z0-9._-]",
-                           name ? name : "", MAX_JOB_NAME);
-    job_t *j = find_job(reg, name);
+                           name ? name : "", AMX_MAX_JOB_NAME);
+    amx_job_t *j = find_job(reg, name);
     if (j == NULL)
         return amx_err_set(err, AMX_ENOTFOUND,
                            "job '%s' is not known to this daemon: call Join first", name);
     if (need_rank && rank >= j->world)
         return amx_err_set(err, AMX_EINVAL, "rank %u is out of range for job '%s' of world size %u",
                            rank, name, j->world);
-    if (!j->ready)
+    if (!j->ready) {
+        uint32_t joined = 0;
+        for (uint32_t i = 0; i < j->nlocal; i++)
+            joined += j->lr[i].joined;
         return amx_err_set(err, AMX_EPRECOND,
-                           "job '%s' is not ready: %u of %u ranks have joined; wait for Join to "
+                           "job '%s' is not ready: %u of %u ranks have joined this daemon and "
+                           "the job waits for all of them to join some daemon; wait for Join to "
                            "return",
-                           name, j->njoined, j->world);
+                           name, joined, j->world);
+    }
+    if (need_rank && local_rank(j, rank) == NULL) {
+        char home[320];
+        fmt_rank_home(j, rank, home, sizeof(home));
+        return amx_err_set(err, AMX_EPRECOND,
+                           "rank %u of job '%s' joined %s, not this daemon: a rank talks to the "
+                           "daemon it joined",
+                           rank, name, home);
+    }
     *out = j;
     return AMX_OK;
 }
 
 /* ---- jobs ---- */
 
-static void group_free(group_table_t *g)
+static void finish_waiter(amx_registry_t *reg, amx_waiter_t *w, amx_status_t st, const char *msg,
+                          const amx_reply_t *reply)
 {
-    for (uint32_t i = 0; i < g->n; i++)
-        free(g->names[i]);
-    free(g->names);
-    amx_strmap_free(&g->map);
+    if (w->job != NULL) {
+        w->job = NULL;
+        reg->nwaiting--;
+    }
+    w->done(w, st, msg, reply);
 }
 
-static void finish_waiter(amx_registry_t *reg, job_t *j, amx_waiter_t *w, amx_status_t st,
-                          const char *msg, const ProtobufCMessage *resp)
+static void lrank_free(amx_lrank_t *r)
 {
-    rank_t *r = &j->ranks[w->rank];
-    if (w->kind == WAIT_JOIN)
-        r->join_w = NULL;
-    else
-        r->rec_w = NULL;
-    w->job = NULL;
-    j->nwaiting--;
-    reg->nwaiting--;
-    w->done(w, st, msg, resp);
+    free(r->pl_of);
+    free(r->pls);
+    free(r->pl_lid);
 }
 
-/* Fails every waiter of the job with `st`; used when a job is dropped or
- * the daemon stops. */
-static void fail_all_waiters(amx_registry_t *reg, job_t *j, amx_status_t st, const char *why)
+static void fail_deferred(amx_registry_t *reg, amx_job_t *j, amx_status_t st, const char *why)
 {
-    char msg[512];
-    for (uint32_t r = 0; r < j->world && j->nwaiting > 0; r++) {
-        rank_t *rk = &j->ranks[r];
-        if (rk->join_w != NULL) {
-            snprintf(msg, sizeof(msg), "Join of rank %u to job '%s' ended: %s", r, j->name, why);
-            finish_waiter(reg, j, rk->join_w, st, msg, NULL);
+    while (j->defer_head != NULL) {
+        amx_deferred_t *d = j->defer_head;
+        j->defer_head = d->next;
+        finish_waiter(reg, d->w, st, why, NULL);
+        free(d);
+    }
+    j->defer_tail = &j->defer_head;
+}
+
+/* Fails every waiter of the job with `st` (drop, shutdown). */
+static void fail_all_waiters(amx_registry_t *reg, amx_job_t *j, amx_status_t st, const char *why)
+{
+    char msg[1024];
+    for (uint32_t i = 0; i < j->nlocal; i++) {
+        amx_lrank_t *r = &j->lr[i];
+        if (r->join_w != NULL) {
+            amx_waiter_t *w = r->join_w;
+            r->join_w = NULL;
+            if (r->cjoin != NULL) {
+                amx_peer_join_cancel(reg->peer, r->cjoin);
+                r->cjoin = NULL;
+                free(r->jctx);
+                r->jctx = NULL;
+            }
+            snprintf(msg, sizeof(msg), "Join of rank %u to job '%s' ended: %s", r->rank, j->name,
+                     why);
+            finish_waiter(reg, w, st, msg, NULL);
         }
-        if (rk->rec_w != NULL) {
-            snprintf(msg, sizeof(msg), "Reconcile of rank %u, job '%s', epoch %llu ended: %s", r,
-                     j->name, (unsigned long long)j->epoch, why);
-            rk->in_reconcile = 0;
+        if (r->rec_w != NULL) {
+            amx_waiter_t *w = r->rec_w;
+            r->rec_w = NULL;
+            snprintf(msg, sizeof(msg), "Reconcile of rank %u, job '%s', epoch %llu ended: %s",
+                     r->rank, j->name, (unsigned long long)j->epoch, why);
+            finish_waiter(reg, w, st, msg, NULL);
+        }
+        if (!j->in_flight && r->in_reconcile) {
+            r->in_reconcile = 0;
             j->nin_reconcile--;
-            finish_waiter(reg, j, rk->rec_w, st, msg, NULL);
         }
     }
+    fail_deferred(reg, j, st, why);
 }
 
-static void job_free(job_t *j)
+static void job_free(amx_job_t *j)
 {
-    for (uint32_t r = 0; r < j->world; r++) {
-        free(j->ranks[r].pl_of_q);
-        free(j->ranks[r].pls);
-    }
-    free(j->ranks);
-    for (uint32_t i = 0; i < j->nq; i++)
-        free(j->q[i].name);
-    free(j->q);
+    if (j->eng != NULL)
+        amx_engine_destroy(j->eng);
+    for (uint32_t i = 0; i < j->nlocal; i++)
+        lrank_free(&j->lr[i]);
+    free(j->lr);
+    free(j->slot);
+    for (uint32_t i = 0; i < j->nlq; i++)
+        if (j->lq[i].status != LQ_AGREED)
+            amx_qspec_free(j->lq[i].spec);
+    free(j->lq);
+    amx_strmap_free(&j->lqmap);
+    amx_catalog_free(j->cat);
     free(j->desc);
-    free(j->stamp);
-    amx_strmap_free(&j->qmap);
-    group_free(&j->peer);
-    group_free(&j->scale);
+    amx_membership_free(&j->mship);
     amx_state_destroy(j->state);
     free(j->name);
     free(j);
 }
 
-static void job_remove(amx_registry_t *reg, job_t *j)
+static void job_unlink(amx_registry_t *reg, amx_job_t *j)
 {
-    for (job_t **p = &reg->jobs; *p != NULL; p = &(*p)->next) {
+    for (amx_job_t **p = &reg->jobs; *p != NULL; p = &(*p)->next) {
         if (*p == j) {
             *p = j->next;
             reg->njobs--;
             break;
         }
     }
+    j->next = NULL;
+}
+
+/* Removes a job: freed now, or when its epoch in flight returns. */
+static void job_remove(amx_registry_t *reg, amx_job_t *j)
+{
+    job_unlink(reg, j);
+    if (j->in_flight) {
+        j->dropped = 1;
+        j->next = reg->zombies;
+        reg->zombies = j;
+        if (j->eng != NULL)
+            amx_engine_abort(j->eng, 0, "the job was dropped");
+        return;
+    }
     job_free(j);
 }
 
-static amx_status_t job_create(amx_registry_t *reg, const char *name, uint32_t world, job_t **out,
-                               amx_err_t *err)
+static amx_status_t job_create(amx_registry_t *reg, const char *name, uint32_t world,
+                               amx_job_t **out, amx_err_t *err)
 {
     if (reg->njobs >= (uint64_t)reg->cfg->max_jobs)
         return amx_err_set(err, AMX_ENOMEM,
                            "this daemon already serves %u jobs (max_jobs); drop a finished job "
                            "with Reset(drop_job) or raise max_jobs",
                            reg->njobs);
-    job_t *j = calloc(1, sizeof(*j));
+    amx_job_t *j = calloc(1, sizeof(*j));
     if (j == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of memory creating job '%s'", name);
     j->name = strdup(name);
-    j->ranks = calloc(world, sizeof(rank_t));
+    j->slot = malloc((size_t)world * sizeof(int32_t));
+    j->cat = amx_catalog_empty();
     j->world = world;
     j->epoch = 1;
+    j->me = -1;
+    j->defer_tail = &j->defer_head;
     amx_status_t st = AMX_ENOMEM;
-    if (j->name == NULL || j->ranks == NULL) {
+    if (j->name == NULL || j->slot == NULL || j->cat == NULL) {
         amx_err_set(err, st, "out of memory creating job '%s' of world size %u", name, world);
         goto fail;
     }
-    st = amx_state_create(reg->backend, &j->state, err);
+    for (uint32_t r = 0; r < world; r++)
+        j->slot[r] = -1;
+    st = amx_state_create(reg->backend, reg->cfg->cuda_device, &j->state, err);
+    if (st != AMX_OK)
+        goto fail;
+    st = j->state->ops->reserve_pending(j->state, 0, err);
     if (st != AMX_OK)
         goto fail;
     j->next = reg->jobs;
@@ -263,45 +275,211 @@ static amx_status_t job_create(amx_registry_t *reg, const char *name, uint32_t w
     *out = j;
     return AMX_OK;
 fail:
+    amx_state_destroy(j->state);
+    amx_catalog_free(j->cat);
+    free(j->slot);
     free(j->name);
-    free(j->ranks);
     free(j);
     return st;
 }
 
-amx_status_t amx_registry_create(const amx_config_t *cfg, const char *backend, amx_registry_t **out,
-                                 amx_err_t *err)
+/* A slot for local rank r (created when missing). */
+static amx_lrank_t *add_local_rank(amx_job_t *j, uint32_t r)
+{
+    amx_lrank_t *lr = local_rank(j, r);
+    if (lr != NULL)
+        return lr;
+    if (j->nlocal == j->cap_local) {
+        uint32_t cap = j->cap_local ? j->cap_local * 2 : 8;
+        amx_lrank_t *p = realloc(j->lr, cap * sizeof(*p));
+        if (p == NULL)
+            return NULL;
+        j->lr = p;
+        j->cap_local = cap;
+    }
+    lr = &j->lr[j->nlocal];
+    memset(lr, 0, sizeof(*lr));
+    lr->rank = r;
+    j->slot[r] = (int32_t)j->nlocal++;
+    return lr;
+}
+
+/* Removes local rank r (a join that gave up before the job was ready). */
+static void remove_local_rank(amx_job_t *j, uint32_t r)
+{
+    int32_t s = amx__job_slot(j, r);
+    if (s < 0)
+        return;
+    lrank_free(&j->lr[s]);
+    uint32_t last = j->nlocal - 1;
+    if ((uint32_t)s != last) {
+        j->lr[s] = j->lr[last];
+        j->slot[j->lr[s].rank] = s;
+    }
+    j->slot[r] = -1;
+    j->nlocal--;
+}
+
+/* ---- engine plumbing ---- */
+
+static void post_done(void *ud, amx_job_t *job)
+{
+    amx_registry_t *reg = ud;
+    pthread_mutex_lock(&reg->done_mu);
+    if (reg->ndone == reg->cap_done) {
+        size_t cap = reg->cap_done ? reg->cap_done * 2 : 16;
+        amx_job_t **q = realloc(reg->done_q, cap * sizeof(*q));
+        if (q == NULL) {
+            /* An epoch whose end is never seen would hang its trainers. */
+            AMX_ERROR("registry", "out of memory posting the end of an epoch; aborting");
+            abort();
+        }
+        reg->done_q = q;
+        reg->cap_done = cap;
+    }
+    reg->done_q[reg->ndone++] = job;
+    pthread_mutex_unlock(&reg->done_mu);
+    uv_async_send(&reg->done_async);
+}
+
+static void on_done_async(uv_async_t *h)
+{
+    amx_registry_t *reg = h->data;
+    for (;;) {
+        pthread_mutex_lock(&reg->done_mu);
+        amx_job_t **batch = reg->done_q;
+        size_t n = reg->ndone, cap = reg->cap_done;
+        reg->done_q = reg->done_spare;
+        reg->cap_done = reg->cap_spare;
+        reg->ndone = 0;
+        pthread_mutex_unlock(&reg->done_mu);
+        for (size_t i = 0; i < n; i++)
+            epoch_done(reg, batch[i]);
+        reg->done_spare = batch;
+        reg->cap_spare = cap;
+        if (n == 0)
+            return;
+    }
+}
+
+amx_status_t amx_registry_create(uv_loop_t *loop, const amx_config_t *cfg, const char *backend,
+                                 amx_peer_t *peer, amx_registry_t **out, amx_err_t *err)
 {
     amx_state_t *probe = NULL;
     /* Fail at start-up, not at the first Join, if the backend cannot work. */
-    AMX_CHECK(amx_state_create(backend, &probe, err));
+    AMX_CHECK(amx_state_create(backend, cfg->cuda_device, &probe, err));
     amx_state_destroy(probe);
+    const char *coll = cfg->collective;
+    if (strcmp(coll, "auto") == 0)
+        coll = strcmp(backend, "cuda") == 0 ? "nccl" : "gloo";
+    if (peer != NULL && amx_peer_id(peer)->size > 1) {
+        if (!amx_comm_available(coll))
+            return amx_err_set(err, AMX_EUNAVAIL,
+                               "collective backend %s is not compiled into this amaxd (see "
+                               "amaxd --version); choose another with --collective",
+                               coll);
+        if (strcmp(coll, "nccl") == 0 && strcmp(backend, "cuda") != 0)
+            return amx_err_set(err, AMX_EINVAL,
+                               "collective=nccl reduces GPU buffers and needs backend=cuda; use "
+                               "collective=gloo with the host backend");
+        if (strcmp(coll, "gloo") == 0 && strcmp(backend, "host") != 0)
+            return amx_err_set(err, AMX_EINVAL,
+                               "collective=gloo reduces host buffers and needs backend=host; use "
+                               "collective=nccl with the CUDA backend");
+    }
     amx_registry_t *reg = calloc(1, sizeof(*reg));
     if (reg == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    reg->loop = loop;
     reg->cfg = cfg;
+    reg->peer = peer;
     snprintf(reg->backend, sizeof(reg->backend), "%s", backend);
+    snprintf(reg->collective, sizeof(reg->collective), "%s",
+             peer != NULL && amx_peer_id(peer)->size > 1 ? coll : "local");
+    pthread_mutex_init(&reg->done_mu, NULL);
+    uv_async_init(loop, &reg->done_async, on_done_async);
+    reg->done_async.data = reg;
+    /* Epoch outcomes are delivered while the loop runs; they never keep it
+     * running on their own. */
+    uv_unref((uv_handle_t *)&reg->done_async);
+    reg->env.cfg = cfg;
+    reg->env.peer = peer;
+    reg->env.collective = reg->collective;
+    reg->env.gloo_host = cfg->gloo_host;
+    reg->env.cuda_device = (int)cfg->cuda_device;
+    reg->env.post = post_done;
+    reg->env.ud = reg;
     *out = reg;
     return AMX_OK;
+}
+
+void amx_registry_shutdown(amx_registry_t *reg, const char *why)
+{
+    reg->shutting_down = 1;
+    for (amx_job_t *j = reg->jobs; j != NULL; j = j->next) {
+        if (j->in_flight && j->eng != NULL)
+            amx_engine_abort(j->eng, 0, why);
+        fail_all_waiters(reg, j, AMX_EUNAVAIL, why);
+    }
+}
+
+/* Waits (on this thread) for every epoch in flight to come back; only at
+ * destruction, after every engine was aborted. */
+static void drain_engines(amx_registry_t *reg)
+{
+    for (;;) {
+        int busy = 0;
+        for (amx_job_t *j = reg->jobs; j != NULL; j = j->next)
+            busy |= j->in_flight;
+        for (amx_job_t *j = reg->zombies; j != NULL; j = j->next)
+            busy |= j->in_flight;
+        if (!busy)
+            return;
+        on_done_async(&reg->done_async);
+        struct timespec ts = {0, 5 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static void on_async_closed(uv_handle_t *h)
+{
+    amx_registry_t *reg = h->data;
+    free(reg->done_q);
+    free(reg->done_spare);
+    pthread_mutex_destroy(&reg->done_mu);
+    free(reg->stage);
+    free(reg->runs);
+    free(reg);
 }
 
 void amx_registry_destroy(amx_registry_t *reg)
 {
     if (reg == NULL)
         return;
+    amx_registry_shutdown(reg, "the daemon is shutting down; retry after restart");
+    drain_engines(reg);
     while (reg->jobs != NULL) {
-        job_t *j = reg->jobs;
+        amx_job_t *j = reg->jobs;
         fail_all_waiters(reg, j, AMX_EUNAVAIL, "the daemon is shutting down; retry after restart");
-        job_remove(reg, j);
+        job_unlink(reg, j);
+        job_free(j);
     }
-    free(reg->stage);
-    free(reg->runs);
-    free(reg);
+    while (reg->zombies != NULL) {
+        amx_job_t *j = reg->zombies;
+        reg->zombies = j->next;
+        job_free(j);
+    }
+    uv_close((uv_handle_t *)&reg->done_async, on_async_closed);
 }
 
 const char *amx_registry_backend(const amx_registry_t *reg)
 {
     return reg->backend;
+}
+
+const char *amx_registry_collective(const amx_registry_t *reg)
+{
+    return reg->collective;
 }
 
 uint32_t amx_registry_waiting(const amx_registry_t *reg)
@@ -311,391 +489,312 @@ uint32_t amx_registry_waiting(const amx_registry_t *reg)
 
 /* ---- Join ---- */
 
-static void complete_join(amx_registry_t *reg, job_t *j, amx_waiter_t *w, int rejoined)
+static void complete_join(amx_registry_t *reg, amx_job_t *j, amx_waiter_t *w, int rejoined)
 {
-    Amaxd__V1__JoinResponse resp = AMAXD__V1__JOIN_RESPONSE__INIT;
-    resp.job = j->name;
-    resp.world_size = j->world;
-    resp.epoch = j->epoch;
-    resp.rejoined = rejoined;
-    if (w->job != NULL) {
-        finish_waiter(reg, j, w, AMX_OK, NULL, &resp.base);
-    } else {
-        w->done(w, AMX_OK, NULL, &resp.base);
-    }
+    amx_reply_t rep;
+    memset(&rep, 0, sizeof(rep));
+    rep.world = j->world;
+    rep.epoch = j->epoch;
+    rep.rejoined = rejoined;
+    finish_waiter(reg, w, AMX_OK, NULL, &rep);
 }
 
-amx_status_t amx_registry_join(amx_registry_t *reg, const Amaxd__V1__JoinRequest *req,
-                               amx_waiter_t *w, uint64_t now_ms, amx_err_t *err)
+/* The coordinator's membership for a job becomes this daemon's. */
+static amx_status_t install_membership(amx_registry_t *reg, amx_job_t *j, const amx_membership_t *m)
 {
-    if (!valid_job_name(req->job))
+    uint32_t me = amx_peer_id(reg->peer)->rank;
+    int32_t idx = -1;
+    for (uint32_t p = 0; p < m->npart; p++)
+        if (m->part[p].daemon == me)
+            idx = (int32_t)p;
+    if (idx < 0)
+        return AMX_EINTERNAL;
+    amx_membership_t copy;
+    if (amx_membership_copy(m, &copy) != AMX_OK)
+        return AMX_ENOMEM;
+    for (uint32_t k = 0; k < copy.part[idx].nranks; k++)
+        if (add_local_rank(j, copy.part[idx].ranks[k]) == NULL) {
+            amx_membership_free(&copy);
+            return AMX_ENOMEM;
+        }
+    amx_membership_free(&j->mship);
+    j->mship = copy;
+    j->me = idx;
+    return AMX_OK;
+}
+
+static void on_join_answer(void *ud, amx_status_t st, const char *msg, const amx_membership_t *m)
+{
+    join_ctx_t *ctx = ud;
+    amx_registry_t *reg = ctx->reg;
+    amx_job_t *j = ctx->job;
+    uint32_t rank = ctx->rank;
+    free(ctx);
+    amx_lrank_t *r = local_rank(j, rank);
+    if (r == NULL || r->join_w == NULL)
+        return; /* cannot happen: a join is cancelled before its rank goes */
+    amx_waiter_t *w = r->join_w;
+    r->join_w = NULL;
+    r->cjoin = NULL;
+    r->jctx = NULL;
+    if (st == AMX_OK) {
+        amx_status_t ist = install_membership(reg, j, m);
+        if (ist != AMX_OK) {
+            st = ist;
+            msg = ist == AMX_ENOMEM ? "out of memory installing the job's membership"
+                                    : "the coordinator's membership does not list this daemon";
+        }
+    }
+    if (st != AMX_OK) {
+        AMX_WARN("registry", "job %s: Join of rank %u failed: %s", j->name, rank, msg);
+        r = local_rank(j, rank);
+        if (!j->ready) {
+            remove_local_rank(j, rank);
+        } else {
+            r->joined = 0;
+        }
+        finish_waiter(reg, w, st, msg, NULL);
+        if (!j->ready && j->nlocal == 0 && !j->in_flight) {
+            job_unlink(reg, j);
+            job_free(j);
+        }
+        return;
+    }
+    if (!j->ready) {
+        j->ready = 1;
+        AMX_INFO("registry",
+                 "job %s: all %u ranks joined; this daemon hosts %u of them, %u "
+                 "daemon(s) take part",
+                 j->name, j->world, j->nlocal, j->mship.npart);
+    }
+    r = local_rank(j, rank);
+    r->joined = 1;
+    complete_join(reg, j, w, m->rejoined);
+}
+
+amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, amx_waiter_t *w,
+                               uint64_t now_ms, amx_err_t *err)
+{
+    if (!amx_valid_job_name(req->job))
         return amx_err_set(err, AMX_EINVAL,
                            "job name '%s' is invalid: use 1-%d characters of [A-Za-z0-9._-]",
-                           req->job, MAX_JOB_NAME);
-    if (req->world_size == 0 || req->world_size > (uint64_t)reg->cfg->max_world_size)
+                           req->job ? req->job : "", AMX_MAX_JOB_NAME);
+    if (req->world == 0 || req->world > (uint64_t)reg->cfg->max_world_size)
         return amx_err_set(err, AMX_EINVAL, "world_size %u of job '%s' must be in [1, %lld]",
-                           req->world_size, req->job, (long long)reg->cfg->max_world_size);
-    if (req->rank >= req->world_size)
+                           req->world, req->job, (long long)reg->cfg->max_world_size);
+    if (req->rank >= req->world)
         return amx_err_set(err, AMX_EINVAL, "rank %u is out of range for world size %u (job '%s')",
-                           req->rank, req->world_size, req->job);
-    job_t *j = find_job(reg, req->job);
-    if (j != NULL && j->world != req->world_size)
+                           req->rank, req->world, req->job);
+    if (reg->shutting_down)
+        return amx_err_set(err, AMX_EUNAVAIL, "amaxd is shutting down");
+    amx_job_t *j = find_job(reg, req->job);
+    if (j != NULL && j->world != req->world)
         return amx_err_set(err, AMX_EPRECOND,
                            "job '%s' exists with world size %u, not %u: every rank must declare "
                            "the same world size (or drop the old job with Reset(drop_job))",
-                           req->job, j->world, req->world_size);
-    if (j == NULL)
-        AMX_CHECK(job_create(reg, req->job, req->world_size, &j, err));
-    rank_t *r = &j->ranks[req->rank];
-    if (j->ready) {
+                           req->job, j->world, req->world);
+    amx_lrank_t *r = j ? local_rank(j, req->rank) : NULL;
+    if (j != NULL && j->ready && r == NULL) {
+        char home[320];
+        fmt_rank_home(j, req->rank, home, sizeof(home));
+        return amx_err_set(err, AMX_EPRECOND,
+                           "rank %u of job '%s' is served by %s: a rank stays with the daemon it "
+                           "joined for the life of the job (drop the job to start over)",
+                           req->rank, req->job, home);
+    }
+    if (j != NULL && j->ready && r != NULL && r->join_w == NULL) {
         AMX_INFO("registry", "job %s: rank %u re-joined; state kept", j->name, req->rank);
+        r->joined = 1;
         w->job = NULL;
         complete_join(reg, j, w, 1);
         return AMX_OK;
     }
-    if (r->join_w != NULL)
+    if (r != NULL && r->join_w != NULL)
         return amx_err_set(err, AMX_EPRECOND,
                            "rank %u of job '%s' is already waiting in Join on another call",
                            req->rank, req->job);
+    int created = 0;
+    if (j == NULL) {
+        AMX_CHECK(job_create(reg, req->job, req->world, &j, err));
+        created = 1;
+    }
+    r = add_local_rank(j, req->rank);
+    join_ctx_t *ctx = malloc(sizeof(*ctx));
+    if (r == NULL || ctx == NULL) {
+        free(ctx);
+        if (r != NULL && !j->ready)
+            remove_local_rank(j, req->rank);
+        if (created) {
+            job_unlink(reg, j);
+            job_free(j);
+        }
+        return amx_err_set(err, AMX_ENOMEM, "out of memory joining job '%s'", req->job);
+    }
+    *ctx = (join_ctx_t){reg, j, req->rank};
     w->job = j;
     w->rank = req->rank;
     w->kind = WAIT_JOIN;
     w->deadline_ms = now_ms + (uint64_t)reg->cfg->join_timeout_ms;
     r->join_w = w;
     r->joined = 1;
-    j->njoined++;
-    j->nwaiting++;
     reg->nwaiting++;
-    AMX_DEBUG("registry", "job %s: rank %u joined (%u/%u)", j->name, req->rank, j->njoined,
-              j->world);
-    if (j->njoined == j->world) {
-        j->ready = 1;
-        AMX_INFO("registry", "job %s: all %u ranks joined", j->name, j->world);
-        for (uint32_t i = 0; i < j->world; i++)
-            if (j->ranks[i].join_w != NULL)
-                complete_join(reg, j, j->ranks[i].join_w, 0);
+    void *h = NULL;
+    amx_status_t st = amx_peer_join(reg->peer, req->job, req->world, req->rank, w->deadline_ms,
+                                    on_join_answer, ctx, &h, err);
+    if (st != AMX_OK) {
+        /* The callback is never called: undo. */
+        free(ctx);
+        r = local_rank(j, req->rank);
+        r->join_w = NULL;
+        w->job = NULL;
+        reg->nwaiting--;
+        if (!j->ready)
+            remove_local_rank(j, req->rank);
+        if (created && j->nlocal == 0) {
+            job_unlink(reg, j);
+            job_free(j);
+        }
+        return st;
     }
+    r = local_rank(j, req->rank);
+    if (r != NULL && r->join_w == w) {
+        r->cjoin = h; /* still waiting (the answer may already have come) */
+        r->jctx = ctx;
+    }
+    AMX_DEBUG("registry", "job %s: rank %u joining", j->name, req->rank);
     return AMX_OK;
-}
-
-/* A joining rank gave up (timeout or cancel): it no longer counts. */
-static void unjoin(amx_registry_t *reg, job_t *j, uint32_t rank)
-{
-    j->ranks[rank].joined = 0;
-    j->njoined--;
-    if (j->njoined == 0 && !j->ready)
-        job_remove(reg, j);
 }
 
 /* ---- Register ---- */
 
-static amx_status_t normalize_recipe(const char *qname, const Amaxd__V1__Recipe *in, uint8_t acc,
-                                     amx_recipe_t *out, amx_err_t *err)
-{
-    memset(out, 0, sizeof(*out));
-    if (in == NULL)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe is missing", qname);
-    int fp8 =
-        in->format == AMAXD__V1__FORMAT__FP8_E4M3 || in->format == AMAXD__V1__FORMAT__FP8_E5M2;
-    if (in->format < 1 || in->format > 4)
-        return amx_err_set(err, AMX_EINVAL,
-                           "quantizer '%s': recipe.format %d is not FP8_E4M3, FP8_E5M2, NVFP4 or "
-                           "MXFP8",
-                           qname, (int)in->format);
-    out->format = (uint8_t)in->format;
-    int rule = in->rule == 0 ? AMX_RULE_CURRENT : (int)in->rule;
-    if (rule != AMX_RULE_CURRENT && rule != AMX_RULE_DELAYED)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.rule %d is unknown", qname,
-                           (int)in->rule);
-    if (!fp8 && in->rule != 0)
-        return amx_err_set(err, AMX_EINVAL,
-                           "quantizer '%s': recipe.rule applies to FP8 formats only", qname);
-    out->rule = (uint8_t)(fp8 ? rule : 0);
-    if (!isfinite(in->margin) || in->margin < -100.0f || in->margin > 100.0f)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.margin must be in [-100, 100]",
-                           qname);
-    if (in->margin != 0.0f && out->rule != AMX_RULE_DELAYED)
-        return amx_err_set(err, AMX_EINVAL,
-                           "quantizer '%s': recipe.margin applies to FP8 DELAYED scaling only",
-                           qname);
-    out->margin = in->margin;
-    out->history_len = in->history_len == 0 ? 1 : in->history_len;
-    if (out->history_len > AMX_HISTORY_MAX)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.history_len %u exceeds %u",
-                           qname, in->history_len, AMX_HISTORY_MAX);
-    if (out->history_len > 1 && (out->rule != AMX_RULE_DELAYED || acc != AMX_ACC_PER_EPOCH))
-        return amx_err_set(err, AMX_EINVAL,
-                           "quantizer '%s': recipe.history_len > 1 needs rule DELAYED and "
-                           "accumulation PER_EPOCH",
-                           qname);
-    if (in->history_reduce > 2)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.history_reduce %d is unknown",
-                           qname, (int)in->history_reduce);
-    out->history_reduce = (uint8_t)(in->history_reduce == 0 ? AMX_HIST_MAX : in->history_reduce);
-    if (!isfinite(in->eps) || in->eps < 0.0f)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.eps must be finite and >= 0",
-                           qname);
-    if ((in->eps != 0.0f || in->power_of_2) && out->rule != AMX_RULE_CURRENT)
-        return amx_err_set(err, AMX_EINVAL,
-                           "quantizer '%s': recipe.eps and power_of_2 apply to FP8 CURRENT scaling "
-                           "only",
-                           qname);
-    out->eps = in->eps;
-    out->power_of_2 = (uint8_t)(in->power_of_2 != 0);
-    if (in->nvfp4_convention > 2)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.nvfp4_convention %d is unknown",
-                           qname, (int)in->nvfp4_convention);
-    if (in->nvfp4_convention != 0 && in->format != AMAXD__V1__FORMAT__NVFP4)
-        return amx_err_set(err, AMX_EINVAL,
-                           "quantizer '%s': recipe.nvfp4_convention applies to NVFP4 only", qname);
-    out->nvfp4_convention =
-        (uint8_t)(in->format == AMAXD__V1__FORMAT__NVFP4
-                      ? (in->nvfp4_convention == 0 ? AMX_NVFP4_TE : in->nvfp4_convention)
-                      : 0);
-    out->scaled_max = fp8 ? amx_fp8_max(out->format) * powf(2.0f, -out->margin) : 0.0f;
-    return AMX_OK;
-}
-
-static int recipe_equal(const amx_recipe_t *a, const amx_recipe_t *b)
-{
-    return a->format == b->format && a->rule == b->rule && a->history_reduce == b->history_reduce &&
-           a->nvfp4_convention == b->nvfp4_convention && a->power_of_2 == b->power_of_2 &&
-           a->history_len == b->history_len && a->margin == b->margin && a->eps == b->eps;
-}
-
 /* One spec after validation, before it is applied. */
 typedef struct reg_item {
-    const Amaxd__V1__QuantizerSpec *spec;
-    amx_recipe_t recipe;
-    uint8_t acc;
-    uint32_t ndim, shape[MAX_DIMS];
-    uint64_t ncells;
-    placement_t pl;
-    int64_t existing; /* quantizer index, or -1 */
+    amx_qspec_t spec; /* borrowed strings */
+    amx_placement_t pl;
+    int64_t lid; /* an existing live local quantizer, or -1 */
     int same_placement;
-    int32_t peer, scale; /* group indices of a new quantizer (phase 2) */
 } reg_item_t;
 
-static const char *group_name_of(const group_table_t *g, int32_t idx)
+static int lq_live(const amx_lq_t *q)
 {
-    return idx < 0 ? "" : g->names[idx];
+    return q->status == LQ_AGREED || q->status == LQ_PROPOSED;
 }
 
-static amx_status_t validate_spec(amx_registry_t *reg, job_t *j, uint32_t rank,
-                                  const Amaxd__V1__QuantizerSpec *s, reg_item_t *it, amx_err_t *err)
+static amx_status_t validate_item(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r,
+                                  const amx_qspec_in_t *in, reg_item_t *it, amx_err_t *err)
 {
-    char b1[96], b2[96];
-    const char *name = s->name;
-    if (!valid_name(name))
-        return amx_err_set(err, AMX_EINVAL,
-                           "quantizer name '%.64s' is invalid: use 1-%d printable ASCII characters "
-                           "without spaces",
-                           name, MAX_NAME);
-    if (s->n_global_shape > MAX_DIMS)
-        return amx_err_set(err, AMX_EINVAL,
-                           "quantizer '%s': global_shape has %zu dimensions, at most %d are "
-                           "supported",
-                           name, s->n_global_shape, MAX_DIMS);
-    it->spec = s;
-    it->ndim = (uint32_t)s->n_global_shape;
-    it->ncells = 1;
-    for (uint32_t d = 0; d < it->ndim; d++) {
-        if (s->global_shape[d] == 0)
-            return amx_err_set(err, AMX_EINVAL, "quantizer '%s': global_shape[%u] is 0", name, d);
-        it->shape[d] = s->global_shape[d];
-        it->ncells *= s->global_shape[d];
-        if (it->ncells > (uint64_t)reg->cfg->max_cells)
-            return amx_err_set(err, AMX_ENOMEM,
-                               "quantizer '%s': global shape has more than max_cells=%lld cells",
-                               name, (long long)reg->cfg->max_cells);
-    }
-    if (s->accumulation > 2)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': accumulation %d is unknown", name,
-                           (int)s->accumulation);
-    it->acc = (uint8_t)(s->accumulation == 0 ? AMX_ACC_RUNNING_MAX : s->accumulation);
-    AMX_CHECK(normalize_recipe(name, s->recipe, it->acc, &it->recipe, err));
-    if (s->peer_group[0] != '\0' && !valid_name(s->peer_group))
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': peer_group name is invalid", name);
-    if (s->scale_group[0] != '\0' && !valid_name(s->scale_group))
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': scale_group name is invalid", name);
-    /* Placement. */
-    placement_t *pl = &it->pl;
-    memset(pl, 0, sizeof(*pl));
-    pl->ndim = it->ndim;
-    pl->ncells = 1;
-    if (s->n_offset == 0 && s->n_local_shape == 0) {
-        memcpy(pl->shape, it->shape, sizeof(pl->shape));
-        pl->ncells = it->ncells;
-    } else {
-        if (s->n_offset != it->ndim || s->n_local_shape != it->ndim)
-            return amx_err_set(err, AMX_EINVAL,
-                               "quantizer '%s': offset has %zu and local_shape %zu entries; both "
-                               "need %u (one per global dimension) or none",
-                               name, s->n_offset, s->n_local_shape, it->ndim);
-        for (uint32_t d = 0; d < it->ndim; d++) {
-            if (s->local_shape[d] == 0 ||
-                (uint64_t)s->offset[d] + s->local_shape[d] > it->shape[d]) {
-                fmt_shape(b1, sizeof(b1), s->offset, s->n_offset);
-                fmt_shape(b2, sizeof(b2), s->local_shape, s->n_local_shape);
-                return amx_err_set(err, AMX_EINVAL,
-                                   "quantizer '%s': block at offset %s of shape %s does not lie "
-                                   "inside the global shape (dimension %u)",
-                                   name, b1, b2, d);
-            }
-            pl->off[d] = s->offset[d];
-            pl->shape[d] = s->local_shape[d];
-            pl->ncells *= s->local_shape[d];
-        }
-    }
-    /* Against the catalog. */
-    uint32_t qi;
-    it->existing = -1;
+    AMX_CHECK(amx_qspec_parse(in, (uint64_t)reg->cfg->max_cells, &it->spec, err));
+    AMX_CHECK(amx_placement_parse(&it->spec, in->offset, in->n_offset, in->local_shape,
+                                  in->n_local_shape, &it->pl, err));
+    it->lid = -1;
     it->same_placement = 0;
-    if (amx_strmap_get(&j->qmap, name, &qi)) {
-        const quant_t *q = &j->q[qi];
-        const amx_qdesc_t *d = &j->desc[qi];
-        uint32_t gi;
-        int32_t peer = s->peer_group[0] && amx_strmap_get(&j->peer.map, s->peer_group, &gi)
-                           ? (int32_t)gi
-                           : (s->peer_group[0] ? -2 : -1);
-        int32_t scale = s->scale_group[0] && amx_strmap_get(&j->scale.map, s->scale_group, &gi)
-                            ? (int32_t)gi
-                            : (s->scale_group[0] ? -2 : -1);
-        if (q->ndim != it->ndim || memcmp(q->shape, it->shape, it->ndim * sizeof(uint32_t)) != 0) {
-            fmt_shape(b1, sizeof(b1), q->shape, q->ndim);
-            fmt_shape(b2, sizeof(b2), it->shape, it->ndim);
-            return amx_err_set(err, AMX_EPRECOND,
-                               "quantizer '%s' of job '%s' is registered with global shape %s, "
-                               "rank %u declares %s: all ranks must declare the same global shape",
-                               name, j->name, b1, rank, b2);
-        }
-        if (!recipe_equal(&d->recipe, &it->recipe) || d->accumulation != it->acc)
-            return amx_err_set(err, AMX_EPRECOND,
-                               "quantizer '%s' of job '%s' is registered with another recipe or "
-                               "accumulation than rank %u declares; reset the job or use a new "
-                               "name",
-                               name, j->name, rank);
-        if (peer != d->peer_group || scale != d->scale_group)
+    uint32_t lid;
+    if (!amx_strmap_get(&j->lqmap, it->spec.name, &lid) || !lq_live(&j->lq[lid]))
+        return AMX_OK;
+    const amx_qspec_t *q = j->lq[lid].spec;
+    char b1[96], b2[96];
+    if (q->ndim != it->spec.ndim ||
+        memcmp(q->shape, it->spec.shape, q->ndim * sizeof(uint32_t)) != 0) {
+        amx_fmt_shape(b1, sizeof(b1), q->shape, q->ndim);
+        amx_fmt_shape(b2, sizeof(b2), it->spec.shape, it->spec.ndim);
+        return amx_err_set(err, AMX_EPRECOND,
+                           "quantizer '%s' of job '%s' is registered with global shape %s, "
+                           "rank %u declares %s: all ranks must declare the same global shape",
+                           q->name, j->name, b1, r->rank, b2);
+    }
+    if (!amx_qspec_equal(q, &it->spec)) {
+        if (strcmp(q->peer_group, it->spec.peer_group) != 0 ||
+            strcmp(q->scale_group, it->spec.scale_group) != 0)
             return amx_err_set(err, AMX_EPRECOND,
                                "quantizer '%s' of job '%s' is registered with peer_group '%s' and "
                                "scale_group '%s', rank %u declares '%s' and '%s'",
-                               name, j->name, group_name_of(&j->peer, d->peer_group),
-                               group_name_of(&j->scale, d->scale_group), rank, s->peer_group,
-                               s->scale_group);
-        it->existing = qi;
-        rank_t *r = &j->ranks[rank];
-        if (qi < r->cap_q && r->pl_of_q[qi] != 0) {
-            const placement_t *old = &r->pls[r->pl_of_q[qi] - 1];
-            if (memcmp(old->off, pl->off, sizeof(pl->off)) != 0 ||
-                memcmp(old->shape, pl->shape, sizeof(pl->shape)) != 0) {
-                fmt_shape(b1, sizeof(b1), old->off, old->ndim);
-                fmt_shape(b2, sizeof(b2), old->shape, old->ndim);
-                return amx_err_set(err, AMX_EPRECOND,
-                                   "rank %u already placed quantizer '%s' at offset %s with shape "
-                                   "%s; a placement cannot change within a job",
-                                   rank, name, b1, b2);
-            }
-            it->same_placement = 1;
+                               q->name, j->name, q->peer_group, q->scale_group, r->rank,
+                               it->spec.peer_group, it->spec.scale_group);
+        return amx_err_set(err, AMX_EPRECOND,
+                           "quantizer '%s' of job '%s' is registered with another recipe or "
+                           "accumulation than rank %u declares; reset the job or use a new name",
+                           q->name, j->name, r->rank);
+    }
+    it->lid = lid;
+    if (lid < r->cap_of && r->pl_of[lid] != 0) {
+        const amx_placement_t *old = &r->pls[r->pl_of[lid] - 1];
+        if (!amx_placement_equal(old, &it->pl)) {
+            amx_fmt_shape(b1, sizeof(b1), old->off, old->ndim);
+            amx_fmt_shape(b2, sizeof(b2), old->shape, old->ndim);
+            return amx_err_set(err, AMX_EPRECOND,
+                               "rank %u already placed quantizer '%s' at offset %s with shape "
+                               "%s; a placement cannot change within a job",
+                               r->rank, q->name, b1, b2);
         }
+        it->same_placement = 1;
     }
     return AMX_OK;
 }
 
-static amx_status_t group_intern(group_table_t *g, const char *name, int32_t *idx)
+static amx_status_t rank_reserve(amx_lrank_t *r, uint32_t nlq, uint32_t npls)
 {
-    uint32_t gi;
-    if (name[0] == '\0') {
-        *idx = -1;
-        return AMX_OK;
-    }
-    if (amx_strmap_get(&g->map, name, &gi)) {
-        *idx = (int32_t)gi;
-        return AMX_OK;
-    }
-    if (g->n == g->cap) {
-        uint32_t cap = g->cap ? g->cap * 2 : 8;
-        char **n = realloc(g->names, cap * sizeof(char *));
-        if (n == NULL)
-            return AMX_ENOMEM;
-        g->names = n;
-        g->cap = cap;
-    }
-    char *copy = strdup(name);
-    if (copy == NULL || amx_strmap_put(&g->map, copy, g->n) != 0) {
-        free(copy);
-        return AMX_ENOMEM;
-    }
-    g->names[g->n] = copy;
-    *idx = (int32_t)g->n++;
-    return AMX_OK;
-}
-
-static amx_status_t rank_reserve(rank_t *r, uint32_t nq, uint32_t npls)
-{
-    if (nq > r->cap_q) {
-        uint32_t cap = r->cap_q ? r->cap_q : 64;
-        while (cap < nq)
+    if (nlq > r->cap_of) {
+        uint32_t cap = r->cap_of ? r->cap_of : 64;
+        while (cap < nlq)
             cap *= 2;
-        uint32_t *p = realloc(r->pl_of_q, cap * sizeof(uint32_t));
+        uint32_t *p = realloc(r->pl_of, cap * sizeof(uint32_t));
         if (p == NULL)
             return AMX_ENOMEM;
-        memset(p + r->cap_q, 0, (cap - r->cap_q) * sizeof(uint32_t));
-        r->pl_of_q = p;
-        r->cap_q = cap;
+        memset(p + r->cap_of, 0, (cap - r->cap_of) * sizeof(uint32_t));
+        r->pl_of = p;
+        r->cap_of = cap;
     }
     if (npls > r->cap_pls) {
         uint32_t cap = r->cap_pls ? r->cap_pls : 64;
         while (cap < npls)
             cap *= 2;
-        placement_t *p = realloc(r->pls, cap * sizeof(placement_t));
+        amx_placement_t *p = realloc(r->pls, cap * sizeof(amx_placement_t));
         if (p == NULL)
             return AMX_ENOMEM;
         r->pls = p;
+        uint32_t *l = realloc(r->pl_lid, cap * sizeof(uint32_t));
+        if (l == NULL)
+            return AMX_ENOMEM;
+        r->pl_lid = l;
         r->cap_pls = cap;
     }
     return AMX_OK;
 }
 
-static amx_status_t job_reserve_q(job_t *j, uint32_t nq)
+static amx_status_t job_reserve_lq(amx_job_t *j, uint32_t n)
 {
-    if (nq <= j->cap_q)
-        return AMX_OK;
-    uint32_t cap = j->cap_q ? j->cap_q : 64;
-    while (cap < nq)
-        cap *= 2;
-    quant_t *q = realloc(j->q, cap * sizeof(quant_t));
-    if (q == NULL)
-        return AMX_ENOMEM;
-    j->q = q;
-    amx_qdesc_t *d = realloc(j->desc, cap * sizeof(amx_qdesc_t));
-    if (d == NULL)
-        return AMX_ENOMEM;
-    j->desc = d;
-    uint32_t *stamp = realloc(j->stamp, cap * sizeof(uint32_t));
-    if (stamp == NULL)
-        return AMX_ENOMEM;
-    memset(stamp + j->cap_q, 0, (cap - j->cap_q) * sizeof(uint32_t));
-    j->stamp = stamp;
-    j->cap_q = cap;
-    if (amx_strmap_reserve(&j->qmap, cap) != 0)
-        return AMX_ENOMEM;
-    return AMX_OK;
+    if (n > j->cap_lq) {
+        uint32_t cap = j->cap_lq ? j->cap_lq : 64;
+        while (cap < n)
+            cap *= 2;
+        amx_lq_t *q = realloc(j->lq, cap * sizeof(amx_lq_t));
+        if (q == NULL)
+            return AMX_ENOMEM;
+        j->lq = q;
+        j->cap_lq = cap;
+    }
+    return amx_strmap_reserve(&j->lqmap, n) == 0 ? AMX_OK : AMX_ENOMEM;
 }
 
-amx_status_t amx_registry_register(amx_registry_t *reg, const Amaxd__V1__RegisterRequest *req,
-                                   Amaxd__V1__RegisterResponse *resp, amx_err_t *err)
+/* Cells a local view holds: agreed, history, provisional. */
+static uint64_t view_cells(const amx_job_t *j)
 {
-    job_t *j;
-    AMX_CHECK(ready_job(reg, req->job, req->rank, 1, &j, err));
-    size_t n = req->n_quantizers;
+    return j->cat->ncells + j->cat->nhist + j->prov_cells + j->prov_hist;
+}
+
+static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_register_req_t *req,
+                                amx_reply_t *rep, amx_err_t *err)
+{
+    amx_lrank_t *r = local_rank(j, req->rank);
+    size_t n = req->n;
     if (n == 0)
         return amx_err_set(err, AMX_EINVAL, "Register of rank %u, job '%s' names no quantizer",
                            req->rank, j->name);
     reg_item_t *items = calloc(n, sizeof(*items));
+    amx_qspec_t **owned = calloc(n, sizeof(*owned));
     amx_strmap_t seen = {0};
-    char **names = calloc(n, sizeof(char *));
     amx_status_t st = AMX_OK;
-    if (items == NULL || names == NULL || amx_strmap_reserve(&seen, n) != 0) {
+    if (items == NULL || owned == NULL || amx_strmap_reserve(&seen, n) != 0) {
         st = amx_err_set(err, AMX_ENOMEM, "out of memory registering %zu quantizers", n);
         goto out;
     }
@@ -704,180 +803,165 @@ amx_status_t amx_registry_register(amx_registry_t *reg, const Amaxd__V1__Registe
     uint32_t new_q = 0, new_pls = 0;
     for (size_t i = 0; i < n; i++) {
         reg_item_t *it = &items[i];
-        AMX_CHECK_GOTO(validate_spec(reg, j, req->rank, req->quantizers[i], it, err), st, out);
+        AMX_CHECK_GOTO(validate_item(reg, j, r, &req->q[i], it, err), st, out);
         uint32_t prev;
-        if (amx_strmap_get(&seen, req->quantizers[i]->name, &prev)) {
+        if (amx_strmap_get(&seen, it->spec.name, &prev)) {
             st = amx_err_set(err, AMX_EINVAL,
                              "quantizer '%s' appears twice in one Register request of rank %u",
-                             req->quantizers[i]->name, req->rank);
+                             it->spec.name, req->rank);
             goto out;
         }
-        amx_strmap_put(&seen, req->quantizers[i]->name, (uint32_t)i);
-        if (it->existing < 0) {
-            names[i] = strdup(req->quantizers[i]->name);
-            if (names[i] == NULL) {
-                st = amx_err_set(err, AMX_ENOMEM, "out of memory");
-                goto out;
-            }
+        amx_strmap_put(&seen, it->spec.name, (uint32_t)i);
+        if (it->lid < 0) {
             new_q++;
-            new_cells += it->ncells;
-            if (it->acc == AMX_ACC_PER_EPOCH)
-                new_hist += it->ncells * it->recipe.history_len;
+            new_cells += it->spec.ncells;
+            new_hist += amx_qspec_hist_cells(&it->spec);
         }
         if (!it->same_placement)
             new_pls++;
     }
-    if (j->ncells + j->nhist + new_cells + new_hist > (uint64_t)reg->cfg->max_cells) {
+    uint64_t have = view_cells(j);
+    if (have + new_cells + new_hist > (uint64_t)reg->cfg->max_cells) {
         st = amx_err_set(err, AMX_ENOMEM,
                          "job '%s' would hold %llu amax cells (history included), more than "
                          "max_cells=%lld; register fewer or smaller quantizers or raise max_cells",
-                         j->name, (unsigned long long)(j->ncells + j->nhist + new_cells + new_hist),
+                         j->name, (unsigned long long)(have + new_cells + new_hist),
                          (long long)reg->cfg->max_cells);
         goto out;
     }
-    if ((uint64_t)j->nq + new_q > (uint64_t)reg->cfg->max_quantizers) {
-        st = amx_err_set(
-            err, AMX_ENOMEM, "job '%s' would hold %llu quantizers, more than max_quantizers=%lld",
-            j->name, (unsigned long long)j->nq + new_q, (long long)reg->cfg->max_quantizers);
+    if ((uint64_t)j->cat->n + j->nprop + new_q > (uint64_t)reg->cfg->max_quantizers) {
+        st = amx_err_set(err, AMX_ENOMEM,
+                         "job '%s' would hold %llu quantizers, more than max_quantizers=%lld",
+                         j->name, (unsigned long long)j->cat->n + j->nprop + new_q,
+                         (long long)reg->cfg->max_quantizers);
         goto out;
     }
     /* Phase 2: make room (may fail, changes nothing visible). */
-    rank_t *r = &j->ranks[req->rank];
-    if (job_reserve_q(j, j->nq + new_q) != AMX_OK ||
-        rank_reserve(r, j->nq + new_q, r->npls + new_pls) != AMX_OK) {
+    for (size_t i = 0; i < n; i++)
+        if (items[i].lid < 0 && (owned[i] = amx_qspec_dup(&items[i].spec)) == NULL) {
+            st = amx_err_set(err, AMX_ENOMEM, "out of memory registering %zu quantizers", n);
+            goto out;
+        }
+    if (job_reserve_lq(j, j->nlq + new_q) != AMX_OK ||
+        rank_reserve(r, j->nlq + new_q, r->npls + new_pls) != AMX_OK) {
         st = amx_err_set(err, AMX_ENOMEM, "out of memory registering %zu quantizers", n);
         goto out;
     }
-    AMX_CHECK_GOTO(j->state->ops->reserve(j->state, j->ncells + new_cells, j->nhist + new_hist,
-                                          j->nq + new_q, err),
-                   st, out);
-    /* Group names too: a name interned for a batch that then fails would only
-     * be a group without members, which changes no result. */
-    for (size_t i = 0; i < n; i++) {
-        reg_item_t *it = &items[i];
-        if (it->existing < 0 &&
-            (group_intern(&j->peer, it->spec->peer_group, &it->peer) != AMX_OK ||
-             group_intern(&j->scale, it->spec->scale_group, &it->scale) != AMX_OK)) {
-            st = amx_err_set(err, AMX_ENOMEM, "out of memory interning group names");
-            goto out;
-        }
-    }
+    AMX_CHECK_GOTO(
+        j->state->ops->reserve_pending(j->state, j->cat->ncells + j->prov_cells + new_cells, err),
+        st, out);
     /* Phase 3: apply; nothing below can fail. */
     uint32_t created = 0, existing = 0;
     for (size_t i = 0; i < n; i++) {
         reg_item_t *it = &items[i];
-        uint32_t qi;
-        if (it->existing >= 0) {
-            qi = (uint32_t)it->existing;
+        uint32_t lid;
+        if (it->lid >= 0) {
+            lid = (uint32_t)it->lid;
             existing++;
         } else {
-            qi = j->nq++;
-            quant_t *q = &j->q[qi];
+            uint32_t dead;
+            amx_qspec_t *old = NULL; /* freed once the map key moved to the new spec */
+            if (amx_strmap_get(&j->lqmap, it->spec.name, &dead)) {
+                lid = dead; /* a quantizer dropped for a conflict, registered again */
+                old = j->lq[lid].spec;
+            } else {
+                lid = j->nlq++;
+            }
+            amx_lq_t *q = &j->lq[lid];
             memset(q, 0, sizeof(*q));
-            q->name = names[i];
-            names[i] = NULL;
-            q->ndim = it->ndim;
-            memcpy(q->shape, it->shape, sizeof(q->shape));
-            amx_strmap_put(&j->qmap, q->name, qi); /* reserved above: cannot fail */
-            amx_qdesc_t *d = &j->desc[qi];
-            memset(d, 0, sizeof(*d));
-            d->base = j->ncells;
-            d->ncells = it->ncells;
-            d->hist_base = j->nhist;
-            d->hist_len = it->acc == AMX_ACC_PER_EPOCH ? it->recipe.history_len : 1;
-            d->peer_group = it->peer;
-            d->scale_group = it->scale;
-            d->accumulation = it->acc;
-            d->recipe = it->recipe;
-            j->ncells += it->ncells;
-            if (it->acc == AMX_ACC_PER_EPOCH)
-                j->nhist += it->ncells * it->recipe.history_len;
+            q->spec = owned[i];
+            owned[i] = NULL;
+            q->cidx = -1;
+            q->status = LQ_PROPOSED;
+            q->base = j->cat->ncells + j->prov_cells;
+            j->prov_cells += q->spec->ncells;
+            j->prov_hist += amx_qspec_hist_cells(q->spec);
+            j->nprop++;
+            amx_strmap_put(&j->lqmap, q->spec->name, lid); /* reserved: cannot fail */
+            amx_qspec_free(old);
             created++;
         }
         if (!it->same_placement) {
-            it->pl.q = qi;
             r->pls[r->npls] = it->pl;
-            r->pl_of_q[qi] = ++r->npls;
-            j->q[qi].nplacements++;
+            r->pl_lid[r->npls] = lid;
+            r->pl_of[lid] = ++r->npls;
+            j->lq[lid].nplacements++;
         }
     }
-    resp->created = created;
-    resp->existing = existing;
-    resp->catalog_size = j->nq;
-    AMX_DEBUG("registry", "job %s: rank %u registered %u new, %u known quantizers (catalog %u)",
-              j->name, req->rank, created, existing, j->nq);
+    rep->created = created;
+    rep->existing = existing;
+    rep->catalog_size = j->cat->n + j->nprop;
+    AMX_DEBUG("registry",
+              "job %s: rank %u registered %u new, %u known quantizers (catalog %u "
+              "agreed + %u proposed)",
+              j->name, req->rank, created, existing, j->cat->n, j->nprop);
 out:
-    if (names != NULL)
+    if (owned != NULL)
         for (size_t i = 0; i < n; i++)
-            free(names[i]);
-    free(names);
+            amx_qspec_free(owned[i]);
+    free(owned);
     free(items);
     amx_strmap_free(&seen);
     return st;
 }
 
-/* ---- placement geometry ---- */
-
-/* Row-major strides of a shape. */
-static void strides_of(const uint32_t *shape, uint32_t ndim, uint64_t *stride)
+static amx_status_t defer(amx_job_t *j, int kind, amx_waiter_t *w, const void *req, amx_err_t *err)
 {
-    uint64_t s = 1;
-    for (int d = (int)ndim - 1; d >= 0; d--) {
-        stride[d] = s;
-        s *= shape[d];
-    }
+    amx_deferred_t *d = calloc(1, sizeof(*d));
+    if (d == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    d->kind = kind;
+    d->w = w;
+    d->req = req;
+    *j->defer_tail = d;
+    j->defer_tail = &d->next;
+    return AMX_OK;
 }
 
-/*
- * Calls fn(dst_cell, src_index, len) for each contiguous row of block `pl`
- * inside the global tensor `gshape` whose first cell is `base`; src_index
- * counts cells of the block in row-major order.
- */
-typedef void (*row_fn)(void *ud, uint64_t dst, uint64_t src, uint64_t len);
-
-static void for_each_row(const placement_t *pl, const uint32_t *gshape, uint64_t base, row_fn fn,
-                         void *ud)
+amx_status_t amx_registry_register(amx_registry_t *reg, const amx_register_req_t *req,
+                                   amx_waiter_t *w, amx_err_t *err)
 {
-    if (pl->ndim == 0) {
-        fn(ud, base, 0, 1);
-        return;
+    amx_job_t *j;
+    AMX_CHECK(ready_job(reg, req->job, req->rank, 1, &j, err));
+    if (j->in_flight) {
+        /* The catalog and the buffers belong to the engine until it returns. */
+        AMX_CHECK(defer(j, WAIT_REGISTER, w, req, err));
+        w->job = j;
+        w->kind = WAIT_REGISTER;
+        reg->nwaiting++;
+        return AMX_OK;
     }
-    uint64_t gstride[MAX_DIMS];
-    strides_of(gshape, pl->ndim, gstride);
-    uint32_t last = pl->ndim - 1;
-    uint64_t rowlen = pl->shape[last];
-    uint64_t nrows = pl->ncells / rowlen;
-    uint32_t idx[MAX_DIMS] = {0};
-    for (uint64_t row = 0; row < nrows; row++) {
-        uint64_t dst = base;
-        for (uint32_t d = 0; d < pl->ndim; d++)
-            dst += (uint64_t)(pl->off[d] + (d == last ? 0 : idx[d])) * gstride[d];
-        fn(ud, dst, row * rowlen, rowlen);
-        for (int d = (int)last - 1; d >= 0; d--) {
-            if (++idx[d] < pl->shape[d])
-                break;
-            idx[d] = 0;
-        }
-    }
+    amx_reply_t rep;
+    memset(&rep, 0, sizeof(rep));
+    AMX_CHECK(do_register(reg, j, req, &rep, err));
+    w->job = NULL;
+    w->done(w, AMX_OK, NULL, &rep);
+    return AMX_OK;
 }
 
 /* ---- SendAmax ---- */
 
-static amx_status_t check_epoch(job_t *j, uint64_t want, uint32_t rank, const char *what,
-                                amx_err_t *err)
+/* The epoch SendAmax adds to: the next one while an epoch is in flight. */
+static uint64_t send_epoch(const amx_job_t *j)
 {
-    if (want == 0 || want == j->epoch)
+    return j->in_flight ? j->epoch + 1 : j->epoch;
+}
+
+static amx_status_t check_epoch(const amx_job_t *j, uint64_t open, uint64_t want, uint32_t rank,
+                                const char *what, amx_err_t *err)
+{
+    if (want == 0 || want == open)
         return AMX_OK;
-    if (want < j->epoch)
+    if (want < open)
         return amx_err_set(err, AMX_EPRECOND,
                            "%s of rank %u names epoch %llu of job '%s', which is already "
-                           "reconciled; the open epoch is %llu (or pass epoch 0)",
-                           what, rank, (unsigned long long)want, j->name,
-                           (unsigned long long)j->epoch);
+                           "reconciled or being reconciled; the open epoch is %llu (or pass "
+                           "epoch 0)",
+                           what, rank, (unsigned long long)want, j->name, (unsigned long long)open);
     return amx_err_set(err, AMX_EPRECOND,
                        "%s of rank %u names epoch %llu of job '%s', which is not open yet; the "
                        "open epoch is %llu",
-                       what, rank, (unsigned long long)want, j->name, (unsigned long long)j->epoch);
+                       what, rank, (unsigned long long)want, j->name, (unsigned long long)open);
 }
 
 typedef struct stage_ctx {
@@ -920,14 +1004,15 @@ static amx_status_t stage_reserve(amx_registry_t *reg, uint64_t nvals, size_t nr
     return AMX_OK;
 }
 
-amx_status_t amx_registry_send(amx_registry_t *reg, const Amaxd__V1__SendAmaxRequest *req,
-                               Amaxd__V1__SendAmaxResponse *resp, amx_err_t *err)
+amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, uint64_t *accepted,
+                               uint64_t *epoch, amx_err_t *err)
 {
-    job_t *j;
+    amx_job_t *j;
     AMX_CHECK(ready_job(reg, req->job, req->rank, 1, &j, err));
-    AMX_CHECK(check_epoch(j, req->epoch, req->rank, "SendAmax", err));
-    rank_t *r = &j->ranks[req->rank];
-    if (r->in_reconcile)
+    uint64_t open = send_epoch(j);
+    AMX_CHECK(check_epoch(j, open, req->epoch, req->rank, "SendAmax", err));
+    amx_lrank_t *r = local_rank(j, req->rank);
+    if (r->in_reconcile && !j->in_flight)
         return amx_err_set(err, AMX_EPRECOND,
                            "rank %u of job '%s' already entered Reconcile for epoch %llu; send "
                            "amax before calling Reconcile (this update belongs to the next epoch)",
@@ -937,53 +1022,55 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const Amaxd__V1__SendAmaxReq
     size_t nruns = 0;
     int overlap = 0;
     if (++j->batch == 0) { /* wrapped: forget old stamps */
-        memset(j->stamp, 0, j->cap_q * sizeof(uint32_t));
+        for (uint32_t i = 0; i < j->nlq; i++)
+            j->lq[i].stamp = 0;
         j->batch = 1;
     }
-    for (size_t u = 0; u < req->n_updates; u++) {
-        const Amaxd__V1__AmaxUpdate *up = req->updates[u];
-        uint32_t qi;
-        if (!amx_strmap_get(&j->qmap, up->name, &qi))
+    for (size_t u = 0; u < req->n; u++) {
+        const amx_update_in_t *up = &req->u[u];
+        uint32_t lid;
+        if (!amx_strmap_get(&j->lqmap, up->name, &lid) || !lq_live(&j->lq[lid]))
             return amx_err_set(err, AMX_ENOTFOUND,
                                "update %zu: quantizer '%.255s' is not registered in job '%s'", u,
                                up->name, j->name);
-        if (qi >= r->cap_q || r->pl_of_q[qi] == 0)
+        if (lid >= r->cap_of || r->pl_of[lid] == 0)
             return amx_err_set(err, AMX_EPRECOND,
                                "update %zu: rank %u has no placement for quantizer '%s' of job "
                                "'%s'; Register it from this rank first",
                                u, req->rank, up->name, j->name);
-        const placement_t *pl = &r->pls[r->pl_of_q[qi] - 1];
-        overlap |= j->stamp[qi] == j->batch; /* named twice in this batch */
-        j->stamp[qi] = j->batch;
-        if (up->values.len != pl->ncells * sizeof(float))
+        const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
+        overlap |= j->lq[lid].stamp == j->batch; /* named twice in this batch */
+        j->lq[lid].stamp = j->batch;
+        if (up->values_len != pl->ncells * sizeof(float))
             return amx_err_set(err, AMX_EINVAL,
                                "update %zu: quantizer '%s' has %zu bytes of values; rank %u's "
                                "block has %llu float32 cells = %llu bytes",
-                               u, up->name, up->values.len, req->rank,
+                               u, up->name, up->values_len, req->rank,
                                (unsigned long long)pl->ncells,
                                (unsigned long long)pl->ncells * sizeof(float));
-        if (up->has_data.len != 0 && up->has_data.len != pl->ncells)
+        if (up->has_data_len != 0 && up->has_data_len != pl->ncells)
             return amx_err_set(err, AMX_EINVAL,
                                "update %zu: quantizer '%s' has_data has %zu bytes; it needs one "
                                "per cell of rank %u's block (%llu) or none",
-                               u, up->name, up->has_data.len, req->rank,
+                               u, up->name, up->has_data_len, req->rank,
                                (unsigned long long)pl->ncells);
         nvals += pl->ncells;
-        nruns += pl->ndim == 0 ? 1 : pl->ncells / pl->shape[pl->ndim - 1];
+        nruns += amx_placement_nrows(pl);
     }
     if (stage_reserve(reg, nvals, nruns) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of memory staging %llu amax values",
                            (unsigned long long)nvals);
     /* Pass 2: values, staged as host floats. */
     stage_ctx_t ctx = {reg, 0, 0};
-    for (size_t u = 0; u < req->n_updates; u++) {
-        const Amaxd__V1__AmaxUpdate *up = req->updates[u];
-        uint32_t qi;
-        amx_strmap_get(&j->qmap, up->name, &qi);
-        const placement_t *pl = &r->pls[r->pl_of_q[qi] - 1];
+    for (size_t u = 0; u < req->n; u++) {
+        const amx_update_in_t *up = &req->u[u];
+        uint32_t lid;
+        amx_strmap_get(&j->lqmap, up->name, &lid);
+        const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
         float *dst = reg->stage + ctx.src_base;
-        memcpy(dst, up->values.data, up->values.len); /* float32 LE on an LE host */
-        const uint8_t *mask = up->has_data.len ? up->has_data.data : NULL;
+        if (up->values_len > 0) /* float32 LE on an LE host */
+            memcpy(dst, up->values, up->values_len);
+        const uint8_t *mask = up->has_data_len ? up->has_data : NULL;
         for (uint64_t c = 0; c < pl->ncells; c++) {
             if (mask != NULL && mask[c] == 0) {
                 dst[c] = -INFINITY; /* no data: the merge leaves the cell as it is */
@@ -997,105 +1084,75 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const Amaxd__V1__SendAmaxReq
                                    u, up->name, (unsigned long long)c, (double)v);
             dst[c] = v + 0.0f; /* -0.0 becomes +0.0 */
         }
-        for_each_row(pl, j->q[qi].shape, j->desc[qi].base, stage_row, &ctx);
+        amx_placement_rows(pl, j->lq[lid].spec->shape, j->lq[lid].base, stage_row, &ctx);
         ctx.src_base += pl->ncells;
     }
     AMX_CHECK(
         j->state->ops->merge(j->state, reg->stage, nvals, reg->runs, ctx.nruns, overlap, err));
-    j->updates += req->n_updates;
-    resp->accepted = req->n_updates;
-    resp->epoch = j->epoch;
+    j->updates += req->n;
+    *accepted = req->n;
+    *epoch = open;
     return AMX_OK;
 }
 
 /* ---- results ---- */
 
+/* A result with no data anywhere (a quantizer not agreed yet). */
+static amx_status_t empty_result(amx_result_t *res, amx_arena_t *a)
+{
+    res->amax = amx_arena_alloc(a, res->ncells * sizeof(float));
+    res->scale = amx_arena_alloc(a, res->ncells * sizeof(float));
+    res->scale_inv = amx_arena_alloc(a, res->ncells * sizeof(float));
+    res->bytes = amx_arena_alloc(a, res->ncells ? res->ncells : 1);
+    if (res->amax == NULL || res->scale == NULL || res->scale_inv == NULL || res->bytes == NULL)
+        return AMX_ENOMEM;
+    for (uint64_t c = 0; c < res->ncells; c++)
+        res->scale[c] = res->scale_inv[c] = 1.0f;
+    res->global_amax = 0.0f;
+    res->global_scale = res->global_scale_inv = 1.0f;
+    res->missing = (uint32_t)res->ncells;
+    return AMX_OK;
+}
+
 typedef struct gather_ctx {
-    const amx_state_t *st;
-    float *amax, *scale, *scale_inv;
-    uint8_t *bytes;
-    uint32_t missing;
+    amx_registry_t *reg;
+    size_t nruns;
+    uint64_t dst_base;
 } gather_ctx_t;
 
 static void gather_row(void *ud, uint64_t dst, uint64_t src, uint64_t len)
 {
     gather_ctx_t *c = ud;
-    for (uint64_t i = 0; i < len; i++) {
-        float a = c->st->out_amax[dst + i];
-        if (a == -INFINITY) {
-            a = 0.0f;
-            c->missing++;
-        }
-        c->amax[src + i] = a;
-    }
-    memcpy(c->scale + src, c->st->out_scale + dst, len * sizeof(float));
-    memcpy(c->scale_inv + src, c->st->out_scale_inv + dst, len * sizeof(float));
-    memcpy(c->bytes + src, c->st->out_bytes + dst, len);
+    amx_run_t *run = &c->reg->runs[c->nruns++];
+    run->src = dst; /* a cell of the flat buffer */
+    run->dst = c->dst_base + src;
+    run->len = len;
 }
 
-/* Builds the result of quantizer qi restricted to block pl. */
-static Amaxd__V1__QuantizerResult *build_result(job_t *j, uint32_t qi, const placement_t *pl,
-                                                amx_arena_t *a)
-{
-    Amaxd__V1__QuantizerResult *res = amx_arena_alloc(a, sizeof(*res));
-    if (res == NULL)
-        return NULL;
-    amaxd__v1__quantizer_result__init(res);
-    res->name = j->q[qi].name;
-    res->n_offset = res->n_shape = pl->ndim;
-    res->offset = amx_arena_alloc(a, MAX_DIMS * sizeof(uint32_t));
-    res->shape = amx_arena_alloc(a, MAX_DIMS * sizeof(uint32_t));
-    gather_ctx_t c = {j->state,
-                      amx_arena_alloc(a, pl->ncells * sizeof(float)),
-                      amx_arena_alloc(a, pl->ncells * sizeof(float)),
-                      amx_arena_alloc(a, pl->ncells * sizeof(float)),
-                      amx_arena_alloc(a, pl->ncells),
-                      0};
-    if (res->offset == NULL || res->shape == NULL || c.amax == NULL || c.scale == NULL ||
-        c.scale_inv == NULL || c.bytes == NULL)
-        return NULL;
-    memcpy(res->offset, pl->off, pl->ndim * sizeof(uint32_t));
-    memcpy(res->shape, pl->shape, pl->ndim * sizeof(uint32_t));
-    for_each_row(pl, j->q[qi].shape, j->desc[qi].base, gather_row, &c);
-    res->amax.data = (uint8_t *)c.amax;
-    res->amax.len = pl->ncells * sizeof(float);
-    res->scale.data = (uint8_t *)c.scale;
-    res->scale.len = pl->ncells * sizeof(float);
-    res->scale_inv.data = (uint8_t *)c.scale_inv;
-    res->scale_inv.len = pl->ncells * sizeof(float);
-    res->block_scales.data = c.bytes;
-    res->block_scales.len = pl->ncells;
-    res->global_amax = j->state->out_gamax[qi];
-    res->global_scale = j->state->out_gscale[qi];
-    res->global_scale_inv = j->state->out_gscale_inv[qi];
-    res->missing = c.missing;
-    return res;
-}
-
-static void whole_placement(const job_t *j, uint32_t qi, placement_t *pl)
-{
-    memset(pl, 0, sizeof(*pl));
-    pl->q = qi;
-    pl->ndim = j->q[qi].ndim;
-    memcpy(pl->shape, j->q[qi].shape, sizeof(pl->shape));
-    pl->ncells = j->desc[qi].ncells;
-}
-
-/* Validates `names` for rank (or global when rank < 0) and counts results. */
-static amx_status_t check_names(job_t *j, int64_t rank, char **names, size_t n, size_t *count,
+/* Validates `names` for a rank (or whole tensors when rank < 0) and counts
+ * the results. */
+static amx_status_t check_names(amx_job_t *j, int64_t rank, char **names, size_t n, size_t *count,
                                 amx_err_t *err)
 {
+    amx_lrank_t *r = rank >= 0 ? local_rank(j, (uint32_t)rank) : NULL;
     if (n == 0) {
-        *count = rank < 0 ? j->nq : j->ranks[rank].npls;
+        if (r != NULL) {
+            size_t k = 0;
+            for (uint32_t i = 0; i < r->npls; i++)
+                k += r->pl_of[r->pl_lid[i]] == i + 1 && lq_live(&j->lq[r->pl_lid[i]]);
+            *count = k;
+        } else {
+            *count = j->cat->n;
+        }
         return AMX_OK;
     }
     for (size_t i = 0; i < n; i++) {
-        uint32_t qi;
-        if (!amx_strmap_get(&j->qmap, names[i], &qi))
+        uint32_t lid;
+        if (!amx_strmap_get(&j->lqmap, names[i], &lid) || !lq_live(&j->lq[lid]))
             return amx_err_set(err, AMX_ENOTFOUND,
                                "quantizer '%.255s' is not registered in job '%s'", names[i],
                                j->name);
-        if (rank >= 0 && (qi >= j->ranks[rank].cap_q || j->ranks[rank].pl_of_q[qi] == 0))
+        if (r != NULL && (lid >= r->cap_of || r->pl_of[lid] == 0))
             return amx_err_set(err, AMX_EPRECOND,
                                "rank %lld has no placement for quantizer '%s' of job '%s'; ask "
                                "with global=true for the whole tensor",
@@ -1105,52 +1162,150 @@ static amx_status_t check_names(job_t *j, int64_t rank, char **names, size_t n, 
     return AMX_OK;
 }
 
-static amx_status_t build_results(job_t *j, int64_t rank, char **names, size_t n,
-                                  Amaxd__V1__QuantizerResult ***out, size_t *nout, amx_arena_t *a,
+/* The lid of result i. */
+static uint32_t result_lid(amx_job_t *j, amx_lrank_t *r, char **names, size_t n, size_t i,
+                           uint32_t *cursor)
+{
+    uint32_t lid;
+    if (n != 0) {
+        amx_strmap_get(&j->lqmap, names[i], &lid);
+        return lid;
+    }
+    if (r == NULL) {
+        amx_strmap_get(&j->lqmap, j->cat->q[i]->name, &lid);
+        return lid;
+    }
+    /* The rank's placements in registration order, skipping dead ones. */
+    while (!(r->pl_of[r->pl_lid[*cursor]] == *cursor + 1 && lq_live(&j->lq[r->pl_lid[*cursor]])))
+        (*cursor)++;
+    return r->pl_lid[(*cursor)++];
+}
+
+static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t rank, char **names,
+                                  size_t n, amx_result_t **out, size_t *nout, amx_arena_t *a,
                                   amx_err_t *err)
 {
     size_t count;
     AMX_CHECK(check_names(j, rank, names, n, &count, err));
-    Amaxd__V1__QuantizerResult **res = amx_arena_alloc(a, (count ? count : 1) * sizeof(*res));
+    amx_lrank_t *r = rank >= 0 ? local_rank(j, (uint32_t)rank) : NULL;
+    amx_result_t *res = amx_arena_alloc(a, (count ? count : 1) * sizeof(*res));
     if (res == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of memory building %zu results", count);
+    /* Pass 1: blocks and sizes. */
+    uint64_t total = 0;
+    size_t nruns = 0;
+    uint32_t cursor = 0;
     for (size_t i = 0; i < count; i++) {
-        placement_t whole;
-        const placement_t *pl;
-        uint32_t qi;
-        if (n == 0)
-            qi = rank < 0 ? (uint32_t)i : j->ranks[rank].pls[i].q;
+        uint32_t lid = result_lid(j, r, names, n, i, &cursor);
+        const amx_lq_t *q = &j->lq[lid];
+        amx_placement_t whole;
+        const amx_placement_t *pl = &whole;
+        if (r == NULL)
+            amx_placement_whole(q->spec, &whole);
         else
-            amx_strmap_get(&j->qmap, names[i], &qi);
-        if (rank < 0) {
-            whole_placement(j, qi, &whole);
-            pl = &whole;
-        } else {
-            pl = &j->ranks[rank].pls[j->ranks[rank].pl_of_q[qi] - 1];
+            pl = &r->pls[r->pl_of[lid] - 1];
+        amx_result_t *x = &res[i];
+        memset(x, 0, sizeof(*x));
+        x->name = q->spec->name;
+        x->ndim = pl->ndim;
+        memcpy(x->off, pl->off, sizeof(x->off));
+        memcpy(x->shape, pl->shape, sizeof(x->shape));
+        x->ncells = pl->ncells;
+        if (q->status == LQ_AGREED) {
+            total += pl->ncells;
+            nruns += amx_placement_nrows(pl);
         }
-        res[i] = build_result(j, qi, pl, a);
-        if (res[i] == NULL)
-            return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
+    }
+    float *amax = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
+    float *scale = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
+    float *inv = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
+    uint8_t *bytes = amx_arena_alloc(a, total ? total : 1);
+    if (amax == NULL || scale == NULL || inv == NULL || bytes == NULL ||
+        stage_reserve(reg, 0, nruns) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory building results of %llu cells",
+                           (unsigned long long)total);
+    /* Pass 2: runs, then one gather from the published results. */
+    gather_ctx_t g = {reg, 0, 0};
+    cursor = 0;
+    int f = j->state->front;
+    for (size_t i = 0; i < count; i++) {
+        uint32_t lid = result_lid(j, r, names, n, i, &cursor);
+        const amx_lq_t *q = &j->lq[lid];
+        amx_result_t *x = &res[i];
+        if (q->status != LQ_AGREED) {
+            if (empty_result(x, a) != AMX_OK)
+                return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
+            continue;
+        }
+        amx_placement_t whole;
+        const amx_placement_t *pl = &whole;
+        if (r == NULL)
+            amx_placement_whole(q->spec, &whole);
+        else
+            pl = &r->pls[r->pl_of[lid] - 1];
+        x->amax = amax + g.dst_base;
+        x->scale = scale + g.dst_base;
+        x->scale_inv = inv + g.dst_base;
+        x->bytes = bytes + g.dst_base;
+        amx_placement_rows(pl, q->spec->shape, q->base, gather_row, &g);
+        g.dst_base += pl->ncells;
+        uint32_t c = (uint32_t)q->cidx;
+        int have = c < j->state->out_nq[f];
+        x->global_amax = have ? j->state->g_amax[f][c] : 0.0f;
+        x->global_scale = have ? j->state->g_scale[f][c] : 1.0f;
+        x->global_scale_inv = have ? j->state->g_inv[f][c] : 1.0f;
+    }
+    if (total > 0)
+        AMX_CHECK(j->state->ops->read_results(j->state, reg->runs, g.nruns, total, amax, scale, inv,
+                                              bytes, err));
+    /* Cells without data anywhere read 0 and are counted (results of
+     * quantizers not agreed yet were filled by empty_result). */
+    for (size_t i = 0; i < count; i++) {
+        amx_result_t *x = &res[i];
+        if (x->amax < amax || x->amax >= amax + (total ? total : 1))
+            continue;
+        uint32_t missing = 0;
+        for (uint64_t c = 0; c < x->ncells; c++)
+            if (x->amax[c] == -INFINITY) {
+                x->amax[c] = 0.0f;
+                missing++;
+            }
+        x->missing = missing;
     }
     *out = res;
     *nout = count;
     return AMX_OK;
 }
 
+amx_status_t amx_registry_get_scales(amx_registry_t *reg, const amx_scales_req_t *req,
+                                     amx_reply_t *rep, amx_arena_t *arena, amx_err_t *err)
+{
+    amx_job_t *j;
+    AMX_CHECK(ready_job(reg, req->job, req->rank, !req->whole, &j, err));
+    if (j->last_reconciled == 0)
+        return amx_err_set(err, AMX_EPRECOND,
+                           "no epoch of job '%s' has been reconciled yet: call Reconcile first",
+                           j->name);
+    memset(rep, 0, sizeof(*rep));
+    rep->epoch = j->last_reconciled;
+    rep->next_epoch = j->epoch;
+    return build_results(reg, j, req->whole ? -1 : (int64_t)req->rank, req->names, req->n_names,
+                         &rep->results, &rep->nresults, arena, err);
+}
+
 /* ---- Reconcile ---- */
 
-static void missing_ranks(const job_t *j, int joined, char *buf, size_t len)
+static void missing_ranks(const amx_job_t *j, char *buf, size_t len)
 {
     size_t k = 0;
     int shown = 0, total = 0;
     buf[0] = '\0';
-    for (uint32_t r = 0; r < j->world; r++) {
-        int missing = joined ? !j->ranks[r].joined : !j->ranks[r].in_reconcile;
-        if (!missing)
+    for (uint32_t i = 0; i < j->nlocal; i++) {
+        if (j->lr[i].in_reconcile)
             continue;
         total++;
         if (shown < 16 && k < len) {
-            k += (size_t)snprintf(buf + k, len - k, shown ? ", %u" : "%u", r);
+            k += (size_t)snprintf(buf + k, len - k, shown ? ", %u" : "%u", j->lr[i].rank);
             shown++;
         }
     }
@@ -1158,65 +1313,51 @@ static void missing_ranks(const job_t *j, int joined, char *buf, size_t len)
         snprintf(buf + k, len - k, " and %d more", total - shown);
 }
 
-/* All ranks are in: reduce, post-process, answer everyone. */
-static void run_epoch(amx_registry_t *reg, job_t *j)
+static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *err)
 {
-    amx_err_t err = {0};
-    uint64_t e = j->epoch;
-    amx_comm_t *comm = amx_comm_local_create();
-    amx_status_t st = comm == NULL ? amx_err_set(&err, AMX_ENOMEM, "out of memory")
-                                   : j->state->ops->reconcile(j->state, j->desc, j->nq, j->peer.n,
-                                                              j->scale.n, comm, &err);
-    if (comm != NULL)
-        comm->destroy(comm);
-    if (st != AMX_OK) {
-        char msg[1024];
-        snprintf(msg, sizeof(msg), "epoch %llu of job '%s' could not be reconciled: %s",
-                 (unsigned long long)e, j->name, err.msg);
-        AMX_ERROR("registry", "%s", msg);
-        fail_all_waiters(reg, j, st, msg);
-        return;
-    }
-    for (uint32_t qi = 0; qi < j->nq; qi++)
-        if (j->desc[qi].accumulation == AMX_ACC_PER_EPOCH)
-            j->desc[qi].hist_head = (j->desc[qi].hist_head + 1) % j->desc[qi].hist_len;
-    j->last_reconciled = e;
-    j->epoch = e + 1;
-    AMX_DEBUG("registry", "job %s: epoch %llu reconciled (%u quantizers, %llu cells)", j->name,
-              (unsigned long long)e, j->nq, (unsigned long long)j->ncells);
-    for (uint32_t r = 0; r < j->world; r++) {
-        rank_t *rk = &j->ranks[r];
-        if (!rk->in_reconcile)
-            continue;
-        rk->in_reconcile = 0;
-        j->nin_reconcile--;
-        amx_waiter_t *w = rk->rec_w;
-        amx_arena_t a = {0};
-        amx_err_t e2 = {0};
-        Amaxd__V1__ReconcileResponse resp = AMAXD__V1__RECONCILE_RESPONSE__INIT;
-        resp.epoch = e;
-        resp.next_epoch = j->epoch;
-        st = build_results(j, r, w->names, w->n_names, &resp.results, &resp.n_results, &a, &e2);
-        if (st == AMX_OK)
-            finish_waiter(reg, j, w, AMX_OK, NULL, &resp.base);
-        else
-            finish_waiter(reg, j, w, st, e2.msg, NULL);
-        amx_arena_free(&a);
-    }
+    if (j->eng == NULL)
+        AMX_CHECK(amx_engine_create(j, &reg->env, &j->eng, err));
+    uint64_t deadline = UINT64_MAX;
+    for (uint32_t i = 0; i < j->nlocal; i++)
+        if (j->lr[i].rec_w != NULL && j->lr[i].rec_w->deadline_ms < deadline)
+            deadline = j->lr[i].rec_w->deadline_ms;
+    j->state->ops->flip(j->state);
+    j->in_flight = 1;
+    j->flight_deadline = deadline;
+    AMX_DEBUG("registry", "job %s: epoch %llu handed to its engine", j->name,
+              (unsigned long long)j->epoch);
+    amx_engine_start(j->eng, j->epoch, deadline);
+    return AMX_OK;
 }
 
-amx_status_t amx_registry_reconcile(amx_registry_t *reg, const Amaxd__V1__ReconcileRequest *req,
+amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req_t *req,
                                     amx_waiter_t *w, uint64_t now_ms, amx_err_t *err)
 {
-    job_t *j;
+    amx_job_t *j;
     AMX_CHECK(ready_job(reg, req->job, req->rank, 1, &j, err));
-    AMX_CHECK(check_epoch(j, req->epoch, req->rank, "Reconcile", err));
-    rank_t *r = &j->ranks[req->rank];
-    if (r->in_reconcile)
+    amx_lrank_t *r = local_rank(j, req->rank);
+    if (j->in_flight && r->in_reconcile && r->rec_w == NULL &&
+        (req->epoch == 0 || req->epoch == j->epoch)) {
+        /* Its earlier call went away while the epoch was in flight: this
+         * call takes its place and gets the epoch's answer. */
+        size_t count;
+        AMX_CHECK(check_names(j, req->rank, req->names, req->n_names, &count, err));
+        w->job = j;
+        w->rank = req->rank;
+        w->kind = WAIT_RECONCILE;
+        w->deadline_ms = now_ms + (uint64_t)reg->cfg->reconcile_timeout_ms;
+        w->names = req->names;
+        w->n_names = req->n_names;
+        r->rec_w = w;
+        reg->nwaiting++;
+        return AMX_OK;
+    }
+    if (r->in_reconcile || j->in_flight)
         return amx_err_set(err, AMX_EPRECOND,
                            "rank %u of job '%s' is already waiting in Reconcile for epoch %llu on "
                            "another call",
                            req->rank, j->name, (unsigned long long)j->epoch);
+    AMX_CHECK(check_epoch(j, j->epoch, req->epoch, req->rank, "Reconcile", err));
     size_t count;
     AMX_CHECK(check_names(j, req->rank, req->names, req->n_names, &count, err));
     w->job = j;
@@ -1225,224 +1366,491 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const Amaxd__V1__Reconc
     w->deadline_ms = now_ms + (uint64_t)reg->cfg->reconcile_timeout_ms;
     w->names = req->names;
     w->n_names = req->n_names;
+    w->gone = 0;
     r->rec_w = w;
     r->in_reconcile = 1;
     j->nin_reconcile++;
-    j->nwaiting++;
     reg->nwaiting++;
-    if (j->nin_reconcile == j->world)
-        run_epoch(reg, j);
+    if (j->nin_reconcile == j->nlocal) {
+        amx_err_t e2 = {0};
+        if (start_epoch(reg, j, &e2) != AMX_OK) {
+            AMX_ERROR("registry", "job %s: %s", j->name, e2.msg);
+            fail_all_waiters(reg, j, e2.code, e2.msg);
+        }
+    }
     return AMX_OK;
+}
+
+/* Installs a new agreed catalog from the engine: every quantizer of it
+ * gets (or keeps) a local id, proposals it adopted become agreed. */
+static void install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_t *res)
+{
+    amx_catalog_t *nc = res->cat;
+    uint32_t fresh = 0, lid0;
+    for (uint32_t i = 0; i < nc->n; i++)
+        fresh += !amx_strmap_get(&j->lqmap, nc->q[i]->name, &lid0);
+    if (job_reserve_lq(j, j->nlq + fresh) != AMX_OK) {
+        /* Without room for the table the layout cannot be followed: the
+         * job is unusable; fail loudly rather than answer wrong bytes. */
+        AMX_ERROR("registry",
+                  "job %s: out of memory installing a catalog of %u quantizers; "
+                  "aborting",
+                  j->name, nc->n);
+        abort();
+    }
+    for (uint32_t i = 0; i < nc->n; i++) {
+        uint32_t lid;
+        amx_qspec_t *own = NULL; /* a proposal's own spec, freed once the map key moved */
+        if (!amx_strmap_get(&j->lqmap, nc->q[i]->name, &lid)) {
+            lid = j->nlq++;
+            memset(&j->lq[lid], 0, sizeof(j->lq[lid]));
+        } else if (j->lq[lid].status != LQ_AGREED) {
+            if (j->lq[lid].status == LQ_PROPOSED)
+                j->nprop--;
+            own = j->lq[lid].spec;
+        }
+        amx_lq_t *q = &j->lq[lid];
+        q->spec = nc->q[i];
+        q->status = LQ_AGREED;
+        q->cidx = (int32_t)i;
+        q->base = res->desc[i].base;
+        amx_strmap_put(&j->lqmap, q->spec->name, lid); /* replaces the key: cannot fail */
+        amx_qspec_free(own);
+    }
+    for (size_t k = 0; k < res->nrejected; k++) {
+        uint32_t lid;
+        if (amx_strmap_get(&j->lqmap, res->rejected[k], &lid) && j->lq[lid].status == LQ_PROPOSED) {
+            j->lq[lid].status = LQ_DEAD;
+            j->nprop--;
+            for (uint32_t s = 0; s < j->nlocal; s++)
+                if (lid < j->lr[s].cap_of)
+                    j->lr[s].pl_of[lid] = 0;
+        }
+    }
+    amx_catalog_free(j->cat);
+    free(j->desc);
+    j->cat = nc;
+    j->desc = res->desc;
+    res->cat = NULL;
+    res->desc = NULL;
+    j->prov_cells = 0;
+    j->prov_hist = 0;
+    amx_err_t err = {0};
+    if (j->state->ops->remap_active(j->state, &res->pend_change, &err) != AMX_OK) {
+        AMX_ERROR("registry", "job %s: %s; aborting", j->name, err.msg);
+        abort();
+    }
+    (void)reg;
+}
+
+static void epoch_done(amx_registry_t *reg, amx_job_t *j)
+{
+    amx_epoch_result_t *res = amx_engine_result(j->eng);
+    j->in_flight = 0;
+    if (res->cat != NULL)
+        install_catalog(reg, j, res);
+    if (res->imported) {
+        j->last_reconciled = res->last_reconciled;
+        j->epoch = res->last_reconciled + 1;
+    }
+    j->last_epoch_us = res->total_us;
+    j->last_collective_us = res->collective_us;
+    j->last_finish_us = res->finish_us;
+    j->last_collectives = res->collectives;
+    if (j->dropped) {
+        /* Dropped while in flight: nobody is waiting any more. */
+        for (amx_job_t **p = &reg->zombies; *p != NULL; p = &(*p)->next)
+            if (*p == j) {
+                *p = j->next;
+                break;
+            }
+        job_free(j);
+        return;
+    }
+    if (res->reconciled) {
+        j->state->ops->publish(j->state);
+        j->last_reconciled = res->epoch;
+        j->epoch = res->epoch + 1;
+        j->epochs_ok++;
+        if (res->resets_applied) {
+            for (uint32_t i = 0; i < j->nlq; i++)
+                j->lq[i].reset = 0;
+            j->nreset = 0;
+        }
+        AMX_DEBUG("registry",
+                  "job %s: epoch %llu reconciled in %llu us (%u collectives, %llu us; "
+                  "finish %llu us)",
+                  j->name, (unsigned long long)res->epoch, (unsigned long long)res->total_us,
+                  res->collectives, (unsigned long long)res->collective_us,
+                  (unsigned long long)res->finish_us);
+        for (uint32_t i = 0; i < j->nlocal; i++) {
+            amx_lrank_t *r = &j->lr[i];
+            if (!r->in_reconcile)
+                continue;
+            r->in_reconcile = 0;
+            j->nin_reconcile--;
+            amx_waiter_t *w = r->rec_w;
+            r->rec_w = NULL;
+            if (w == NULL)
+                continue; /* its client went away */
+            amx_arena_t a = {0};
+            amx_err_t e2 = {0};
+            amx_reply_t rep;
+            memset(&rep, 0, sizeof(rep));
+            rep.epoch = res->epoch;
+            rep.next_epoch = j->epoch;
+            amx_status_t st = build_results(reg, j, r->rank, w->names, w->n_names, &rep.results,
+                                            &rep.nresults, &a, &e2);
+            if (st == AMX_OK)
+                finish_waiter(reg, w, AMX_OK, NULL, &rep);
+            else
+                finish_waiter(reg, w, st, e2.msg, NULL);
+            amx_arena_free(&a);
+        }
+    } else {
+        amx_err_t e2 = {0};
+        if (j->state->ops->unflip(j->state, &e2) != AMX_OK)
+            AMX_ERROR("registry", "job %s: %s", j->name, e2.msg);
+        if (res->publish)
+            j->state->ops->publish(j->state);
+        j->epochs_failed++;
+        AMX_WARN("registry", "job %s: %s", j->name, res->msg);
+        for (uint32_t i = 0; i < j->nlocal; i++) {
+            amx_lrank_t *r = &j->lr[i];
+            if (!r->in_reconcile)
+                continue;
+            r->in_reconcile = 0;
+            j->nin_reconcile--;
+            amx_waiter_t *w = r->rec_w;
+            r->rec_w = NULL;
+            if (w != NULL)
+                finish_waiter(reg, w, res->st, res->msg, NULL);
+        }
+    }
+    run_deferred(reg, j);
 }
 
 void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w)
 {
-    job_t *j = w->job;
+    amx_job_t *j = w->job;
     if (j == NULL)
         return;
-    rank_t *r = &j->ranks[w->rank];
     w->job = NULL;
-    j->nwaiting--;
     reg->nwaiting--;
+    if (w->kind == WAIT_REGISTER || w->kind == WAIT_RESET) {
+        for (amx_deferred_t **p = &j->defer_head; *p != NULL; p = &(*p)->next) {
+            if ((*p)->w == w) {
+                amx_deferred_t *d = *p;
+                *p = d->next;
+                if (j->defer_tail == &d->next)
+                    j->defer_tail = p;
+                free(d);
+                break;
+            }
+        }
+        return;
+    }
+    amx_lrank_t *r = local_rank(j, w->rank);
+    if (r == NULL)
+        return;
     if (w->kind == WAIT_JOIN) {
         r->join_w = NULL;
+        if (r->cjoin != NULL) {
+            amx_peer_join_cancel(reg->peer, r->cjoin);
+            r->cjoin = NULL;
+            free(r->jctx);
+            r->jctx = NULL;
+        }
         AMX_INFO("registry", "job %s: rank %u left Join (client went away)", j->name, w->rank);
-        unjoin(reg, j, w->rank);
-    } else {
-        r->rec_w = NULL;
-        r->in_reconcile = 0;
-        j->nin_reconcile--;
-        AMX_INFO("registry", "job %s: rank %u left Reconcile of epoch %llu (client went away)",
-                 j->name, w->rank, (unsigned long long)j->epoch);
+        if (!j->ready) {
+            remove_local_rank(j, w->rank);
+            if (j->nlocal == 0 && !j->in_flight) {
+                job_unlink(reg, j);
+                job_free(j);
+            }
+        } else {
+            r->joined = 0;
+        }
+        return;
     }
+    r->rec_w = NULL;
+    if (j->in_flight) {
+        /* The epoch goes on without it; its answer is dropped. */
+        AMX_INFO("registry",
+                 "job %s: rank %u left Reconcile of epoch %llu while it was being "
+                 "reconciled (client went away)",
+                 j->name, w->rank, (unsigned long long)j->epoch);
+        return;
+    }
+    r->in_reconcile = 0;
+    j->nin_reconcile--;
+    AMX_INFO("registry", "job %s: rank %u left Reconcile of epoch %llu (client went away)", j->name,
+             w->rank, (unsigned long long)j->epoch);
 }
 
 void amx_registry_expire(amx_registry_t *reg, uint64_t now_ms)
 {
     char msg[1024], missing[256];
-    for (job_t *j = reg->jobs, *next; j != NULL; j = next) {
-        next = j->next;
-        for (uint32_t rk = 0; rk < j->world && j->nwaiting > 0; rk++) {
-            rank_t *r = &j->ranks[rk];
-            if (r->join_w != NULL && r->join_w->deadline_ms <= now_ms) {
-                missing_ranks(j, 1, missing, sizeof(missing));
-                snprintf(msg, sizeof(msg),
-                         "Join of rank %u to job '%s' timed out after %lld ms: ranks %s never "
-                         "joined (check that every trainer of the job started and uses the same "
-                         "world size)",
-                         rk, j->name, (long long)reg->cfg->join_timeout_ms, missing);
-                AMX_WARN("registry", "%s", msg);
-                amx_waiter_t *w = r->join_w;
-                int last = j->njoined == 1;
-                finish_waiter(reg, j, w, AMX_ETIMEDOUT, msg, NULL);
-                unjoin(reg, j, rk);
-                if (last)
-                    break; /* the job is gone */
+    for (amx_job_t *j = reg->jobs; j != NULL; j = j->next) {
+        if (j->in_flight) {
+            /* The engine answers by the deadline; this only reports a bug. */
+            if (j->flight_deadline != UINT64_MAX && now_ms > j->flight_deadline + 30000 &&
+                now_ms < j->flight_deadline + 30050)
+                AMX_ERROR("registry",
+                          "job %s: epoch %llu is still in flight 30 s after its "
+                          "deadline",
+                          j->name, (unsigned long long)j->epoch);
+            continue;
+        }
+        for (uint32_t i = 0; i < j->nlocal; i++) {
+            amx_lrank_t *r = &j->lr[i];
+            if (r->rec_w == NULL || r->rec_w->deadline_ms > now_ms)
                 continue;
-            }
-            if (r->rec_w != NULL && r->rec_w->deadline_ms <= now_ms) {
-                missing_ranks(j, 0, missing, sizeof(missing));
-                snprintf(msg, sizeof(msg),
-                         "Reconcile of rank %u, job '%s', epoch %llu timed out after %lld ms: "
-                         "ranks %s did not enter it; this rank's contributions are kept, call "
-                         "Reconcile again",
-                         rk, j->name, (unsigned long long)j->epoch,
-                         (long long)reg->cfg->reconcile_timeout_ms, missing);
-                AMX_WARN("registry", "%s", msg);
-                r->in_reconcile = 0;
-                j->nin_reconcile--;
-                finish_waiter(reg, j, r->rec_w, AMX_ETIMEDOUT, msg, NULL);
-            }
+            missing_ranks(j, missing, sizeof(missing));
+            snprintf(msg, sizeof(msg),
+                     "Reconcile of rank %u, job '%s', epoch %llu timed out after %lld ms: ranks "
+                     "%s did not enter it; this rank's contributions are kept, call Reconcile "
+                     "again",
+                     r->rank, j->name, (unsigned long long)j->epoch,
+                     (long long)reg->cfg->reconcile_timeout_ms, missing);
+            AMX_WARN("registry", "%s", msg);
+            amx_waiter_t *w = r->rec_w;
+            r->rec_w = NULL;
+            r->in_reconcile = 0;
+            j->nin_reconcile--;
+            finish_waiter(reg, w, AMX_ETIMEDOUT, msg, NULL);
         }
     }
 }
 
-/* ---- GetScales, Reset, Status, List ---- */
+/* ---- Reset ---- */
 
-amx_status_t amx_registry_get_scales(amx_registry_t *reg, const Amaxd__V1__GetScalesRequest *req,
-                                     Amaxd__V1__GetScalesResponse *resp, amx_arena_t *arena,
-                                     amx_err_t *err)
+static amx_status_t do_reset(amx_registry_t *reg, amx_job_t *j, const amx_reset_req_t *req,
+                             amx_reply_t *rep, amx_err_t *err)
 {
-    job_t *j;
-    AMX_CHECK(ready_job(reg, req->job, req->rank, !req->global, &j, err));
-    if (j->last_reconciled == 0)
-        return amx_err_set(err, AMX_EPRECOND,
-                           "no epoch of job '%s' has been reconciled yet: call Reconcile first",
-                           j->name);
-    resp->epoch = j->last_reconciled;
-    return build_results(j, req->global ? -1 : (int64_t)req->rank, req->names, req->n_names,
-                         &resp->results, &resp->n_results, arena, err);
-}
-
-amx_status_t amx_registry_reset(amx_registry_t *reg, const Amaxd__V1__ResetRequest *req,
-                                Amaxd__V1__ResetResponse *resp, amx_err_t *err)
-{
-    if (!valid_job_name(req->job))
-        return amx_err_set(err, AMX_EINVAL, "job name '%s' is invalid", req->job);
-    job_t *j = find_job(reg, req->job);
-    if (j == NULL)
-        return amx_err_set(err, AMX_ENOTFOUND, "job '%s' is not known to this daemon", req->job);
-    if (req->drop_job) {
-        if (req->n_names != 0)
-            return amx_err_set(err, AMX_EINVAL, "Reset with drop_job takes no quantizer names");
-        AMX_INFO("registry", "job %s dropped (%u quantizers)", j->name, j->nq);
-        resp->reset = j->nq;
-        fail_all_waiters(reg, j, AMX_EABORTED, "the job was dropped by Reset");
-        job_remove(reg, j);
-        return AMX_OK;
-    }
-    uint32_t n = req->n_names ? (uint32_t)req->n_names : j->nq;
-    uint32_t *ids = calloc(n ? n : 1, sizeof(uint32_t));
-    if (ids == NULL)
-        return amx_err_set(err, AMX_ENOMEM, "out of memory");
-    for (uint32_t i = 0; i < n; i++) {
-        if (req->n_names == 0) {
-            ids[i] = i;
-        } else if (!amx_strmap_get(&j->qmap, req->names[i], &ids[i])) {
-            free(ids);
+    (void)reg;
+    for (size_t i = 0; i < req->n_names; i++) {
+        uint32_t lid;
+        if (!amx_strmap_get(&j->lqmap, req->names[i], &lid) || !lq_live(&j->lq[lid]))
             return amx_err_set(err, AMX_ENOTFOUND,
                                "quantizer '%.255s' is not registered in job '%s' (nothing was "
                                "reset)",
                                req->names[i], j->name);
+    }
+    uint32_t n = 0;
+    for (uint32_t lid = 0; lid < j->nlq; lid++) {
+        amx_lq_t *q = &j->lq[lid];
+        if (!lq_live(q))
+            continue;
+        int hit = req->n_names == 0;
+        for (size_t i = 0; i < req->n_names && !hit; i++)
+            hit = strcmp(req->names[i], q->spec->name) == 0;
+        if (!hit)
+            continue;
+        n++;
+        if (!q->reset) {
+            q->reset = 1;
+            j->nreset++;
         }
     }
-    amx_status_t st = j->state->ops->reset(j->state, j->desc, ids, n, err);
-    if (st == AMX_OK)
-        for (uint32_t i = 0; i < n; i++)
-            j->desc[ids[i]].hist_head = 0;
-    free(ids);
-    resp->reset = n;
-    if (st == AMX_OK)
-        AMX_INFO("registry", "job %s: reset %u quantizers", j->name, n);
-    return st;
+    j->reset_seq++;
+    rep->reset = n;
+    AMX_INFO("registry", "job %s: %u quantizers will be reset at the start of epoch %llu", j->name,
+             n, (unsigned long long)j->epoch);
+    return AMX_OK;
 }
 
-static void add_config(void *ud, const char *name, const char *value, int is_default)
+static void drop_job(amx_registry_t *reg, amx_job_t *j, const char *why)
 {
-    void **ctx = ud;
-    Amaxd__V1__StatusResponse *resp = ctx[0];
-    amx_arena_t *a = ctx[1];
-    Amaxd__V1__ConfigEntry *e = amx_arena_alloc(a, sizeof(*e));
-    if (e == NULL)
-        return;
-    amaxd__v1__config_entry__init(e);
-    e->name = (char *)name;
-    e->value = (char *)value;
-    e->is_default = is_default;
-    resp->config[resp->n_config++] = e;
+    AMX_INFO("registry", "job %s dropped (%u quantizers): %s", j->name, j->cat->n + j->nprop, why);
+    fail_all_waiters(reg, j, AMX_EABORTED, why);
+    job_remove(reg, j);
 }
 
-amx_status_t amx_registry_status(amx_registry_t *reg, const Amaxd__V1__StatusRequest *req,
-                                 Amaxd__V1__StatusResponse *resp, amx_arena_t *arena,
-                                 amx_err_t *err)
+amx_status_t amx_registry_reset(amx_registry_t *reg, const amx_reset_req_t *req, amx_waiter_t *w,
+                                amx_err_t *err)
 {
-    if (req->job[0] != '\0' && find_job(reg, req->job) == NULL)
-        return amx_err_set(err, AMX_ENOTFOUND, "job '%.128s' is not known to this daemon",
-                           req->job);
-    resp->backend = reg->backend;
-    resp->collective = "local";
-    resp->jobs = amx_arena_alloc(arena, (reg->njobs + 1) * sizeof(*resp->jobs));
-    resp->config = amx_arena_alloc(arena, AMX_CFG_COUNT * sizeof(*resp->config));
-    if (resp->jobs == NULL || resp->config == NULL)
+    if (!amx_valid_job_name(req->job))
+        return amx_err_set(err, AMX_EINVAL, "job name '%s' is invalid", req->job ? req->job : "");
+    amx_job_t *j = find_job(reg, req->job);
+    if (j == NULL)
+        return amx_err_set(err, AMX_ENOTFOUND, "job '%s' is not known to this daemon", req->job);
+    amx_reply_t rep;
+    memset(&rep, 0, sizeof(rep));
+    if (req->drop_job) {
+        if (req->n_names != 0)
+            return amx_err_set(err, AMX_EINVAL, "Reset with drop_job takes no quantizer names");
+        rep.reset = j->cat->n + j->nprop;
+        if (j->mship.npart > 1)
+            amx_peer_drop(reg->peer, j->name);
+        drop_job(reg, j, "the job was dropped by Reset");
+        w->job = NULL;
+        w->done(w, AMX_OK, NULL, &rep);
+        return AMX_OK;
+    }
+    if (j->in_flight) {
+        /* Validate now, apply when the epoch in flight has ended. */
+        for (size_t i = 0; i < req->n_names; i++) {
+            uint32_t lid;
+            if (!amx_strmap_get(&j->lqmap, req->names[i], &lid) || !lq_live(&j->lq[lid]))
+                return amx_err_set(err, AMX_ENOTFOUND,
+                                   "quantizer '%.255s' is not registered in job '%s' (nothing "
+                                   "was reset)",
+                                   req->names[i], j->name);
+        }
+        AMX_CHECK(defer(j, WAIT_RESET, w, req, err));
+        w->job = j;
+        w->kind = WAIT_RESET;
+        reg->nwaiting++;
+        return AMX_OK;
+    }
+    AMX_CHECK(do_reset(reg, j, req, &rep, err));
+    w->job = NULL;
+    w->done(w, AMX_OK, NULL, &rep);
+    return AMX_OK;
+}
+
+static void run_deferred(amx_registry_t *reg, amx_job_t *j)
+{
+    while (j->defer_head != NULL && !j->in_flight) {
+        amx_deferred_t *d = j->defer_head;
+        j->defer_head = d->next;
+        if (j->defer_head == NULL)
+            j->defer_tail = &j->defer_head;
+        amx_waiter_t *w = d->w;
+        int kind = d->kind;
+        const void *req = d->req;
+        free(d);
+        amx_reply_t rep;
+        memset(&rep, 0, sizeof(rep));
+        amx_err_t err = {0};
+        amx_status_t st = kind == WAIT_REGISTER ? do_register(reg, j, req, &rep, &err)
+                                                : do_reset(reg, j, req, &rep, &err);
+        if (st != AMX_OK)
+            AMX_WARN("rpc", "%s rejected (%s): %s", kind == WAIT_REGISTER ? "Register" : "Reset",
+                     amx_strerror(st), err.msg);
+        finish_waiter(reg, w, st, st == AMX_OK ? NULL : err.msg, st == AMX_OK ? &rep : NULL);
+    }
+}
+
+/* ---- Status, List ---- */
+
+amx_status_t amx_registry_status(amx_registry_t *reg, const char *job, amx_job_info_t **jobs,
+                                 size_t *njobs, amx_arena_t *arena, amx_err_t *err)
+{
+    if (job != NULL && job[0] != '\0' && find_job(reg, job) == NULL)
+        return amx_err_set(err, AMX_ENOTFOUND, "job '%.128s' is not known to this daemon", job);
+    amx_job_info_t *out = amx_arena_alloc(arena, (reg->njobs + 1) * sizeof(*out));
+    if (out == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of memory");
-    for (job_t *j = reg->jobs; j != NULL; j = j->next) {
-        if (req->job[0] != '\0' && strcmp(req->job, j->name) != 0)
+    size_t n = 0;
+    for (amx_job_t *j = reg->jobs; j != NULL; j = j->next) {
+        if (job != NULL && job[0] != '\0' && strcmp(job, j->name) != 0)
             continue;
-        Amaxd__V1__JobStatus *js = amx_arena_alloc(arena, sizeof(*js));
-        if (js == NULL)
-            return amx_err_set(err, AMX_ENOMEM, "out of memory");
-        amaxd__v1__job_status__init(js);
-        js->name = j->name;
-        js->world_size = j->world;
-        js->joined = j->njoined;
-        js->ready = j->ready;
-        js->epoch = j->epoch;
-        js->reconciled_epochs = j->last_reconciled;
-        js->quantizers = j->nq;
-        js->cells = j->ncells;
-        js->ranks_in_reconcile = j->nin_reconcile;
-        js->updates = j->updates;
-        resp->jobs[resp->n_jobs++] = js;
+        amx_job_info_t *x = &out[n++];
+        memset(x, 0, sizeof(*x));
+        x->name = j->name;
+        x->world = j->world;
+        for (uint32_t i = 0; i < j->nlocal; i++)
+            x->joined += j->lr[i].joined;
+        x->local_ranks = j->nlocal;
+        x->participants = j->mship.npart;
+        x->ready = j->ready;
+        x->in_flight = j->in_flight;
+        x->epoch = j->epoch;
+        x->reconciled = j->last_reconciled;
+        x->quantizers = j->cat->n;
+        x->proposals = j->nprop;
+        x->cells = j->cat->ncells;
+        x->ranks_in_reconcile = j->nin_reconcile;
+        x->updates = j->updates;
+        x->epochs_failed = j->epochs_failed;
+        x->catalog_hash = j->cat->hash;
+        x->comm_generation = j->eng ? amx_engine_comm_gen(j->eng) : 0;
+        x->last_epoch_us = j->last_epoch_us;
+        x->last_collective_us = j->last_collective_us;
+        x->last_finish_us = j->last_finish_us;
+        x->last_collectives = j->last_collectives;
+        x->collective = j->mship.npart > 1 ? reg->collective : "local";
     }
-    void *ctx[2] = {resp, arena};
-    amx_config_foreach(reg->cfg, add_config, ctx);
+    *jobs = out;
+    *njobs = n;
     return AMX_OK;
 }
 
-amx_status_t amx_registry_list(amx_registry_t *reg, const Amaxd__V1__ListQuantizersRequest *req,
-                               Amaxd__V1__ListQuantizersResponse *resp, amx_arena_t *a,
-                               amx_err_t *err)
+amx_status_t amx_registry_list(amx_registry_t *reg, const char *job, amx_qinfo_t **q, size_t *n,
+                               amx_arena_t *arena, amx_err_t *err)
 {
-    job_t *j;
-    AMX_CHECK(ready_job(reg, req->job, 0, 0, &j, err));
-    resp->quantizers = amx_arena_alloc(a, (j->nq + 1) * sizeof(*resp->quantizers));
-    if (resp->quantizers == NULL)
+    amx_job_t *j;
+    AMX_CHECK(ready_job(reg, job, 0, 0, &j, err));
+    amx_qinfo_t *out = amx_arena_alloc(arena, ((size_t)j->cat->n + j->nprop + 1) * sizeof(*out));
+    if (out == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of memory");
-    for (uint32_t qi = 0; qi < j->nq; qi++) {
-        const amx_qdesc_t *d = &j->desc[qi];
-        Amaxd__V1__QuantizerInfo *info = amx_arena_alloc(a, sizeof(*info));
-        Amaxd__V1__Recipe *rc = amx_arena_alloc(a, sizeof(*rc));
-        if (info == NULL || rc == NULL)
-            return amx_err_set(err, AMX_ENOMEM, "out of memory");
-        amaxd__v1__quantizer_info__init(info);
-        amaxd__v1__recipe__init(rc);
-        info->name = j->q[qi].name;
-        info->n_global_shape = j->q[qi].ndim;
-        info->global_shape = j->q[qi].shape;
-        rc->format = d->recipe.format;
-        rc->rule = d->recipe.rule;
-        rc->margin = d->recipe.margin;
-        rc->history_len = d->recipe.history_len;
-        rc->history_reduce = d->recipe.history_reduce;
-        rc->eps = d->recipe.eps;
-        rc->power_of_2 = d->recipe.power_of_2;
-        rc->nvfp4_convention = d->recipe.nvfp4_convention;
-        info->recipe = rc;
-        info->accumulation = d->accumulation;
-        info->peer_group = (char *)group_name_of(&j->peer, d->peer_group);
-        info->scale_group = (char *)group_name_of(&j->scale, d->scale_group);
-        info->placements = j->q[qi].nplacements;
-        resp->quantizers[resp->n_quantizers++] = info;
+    size_t k = 0;
+    for (uint32_t i = 0; i < j->cat->n; i++) {
+        uint32_t lid;
+        amx_strmap_get(&j->lqmap, j->cat->q[i]->name, &lid);
+        out[k++] = (amx_qinfo_t){j->cat->q[i], j->lq[lid].nplacements, 1};
     }
+    for (uint32_t lid = 0; lid < j->nlq; lid++)
+        if (j->lq[lid].status == LQ_PROPOSED)
+            out[k++] = (amx_qinfo_t){j->lq[lid].spec, j->lq[lid].nplacements, 0};
+    *q = out;
+    *n = k;
     return AMX_OK;
+}
+
+/* ---- peer service ---- */
+
+amx_status_t amx_registry_progress(amx_registry_t *reg, const char *job, uint64_t epoch,
+                                   uint32_t *missing, uint32_t cap, uint32_t *nmissing,
+                                   uint64_t *open_epoch, uint64_t *last, int *in_flight,
+                                   amx_err_t *err)
+{
+    amx_job_t *j = find_job(reg, job);
+    if (j == NULL)
+        return amx_err_set(err, AMX_ENOTFOUND, "job '%s' is not known to this daemon", job);
+    uint32_t k = 0;
+    if (epoch == 0 || epoch == j->epoch)
+        for (uint32_t i = 0; i < j->nlocal; i++)
+            if (!j->lr[i].in_reconcile && k < cap)
+                missing[k++] = j->lr[i].rank;
+    *nmissing = k;
+    *open_epoch = j->epoch;
+    *last = j->last_reconciled;
+    *in_flight = j->in_flight;
+    return AMX_OK;
+}
+
+void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen, uint32_t from,
+                             const char *reason)
+{
+    amx_job_t *j = find_job(reg, job);
+    if (j == NULL || j->eng == NULL)
+        return;
+    AMX_INFO("registry",
+             "job %s: daemon %u reports that communicator generation %llu failed "
+             "(%s)",
+             job, from, (unsigned long long)gen, reason);
+    amx_engine_abort(j->eng, gen, reason);
+}
+
+void amx_registry_peer_drop(amx_registry_t *reg, const char *job, uint32_t from)
+{
+    amx_job_t *j = find_job(reg, job);
+    if (j == NULL)
+        return;
+    char why[160];
+    snprintf(why, sizeof(why), "the job was dropped by Reset on daemon %u", from);
+    drop_job(reg, j, why);
+}
+
+amx_status_t amx_registry_fetch_state(amx_registry_t *reg, const char *job, uint64_t seq,
+                                      uint64_t offset, uint32_t max, void **data, size_t *len,
+                                      uint64_t *total, amx_err_t *err)
+{
+    amx_job_t *j = find_job(reg, job);
+    if (j == NULL || j->eng == NULL)
+        return amx_err_set(err, AMX_EUNAVAIL, "job '%s' has no state to give on this daemon", job);
+    return amx_engine_fetch(j->eng, seq, offset, max, data, len, total, err);
 }

@@ -1,11 +1,13 @@
 /*
- * registry.h - jobs, their ranks and catalogs, contributions and epochs.
+ * registry.h - the jobs this daemon serves: their local ranks, catalogs,
+ * placements, contributions and epochs.
  *
- * The registry is the daemon's state. It is owned by the loop thread and
- * every function here must be called on that thread. It knows nothing of
- * gRPC: requests and responses are the protobuf-c structs of amaxd.v1, and
- * calls that wait (Join, Reconcile) are represented by an amx_waiter_t
- * whose callback the registry calls exactly once.
+ * The registry is owned by the loop thread and every function here must be
+ * called on it. It knows nothing of gRPC or protobuf: requests and answers
+ * are the C structs below (service.c maps them to amaxd.v1 messages). Calls
+ * that may wait (Join, Reconcile, and Register/Reset while an epoch of the
+ * job is in flight) complete through an amx_waiter_t whose callback the
+ * registry calls exactly once, or return an error and never call it.
  *
  * Every request is validated completely before any state changes, so a
  * rejected request leaves the job exactly as it was.
@@ -13,56 +15,176 @@
 #ifndef AMX_REGISTRY_H
 #define AMX_REGISTRY_H
 
+#include <stddef.h>
 #include <stdint.h>
+#include <uv.h>
 
-#include "amaxd/v1/amaxd.pb-c.h"
 #include "arena.h"
+#include "catalog.h"
 #include "config.h"
 #include "status.h"
 
 typedef struct amx_registry amx_registry_t;
 typedef struct amx_waiter amx_waiter_t;
+typedef struct amx_peer amx_peer_t;
 
-/*
- * A call waiting in Join or Reconcile. The owner (the RPC layer, or a test)
- * embeds it and fills `done`; the registry fills the rest. `done` runs once
- * on the loop thread: with st == AMX_OK and the response (valid only during
- * the callback), or with an error status and a message. The waiter may be
- * freed inside `done`.
- */
-struct amx_waiter {
-    void (*done)(amx_waiter_t *w, amx_status_t st, const char *msg, const ProtobufCMessage *resp);
-    /* Reconcile: the names the answer is restricted to (borrowed). */
+/* ---- requests ---- */
+
+typedef struct amx_join_req {
+    const char *job;
+    uint32_t rank, world;
+} amx_join_req_t;
+
+typedef struct amx_register_req {
+    const char *job;
+    uint32_t rank;
+    const amx_qspec_in_t *q;
+    size_t n;
+} amx_register_req_t;
+
+typedef struct amx_update_in {
+    const char *name;
+    const uint8_t *values; /* float32 LE */
+    size_t values_len;
+    const uint8_t *has_data; /* one byte per cell, or NULL */
+    size_t has_data_len;
+} amx_update_in_t;
+
+typedef struct amx_send_req {
+    const char *job;
+    uint32_t rank;
+    uint64_t epoch;
+    const amx_update_in_t *u;
+    size_t n;
+} amx_send_req_t;
+
+typedef struct amx_reconcile_req {
+    const char *job;
+    uint32_t rank;
+    uint64_t epoch;
     char **names;
     size_t n_names;
+} amx_reconcile_req_t;
+
+typedef struct amx_scales_req {
+    const char *job;
+    uint32_t rank;
+    char **names;
+    size_t n_names;
+    int whole; /* whole global tensors instead of the rank's blocks */
+} amx_scales_req_t;
+
+typedef struct amx_reset_req {
+    const char *job;
+    char **names;
+    size_t n_names;
+    int drop_job;
+} amx_reset_req_t;
+
+/* ---- answers ---- */
+
+/* One quantizer's results restricted to a block (arrays in the arena). */
+typedef struct amx_result {
+    const char *name;
+    uint32_t ndim;
+    uint32_t off[AMX_MAX_DIMS], shape[AMX_MAX_DIMS];
+    uint64_t ncells;
+    float *amax, *scale, *scale_inv;
+    uint8_t *bytes;
+    float global_amax, global_scale, global_scale_inv;
+    uint32_t missing;
+} amx_result_t;
+
+typedef struct amx_reply {
+    /* Join */
+    uint32_t world;
+    uint64_t epoch;
+    int rejoined;
+    /* Reconcile (epoch = the reconciled one), GetScales (epoch = last). */
+    uint64_t next_epoch;
+    amx_result_t *results;
+    size_t nresults;
+    /* Register */
+    uint32_t created, existing, catalog_size;
+    /* Reset */
+    uint32_t reset;
+} amx_reply_t;
+
+/*
+ * A waiting call. The owner (the RPC layer, or a test) embeds it and sets
+ * `done`; the registry fills the rest. `done` runs once on the loop thread:
+ * with st == AMX_OK and the reply (valid only during the callback), or an
+ * error and a message. The waiter may be freed inside `done`.
+ */
+struct amx_waiter {
+    void (*done)(amx_waiter_t *w, amx_status_t st, const char *msg, const amx_reply_t *reply);
     /* Registry-private. */
     void *job;
     uint32_t rank;
     int kind;
     uint64_t deadline_ms;
+    char **names; /* Reconcile: the names the answer is restricted to (borrowed) */
+    size_t n_names;
+    int gone; /* the client went away while the epoch was in flight */
+    /* Set by other owners of waiting calls (the peer service): called
+     * instead of amx_registry_cancel when the client goes away. */
+    void (*on_cancel)(amx_waiter_t *w);
+    void *ext;
+    uint64_t aux;
 };
 
-/* Creates an empty registry whose jobs use state backend `backend` ("host"
- * or "cuda") and the limits of `cfg` (borrowed; must outlive the registry). */
-amx_status_t amx_registry_create(const amx_config_t *cfg, const char *backend, amx_registry_t **out,
-                                 amx_err_t *err);
+/* Daemon-wide status for Status. */
+typedef struct amx_job_info {
+    const char *name;
+    uint32_t world, joined, local_ranks, participants, quantizers, proposals, ranks_in_reconcile;
+    int ready, in_flight;
+    uint64_t epoch, reconciled, cells, updates, epochs_failed, catalog_hash, comm_generation;
+    uint64_t last_epoch_us, last_collective_us, last_finish_us;
+    uint32_t last_collectives;
+    const char *collective;
+} amx_job_info_t;
 
-/* Completes every waiter with EUNAVAIL and frees everything. */
+typedef struct amx_qinfo {
+    const amx_qspec_t *spec;
+    uint32_t placements;
+    int agreed;
+} amx_qinfo_t;
+
+/*
+ * Creates an empty registry whose jobs use state backend `backend` ("host"
+ * or "cuda") and the limits of `cfg` (borrowed; must outlive the registry).
+ * Epoch outcomes are delivered on `loop`. `peer` (may be NULL for a single
+ * daemon) is the cluster's membership and peer service.
+ */
+amx_status_t amx_registry_create(uv_loop_t *loop, const amx_config_t *cfg, const char *backend,
+                                 amx_peer_t *peer, amx_registry_t **out, amx_err_t *err);
+
+/* Completes every waiter with EUNAVAIL, stops every engine, frees everything. */
 void amx_registry_destroy(amx_registry_t *reg);
+
+/* Aborts epochs in flight and fails waiting calls (shutdown); `why` is
+ * their message. The registry stays usable for amx_registry_destroy. */
+void amx_registry_shutdown(amx_registry_t *reg, const char *why);
 
 /* The state backend's name ("host" or "cuda"). */
 const char *amx_registry_backend(const amx_registry_t *reg);
 
-/*
- * Join: on AMX_OK, w->done will be (or already was) called; on error it
- * never is, and err says why. `now_ms` is a monotonic clock in ms.
- */
-amx_status_t amx_registry_join(amx_registry_t *reg, const Amaxd__V1__JoinRequest *req,
-                               amx_waiter_t *w, uint64_t now_ms, amx_err_t *err);
+/* The collective backend jobs of several daemons use ("gloo", "nccl"),
+ * or "local" for a single daemon. */
+const char *amx_registry_collective(const amx_registry_t *reg);
 
-/* Reconcile: as Join. */
-amx_status_t amx_registry_reconcile(amx_registry_t *reg, const Amaxd__V1__ReconcileRequest *req,
+amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, amx_waiter_t *w,
+                               uint64_t now_ms, amx_err_t *err);
+amx_status_t amx_registry_register(amx_registry_t *reg, const amx_register_req_t *req,
+                                   amx_waiter_t *w, amx_err_t *err);
+amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, uint64_t *accepted,
+                               uint64_t *epoch, amx_err_t *err);
+amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req_t *req,
                                     amx_waiter_t *w, uint64_t now_ms, amx_err_t *err);
+amx_status_t amx_registry_get_scales(amx_registry_t *reg, const amx_scales_req_t *req,
+                                     amx_reply_t *reply, amx_arena_t *arena, amx_err_t *err);
+amx_status_t amx_registry_reset(amx_registry_t *reg, const amx_reset_req_t *req, amx_waiter_t *w,
+                                amx_err_t *err);
 
 /* Removes a waiter whose client went away; its callback is not called. */
 void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w);
@@ -73,22 +195,37 @@ void amx_registry_expire(amx_registry_t *reg, uint64_t now_ms);
 /* Number of calls waiting in Join or Reconcile. */
 uint32_t amx_registry_waiting(const amx_registry_t *reg);
 
-/* The synchronous calls: they fill *resp (allocated in `arena`) or return an
- * error with a message in err. */
-amx_status_t amx_registry_register(amx_registry_t *reg, const Amaxd__V1__RegisterRequest *req,
-                                   Amaxd__V1__RegisterResponse *resp, amx_err_t *err);
-amx_status_t amx_registry_send(amx_registry_t *reg, const Amaxd__V1__SendAmaxRequest *req,
-                               Amaxd__V1__SendAmaxResponse *resp, amx_err_t *err);
-amx_status_t amx_registry_get_scales(amx_registry_t *reg, const Amaxd__V1__GetScalesRequest *req,
-                                     Amaxd__V1__GetScalesResponse *resp, amx_arena_t *arena,
-                                     amx_err_t *err);
-amx_status_t amx_registry_reset(amx_registry_t *reg, const Amaxd__V1__ResetRequest *req,
-                                Amaxd__V1__ResetResponse *resp, amx_err_t *err);
-amx_status_t amx_registry_status(amx_registry_t *reg, const Amaxd__V1__StatusRequest *req,
-                                 Amaxd__V1__StatusResponse *resp, amx_arena_t *arena,
-                                 amx_err_t *err);
-amx_status_t amx_registry_list(amx_registry_t *reg, const Amaxd__V1__ListQuantizersRequest *req,
-                               Amaxd__V1__ListQuantizersResponse *resp, amx_arena_t *arena,
-                               amx_err_t *err);
+/* Status: `job` empty = all jobs. NOT_FOUND for an unknown job. The infos
+ * are allocated in the arena. */
+amx_status_t amx_registry_status(amx_registry_t *reg, const char *job, amx_job_info_t **jobs,
+                                 size_t *njobs, amx_arena_t *arena, amx_err_t *err);
+
+/* The local view of a job's catalog (agreed, then proposals). */
+amx_status_t amx_registry_list(amx_registry_t *reg, const char *job, amx_qinfo_t **q, size_t *n,
+                               amx_arena_t *arena, amx_err_t *err);
+
+/* ---- for the peer service (peer.c) ---- */
+
+/* Ranks of `job` hosted here that have not entered Reconcile for `epoch`
+ * (written into `missing`, at most `cap`); NOT_FOUND when unknown. */
+amx_status_t amx_registry_progress(amx_registry_t *reg, const char *job, uint64_t epoch,
+                                   uint32_t *missing, uint32_t cap, uint32_t *nmissing,
+                                   uint64_t *open_epoch, uint64_t *last, int *in_flight,
+                                   amx_err_t *err);
+
+/* A peer says the job's communicator `gen` failed (or the job changed
+ * membership): abort what is in flight and agree again at the next epoch. */
+void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen, uint32_t from,
+                             const char *reason);
+
+/* The coordinator dropped the job (Reset(drop_job) on some daemon). */
+void amx_registry_peer_drop(amx_registry_t *reg, const char *job, uint32_t from);
+
+/* A donor's published state for sync `seq`: copies up to `max` bytes at
+ * `offset` (allocated with malloc into *data). EUNAVAIL when not (yet)
+ * published. Any thread is fine for this one (it locks). */
+amx_status_t amx_registry_fetch_state(amx_registry_t *reg, const char *job, uint64_t seq,
+                                      uint64_t offset, uint32_t max, void **data, size_t *len,
+                                      uint64_t *total, amx_err_t *err);
 
 #endif

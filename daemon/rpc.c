@@ -1,15 +1,21 @@
 /*
- * rpc.c - gRPC C-core server plumbing.
+ * rpc.c - gRPC C-core plumbing: servers and the loop's client calls.
  *
- * Each call is an amx_call_t with four tags (new, recv, send, close). The
- * completion-queue thread pushes (tag, ok) pairs into a queue and wakes the
- * loop; the loop thread does everything else. A call is freed when its
+ * Each server call is an amx_call_t with four tags (new, recv, send, close).
+ * The completion-queue thread pushes (tag, ok) pairs into a queue and wakes
+ * the loop; the loop thread does everything else. A call is freed when its
  * status has been sent (or it was abandoned) and RECV_CLOSE_ON_SERVER has
  * completed, whichever is last.
  *
- * For every registered method several requests stay posted, and one
- * grpc_server_request_call stays posted for unknown methods, which are
- * answered UNIMPLEMENTED (otherwise they would hang until their deadline).
+ * Two servers share the one completion queue: the trainer server (Unix
+ * socket, optional loopback TCP: amaxd.v1 and health) and, in a cluster,
+ * the peer server (TCP: amaxd.peer.v1). For every registered method several
+ * requests stay posted, and one grpc_server_request_call per server stays
+ * posted for unknown methods, which are answered UNIMPLEMENTED (otherwise
+ * they would hang until their deadline).
+ *
+ * Client calls of the loop thread (amx_rpc_call) use the same queue: one
+ * batch with every op, one tag, one callback.
  */
 #include "rpc.h"
 
@@ -20,6 +26,7 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
+#include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -29,23 +36,43 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include "amaxd/v1/amaxd.pb-c.h"
+#include "clock.h"
 #include "log.h"
+#include "peer.h"
 #include "service.h"
 
 #define POSTED_PER_METHOD 8
-#define UNKNOWN_METHOD -1
+#define MAX_METHODS 32
+#define UNKNOWN_TRAINER -1
+#define UNKNOWN_PEER -2
 
-enum { TAG_NEW, TAG_RECV, TAG_SEND, TAG_CLOSE, TAG_SHUTDOWN };
+enum { TAG_NEW, TAG_RECV, TAG_SEND, TAG_CLOSE, TAG_SHUTDOWN, TAG_CLIENT };
 
 typedef struct tag {
-    struct amx_call *call;
+    void *obj; /* the amx_call_t or amx_ccall_t */
     int what;
 } tag_t;
 
-struct amx_call {
-    amx_waiter_t waiter; /* first member: service.c recovers the call from it */
+struct amx_ccall {
+    tag_t tag;
     amx_rpc_t *rpc;
-    int method; /* index into amx__methods, or UNKNOWN_METHOD */
+    grpc_call *call;
+    grpc_metadata md;
+    grpc_byte_buffer *send_buf, *recv_buf;
+    grpc_metadata_array init_md, trail_md;
+    grpc_status_code status;
+    grpc_slice details;
+    amx_ccall_cb cb;
+    void *ud;
+    int cancelled;
+    struct amx_ccall *prev, *next;
+};
+
+struct amx_call {
+    amx_waiter_t waiter; /* first member: amx__waiter_call recovers the call */
+    amx_rpc_t *rpc;
+    int method; /* index into rpc->methods, or UNKNOWN_* */
     grpc_call *call;
     gpr_timespec deadline;
     grpc_metadata_array md;
@@ -57,6 +84,7 @@ struct amx_call {
     int cancelled;
     int started, replied, closed, recv_pending, send_pending;
     ProtobufCMessage *request; /* kept while the call waits in the registry */
+    amx_arena_t arena;         /* request views that live as long as the call */
     uint64_t stream_accepted, stream_epoch;
     tag_t t_new, t_recv, t_send, t_close;
     struct amx_call *prev, *next; /* live calls */
@@ -71,9 +99,13 @@ struct amx_rpc {
     uv_loop_t *loop;
     const amx_config_t *cfg;
     amx_svc_t svc;
-    grpc_server *server;
+    grpc_server *server, *peer_server;
+    int nservers, servers_shut;
     grpc_completion_queue *cq;
-    void *method_handles[32];
+    const amx_method_t *methods[MAX_METHODS];
+    void *method_handles[MAX_METHODS];
+    size_t nmethods;
+    amx_ccall_t *ccalls; /* client calls in flight */
     pthread_t cq_thread;
     int cq_thread_started;
     uv_async_t wake;
@@ -84,8 +116,8 @@ struct amx_rpc {
     size_t spare_cap;
     amx_call_t *calls; /* live calls */
     uint32_t ncalls;
-    int stopping, server_shut, cq_done;
-    tag_t t_shutdown;
+    int stopping, cq_done;
+    tag_t t_shutdown, t_shutdown_peer;
     uv_timer_t grace;
     int grace_started;
     void (*on_stopped)(void *);
@@ -136,6 +168,7 @@ static amx_call_t *call_new(amx_rpc_t *rpc, int method)
     c->t_recv = (tag_t){c, TAG_RECV};
     c->t_send = (tag_t){c, TAG_SEND};
     c->t_close = (tag_t){c, TAG_CLOSE};
+    c->waiter.job = NULL;
     grpc_metadata_array_init(&c->md);
     grpc_call_details_init(&c->details);
     c->next = rpc->calls;
@@ -156,10 +189,13 @@ static void call_free(amx_call_t *c)
     if (c->next)
         c->next->prev = c->prev;
     rpc->ncalls--;
-    if (c->waiter.job != NULL)
+    if (c->waiter.on_cancel != NULL)
+        c->waiter.on_cancel(&c->waiter);
+    else if (c->waiter.job != NULL)
         amx_registry_cancel(rpc->svc.reg, &c->waiter);
     if (c->request)
         protobuf_c_message_free_unpacked(c->request, NULL);
+    amx_arena_free(&c->arena);
     if (c->payload)
         grpc_byte_buffer_destroy(c->payload);
     if (c->recv_buf)
@@ -192,14 +228,16 @@ static void post_request(amx_rpc_t *rpc, int method)
         return;
     }
     grpc_call_error e;
-    if (method == UNKNOWN_METHOD) {
-        e = grpc_server_request_call(rpc->server, &c->call, &c->details, &c->md, rpc->cq, rpc->cq,
+    if (method < 0) {
+        grpc_server *srv = method == UNKNOWN_PEER ? rpc->peer_server : rpc->server;
+        e = grpc_server_request_call(srv, &c->call, &c->details, &c->md, rpc->cq, rpc->cq,
                                      &c->t_new);
     } else {
-        int stream = amx__methods[method].client_streaming;
-        e = grpc_server_request_registered_call(rpc->server, rpc->method_handles[method], &c->call,
-                                                &c->deadline, &c->md, stream ? NULL : &c->payload,
-                                                rpc->cq, rpc->cq, &c->t_new);
+        const amx_method_t *m = rpc->methods[method];
+        grpc_server *srv = m->server == AMX_SERVER_PEER ? rpc->peer_server : rpc->server;
+        e = grpc_server_request_registered_call(
+            srv, rpc->method_handles[method], &c->call, &c->deadline, &c->md,
+            m->client_streaming ? NULL : &c->payload, rpc->cq, rpc->cq, &c->t_new);
     }
     if (e != GRPC_CALL_OK) {
         AMX_ERROR("rpc", "grpc_server_request_call failed: %d", (int)e);
@@ -245,6 +283,42 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
 amx_waiter_t *amx__call_waiter(amx_call_t *c)
 {
     return &c->waiter;
+}
+
+amx_call_t *amx__waiter_call(amx_waiter_t *w)
+{
+    return (amx_call_t *)w; /* the waiter is the call's first member */
+}
+
+amx_arena_t *amx__call_arena(amx_call_t *c)
+{
+    return &c->arena;
+}
+
+const char *amx__call_metadata(amx_call_t *c, const char *key, size_t *len)
+{
+    size_t klen = strlen(key);
+    for (size_t i = 0; i < c->md.count; i++) {
+        const grpc_metadata *m = &c->md.metadata[i];
+        if (GRPC_SLICE_LENGTH(m->key) == klen &&
+            memcmp(GRPC_SLICE_START_PTR(m->key), key, klen) == 0) {
+            *len = GRPC_SLICE_LENGTH(m->value);
+            return (const char *)GRPC_SLICE_START_PTR(m->value);
+        }
+    }
+    return NULL;
+}
+
+void amx__call_peer(amx_call_t *c, char *buf, size_t len)
+{
+    char *p = c->call ? grpc_call_get_peer(c->call) : NULL;
+    snprintf(buf, len, "%s", p ? p : "?");
+    gpr_free(p);
+}
+
+const char *amx__call_method(amx_call_t *c)
+{
+    return c->method >= 0 ? c->rpc->methods[c->method]->path : "(unknown method)";
 }
 
 /* Unpacks a byte buffer into a message; NULL and a sentence when it is not one. */
@@ -308,17 +382,17 @@ static void on_new(amx_call_t *c, int ok)
         maybe_free(c);
         return;
     }
-    if (c->method == UNKNOWN_METHOD) {
+    if (c->method < 0) {
         char path[256];
         snprintf(path, sizeof(path), "%.*s", (int)GRPC_SLICE_LENGTH(c->details.method),
                  (const char *)GRPC_SLICE_START_PTR(c->details.method));
         char msg[400];
-        snprintf(msg, sizeof(msg), "method %s is not served by amaxd (see proto/amaxd/v1)", path);
+        snprintf(msg, sizeof(msg), "method %s is not served by amaxd (see proto/amaxd)", path);
         AMX_WARN("rpc", "%s", msg);
         amx__call_reply(c, AMX_EUNIMPL, msg, NULL);
         return;
     }
-    const amx_method_t *m = &amx__methods[c->method];
+    const amx_method_t *m = rpc->methods[c->method];
     if (m->client_streaming) {
         post_recv(c);
         return;
@@ -361,7 +435,7 @@ static void on_recv(amx_call_t *c, int ok)
     }
     amx_err_t err = {0};
     ProtobufCMessage *m =
-        unpack(c->recv_buf, amx__methods[c->method].request, rpc->cfg->max_message_bytes, &err);
+        unpack(c->recv_buf, rpc->methods[c->method]->request, rpc->cfg->max_message_bytes, &err);
     grpc_byte_buffer_destroy(c->recv_buf);
     c->recv_buf = NULL;
     if (m == NULL) {
@@ -382,6 +456,141 @@ static void on_recv(amx_call_t *c, int ok)
 
 static void check_stopped(amx_rpc_t *rpc);
 
+/* ---- client calls ---- */
+
+static void ccall_free(amx_ccall_t *cc)
+{
+    amx_rpc_t *rpc = cc->rpc;
+    if (cc->prev)
+        cc->prev->next = cc->next;
+    else
+        rpc->ccalls = cc->next;
+    if (cc->next)
+        cc->next->prev = cc->prev;
+    if (cc->send_buf)
+        grpc_byte_buffer_destroy(cc->send_buf);
+    if (cc->recv_buf)
+        grpc_byte_buffer_destroy(cc->recv_buf);
+    grpc_metadata_array_destroy(&cc->init_md);
+    grpc_metadata_array_destroy(&cc->trail_md);
+    grpc_slice_unref(cc->details);
+    grpc_slice_unref(cc->md.key);
+    grpc_slice_unref(cc->md.value);
+    if (cc->call)
+        grpc_call_unref(cc->call);
+    free(cc);
+}
+
+gpr_timespec amx_rpc_deadline(uint64_t deadline_ms)
+{
+    if (deadline_ms == UINT64_MAX)
+        return gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    uint64_t now = amx_now_ms();
+    int64_t left = deadline_ms > now ? (int64_t)(deadline_ms - now) : 0;
+    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(left, GPR_TIMESPAN));
+}
+
+amx_status_t amx_rpc_call(amx_rpc_t *rpc, grpc_channel *ch, const char *method, const uint8_t *req,
+                          size_t len, const char *md_key, const char *md_val, uint64_t deadline_ms,
+                          amx_ccall_cb cb, void *ud, amx_ccall_t **out, amx_err_t *err)
+{
+    if (rpc->stopping)
+        return amx_err_set(err, AMX_EUNAVAIL, "amaxd is shutting down");
+    amx_ccall_t *cc = calloc(1, sizeof(*cc));
+    if (cc == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    cc->tag = (tag_t){cc, TAG_CLIENT};
+    cc->rpc = rpc;
+    cc->cb = cb;
+    cc->ud = ud;
+    cc->details = grpc_empty_slice();
+    cc->md.key = grpc_slice_from_copied_string(md_key ? md_key : "");
+    cc->md.value = grpc_slice_from_copied_string(md_val ? md_val : "");
+    grpc_metadata_array_init(&cc->init_md);
+    grpc_metadata_array_init(&cc->trail_md);
+    grpc_slice path = grpc_slice_from_static_string(method);
+    cc->call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, rpc->cq, path, NULL,
+                                        amx_rpc_deadline(deadline_ms), NULL);
+    cc->next = rpc->ccalls;
+    if (rpc->ccalls)
+        rpc->ccalls->prev = cc;
+    rpc->ccalls = cc;
+    if (cc->call == NULL) {
+        ccall_free(cc);
+        return amx_err_set(err, AMX_EINTERNAL, "cannot create a call of %s", method);
+    }
+    grpc_slice s = grpc_slice_from_copied_buffer((const char *)req, len);
+    cc->send_buf = grpc_raw_byte_buffer_create(&s, 1);
+    grpc_slice_unref(s);
+    grpc_op ops[6];
+    memset(ops, 0, sizeof(ops));
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = md_key ? 1 : 0;
+    ops[0].data.send_initial_metadata.metadata = md_key ? &cc->md : NULL;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = cc->send_buf;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &cc->init_md;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &cc->recv_buf;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &cc->trail_md;
+    ops[5].data.recv_status_on_client.status = &cc->status;
+    ops[5].data.recv_status_on_client.status_details = &cc->details;
+    if (grpc_call_start_batch(cc->call, ops, 6, &cc->tag, NULL) != GRPC_CALL_OK) {
+        ccall_free(cc);
+        return amx_err_set(err, AMX_EINTERNAL, "cannot start a call of %s", method);
+    }
+    if (out)
+        *out = cc;
+    return AMX_OK;
+}
+
+void amx_rpc_call_cancel(amx_rpc_t *rpc, amx_ccall_t *cc)
+{
+    (void)rpc;
+    cc->cancelled = 1;
+    grpc_call_cancel(cc->call, NULL);
+}
+
+static void on_client(amx_ccall_t *cc, int ok)
+{
+    if (!cc->cancelled) {
+        char msg[1024];
+        amx_status_t st;
+        uint8_t *data = NULL;
+        size_t len = 0;
+        if (!ok) {
+            st = AMX_EINTERNAL;
+            snprintf(msg, sizeof(msg), "the call could not be completed");
+        } else {
+            st = amx_status_from_grpc((int)cc->status);
+            snprintf(msg, sizeof(msg), "%.*s", (int)GRPC_SLICE_LENGTH(cc->details),
+                     (const char *)GRPC_SLICE_START_PTR(cc->details));
+        }
+        grpc_slice all = grpc_empty_slice();
+        if (st == AMX_OK && cc->recv_buf != NULL) {
+            grpc_byte_buffer_reader r;
+            if (grpc_byte_buffer_reader_init(&r, cc->recv_buf)) {
+                all = grpc_byte_buffer_reader_readall(&r);
+                grpc_byte_buffer_reader_destroy(&r);
+                data = GRPC_SLICE_START_PTR(all);
+                len = GRPC_SLICE_LENGTH(all);
+            }
+        } else if (st == AMX_OK) {
+            st = AMX_EINTERNAL;
+            snprintf(msg, sizeof(msg), "the answer carried no message");
+        }
+        cc->cb(cc->ud, st, msg, data, len);
+        grpc_slice_unref(all);
+    }
+    amx_rpc_t *rpc = cc->rpc;
+    ccall_free(cc);
+    if (rpc->stopping)
+        check_stopped(rpc);
+}
+
 static void dispatch(amx_rpc_t *rpc, event_t *ev)
 {
     if (ev->tag == NULL) {
@@ -391,11 +600,15 @@ static void dispatch(amx_rpc_t *rpc, event_t *ev)
     }
     tag_t *t = ev->tag;
     if (t->what == TAG_SHUTDOWN) {
-        rpc->server_shut = 1;
+        rpc->servers_shut++;
         check_stopped(rpc);
         return;
     }
-    amx_call_t *c = t->call;
+    if (t->what == TAG_CLIENT) {
+        on_client(t->obj, ev->ok);
+        return;
+    }
+    amx_call_t *c = t->obj;
     switch (t->what) {
     case TAG_NEW:
         on_new(c, ev->ok);
@@ -409,7 +622,12 @@ static void dispatch(amx_rpc_t *rpc, event_t *ev)
         break;
     case TAG_CLOSE:
         c->closed = 1;
-        if (c->waiter.job != NULL) {
+        if (c->waiter.on_cancel != NULL) {
+            /* Gone while waiting at the coordinator. */
+            void (*fn)(amx_waiter_t *) = c->waiter.on_cancel;
+            c->waiter.on_cancel = NULL;
+            fn(&c->waiter);
+        } else if (c->waiter.job != NULL) {
             /* Cancelled or past its deadline while waiting in the registry. */
             amx_registry_cancel(rpc->svc.reg, &c->waiter);
         }
@@ -500,8 +718,38 @@ static int is_loopback(const char *hostport)
     return 0;
 }
 
+static void register_methods(amx_rpc_t *rpc, const amx_method_t *tab, size_t n)
+{
+    for (size_t i = 0; i < n && rpc->nmethods < MAX_METHODS; i++) {
+        grpc_server *srv = tab[i].server == AMX_SERVER_PEER ? rpc->peer_server : rpc->server;
+        rpc->methods[rpc->nmethods] = &tab[i];
+        rpc->method_handles[rpc->nmethods] = grpc_server_register_method(
+            srv, tab[i].path, NULL,
+            tab[i].client_streaming ? GRPC_SRM_PAYLOAD_NONE
+                                    : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER,
+            0);
+        rpc->nmethods++;
+    }
+}
+
+static grpc_server *make_server(const amx_config_t *cfg)
+{
+    grpc_arg args[2];
+    args[0].type = GRPC_ARG_INTEGER;
+    args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
+    /* The daemon enforces max_message_bytes itself (a precise status and a
+     * log line); the core's limit is only a ceiling against absurd sizes. */
+    args[0].value.integer =
+        cfg->max_message_bytes > INT_MAX / 2 ? INT_MAX : (int)(2 * cfg->max_message_bytes);
+    args[1].type = GRPC_ARG_INTEGER;
+    args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
+    args[1].value.integer = -1;
+    grpc_channel_args cargs = {2, args};
+    return grpc_server_create(&cargs, NULL);
+}
+
 amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registry_t *reg,
-                           double start_time, amx_rpc_t **out, amx_err_t *err)
+                           amx_peer_t *peer, double start_time, amx_rpc_t **out, amx_err_t *err)
 {
     amx_status_t st = AMX_OK;
     int stale = 0;
@@ -514,6 +762,7 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
                            cfg->tcp);
     if (cfg->socket[0] != '\0')
         AMX_CHECK(check_unix_path(cfg->socket, &stale, err));
+    int serve_peer = peer != NULL && amx_peer_id(peer)->size > 1;
 
     amx_rpc_t *rpc = calloc(1, sizeof(*rpc));
     if (rpc == NULL)
@@ -521,34 +770,29 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     rpc->loop = loop;
     rpc->cfg = cfg;
     rpc->svc.reg = reg;
+    rpc->svc.peer = peer;
     rpc->svc.cfg = cfg;
     rpc->svc.start_time = start_time;
     rpc->t_shutdown = (tag_t){NULL, TAG_SHUTDOWN};
+    rpc->t_shutdown_peer = (tag_t){NULL, TAG_SHUTDOWN};
     pthread_mutex_init(&rpc->mu, NULL);
 
     grpc_init();
-    grpc_arg args[2];
-    args[0].type = GRPC_ARG_INTEGER;
-    args[0].key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    /* The daemon enforces max_message_bytes itself (a precise status and a
-     * log line); the core's limit is only a ceiling against absurd sizes. */
-    args[0].value.integer =
-        cfg->max_message_bytes > INT_MAX / 2 ? INT_MAX : (int)(2 * cfg->max_message_bytes);
-    args[1].type = GRPC_ARG_INTEGER;
-    args[1].key = GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-    args[1].value.integer = -1;
-    grpc_channel_args cargs = {2, args};
-    rpc->server = grpc_server_create(&cargs, NULL);
+    rpc->server = make_server(cfg);
+    rpc->nservers = 1;
     rpc->cq = grpc_completion_queue_create_for_next(NULL);
     grpc_server_register_completion_queue(rpc->server, rpc->cq, NULL);
-    for (size_t i = 0; i < amx__n_methods; i++)
-        rpc->method_handles[i] = grpc_server_register_method(
-            rpc->server, amx__methods[i].path, NULL,
-            amx__methods[i].client_streaming ? GRPC_SRM_PAYLOAD_NONE
-                                             : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER,
-            0);
+    if (serve_peer) {
+        rpc->peer_server = make_server(cfg);
+        rpc->nservers = 2;
+        grpc_server_register_completion_queue(rpc->peer_server, rpc->cq, NULL);
+    }
+    register_methods(rpc, amx__methods, amx__n_methods);
+    if (serve_peer)
+        register_methods(rpc, amx__peer_methods, amx__n_peer_methods);
 
     grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    grpc_server_credentials *pcreds = NULL;
     char addr[300];
     if (cfg->socket[0] != '\0') {
         if (stale) {
@@ -566,8 +810,23 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
         st = amx_err_set(err, AMX_EIO, "cannot listen on tcp %s (address in use?)", cfg->tcp);
         goto fail_creds;
     }
+    if (serve_peer) {
+        const char *listen = amx_peer_id(peer)->listen;
+        AMX_CHECK_GOTO(amx_peer_server_credentials(peer, &pcreds, err), st, fail_creds);
+        if (grpc_server_add_http2_port(rpc->peer_server, listen, pcreds) == 0) {
+            st = amx_err_set(err, AMX_EIO,
+                             "cannot listen for peers on %s (address in use, or not an address "
+                             "of this host?)",
+                             listen);
+            goto fail_creds;
+        }
+        grpc_server_credentials_release(pcreds);
+        pcreds = NULL;
+    }
     grpc_server_credentials_release(creds);
     grpc_server_start(rpc->server);
+    if (serve_peer)
+        grpc_server_start(rpc->peer_server);
     if (rpc->unix_path[0] != '\0' && chmod(rpc->unix_path, (mode_t)cfg->socket_mode) != 0)
         AMX_WARN("rpc", "chmod %s %llo: %s", rpc->unix_path, (unsigned long long)cfg->socket_mode,
                  strerror(errno));
@@ -579,21 +838,29 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
         goto fail_started;
     }
     rpc->cq_thread_started = 1;
-    for (size_t i = 0; i < amx__n_methods; i++)
+    for (size_t i = 0; i < rpc->nmethods; i++)
         for (int k = 0; k < POSTED_PER_METHOD; k++)
             post_request(rpc, (int)i);
-    post_request(rpc, UNKNOWN_METHOD);
+    post_request(rpc, UNKNOWN_TRAINER);
+    if (serve_peer)
+        post_request(rpc, UNKNOWN_PEER);
     if (rpc->unix_path[0] != '\0')
         AMX_INFO("rpc", "listening on unix:%s (mode %04llo)", rpc->unix_path,
                  (unsigned long long)cfg->socket_mode);
     if (cfg->tcp[0] != '\0')
         AMX_INFO("rpc", "listening on tcp %s", cfg->tcp);
+    if (serve_peer)
+        AMX_INFO("rpc", "peer service listening on %s", amx_peer_id(peer)->listen);
     *out = rpc;
     return AMX_OK;
 
 fail_creds:
+    if (pcreds != NULL)
+        grpc_server_credentials_release(pcreds);
     grpc_server_credentials_release(creds);
     grpc_server_destroy(rpc->server);
+    if (rpc->peer_server != NULL)
+        grpc_server_destroy(rpc->peer_server);
     grpc_completion_queue_shutdown(rpc->cq);
     while (grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
            GRPC_QUEUE_SHUTDOWN) {
@@ -606,11 +873,17 @@ fail_creds:
 fail_started:
     grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
     grpc_server_cancel_all_calls(rpc->server);
+    if (rpc->peer_server != NULL) {
+        grpc_server_shutdown_and_notify(rpc->peer_server, rpc->cq, &rpc->t_shutdown_peer);
+        grpc_server_cancel_all_calls(rpc->peer_server);
+    }
     grpc_completion_queue_shutdown(rpc->cq);
     while (grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
            GRPC_QUEUE_SHUTDOWN) {
     }
     grpc_server_destroy(rpc->server);
+    if (rpc->peer_server != NULL)
+        grpc_server_destroy(rpc->peer_server);
     grpc_completion_queue_destroy(rpc->cq);
     grpc_shutdown_blocking();
     uv_close((uv_handle_t *)&rpc->wake, NULL);
@@ -622,9 +895,13 @@ fail_started:
 static void on_grace(uv_timer_t *t)
 {
     amx_rpc_t *rpc = t->data;
+    if (rpc->server == NULL)
+        return; /* everything has ended already */
     if (amx_rpc_calls(rpc) > 0)
         AMX_WARN("rpc", "grace period over: cancelling %u calls in flight", amx_rpc_calls(rpc));
     grpc_server_cancel_all_calls(rpc->server);
+    if (rpc->peer_server != NULL)
+        grpc_server_cancel_all_calls(rpc->peer_server);
 }
 
 static void on_closed(uv_handle_t *h)
@@ -636,10 +913,16 @@ static void on_closed(uv_handle_t *h)
 
 static void check_stopped(amx_rpc_t *rpc)
 {
-    if (rpc->server_shut && !rpc->cq_done && rpc->server != NULL) {
-        /* Every call is finished: the server and the queue can go. */
+    if (rpc->servers_shut == rpc->nservers && !rpc->cq_done && rpc->server != NULL) {
+        if (rpc->ccalls != NULL)
+            return; /* client calls end (cancelled) before the queue shuts down */
+        /* Every call is finished: the servers and the queue can go. */
         grpc_server_destroy(rpc->server);
         rpc->server = NULL;
+        if (rpc->peer_server != NULL) {
+            grpc_server_destroy(rpc->peer_server);
+            rpc->peer_server = NULL;
+        }
         grpc_completion_queue_shutdown(rpc->cq);
         return;
     }
@@ -654,7 +937,6 @@ static void check_stopped(amx_rpc_t *rpc)
     }
     grpc_completion_queue_destroy(rpc->cq);
     rpc->cq = NULL;
-    grpc_shutdown_blocking();
     if (rpc->unix_path[0] != '\0') {
         struct stat stt;
         if (lstat(rpc->unix_path, &stt) == 0 && S_ISSOCK(stt.st_mode))
@@ -678,6 +960,14 @@ void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud
     AMX_INFO("rpc", "stopping: %u calls in flight, grace %llu ms", amx_rpc_calls(rpc),
              (unsigned long long)grace_ms);
     grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
+    if (rpc->peer_server != NULL)
+        grpc_server_shutdown_and_notify(rpc->peer_server, rpc->cq, &rpc->t_shutdown_peer);
+    /* The coordinator's waiting requests are calls of the peer server. */
+    if (rpc->svc.peer != NULL)
+        amx_peer_shutdown(rpc->svc.peer);
+    /* Client calls would keep the queue from shutting down. */
+    for (amx_ccall_t *cc = rpc->ccalls; cc != NULL; cc = cc->next)
+        grpc_call_cancel(cc->call, NULL);
     /* Calls that wait for other ranks would outlast any grace period. */
     for (amx_call_t *c = rpc->calls; c != NULL; c = c->next) {
         if (c->waiter.job != NULL) {
@@ -693,6 +983,8 @@ void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud
     uv_timer_start(&rpc->grace, on_grace, grace_ms, 0);
 }
 
+/* The gRPC library is shut down when the daemon has stopped using it (the
+ * peer channels too), by amx_rpc_free. */
 void amx_rpc_free(amx_rpc_t *rpc)
 {
     if (rpc == NULL)
@@ -701,6 +993,7 @@ void amx_rpc_free(amx_rpc_t *rpc)
     free(rpc->spare);
     pthread_mutex_destroy(&rpc->mu);
     free(rpc);
+    grpc_shutdown_blocking();
 }
 
 uint32_t amx_rpc_calls(const amx_rpc_t *rpc)

@@ -1,14 +1,17 @@
 /*
- * rpc.h - the gRPC server: listening sockets, the completion-queue thread,
- * and the calls that move between it and the libuv loop.
+ * rpc.h - the gRPC plumbing: the trainer server (Unix socket, optional
+ * loopback TCP), the peer server (TCP, several daemons), the
+ * completion-queue thread, and the loop thread's asynchronous client calls.
  *
  * Threads: one completion-queue thread only takes events off the queue and
  * hands them to the loop (uv_async_send; the loop drains the whole batch).
- * Everything else (parsing, the registry, answers) runs on the loop thread.
+ * Everything else (parsing, the registry, answers, client callbacks) runs
+ * on the loop thread.
  */
 #ifndef AMX_RPC_H
 #define AMX_RPC_H
 
+#include <grpc/grpc.h>
 #include <uv.h>
 
 #include "config.h"
@@ -16,18 +19,21 @@
 #include "status.h"
 
 typedef struct amx_rpc amx_rpc_t;
+typedef struct amx_peer amx_peer_t;
 
-/* Creates the server, binds the Unix socket and/or TCP address of `cfg`,
- * starts the completion-queue thread and begins accepting calls on `loop`.
- * `cfg` and `reg` are borrowed and must outlive the server. Loop thread. */
+/* Creates the servers, binds the Unix socket and/or TCP address of `cfg`
+ * (and the peer service's address when `peer` serves one), starts the
+ * completion-queue thread and begins accepting calls on `loop`. Borrowed
+ * arguments must outlive the server. Loop thread. */
 amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registry_t *reg,
-                           double start_time, amx_rpc_t **out, amx_err_t *err);
+                           amx_peer_t *peer, double start_time, amx_rpc_t **out, amx_err_t *err);
 
 /*
  * Begins a graceful stop: no new calls, waiting calls fail with UNAVAILABLE,
- * calls in flight get `grace_ms` to finish before they are cancelled. When
- * everything is closed, the socket file is removed, `on_stopped(ud)` is
- * called once on the loop thread, and the server may be freed. Loop thread.
+ * client calls are cancelled, calls in flight get `grace_ms` to finish
+ * before they are cancelled. When everything is closed, the socket file is
+ * removed, `on_stopped(ud)` is called once on the loop thread, and the
+ * server may be freed. Loop thread.
  */
 void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud), void *ud);
 
@@ -36,5 +42,31 @@ void amx_rpc_free(amx_rpc_t *rpc);
 
 /* Calls that have started and not yet ended (posted requests not counted). */
 uint32_t amx_rpc_calls(const amx_rpc_t *rpc);
+
+/* ---- client calls from the loop thread ---- */
+
+typedef struct amx_ccall amx_ccall_t;
+
+/* Called once on the loop thread: st/msg from the call's status; `data`
+ * is the serialized answer (valid during the call) when st == AMX_OK. */
+typedef void (*amx_ccall_cb)(void *ud, amx_status_t st, const char *msg, const uint8_t *data,
+                             size_t len);
+
+/*
+ * Starts a unary call of `method` ("/pkg.Service/Method") on `ch` with the
+ * serialized request `req` and one metadata pair (`md_key`, `md_val`; NULL
+ * for none), ending at `deadline_ms` (CLOCK_MONOTONIC). On AMX_OK `cb` will
+ * be called exactly once (unless amx_rpc_call_cancel is called first);
+ * otherwise never. Loop thread.
+ */
+amx_status_t amx_rpc_call(amx_rpc_t *rpc, grpc_channel *ch, const char *method, const uint8_t *req,
+                          size_t len, const char *md_key, const char *md_val, uint64_t deadline_ms,
+                          amx_ccall_cb cb, void *ud, amx_ccall_t **out, amx_err_t *err);
+
+/* Cancels a client call; its callback is not called. Loop thread. */
+void amx_rpc_call_cancel(amx_rpc_t *rpc, amx_ccall_t *cc);
+
+/* A gpr_timespec deadline from a CLOCK_MONOTONIC ms value. Any thread. */
+gpr_timespec amx_rpc_deadline(uint64_t deadline_ms);
 
 #endif

@@ -1,6 +1,7 @@
 /*
- * service.c - one handler per RPC: decode is done by rpc.c, this file calls
- * the registry, logs rejected requests and answers.
+ * service.c - one handler per trainer RPC: rpc.c decodes the message, this
+ * file maps it to the registry's C request, calls the registry, logs
+ * refused requests and maps the answer back to amaxd.v1 messages.
  */
 #include "service.h"
 
@@ -8,16 +9,17 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "amaxd/v1/amaxd.pb-c.h"
 #include "arena.h"
+#include "clock.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "log.h"
+#include "peer.h"
 #include "version.h"
 
 uint64_t amx__now_ms(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+    return amx_now_ms();
 }
 
 /* Answers an error and logs it: every rejected request leaves a line. */
@@ -27,114 +29,402 @@ static void reply_err(amx_call_t *c, const char *method, const amx_err_t *err)
     amx__call_reply(c, err->code, err->msg, NULL);
 }
 
-static void waiter_done(amx_waiter_t *w, amx_status_t st, const char *msg,
-                        const ProtobufCMessage *resp)
+/* ---- answers ---- */
+
+static Amaxd__V1__QuantizerResult **results_to_pb(const amx_reply_t *rep, amx_arena_t *a)
 {
-    amx_call_t *c = (amx_call_t *)w; /* the waiter is the call's first member (rpc.c) */
-    amx__call_reply(c, st, msg, resp);
+    Amaxd__V1__QuantizerResult **v = amx_arena_alloc(a, (rep->nresults + 1) * sizeof(*v));
+    if (v == NULL)
+        return NULL;
+    for (size_t i = 0; i < rep->nresults; i++) {
+        const amx_result_t *x = &rep->results[i];
+        Amaxd__V1__QuantizerResult *r = amx_arena_alloc(a, sizeof(*r));
+        if (r == NULL)
+            return NULL;
+        amaxd__v1__quantizer_result__init(r);
+        r->name = (char *)x->name;
+        r->n_offset = r->n_shape = x->ndim;
+        r->offset = (uint32_t *)x->off;
+        r->shape = (uint32_t *)x->shape;
+        r->amax.data = (uint8_t *)x->amax;
+        r->amax.len = x->ncells * sizeof(float);
+        r->scale.data = (uint8_t *)x->scale;
+        r->scale.len = x->ncells * sizeof(float);
+        r->scale_inv.data = (uint8_t *)x->scale_inv;
+        r->scale_inv.len = x->ncells * sizeof(float);
+        r->block_scales.data = x->bytes;
+        r->block_scales.len = x->ncells;
+        r->global_amax = x->global_amax;
+        r->global_scale = x->global_scale;
+        r->global_scale_inv = x->global_scale_inv;
+        r->missing = x->missing;
+        v[i] = r;
+    }
+    return v;
 }
+
+/* The waiting calls' callbacks: the reply becomes the method's message. */
+static void join_done(amx_waiter_t *w, amx_status_t st, const char *msg, const amx_reply_t *rep)
+{
+    amx_call_t *c = amx__waiter_call(w);
+    if (st != AMX_OK) {
+        amx__call_reply(c, st, msg, NULL);
+        return;
+    }
+    Amaxd__V1__JoinResponse r = AMAXD__V1__JOIN_RESPONSE__INIT;
+    const Amaxd__V1__JoinRequest *req = (const void *)w->ext;
+    r.job = req->job;
+    r.world_size = rep->world;
+    r.epoch = rep->epoch;
+    r.rejoined = rep->rejoined;
+    amx__call_reply(c, AMX_OK, NULL, &r.base);
+}
+
+static void reconcile_done(amx_waiter_t *w, amx_status_t st, const char *msg,
+                           const amx_reply_t *rep)
+{
+    amx_call_t *c = amx__waiter_call(w);
+    if (st != AMX_OK) {
+        amx__call_reply(c, st, msg, NULL);
+        return;
+    }
+    amx_arena_t a = {0};
+    Amaxd__V1__ReconcileResponse r = AMAXD__V1__RECONCILE_RESPONSE__INIT;
+    r.epoch = rep->epoch;
+    r.next_epoch = rep->next_epoch;
+    r.n_results = rep->nresults;
+    r.results = results_to_pb(rep, &a);
+    if (r.results == NULL)
+        amx__call_reply(c, AMX_ENOMEM, "out of memory building the answer", NULL);
+    else
+        amx__call_reply(c, AMX_OK, NULL, &r.base);
+    amx_arena_free(&a);
+}
+
+static void register_done(amx_waiter_t *w, amx_status_t st, const char *msg, const amx_reply_t *rep)
+{
+    amx_call_t *c = amx__waiter_call(w);
+    if (st != AMX_OK) {
+        amx__call_reply(c, st, msg, NULL);
+        return;
+    }
+    Amaxd__V1__RegisterResponse r = AMAXD__V1__REGISTER_RESPONSE__INIT;
+    r.created = rep->created;
+    r.existing = rep->existing;
+    r.catalog_size = rep->catalog_size;
+    amx__call_reply(c, AMX_OK, NULL, &r.base);
+}
+
+static void reset_done(amx_waiter_t *w, amx_status_t st, const char *msg, const amx_reply_t *rep)
+{
+    amx_call_t *c = amx__waiter_call(w);
+    if (st != AMX_OK) {
+        amx__call_reply(c, st, msg, NULL);
+        return;
+    }
+    Amaxd__V1__ResetResponse r = AMAXD__V1__RESET_RESPONSE__INIT;
+    r.reset = rep->reset;
+    amx__call_reply(c, AMX_OK, NULL, &r.base);
+}
+
+/* ---- handlers ---- */
 
 static void h_join(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__JoinRequest *req = (const void *)m;
+    amx_join_req_t q = {req->job, req->rank, req->world_size};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
-    w->done = waiter_done;
-    if (amx_registry_join(svc->reg, req, w, amx__now_ms(), &err) != AMX_OK)
+    w->done = join_done;
+    w->ext = (void *)req;
+    if (amx_registry_join(svc->reg, &q, w, amx__now_ms(), &err) != AMX_OK)
         reply_err(c, "Join", &err);
 }
 
 static void h_reconcile(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__ReconcileRequest *req = (const void *)m;
+    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, req->names, req->n_names};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
-    w->done = waiter_done;
-    if (amx_registry_reconcile(svc->reg, req, w, amx__now_ms(), &err) != AMX_OK)
+    w->done = reconcile_done;
+    if (amx_registry_reconcile(svc->reg, &q, w, amx__now_ms(), &err) != AMX_OK)
         reply_err(c, "Reconcile", &err);
+}
+
+static void recipe_in(const Amaxd__V1__Recipe *r, amx_recipe_in_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (r == NULL)
+        return;
+    out->present = 1;
+    out->format = r->format;
+    out->rule = r->rule;
+    out->margin = r->margin;
+    out->history_len = r->history_len;
+    out->history_reduce = r->history_reduce;
+    out->eps = r->eps;
+    out->power_of_2 = r->power_of_2;
+    out->nvfp4_convention = r->nvfp4_convention;
 }
 
 static void h_register(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
-    Amaxd__V1__RegisterResponse resp = AMAXD__V1__REGISTER_RESPONSE__INIT;
+    const Amaxd__V1__RegisterRequest *req = (const void *)m;
     amx_err_t err = {0};
-    if (amx_registry_register(svc->reg, (const void *)m, &resp, &err) != AMX_OK)
+    /* The request may wait for an epoch in flight: its views live with the
+     * call. */
+    amx_arena_t *a = amx__call_arena(c);
+    amx_register_req_t *q = amx_arena_alloc(a, sizeof(*q));
+    amx_qspec_in_t *in = amx_arena_alloc(a, (req->n_quantizers + 1) * sizeof(*in));
+    if (q == NULL || in == NULL) {
+        amx_err_set(&err, AMX_ENOMEM, "out of memory reading a Register of %zu quantizers",
+                    req->n_quantizers);
         reply_err(c, "Register", &err);
-    else
-        amx__call_reply(c, AMX_OK, NULL, &resp.base);
+        return;
+    }
+    for (size_t i = 0; i < req->n_quantizers; i++) {
+        const Amaxd__V1__QuantizerSpec *s = req->quantizers[i];
+        in[i].name = s->name;
+        in[i].global_shape = s->global_shape;
+        in[i].ndim = s->n_global_shape;
+        recipe_in(s->recipe, &in[i].recipe);
+        in[i].accumulation = s->accumulation;
+        in[i].peer_group = s->peer_group;
+        in[i].scale_group = s->scale_group;
+        in[i].offset = s->offset;
+        in[i].n_offset = s->n_offset;
+        in[i].local_shape = s->local_shape;
+        in[i].n_local_shape = s->n_local_shape;
+    }
+    *q = (amx_register_req_t){req->job, req->rank, in, req->n_quantizers};
+    amx_waiter_t *w = amx__call_waiter(c);
+    w->done = register_done;
+    if (amx_registry_register(svc->reg, q, w, &err) != AMX_OK)
+        reply_err(c, "Register", &err);
+}
+
+/* The updates of a SendAmax message as the registry's views (arena). */
+static amx_status_t send_req(const Amaxd__V1__SendAmaxRequest *req, amx_send_req_t *q,
+                             amx_arena_t *a, amx_err_t *err)
+{
+    amx_update_in_t *u = amx_arena_alloc(a, (req->n_updates + 1) * sizeof(*u));
+    if (u == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu updates", req->n_updates);
+    for (size_t i = 0; i < req->n_updates; i++) {
+        const Amaxd__V1__AmaxUpdate *x = req->updates[i];
+        u[i] = (amx_update_in_t){x->name, x->values.data, x->values.len, x->has_data.data,
+                                 x->has_data.len};
+    }
+    *q = (amx_send_req_t){req->job, req->rank, req->epoch, u, req->n_updates};
+    return AMX_OK;
 }
 
 static void h_send(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     Amaxd__V1__SendAmaxResponse resp = AMAXD__V1__SEND_AMAX_RESPONSE__INIT;
     amx_err_t err = {0};
-    if (amx_registry_send(svc->reg, (const void *)m, &resp, &err) != AMX_OK)
+    amx_arena_t a = {0};
+    amx_send_req_t q;
+    if (send_req((const void *)m, &q, &a, &err) != AMX_OK ||
+        amx_registry_send(svc->reg, &q, &resp.accepted, &resp.epoch, &err) != AMX_OK)
         reply_err(c, "SendAmax", &err);
     else
         amx__call_reply(c, AMX_OK, NULL, &resp.base);
+    amx_arena_free(&a);
 }
 
 amx_status_t amx__service_stream_msg(amx_svc_t *svc, const ProtobufCMessage *m, uint64_t *accepted,
                                      uint64_t *epoch, amx_err_t *err)
 {
-    Amaxd__V1__SendAmaxResponse resp = AMAXD__V1__SEND_AMAX_RESPONSE__INIT;
-    amx_status_t st = amx_registry_send(svc->reg, (const void *)m, &resp, err);
+    amx_arena_t a = {0};
+    amx_send_req_t q;
+    uint64_t n = 0, e = 0;
+    amx_status_t st = send_req((const void *)m, &q, &a, err);
+    if (st == AMX_OK)
+        st = amx_registry_send(svc->reg, &q, &n, &e, err);
+    amx_arena_free(&a);
     if (st != AMX_OK) {
         AMX_WARN("rpc", "StreamAmax message rejected after %llu accepted updates (%s): %s",
                  (unsigned long long)*accepted, amx_strerror(st), err->msg);
         return st;
     }
-    *accepted += resp.accepted;
-    *epoch = resp.epoch;
+    *accepted += n;
+    *epoch = e;
     return AMX_OK;
 }
 
 static void h_get_scales(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
-    Amaxd__V1__GetScalesResponse resp = AMAXD__V1__GET_SCALES_RESPONSE__INIT;
+    const Amaxd__V1__GetScalesRequest *req = (const void *)m;
+    amx_scales_req_t q = {req->job, req->rank, req->names, req->n_names, req->global};
     amx_err_t err = {0};
     amx_arena_t a = {0};
-    if (amx_registry_get_scales(svc->reg, (const void *)m, &resp, &a, &err) != AMX_OK)
+    amx_reply_t rep;
+    if (amx_registry_get_scales(svc->reg, &q, &rep, &a, &err) != AMX_OK) {
         reply_err(c, "GetScales", &err);
-    else
-        amx__call_reply(c, AMX_OK, NULL, &resp.base);
+    } else {
+        Amaxd__V1__GetScalesResponse r = AMAXD__V1__GET_SCALES_RESPONSE__INIT;
+        r.epoch = rep.epoch;
+        r.n_results = rep.nresults;
+        r.results = results_to_pb(&rep, &a);
+        if (r.results == NULL)
+            amx__call_reply(c, AMX_ENOMEM, "out of memory building the answer", NULL);
+        else
+            amx__call_reply(c, AMX_OK, NULL, &r.base);
+    }
     amx_arena_free(&a);
 }
 
 static void h_reset(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
-    Amaxd__V1__ResetResponse resp = AMAXD__V1__RESET_RESPONSE__INIT;
+    const Amaxd__V1__ResetRequest *req = (const void *)m;
+    amx_arena_t *a = amx__call_arena(c);
+    amx_reset_req_t *q = amx_arena_alloc(a, sizeof(*q));
     amx_err_t err = {0};
-    if (amx_registry_reset(svc->reg, (const void *)m, &resp, &err) != AMX_OK)
+    if (q == NULL) {
+        amx_err_set(&err, AMX_ENOMEM, "out of memory");
         reply_err(c, "Reset", &err);
-    else
-        amx__call_reply(c, AMX_OK, NULL, &resp.base);
+        return;
+    }
+    *q = (amx_reset_req_t){req->job, req->names, req->n_names, req->drop_job};
+    amx_waiter_t *w = amx__call_waiter(c);
+    w->done = reset_done;
+    if (amx_registry_reset(svc->reg, q, w, &err) != AMX_OK)
+        reply_err(c, "Reset", &err);
+}
+
+static void add_config(void *ud, const char *name, const char *value, int is_default)
+{
+    void **ctx = ud;
+    Amaxd__V1__StatusResponse *resp = ctx[0];
+    amx_arena_t *a = ctx[1];
+    Amaxd__V1__ConfigEntry *e = amx_arena_alloc(a, sizeof(*e));
+    if (e == NULL)
+        return;
+    amaxd__v1__config_entry__init(e);
+    e->name = (char *)name;
+    e->value = (char *)value;
+    e->is_default = is_default;
+    resp->config[resp->n_config++] = e;
 }
 
 static void h_status(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
+    const Amaxd__V1__StatusRequest *req = (const void *)m;
     Amaxd__V1__StatusResponse resp = AMAXD__V1__STATUS_RESPONSE__INIT;
     amx_err_t err = {0};
     amx_arena_t a = {0};
+    amx_job_info_t *jobs = NULL;
+    size_t n = 0;
     resp.version = AMAXD_VERSION;
     resp.uptime_s = (double)amx__now_ms() / 1000.0 - svc->start_time;
     resp.pid = (uint32_t)getpid();
-    if (amx_registry_status(svc->reg, (const void *)m, &resp, &a, &err) != AMX_OK)
+    resp.backend = (char *)amx_registry_backend(svc->reg);
+    resp.collective = (char *)amx_registry_collective(svc->reg);
+    const amx_cluster_id_t *id = amx_peer_id(svc->peer);
+    resp.cluster_rank = id->rank;
+    resp.cluster_size = id->size;
+    resp.coordinator = (char *)id->coordinator;
+    resp.peer_address = (char *)id->advertise;
+    if (amx_registry_status(svc->reg, req->job, &jobs, &n, &a, &err) != AMX_OK) {
         reply_err(c, "Status", &err);
-    else
-        amx__call_reply(c, AMX_OK, NULL, &resp.base);
+        amx_arena_free(&a);
+        return;
+    }
+    resp.jobs = amx_arena_alloc(&a, (n + 1) * sizeof(*resp.jobs));
+    resp.config = amx_arena_alloc(&a, AMX_CFG_COUNT * sizeof(*resp.config));
+    if (resp.jobs == NULL || resp.config == NULL) {
+        amx_err_set(&err, AMX_ENOMEM, "out of memory");
+        reply_err(c, "Status", &err);
+        amx_arena_free(&a);
+        return;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const amx_job_info_t *x = &jobs[i];
+        Amaxd__V1__JobStatus *js = amx_arena_alloc(&a, sizeof(*js));
+        if (js == NULL)
+            break;
+        amaxd__v1__job_status__init(js);
+        js->name = (char *)x->name;
+        js->world_size = x->world;
+        js->joined = x->joined;
+        js->ready = x->ready;
+        js->epoch = x->epoch;
+        js->reconciled_epochs = x->reconciled;
+        js->quantizers = x->quantizers;
+        js->cells = x->cells;
+        js->ranks_in_reconcile = x->ranks_in_reconcile;
+        js->updates = x->updates;
+        js->local_ranks = x->local_ranks;
+        js->participants = x->participants;
+        js->proposals = x->proposals;
+        js->in_flight = x->in_flight;
+        js->epochs_failed = x->epochs_failed;
+        js->catalog_hash = x->catalog_hash;
+        js->comm_generation = x->comm_generation;
+        js->collective = (char *)x->collective;
+        js->last_epoch_us = x->last_epoch_us;
+        js->last_collective_us = x->last_collective_us;
+        js->last_finish_us = x->last_finish_us;
+        js->last_collectives = x->last_collectives;
+        resp.jobs[resp.n_jobs++] = js;
+    }
+    void *ctx[2] = {&resp, &a};
+    amx_config_foreach(svc->cfg, add_config, ctx);
+    amx__call_reply(c, AMX_OK, NULL, &resp.base);
     amx_arena_free(&a);
 }
 
 static void h_list(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
+    const Amaxd__V1__ListQuantizersRequest *req = (const void *)m;
     Amaxd__V1__ListQuantizersResponse resp = AMAXD__V1__LIST_QUANTIZERS_RESPONSE__INIT;
     amx_err_t err = {0};
     amx_arena_t a = {0};
-    if (amx_registry_list(svc->reg, (const void *)m, &resp, &a, &err) != AMX_OK)
+    amx_qinfo_t *q = NULL;
+    size_t n = 0;
+    if (amx_registry_list(svc->reg, req->job, &q, &n, &a, &err) != AMX_OK) {
         reply_err(c, "ListQuantizers", &err);
-    else
+        amx_arena_free(&a);
+        return;
+    }
+    resp.quantizers = amx_arena_alloc(&a, (n + 1) * sizeof(*resp.quantizers));
+    for (size_t i = 0; resp.quantizers != NULL && i < n; i++) {
+        const amx_qspec_t *s = q[i].spec;
+        Amaxd__V1__QuantizerInfo *info = amx_arena_alloc(&a, sizeof(*info));
+        Amaxd__V1__Recipe *rc = amx_arena_alloc(&a, sizeof(*rc));
+        if (info == NULL || rc == NULL) {
+            resp.quantizers = NULL;
+            break;
+        }
+        amaxd__v1__quantizer_info__init(info);
+        amaxd__v1__recipe__init(rc);
+        info->name = s->name;
+        info->n_global_shape = s->ndim;
+        info->global_shape = (uint32_t *)s->shape;
+        rc->format = s->recipe.format;
+        rc->rule = s->recipe.rule;
+        rc->margin = s->recipe.margin;
+        rc->history_len = s->recipe.history_len;
+        rc->history_reduce = s->recipe.history_reduce;
+        rc->eps = s->recipe.eps;
+        rc->power_of_2 = s->recipe.power_of_2;
+        rc->nvfp4_convention = s->recipe.nvfp4_convention;
+        info->recipe = rc;
+        info->accumulation = s->accumulation;
+        info->peer_group = s->peer_group;
+        info->scale_group = s->scale_group;
+        info->placements = q[i].placements;
+        info->agreed = q[i].agreed;
+        resp.quantizers[resp.n_quantizers++] = info;
+    }
+    if (resp.quantizers == NULL) {
+        amx_err_set(&err, AMX_ENOMEM, "out of memory");
+        reply_err(c, "ListQuantizers", &err);
+    } else {
         amx__call_reply(c, AMX_OK, NULL, &resp.base);
+    }
     amx_arena_free(&a);
 }
 
@@ -155,20 +445,23 @@ static void h_health(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     amx__call_reply(c, AMX_OK, NULL, &resp.base);
 }
 
+#define T AMX_SERVER_TRAINER
 const amx_method_t amx__methods[] = {
-    {"/amaxd.v1.Calibration/Join", &amaxd__v1__join_request__descriptor, h_join, 0},
+    {"/amaxd.v1.Calibration/Join", &amaxd__v1__join_request__descriptor, h_join, 0, T},
     {"/amaxd.v1.Calibration/RegisterQuantizers", &amaxd__v1__register_request__descriptor,
-     h_register, 0},
-    {"/amaxd.v1.Calibration/SendAmax", &amaxd__v1__send_amax_request__descriptor, h_send, 0},
-    {"/amaxd.v1.Calibration/StreamAmax", &amaxd__v1__send_amax_request__descriptor, NULL, 1},
-    {"/amaxd.v1.Calibration/Reconcile", &amaxd__v1__reconcile_request__descriptor, h_reconcile, 0},
-    {"/amaxd.v1.Calibration/GetScales", &amaxd__v1__get_scales_request__descriptor, h_get_scales,
-     0},
-    {"/amaxd.v1.Calibration/Reset", &amaxd__v1__reset_request__descriptor, h_reset, 0},
-    {"/amaxd.v1.Calibration/Status", &amaxd__v1__status_request__descriptor, h_status, 0},
+     h_register, 0, T},
+    {"/amaxd.v1.Calibration/SendAmax", &amaxd__v1__send_amax_request__descriptor, h_send, 0, T},
+    {"/amaxd.v1.Calibration/StreamAmax", &amaxd__v1__send_amax_request__descriptor, NULL, 1, T},
+    {"/amaxd.v1.Calibration/Reconcile", &amaxd__v1__reconcile_request__descriptor, h_reconcile, 0,
+     T},
+    {"/amaxd.v1.Calibration/GetScales", &amaxd__v1__get_scales_request__descriptor, h_get_scales, 0,
+     T},
+    {"/amaxd.v1.Calibration/Reset", &amaxd__v1__reset_request__descriptor, h_reset, 0, T},
+    {"/amaxd.v1.Calibration/Status", &amaxd__v1__status_request__descriptor, h_status, 0, T},
     {"/amaxd.v1.Calibration/ListQuantizers", &amaxd__v1__list_quantizers_request__descriptor,
-     h_list, 0},
+     h_list, 0, T},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor, h_health,
-     0},
+     0, T},
 };
+#undef T
 const size_t amx__n_methods = sizeof(amx__methods) / sizeof(amx__methods[0]);

@@ -1,19 +1,24 @@
 /*
- * service.h - the handlers of amaxd.v1.Calibration and grpc.health.v1.Health,
- * between the RPC plumbing (rpc.c) and the registry. Loop thread only.
+ * service.h - the handlers of amaxd.v1.Calibration and grpc.health.v1.Health
+ * (service.c) and of amaxd.peer.v1.Peer (peer.c), between the RPC plumbing
+ * (rpc.c) and the registry. protobuf <-> C mapping happens here, nowhere
+ * else. Loop thread only.
  */
 #ifndef AMX_SERVICE_H
 #define AMX_SERVICE_H
 
 #include <protobuf-c/protobuf-c.h>
 
+#include "arena.h"
 #include "registry.h"
 #include "status.h"
 
 typedef struct amx_call amx_call_t;
+typedef struct amx_peer amx_peer_t;
 
 typedef struct amx_svc {
     amx_registry_t *reg;
+    amx_peer_t *peer;
     const amx_config_t *cfg;
     double start_time; /* CLOCK_MONOTONIC seconds at start */
     int stopping;      /* health answers NOT_SERVING once set */
@@ -26,23 +31,45 @@ typedef struct amx_svc {
  */
 void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const ProtobufCMessage *resp);
 
-/* The waiter embedded in a call, for Join and Reconcile. Provided by rpc.c. */
+/* The waiter embedded in a call, for calls that may wait. Provided by rpc.c. */
 amx_waiter_t *amx__call_waiter(amx_call_t *c);
+
+/* The call whose waiter this is. Provided by rpc.c. */
+amx_call_t *amx__waiter_call(amx_waiter_t *w);
+
+/* An arena freed with the call: request views that must outlive the
+ * handler (a deferred Register). Provided by rpc.c. */
+amx_arena_t *amx__call_arena(amx_call_t *c);
+
+/* The value of request metadata `key` (not NUL-terminated; *len set), or
+ * NULL. Provided by rpc.c. */
+const char *amx__call_metadata(amx_call_t *c, const char *key, size_t *len);
+
+/* The caller's address ("ipv4:10.0.0.2:51234"), into buf. Provided by rpc.c. */
+void amx__call_peer(amx_call_t *c, char *buf, size_t len);
+
+/* The method path of a call. Provided by rpc.c. */
+const char *amx__call_method(amx_call_t *c);
 
 /* Milliseconds of CLOCK_MONOTONIC. */
 uint64_t amx__now_ms(void);
 
 typedef void (*amx_handler_fn)(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *req);
 
+enum { AMX_SERVER_TRAINER = 0, AMX_SERVER_PEER = 1 };
+
 typedef struct amx_method {
     const char *path; /* "/package.Service/Method" */
     const ProtobufCMessageDescriptor *request;
     amx_handler_fn handler; /* unary methods */
     int client_streaming;   /* StreamAmax: see amx__service_stream_* */
+    int server;             /* AMX_SERVER_* */
 } amx_method_t;
 
 extern const amx_method_t amx__methods[];
 extern const size_t amx__n_methods;
+extern const amx_method_t amx__peer_methods[];
+extern const size_t amx__n_peer_methods;
 
 /* StreamAmax: one message; adds to *accepted. An error ends the stream. */
 amx_status_t amx__service_stream_msg(amx_svc_t *svc, const ProtobufCMessage *req,

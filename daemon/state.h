@@ -1,18 +1,34 @@
 /*
  * state.h - where a job's amax state lives and how an epoch is finished.
  *
- * A job's catalog is laid out in one flat float32 buffer ("cells"); every
- * quantizer owns the range [base, base + ncells). A state backend holds:
- *   pending   contributions of the open epoch (-inf = nobody wrote)
- *   accum     running max over epochs (RUNNING_MAX quantizers)
- *   history   H slots per cell (PER_EPOCH quantizers)
- *   prev      the last FP8 delayed scale per cell and per quantizer
- * and after each reconcile publishes the results in host memory (the
- * `out_*` arrays below), identical whatever the backend, so that answering a
- * trainer never touches the device.
+ * The agreed catalog is laid out in flat float32 buffers of `ncells` cells
+ * (catalog.h: quantizers sorted by name); PER_EPOCH quantizers also own
+ * history cells. A state backend holds:
  *
- * Backends: "host" (state_host.c, plain C) and "cuda" (cuda/state_cuda.cu).
- * All functions are called on the loop thread only.
+ *   pending[2]  contributions (-inf = nobody wrote), double buffered: the
+ *               active buffer takes SendAmax; at the start of an epoch it is
+ *               flipped to be the in-flight buffer that the collective sends,
+ *               and the other (clean) one becomes active. Each starts with
+ *               AMX_HDR_CELLS header cells, then the agreed cells, then the
+ *               provisional cells of quantizers not yet agreed.
+ *   recv        the reduced [header | agreed cells]: the collective writes
+ *               here, never into pending, so a failed collective changes
+ *               nothing.
+ *   accum, prev, history, prev_g
+ *               running max, previous delayed scales (per cell, per
+ *               quantizer) and history rings: the replicated state, changed
+ *               only by a successful finish.
+ *   outputs[2]  results (per cell: amax, scale, scale_inv, one byte; per
+ *               quantizer: global amax, scale, scale_inv). "front" is
+ *               published (read by GetScales on the loop thread); the engine
+ *               writes "back"; publish swaps them.
+ *
+ * Threads. The loop thread calls reserve_pending, merge, flip, unflip,
+ * remap_active, publish and read_results; it never calls them on an
+ * in-flight buffer. While an epoch is in flight the job's engine thread
+ * alone calls remap, prepare, read_header, finish, export_state and
+ * import_state, and alone touches recv, the replicated state and the back
+ * outputs. The CUDA backend uses one stream per thread.
  */
 #ifndef AMX_STATE_H
 #define AMX_STATE_H
@@ -20,13 +36,15 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "comm.h"
 #include "recipe.h"
 #include "status.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* Header cells at the front of pending and recv (docs/CLUSTER.md). */
+#define AMX_HDR_CELLS 32
 
 /* What a backend needs to know of one quantizer to post-process it. */
 typedef struct amx_qdesc {
@@ -38,64 +56,124 @@ typedef struct amx_qdesc {
     int32_t peer_group; /* index, or -1 */
     int32_t scale_group;
     uint8_t accumulation;
-    uint8_t pad[7];
+    uint8_t reset; /* finish: clear accumulated state before this epoch's values */
+    uint8_t pad[6];
     amx_recipe_t recipe;
 } amx_qdesc_t;
 
-/* A run of contiguous cells to max-merge: cells [dst, dst+len) take
- * max(cell, vals[src + i]). */
+/* A run of contiguous cells: cells [dst, dst+len) take cells [src, src+len)
+ * of a source (merge: max-merged from staged values; remap: copied). */
 typedef struct amx_run {
     uint64_t dst;
     uint64_t src;
     uint64_t len;
 } amx_run_t;
 
+/* A layout change: the new sizes and, for each quantizer kept, where its
+ * cells, history and per-quantizer entries move. Cells not covered by a run
+ * start fresh (-inf, or 1 for previous scales). */
+typedef struct amx_layout_change {
+    uint64_t ncells, nhist; /* the new layout's agreed cells and history cells */
+    uint32_t nq;
+    const amx_run_t *cells; /* replicated state and outputs: old cell -> new cell */
+    size_t ncell_runs;
+    const amx_run_t *hist;
+    size_t nhist_runs;
+    const amx_run_t *qs; /* per-quantizer arrays */
+    size_t nq_runs;
+    const amx_run_t *pend; /* pending (agreed and provisional) -> new agreed cells */
+    size_t npend_runs;
+    int outputs_from_back; /* remap the back outputs (after an import) instead of the front */
+} amx_layout_change_t;
+
+/* Host views of one output set, filled by export/import and read_results. */
+typedef struct amx_state_arrays {
+    float *accum, *prev, *hist, *prev_g;                              /* replicated state */
+    float *out_amax, *out_scale, *out_inv, *g_amax, *g_scale, *g_inv; /* outputs */
+    uint8_t *out_bytes;
+} amx_state_arrays_t;
+
 typedef struct amx_state amx_state_t;
 
 typedef struct amx_state_ops {
     const char *name;
-    /* Grows the buffers to `ncells` cells, `nhist` history cells and `nq`
-     * quantizers; existing contents are kept, new cells are -inf (amax) or 1
-     * (previous scales). Never shrinks. */
-    amx_status_t (*reserve)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                            amx_err_t *err);
-    /* Max-merges `nruns` runs of `vals` into pending. The values were
-     * validated by the caller (finite and >= 0, or -inf for "no data").
-     * `overlap` is set when two runs of the batch may hit the same cell. */
+    int on_device;
+    /* Loop. Grows both pending buffers to at least `ncells` data cells
+     * (new cells -inf); never shrinks. No epoch in flight. */
+    amx_status_t (*reserve_pending)(amx_state_t *st, uint64_t ncells, amx_err_t *err);
+    /* Loop. Max-merges `nruns` runs of `vals` (run.src indexes vals) into the
+     * active pending buffer. The values were validated (finite and >= 0, or
+     * -inf for "no data"); `overlap`: two runs may hit the same cell. */
     amx_status_t (*merge)(amx_state_t *st, const float *vals, uint64_t nvals, const amx_run_t *runs,
                           size_t nruns, int overlap, amx_err_t *err);
-    /* Finishes an epoch: all-reduce MAX of pending through `comm`, then
-     * accumulation, peer fill, global amax, scale groups and scales for all
-     * `nq` quantizers; publishes the out_* arrays and clears pending. On
-     * error nothing of the job's state has changed (pending is kept). */
-    amx_status_t (*reconcile)(amx_state_t *st, const amx_qdesc_t *q, uint32_t nq, uint32_t npeer,
-                              uint32_t nscale, amx_comm_t *comm, amx_err_t *err);
-    /* Clears pending, accumulated amax, history and previous scales of the
-     * quantizers `ids`. */
-    amx_status_t (*reset)(amx_state_t *st, const amx_qdesc_t *q, const uint32_t *ids, uint32_t n,
-                          amx_err_t *err);
+    /* Loop. The active buffer becomes the in-flight one. */
+    void (*flip)(amx_state_t *st);
+    /* Loop, after a failed epoch: the in-flight contributions are max-merged
+     * back into the active buffer, and the in-flight buffer is cleared. */
+    amx_status_t (*unflip)(amx_state_t *st, amx_err_t *err);
+    /* Loop, after an epoch whose engine changed the layout: moves the active
+     * buffer's cells (lc->pend) to the new layout of lc->ncells cells. */
+    amx_status_t (*remap_active)(amx_state_t *st, const amx_layout_change_t *lc, amx_err_t *err);
+    /* Loop. Swaps front and back outputs. */
+    void (*publish)(amx_state_t *st);
+    /* Loop. Gathers the front outputs of `nruns` runs (run.src = cell,
+     * run.dst = index in the destination arrays, `total` cells in all) into
+     * host arrays. */
+    amx_status_t (*read_results)(amx_state_t *st, const amx_run_t *runs, size_t nruns,
+                                 uint64_t total, float *amax, float *scale, float *inv,
+                                 uint8_t *bytes, amx_err_t *err);
+
+    /* Engine. Applies a layout change to the in-flight pending buffer, the
+     * replicated state and the outputs (into the back set). */
+    amx_status_t (*remap)(amx_state_t *st, const amx_layout_change_t *lc, amx_err_t *err);
+    /* Engine. Writes `hdr` into the in-flight buffer and returns the
+     * collective's buffers: *send = [header | ncells cells] of the in-flight
+     * buffer, *recv = the receive buffer (grown as needed), *stream the
+     * engine's cudaStream_t (NULL for host). */
+    amx_status_t (*prepare)(amx_state_t *st, const float *hdr, uint64_t ncells, float **send,
+                            float **recv, void **stream, amx_err_t *err);
+    /* Engine. Copies the reduced header out of recv. */
+    amx_status_t (*read_header)(amx_state_t *st, float *hdr, amx_err_t *err);
+    /* Engine. Finishes an epoch over the `nq` quantizers of `q` (the current
+     * layout, `ncells` cells): quantizers with q[i].reset set lose their
+     * accumulated state first; then accumulation of the reduced values (recv,
+     * or the in-flight buffer itself when `from_send`: one participant),
+     * peer fill, global amax, scale groups and scales into the back outputs;
+     * the in-flight buffer is cleared. On error the replicated state may be
+     * partly updated: the caller treats the job's device as broken. */
+    amx_status_t (*finish)(amx_state_t *st, const amx_qdesc_t *q, uint32_t nq, uint64_t ncells,
+                           uint32_t npeer, uint32_t nscale, int from_send, amx_err_t *err);
+    /* Engine. Copies the replicated state and the front outputs of a layout
+     * of (ncells, nhist, nq) into host arrays (a donor's state transfer). */
+    amx_status_t (*export_state)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
+                                 const amx_state_arrays_t *dst, amx_err_t *err);
+    /* Engine. Replaces the replicated state and the back outputs with host
+     * arrays of a layout of (ncells, nhist, nq). */
+    amx_status_t (*import_state)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
+                                 const amx_state_arrays_t *src, amx_err_t *err);
     void (*destroy)(amx_state_t *st);
 } amx_state_ops_t;
 
 struct amx_state {
     const amx_state_ops_t *ops;
     void *impl;
-    uint64_t ncells, nhist;
+    /* Sizes, kept by the backend. */
+    uint64_t pend_cells;    /* data cells of each pending buffer */
+    uint64_t ncells, nhist; /* replicated state */
     uint32_t nq;
-    /* Results of the last reconcile, host memory, ncells entries: amax
-     * after peer fill (-inf = no data anywhere), scale, scale_inv, and one
-     * byte (E4M3 block scale or E8M0 exponent). */
-    float *out_amax, *out_scale, *out_scale_inv;
-    uint8_t *out_bytes;
-    /* Per quantizer (nq entries): global amax (0 when no data), global
-     * scale and its inverse. */
-    float *out_gamax, *out_gscale, *out_gscale_inv;
+    uint64_t out_cells[2]; /* per output set */
+    uint32_t out_nq[2];
+    int front; /* index of the published output set */
+    /* Per-quantizer results of both output sets, host memory. */
+    float *g_amax[2], *g_scale[2], *g_inv[2];
+    /* Engine timings of the last finish, microseconds (for Status). */
+    uint64_t last_finish_us;
 };
 
-/* Creates an empty state of the named backend ("host" or "cuda"). Returns
- * EUNAVAIL when the backend is not compiled in or no GPU is usable. The
- * caller owns *out and frees it with amx_state_destroy. */
-amx_status_t amx_state_create(const char *backend, amx_state_t **out, amx_err_t *err);
+/* Creates an empty state of the named backend ("host" or "cuda") on CUDA
+ * device `device` (ignored by host). EUNAVAIL when the backend is not
+ * compiled in or no GPU is usable. Free with amx_state_destroy. */
+amx_status_t amx_state_create(const char *backend, int device, amx_state_t **out, amx_err_t *err);
 
 void amx_state_destroy(amx_state_t *st);
 
@@ -105,16 +183,12 @@ int amx_state_cuda_available(void);
 /* Host backend constructor (state_host.c). */
 amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err);
 /* CUDA backend constructor (cuda/state_cuda.cu), when built. */
-amx_status_t amx__state_cuda_create(amx_state_t **out, amx_err_t *err);
+amx_status_t amx__state_cuda_create(int device, amx_state_t **out, amx_err_t *err);
 int amx__state_cuda_probe(void);
 
-/*
- * For backends, at the end of reserve: grows the published out_* arrays
- * (host memory) and records the new sizes in st. ENOMEM on failure, with the
- * sizes unchanged.
- */
-amx_status_t amx__state_grow_outputs(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                     amx_err_t *err);
+/* For backends: grows output set `k`'s host per-quantizer arrays to `nq`
+ * (new entries: 0, 1, 1). ENOMEM leaves them unchanged. */
+amx_status_t amx__state_grow_globals(amx_state_t *st, int k, uint32_t nq, amx_err_t *err);
 
 #ifdef __cplusplus
 }

@@ -1,101 +1,129 @@
 /*
  * state_host.c - the host state backend: every buffer in ordinary memory and
- * the post-processing in plain C, with the per-cell arithmetic of recipe.h.
+ * the post-processing in plain C, with the per-cell arithmetic of recipe.h
+ * and postproc.h (shared with the CUDA kernels).
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "postproc.h"
 #include "state.h"
 
 typedef struct host_state {
-    float *pending;     /* ncells */
-    float *accum;       /* ncells */
-    float *prev_scale;  /* ncells */
-    float *history;     /* nhist */
-    float *prev_gscale; /* nq */
-    float *group_max;   /* scratch: peer groups then scale groups */
+    float *pend[2];     /* AMX_HDR_CELLS + pend_n[k] floats */
+    uint64_t pend_n[2]; /* data cells of each pending buffer */
+    int active;         /* the pending buffer SendAmax merges into */
+    float *recv;        /* AMX_HDR_CELLS + recv_n */
+    uint64_t recv_n;
+    float *accum, *prev;                      /* st->ncells */
+    float *hist;                              /* st->nhist */
+    float *prev_g;                            /* st->nq */
+    float *o_amax[2], *o_scale[2], *o_inv[2]; /* st->out_cells[k] */
+    uint8_t *o_bytes[2];
+    float *group_max; /* scratch: peer groups then scale groups */
     size_t group_cap;
-    uint64_t cap_cells, cap_hist;
-    uint32_t cap_q;
 } host_state_t;
 
-static amx_status_t grow_floats(float **p, uint64_t old_n, uint64_t new_n, float fill)
+static void fill(float *p, uint64_t n, float v)
 {
-    float *np = realloc(*p, (size_t)(new_n ? new_n : 1) * sizeof(float));
+    for (uint64_t i = 0; i < n; i++)
+        p[i] = v;
+}
+
+/* A fresh array of n floats set to v (n may be 0), or NULL. */
+static float *fresh(uint64_t n, float v)
+{
+    float *p = malloc((size_t)(n ? n : 1) * sizeof(float));
+    if (p != NULL)
+        fill(p, n, v);
+    return p;
+}
+
+static void copy_runs(void *dst, const void *src, size_t elem, const amx_run_t *runs, size_t n)
+{
+    for (size_t r = 0; r < n; r++)
+        if (runs[r].len > 0)
+            memcpy((char *)dst + runs[r].dst * elem, (const char *)src + runs[r].src * elem,
+                   runs[r].len * elem);
+}
+
+/* Replaces float array *p (old layout) by a new one of n entries: runs
+ * copied, the rest `v`. */
+static amx_status_t remap_floats(float **p, uint64_t n, float v, const amx_run_t *runs,
+                                 size_t nruns)
+{
+    float *np = fresh(n, v);
     if (np == NULL)
         return AMX_ENOMEM;
-    for (uint64_t i = old_n; i < new_n; i++)
-        np[i] = fill;
+    if (*p != NULL)
+        copy_runs(np, *p, sizeof(float), runs, nruns);
+    free(*p);
     *p = np;
     return AMX_OK;
 }
 
-amx_status_t amx__state_grow_outputs(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                     amx_err_t *err)
+amx_status_t amx__state_grow_globals(amx_state_t *st, int k, uint32_t nq, amx_err_t *err)
 {
-    amx_status_t rc = AMX_OK;
-    if (ncells > st->ncells) {
-        uint8_t *b = realloc(st->out_bytes, (size_t)ncells);
-        if (b == NULL)
-            goto nomem;
-        memset(b + st->ncells, 0, (size_t)(ncells - st->ncells));
-        st->out_bytes = b;
-        if (grow_floats(&st->out_amax, st->ncells, ncells, -INFINITY) != AMX_OK ||
-            grow_floats(&st->out_scale, st->ncells, ncells, 1.0f) != AMX_OK ||
-            grow_floats(&st->out_scale_inv, st->ncells, ncells, 1.0f) != AMX_OK)
-            goto nomem;
+    if (nq <= st->out_nq[k])
+        return AMX_OK;
+    float *a = realloc(st->g_amax[k], (size_t)nq * sizeof(float));
+    if (a != NULL)
+        st->g_amax[k] = a;
+    float *s = realloc(st->g_scale[k], (size_t)nq * sizeof(float));
+    if (s != NULL)
+        st->g_scale[k] = s;
+    float *i = realloc(st->g_inv[k], (size_t)nq * sizeof(float));
+    if (i != NULL)
+        st->g_inv[k] = i;
+    if (a == NULL || s == NULL || i == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory for %u quantizer results", nq);
+    for (uint32_t q = st->out_nq[k]; q < nq; q++) {
+        st->g_amax[k][q] = 0.0f;
+        st->g_scale[k][q] = 1.0f;
+        st->g_inv[k][q] = 1.0f;
     }
-    if (nq > st->nq) {
-        if (grow_floats(&st->out_gamax, st->nq, nq, 0.0f) != AMX_OK ||
-            grow_floats(&st->out_gscale, st->nq, nq, 1.0f) != AMX_OK ||
-            grow_floats(&st->out_gscale_inv, st->nq, nq, 1.0f) != AMX_OK)
-            goto nomem;
-    }
-    st->ncells = ncells > st->ncells ? ncells : st->ncells;
-    st->nhist = nhist > st->nhist ? nhist : st->nhist;
-    st->nq = nq > st->nq ? nq : st->nq;
-    return rc;
-nomem:
-    return amx_err_set(err, AMX_ENOMEM, "out of host memory growing result buffers to %llu cells",
-                       (unsigned long long)ncells);
+    st->out_nq[k] = nq;
+    return AMX_OK;
 }
 
-static amx_status_t host_reserve(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                 amx_err_t *err)
+/* ---- loop thread ---- */
+
+static amx_status_t grow_pend(host_state_t *h, int k, uint64_t n)
+{
+    if (n <= h->pend_n[k] && h->pend[k] != NULL)
+        return AMX_OK;
+    float *p = realloc(h->pend[k], (size_t)(AMX_HDR_CELLS + n) * sizeof(float));
+    if (p == NULL)
+        return AMX_ENOMEM;
+    uint64_t old = h->pend[k] == NULL ? 0 : h->pend_n[k];
+    if (h->pend[k] == NULL)
+        fill(p, AMX_HDR_CELLS, 0.0f);
+    fill(p + AMX_HDR_CELLS + old, n - old, -INFINITY);
+    h->pend[k] = p;
+    h->pend_n[k] = n;
+    return AMX_OK;
+}
+
+static amx_status_t host_reserve_pending(amx_state_t *st, uint64_t ncells, amx_err_t *err)
 {
     host_state_t *h = st->impl;
-    if (ncells > h->cap_cells) {
-        if (grow_floats(&h->pending, h->cap_cells, ncells, -INFINITY) != AMX_OK ||
-            grow_floats(&h->accum, h->cap_cells, ncells, -INFINITY) != AMX_OK ||
-            grow_floats(&h->prev_scale, h->cap_cells, ncells, 1.0f) != AMX_OK)
-            goto nomem;
-        h->cap_cells = ncells;
-    }
-    if (nhist > h->cap_hist) {
-        if (grow_floats(&h->history, h->cap_hist, nhist, -INFINITY) != AMX_OK)
-            goto nomem;
-        h->cap_hist = nhist;
-    }
-    if (nq > h->cap_q) {
-        if (grow_floats(&h->prev_gscale, h->cap_q, nq, 1.0f) != AMX_OK)
-            goto nomem;
-        h->cap_q = nq;
-    }
-    return amx__state_grow_outputs(st, ncells, nhist, nq, err);
-nomem:
-    return amx_err_set(err, AMX_ENOMEM, "out of host memory growing the amax state to %llu cells",
-                       (unsigned long long)ncells);
+    if (grow_pend(h, 0, ncells) != AMX_OK || grow_pend(h, 1, ncells) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory growing pending amax to %llu cells",
+                           (unsigned long long)ncells);
+    st->pend_cells = h->pend_n[h->active];
+    return AMX_OK;
 }
 
 static amx_status_t host_merge(amx_state_t *st, const float *vals, uint64_t nvals,
                                const amx_run_t *runs, size_t nruns, int overlap, amx_err_t *err)
 {
     host_state_t *h = st->impl;
+    float *pend = h->pend[h->active] + AMX_HDR_CELLS;
     (void)nvals, (void)overlap, (void)err;
     for (size_t r = 0; r < nruns; r++) {
-        float *dst = h->pending + runs[r].dst;
+        float *dst = pend + runs[r].dst;
         const float *src = vals + runs[r].src;
         for (uint64_t i = 0; i < runs[r].len; i++)
             dst[i] = amx_fmaxf(dst[i], src[i]);
@@ -103,11 +131,189 @@ static amx_status_t host_merge(amx_state_t *st, const float *vals, uint64_t nval
     return AMX_OK;
 }
 
-static amx_status_t host_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
-                                   uint32_t npeer, uint32_t nscale, amx_comm_t *comm,
-                                   amx_err_t *err)
+static void host_flip(amx_state_t *st)
 {
     host_state_t *h = st->impl;
+    h->active ^= 1;
+    st->pend_cells = h->pend_n[h->active];
+}
+
+static amx_status_t host_unflip(amx_state_t *st, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    int fl = h->active ^ 1;
+    float *a = h->pend[h->active] + AMX_HDR_CELLS, *f = h->pend[fl] + AMX_HDR_CELLS;
+    uint64_t n = h->pend_n[fl] < h->pend_n[h->active] ? h->pend_n[fl] : h->pend_n[h->active];
+    (void)err;
+    for (uint64_t i = 0; i < n; i++)
+        a[i] = amx_fmaxf(a[i], f[i]);
+    fill(f, h->pend_n[fl], -INFINITY);
+    return AMX_OK;
+}
+
+/* Pending buffer k to the layout of lc (data cells lc->ncells). */
+static amx_status_t remap_pend(host_state_t *h, int k, const amx_layout_change_t *lc)
+{
+    float *np = malloc((size_t)(AMX_HDR_CELLS + lc->ncells) * sizeof(float));
+    if (np == NULL)
+        return AMX_ENOMEM;
+    fill(np, AMX_HDR_CELLS, 0.0f);
+    fill(np + AMX_HDR_CELLS, lc->ncells, -INFINITY);
+    if (h->pend[k] != NULL)
+        copy_runs(np + AMX_HDR_CELLS, h->pend[k] + AMX_HDR_CELLS, sizeof(float), lc->pend,
+                  lc->npend_runs);
+    free(h->pend[k]);
+    h->pend[k] = np;
+    h->pend_n[k] = lc->ncells;
+    return AMX_OK;
+}
+
+static amx_status_t host_remap_active(amx_state_t *st, const amx_layout_change_t *lc,
+                                      amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    if (remap_pend(h, h->active, lc) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping pending amax");
+    st->pend_cells = h->pend_n[h->active];
+    return AMX_OK;
+}
+
+static void host_publish(amx_state_t *st)
+{
+    st->front ^= 1;
+}
+
+static amx_status_t host_read_results(amx_state_t *st, const amx_run_t *runs, size_t nruns,
+                                      uint64_t total, float *amax, float *scale, float *inv,
+                                      uint8_t *bytes, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    int f = st->front;
+    (void)total, (void)err;
+    copy_runs(amax, h->o_amax[f], sizeof(float), runs, nruns);
+    copy_runs(scale, h->o_scale[f], sizeof(float), runs, nruns);
+    copy_runs(inv, h->o_inv[f], sizeof(float), runs, nruns);
+    copy_runs(bytes, h->o_bytes[f], 1, runs, nruns);
+    return AMX_OK;
+}
+
+/* ---- engine thread ---- */
+
+/* Output set k sized for n cells and nq quantizers, contents undefined
+ * (cells) / kept (globals). */
+static amx_status_t size_outputs(amx_state_t *st, int k, uint64_t n, uint32_t nq, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    if (n != st->out_cells[k] || h->o_amax[k] == NULL) {
+        float *a = realloc(h->o_amax[k], (size_t)(n ? n : 1) * sizeof(float));
+        if (a != NULL)
+            h->o_amax[k] = a;
+        float *s = realloc(h->o_scale[k], (size_t)(n ? n : 1) * sizeof(float));
+        if (s != NULL)
+            h->o_scale[k] = s;
+        float *i = realloc(h->o_inv[k], (size_t)(n ? n : 1) * sizeof(float));
+        if (i != NULL)
+            h->o_inv[k] = i;
+        uint8_t *b = realloc(h->o_bytes[k], (size_t)(n ? n : 1));
+        if (b != NULL)
+            h->o_bytes[k] = b;
+        if (a == NULL || s == NULL || i == NULL || b == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of host memory for %llu result cells",
+                               (unsigned long long)n);
+        st->out_cells[k] = n;
+    }
+    AMX_CHECK(amx__state_grow_globals(st, k, nq, err));
+    st->out_nq[k] = nq;
+    return AMX_OK;
+}
+
+static amx_status_t host_remap(amx_state_t *st, const amx_layout_change_t *lc, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    int fl = h->active ^ 1, back = st->front ^ 1;
+    int src = lc->outputs_from_back ? back : st->front;
+    if (remap_pend(h, fl, lc) != AMX_OK ||
+        remap_floats(&h->accum, lc->ncells, -INFINITY, lc->cells, lc->ncell_runs) != AMX_OK ||
+        remap_floats(&h->prev, lc->ncells, 1.0f, lc->cells, lc->ncell_runs) != AMX_OK ||
+        remap_floats(&h->hist, lc->nhist, -INFINITY, lc->hist, lc->nhist_runs) != AMX_OK ||
+        remap_floats(&h->prev_g, lc->nq, 1.0f, lc->qs, lc->nq_runs) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping the amax state");
+    st->ncells = lc->ncells;
+    st->nhist = lc->nhist;
+    st->nq = lc->nq;
+    /* Results in the new layout, from the published ones (or the imported
+     * ones), so that a failure after this point still publishes results
+     * that match the layout. */
+    float *na = fresh(lc->ncells, -INFINITY), *ns = fresh(lc->ncells, 1.0f),
+          *ni = fresh(lc->ncells, 1.0f);
+    uint8_t *nb = calloc(lc->ncells ? lc->ncells : 1, 1);
+    float *ga = fresh(lc->nq, 0.0f), *gs = fresh(lc->nq, 1.0f), *gi = fresh(lc->nq, 1.0f);
+    if (na == NULL || ns == NULL || ni == NULL || nb == NULL || ga == NULL || gs == NULL ||
+        gi == NULL) {
+        free(na), free(ns), free(ni), free(nb), free(ga), free(gs), free(gi);
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping results");
+    }
+    if (h->o_amax[src] != NULL) {
+        copy_runs(na, h->o_amax[src], sizeof(float), lc->cells, lc->ncell_runs);
+        copy_runs(ns, h->o_scale[src], sizeof(float), lc->cells, lc->ncell_runs);
+        copy_runs(ni, h->o_inv[src], sizeof(float), lc->cells, lc->ncell_runs);
+        copy_runs(nb, h->o_bytes[src], 1, lc->cells, lc->ncell_runs);
+    }
+    if (st->g_amax[src] != NULL) {
+        copy_runs(ga, st->g_amax[src], sizeof(float), lc->qs, lc->nq_runs);
+        copy_runs(gs, st->g_scale[src], sizeof(float), lc->qs, lc->nq_runs);
+        copy_runs(gi, st->g_inv[src], sizeof(float), lc->qs, lc->nq_runs);
+    }
+    free(h->o_amax[back]), free(h->o_scale[back]), free(h->o_inv[back]), free(h->o_bytes[back]);
+    free(st->g_amax[back]), free(st->g_scale[back]), free(st->g_inv[back]);
+    h->o_amax[back] = na, h->o_scale[back] = ns, h->o_inv[back] = ni, h->o_bytes[back] = nb;
+    st->g_amax[back] = ga, st->g_scale[back] = gs, st->g_inv[back] = gi;
+    st->out_cells[back] = lc->ncells;
+    st->out_nq[back] = lc->nq;
+    return AMX_OK;
+}
+
+static amx_status_t host_prepare(amx_state_t *st, const float *hdr, uint64_t ncells, float **send,
+                                 float **recv, void **stream, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    float *fl = h->pend[h->active ^ 1];
+    if (fl == NULL || ncells > h->pend_n[h->active ^ 1])
+        return amx_err_set(err, AMX_EINTERNAL, "in-flight buffer holds %llu cells, not %llu",
+                           (unsigned long long)(fl ? h->pend_n[h->active ^ 1] : 0),
+                           (unsigned long long)ncells);
+    if (h->recv == NULL || ncells > h->recv_n) {
+        float *r = realloc(h->recv, (size_t)(AMX_HDR_CELLS + ncells) * sizeof(float));
+        if (r == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of host memory for a receive buffer");
+        h->recv = r;
+        h->recv_n = ncells;
+    }
+    memcpy(fl, hdr, AMX_HDR_CELLS * sizeof(float));
+    *send = fl;
+    *recv = h->recv;
+    *stream = NULL;
+    return AMX_OK;
+}
+
+static amx_status_t host_read_header(amx_state_t *st, float *hdr, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    (void)err;
+    memcpy(hdr, h->recv, AMX_HDR_CELLS * sizeof(float));
+    return AMX_OK;
+}
+
+static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
+                                uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
+                                amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    uint64_t t0 = amx_now_us();
+    int fl = h->active ^ 1, back = st->front ^ 1;
+    if (ncells != st->ncells)
+        return amx_err_set(err, AMX_EINTERNAL, "finish over %llu cells, the state holds %llu",
+                           (unsigned long long)ncells, (unsigned long long)st->ncells);
     size_t ngroups = (size_t)npeer + nscale;
     if (ngroups > h->group_cap) {
         float *g = realloc(h->group_max, ngroups * sizeof(float));
@@ -116,93 +322,164 @@ static amx_status_t host_reconcile(amx_state_t *st, const amx_qdesc_t *qs, uint3
         h->group_max = g;
         h->group_cap = ngroups;
     }
+    AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    const float *red = (from_send ? h->pend[fl] : h->recv) + AMX_HDR_CELLS;
+    float *out_amax = h->o_amax[back];
     float *peer_max = h->group_max, *scale_max = h->group_max + npeer;
     for (size_t i = 0; i < ngroups; i++)
         h->group_max[i] = -INFINITY;
-
-    /* Reduce across daemons first: if a peer is gone, nothing has changed. */
-    AMX_CHECK(comm->allreduce_max(comm, h->pending, (size_t)st->ncells, 0, err));
-
+    /* 0. Resets agreed for this epoch. */
+    for (uint32_t qi = 0; qi < nq; qi++) {
+        const amx_qdesc_t *q = &qs[qi];
+        if (!q->reset)
+            continue;
+        fill(h->accum + q->base, q->ncells, -INFINITY);
+        fill(h->prev + q->base, q->ncells, 1.0f);
+        if (q->accumulation == AMX_ACC_PER_EPOCH)
+            fill(h->hist + q->hist_base, (uint64_t)q->hist_len * q->ncells, -INFINITY);
+        h->prev_g[qi] = 1.0f;
+    }
     /* 1. Accumulate, and collect each peer group's max. */
     for (uint32_t qi = 0; qi < nq; qi++) {
         const amx_qdesc_t *q = &qs[qi];
         float m = -INFINITY;
         for (uint64_t c = 0; c < q->ncells; c++) {
-            float a = amx_pp_accumulate(q, &h->accum[q->base + c], h->history + q->hist_base, c,
-                                        h->pending[q->base + c]);
-            st->out_amax[q->base + c] = a;
+            float a = amx_pp_accumulate(q, &h->accum[q->base + c], h->hist + q->hist_base, c,
+                                        red[q->base + c]);
+            out_amax[q->base + c] = a;
             m = amx_fmaxf(m, a);
         }
         if (q->peer_group >= 0)
             peer_max[q->peer_group] = amx_fmaxf(peer_max[q->peer_group], m);
     }
     /* 2. Peer fill, each quantizer's max, and scale groups' max. */
+    float *gamax = st->g_amax[back];
     for (uint32_t qi = 0; qi < nq; qi++) {
         const amx_qdesc_t *q = &qs[qi];
-        float fill = q->peer_group >= 0 ? peer_max[q->peer_group] : -INFINITY;
+        float fill_v = q->peer_group >= 0 ? peer_max[q->peer_group] : -INFINITY;
         float m = -INFINITY;
         for (uint64_t c = 0; c < q->ncells; c++) {
-            float *a = &st->out_amax[q->base + c];
+            float *a = &out_amax[q->base + c];
             if (*a == -INFINITY)
-                *a = fill;
+                *a = fill_v;
             m = amx_fmaxf(m, *a);
         }
-        st->out_gamax[qi] = m;
+        gamax[qi] = m;
         if (q->scale_group >= 0)
             scale_max[q->scale_group] = amx_fmaxf(scale_max[q->scale_group], m);
     }
     /* 3. Global amax and scales. */
     for (uint32_t qi = 0; qi < nq; qi++) {
         const amx_qdesc_t *q = &qs[qi];
-        float g = q->scale_group >= 0 ? scale_max[q->scale_group] : st->out_gamax[qi];
+        float g = q->scale_group >= 0 ? scale_max[q->scale_group] : gamax[qi];
         g = g > 0.0f ? g : 0.0f;
-        st->out_gamax[qi] = g;
-        amx_pp_global(&q->recipe, g, &h->prev_gscale[qi], &st->out_gscale[qi],
-                      &st->out_gscale_inv[qi]);
-        float s_enc = st->out_gscale[qi], s_dec = st->out_gscale_inv[qi];
+        gamax[qi] = g;
+        amx_pp_global(&q->recipe, g, &h->prev_g[qi], &st->g_scale[back][qi], &st->g_inv[back][qi]);
+        float s_enc = st->g_scale[back][qi], s_dec = st->g_inv[back][qi];
         for (uint64_t i = q->base; i < q->base + q->ncells; i++)
-            amx_pp_cell(&q->recipe, st->out_amax[i], g, s_enc, s_dec, &h->prev_scale[i],
-                        &st->out_scale[i], &st->out_scale_inv[i], &st->out_bytes[i]);
+            amx_pp_cell(&q->recipe, out_amax[i], g, s_enc, s_dec, &h->prev[i], &h->o_scale[back][i],
+                        &h->o_inv[back][i], &h->o_bytes[back][i]);
     }
-    for (uint64_t i = 0; i < st->ncells; i++)
-        h->pending[i] = -INFINITY;
+    fill(h->pend[fl] + AMX_HDR_CELLS, h->pend_n[fl], -INFINITY);
+    st->last_finish_us = amx_now_us() - t0;
     return AMX_OK;
 }
 
-static amx_status_t host_reset(amx_state_t *st, const amx_qdesc_t *qs, const uint32_t *ids,
-                               uint32_t n, amx_err_t *err)
+static amx_status_t host_export(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
+                                const amx_state_arrays_t *d, amx_err_t *err)
 {
     host_state_t *h = st->impl;
-    (void)err;
-    for (uint32_t i = 0; i < n; i++) {
-        const amx_qdesc_t *q = &qs[ids[i]];
-        for (uint64_t c = 0; c < q->ncells; c++) {
-            h->pending[q->base + c] = -INFINITY;
-            h->accum[q->base + c] = -INFINITY;
-            h->prev_scale[q->base + c] = 1.0f;
-        }
-        if (q->accumulation == AMX_ACC_PER_EPOCH)
-            for (uint64_t c = 0; c < (uint64_t)q->hist_len * q->ncells; c++)
-                h->history[q->hist_base + c] = -INFINITY;
-        h->prev_gscale[ids[i]] = 1.0f;
+    int f = st->front;
+    if (ncells != st->ncells || nhist != st->nhist || nq != st->nq || ncells != st->out_cells[f] ||
+        nq > st->out_nq[f])
+        return amx_err_set(err, AMX_EINTERNAL,
+                           "state export of %llu cells / %u quantizers, the state holds %llu / %u",
+                           (unsigned long long)ncells, nq, (unsigned long long)st->ncells, st->nq);
+    if (ncells) {
+        memcpy(d->accum, h->accum, ncells * sizeof(float));
+        memcpy(d->prev, h->prev, ncells * sizeof(float));
+        memcpy(d->out_amax, h->o_amax[f], ncells * sizeof(float));
+        memcpy(d->out_scale, h->o_scale[f], ncells * sizeof(float));
+        memcpy(d->out_inv, h->o_inv[f], ncells * sizeof(float));
+        memcpy(d->out_bytes, h->o_bytes[f], ncells);
     }
+    if (nhist)
+        memcpy(d->hist, h->hist, nhist * sizeof(float));
+    if (nq) {
+        memcpy(d->prev_g, h->prev_g, nq * sizeof(float));
+        memcpy(d->g_amax, st->g_amax[f], nq * sizeof(float));
+        memcpy(d->g_scale, st->g_scale[f], nq * sizeof(float));
+        memcpy(d->g_inv, st->g_inv[f], nq * sizeof(float));
+    }
+    return AMX_OK;
+}
+
+static amx_status_t host_import(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
+                                const amx_state_arrays_t *s, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    int back = st->front ^ 1;
+    amx_run_t all_c = {0, 0, ncells}, all_h = {0, 0, nhist}, all_q = {0, 0, nq};
+    /* Fresh arrays of the new sizes, then the imported values. */
+    if (remap_floats(&h->accum, ncells, 0.0f, NULL, 0) != AMX_OK ||
+        remap_floats(&h->prev, ncells, 0.0f, NULL, 0) != AMX_OK ||
+        remap_floats(&h->hist, nhist, 0.0f, NULL, 0) != AMX_OK ||
+        remap_floats(&h->prev_g, nq, 0.0f, NULL, 0) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory importing a job's state");
+    copy_runs(h->accum, s->accum, sizeof(float), &all_c, 1);
+    copy_runs(h->prev, s->prev, sizeof(float), &all_c, 1);
+    copy_runs(h->hist, s->hist, sizeof(float), &all_h, 1);
+    copy_runs(h->prev_g, s->prev_g, sizeof(float), &all_q, 1);
+    st->ncells = ncells;
+    st->nhist = nhist;
+    st->nq = nq;
+    AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    copy_runs(h->o_amax[back], s->out_amax, sizeof(float), &all_c, 1);
+    copy_runs(h->o_scale[back], s->out_scale, sizeof(float), &all_c, 1);
+    copy_runs(h->o_inv[back], s->out_inv, sizeof(float), &all_c, 1);
+    copy_runs(h->o_bytes[back], s->out_bytes, 1, &all_c, 1);
+    copy_runs(st->g_amax[back], s->g_amax, sizeof(float), &all_q, 1);
+    copy_runs(st->g_scale[back], s->g_scale, sizeof(float), &all_q, 1);
+    copy_runs(st->g_inv[back], s->g_inv, sizeof(float), &all_q, 1);
     return AMX_OK;
 }
 
 static void host_destroy(amx_state_t *st)
 {
     host_state_t *h = st->impl;
-    free(h->pending);
+    for (int k = 0; k < 2; k++) {
+        free(h->pend[k]);
+        free(h->o_amax[k]);
+        free(h->o_scale[k]);
+        free(h->o_inv[k]);
+        free(h->o_bytes[k]);
+    }
+    free(h->recv);
     free(h->accum);
-    free(h->prev_scale);
-    free(h->history);
-    free(h->prev_gscale);
+    free(h->prev);
+    free(h->hist);
+    free(h->prev_g);
     free(h->group_max);
     free(h);
 }
 
 static const amx_state_ops_t host_ops = {
-    "host", host_reserve, host_merge, host_reconcile, host_reset, host_destroy,
+    .name = "host",
+    .on_device = 0,
+    .reserve_pending = host_reserve_pending,
+    .merge = host_merge,
+    .flip = host_flip,
+    .unflip = host_unflip,
+    .remap_active = host_remap_active,
+    .publish = host_publish,
+    .read_results = host_read_results,
+    .remap = host_remap,
+    .prepare = host_prepare,
+    .read_header = host_read_header,
+    .finish = host_finish,
+    .export_state = host_export,
+    .import_state = host_import,
+    .destroy = host_destroy,
 };
 
 amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err)
@@ -221,9 +498,9 @@ amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err)
 }
 
 #ifndef AMX_HAVE_CUDA
-amx_status_t amx__state_cuda_create(amx_state_t **out, amx_err_t *err)
+amx_status_t amx__state_cuda_create(int device, amx_state_t **out, amx_err_t *err)
 {
-    (void)out;
+    (void)device, (void)out;
     return amx_err_set(err, AMX_EUNAVAIL,
                        "this amaxd was built without CUDA; use --backend=host or rebuild with "
                        "-DAMAXD_CUDA=ON");
@@ -240,12 +517,12 @@ int amx_state_cuda_available(void)
     return amx__state_cuda_probe();
 }
 
-amx_status_t amx_state_create(const char *backend, amx_state_t **out, amx_err_t *err)
+amx_status_t amx_state_create(const char *backend, int device, amx_state_t **out, amx_err_t *err)
 {
     if (strcmp(backend, "host") == 0)
         return amx__state_host_create(out, err);
     if (strcmp(backend, "cuda") == 0)
-        return amx__state_cuda_create(out, err);
+        return amx__state_cuda_create(device, out, err);
     return amx_err_set(err, AMX_EINVAL, "unknown state backend '%s' (host or cuda)", backend);
 }
 
@@ -254,12 +531,10 @@ void amx_state_destroy(amx_state_t *st)
     if (st == NULL)
         return;
     st->ops->destroy(st);
-    free(st->out_amax);
-    free(st->out_scale);
-    free(st->out_scale_inv);
-    free(st->out_bytes);
-    free(st->out_gamax);
-    free(st->out_gscale);
-    free(st->out_gscale_inv);
+    for (int k = 0; k < 2; k++) {
+        free(st->g_amax[k]);
+        free(st->g_scale[k]);
+        free(st->g_inv[k]);
+    }
     free(st);
 }

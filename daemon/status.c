@@ -46,3 +46,37 @@ void amx_err_clear(amx_err_t *err)
     err->code = AMX_OK;
     err->msg[0] = '\0';
 }
+
+amx_status_t amx_status_from_grpc(int code)
+{
+    switch (code) {
+    case 0:
+        return AMX_OK;
+    case 1:
+        return AMX_ECANCELLED;
+    case 3:
+        return AMX_EINVAL;
+    case 4:
+        return AMX_ETIMEDOUT;
+    case 5:
+        return AMX_ENOTFOUND;
+    case 6:
+        return AMX_EEXIST;
+    case 8:
+        return AMX_ENOMEM;
+    case 9:
+        return AMX_EPRECOND;
+    case 10:
+        return AMX_EABORTED;
+    case 11:
+        return AMX_ERANGE;
+    case 12:
+        return AMX_EUNIMPL;
+    case 14:
+        return AMX_EUNAVAIL;
+    case 16:
+        return AMX_EAUTH;
+    default:
+        return AMX_EINTERNAL;
+    }
+}

@@ -32,7 +32,8 @@ extern "C" {
     X(ECANCELLED, 1, "cancelled")                                                                  \
     X(EINTERNAL, 13, "internal error")                                                             \
     X(EIO, 13, "I/O error")                                                                        \
-    X(EDEVICE, 13, "device error")
+    X(EDEVICE, 13, "device error")                                                                 \
+    X(EAUTH, 16, "unauthenticated")
 
 typedef enum amx_status {
 #define AMX__ENUM(name, grpc, text) AMX_##name,
@@ -46,6 +47,9 @@ const char *amx_strerror(amx_status_t st);
 
 /* The numeric grpc_status_code a status maps to. Any thread. */
 int amx_status_grpc(amx_status_t st);
+
+/* The status for a numeric grpc_status_code (a peer's answer). Any thread. */
+amx_status_t amx_status_from_grpc(int code);
 
 /* An error: a status and the sentence that explains it. */
 typedef struct amx_err {

@@ -36,6 +36,7 @@ static void put_nogrow(amx_strmap_t *m, const char *key, uint32_t val)
             return;
         }
         if (strcmp(m->keys[i], key) == 0) {
+            m->keys[i] = key; /* the caller may be replacing the string that owns the key */
             m->vals[i] = val;
             return;
         }

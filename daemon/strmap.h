@@ -19,7 +19,8 @@ typedef struct amx_strmap {
 /* Looks `key` up; returns 1 and sets *val when present, else 0. */
 int amx_strmap_get(const amx_strmap_t *m, const char *key, uint32_t *val);
 
-/* Inserts or replaces; returns 0, or -1 when out of memory (map unchanged). */
+/* Inserts or replaces (key pointer and value); returns 0, or -1 when out of
+ * memory (map unchanged). */
 int amx_strmap_put(amx_strmap_t *m, const char *key, uint32_t val);
 
 /* Makes room for `n` entries in total; returns 0 or -1 (out of memory). */

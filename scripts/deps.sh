@@ -9,7 +9,8 @@ cd "$root"
 
 pkgs=(build-essential cmake pkg-config git
       libgrpc-dev protobuf-compiler-grpc libprotobuf-c-dev protobuf-c-compiler
-      libuv1-dev check libinih-dev libcjson-dev python3 python3-venv python3-pip)
+      libuv1-dev check libinih-dev libcjson-dev libgloo-dev libssl-dev
+      python3 python3-venv python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

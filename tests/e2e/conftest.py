@@ -1,82 +1,14 @@
 """Fixtures: start the real amaxd binary on a temporary Unix socket.
 
-AMAXD_BIN names the binary (CTest sets it); the daemon's stderr goes to a
-log file that every test can read. At teardown the daemon gets SIGTERM and
-must exit 0 (a sanitizer report makes it exit non-zero), leave no socket
-behind and print no sanitizer report.
+At teardown the daemon gets SIGTERM and must exit 0 (a sanitizer report
+makes it exit non-zero), leave no socket behind and print no sanitizer
+report. The process wrapper is amaxd_proc.Daemon.
 """
-import os
-import signal
-import subprocess
 import tempfile
-import time
 
-import grpc
 import pytest
 
-import amaxd
-
-BIN = os.environ.get("AMAXD_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "build", "amaxd"))
-
-
-class Daemon:
-    def __init__(self, tmpdir, *args, env=None, socket=None):
-        self.dir = tmpdir
-        self.socket = socket or os.path.join(tmpdir, "amaxd.sock")
-        self.log_path = os.path.join(tmpdir, "amaxd.log")
-        self.args = [BIN, f"--socket={self.socket}", "--log-level=debug", *args]
-        e = dict(os.environ)
-        e.pop("JOURNAL_STREAM", None)
-        e.update(env or {})
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=e)
-        self._wait_ready()
-
-    def _wait_ready(self, timeout=20.0):
-        end = time.time() + timeout
-        while time.time() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"amaxd exited with {self.proc.returncode}:\n{self.log()}")
-            if os.path.exists(self.socket):
-                try:
-                    with amaxd.Client("probe", 0, 1, socket=self.socket, timeout=2) as c:
-                        if c.health() == "SERVING":
-                            return
-                except amaxd.AmaxdError:
-                    pass
-            time.sleep(0.05)
-        raise RuntimeError(f"amaxd did not become ready:\n{self.log()}")
-
-    def client(self, job, rank, world, **kw):
-        kw.setdefault("timeout", 60)
-        return amaxd.Client(job, rank, world, socket=self.socket, **kw)
-
-    def channel(self):
-        return grpc.insecure_channel("unix:" + self.socket)
-
-    def log(self):
-        if not self._log.closed:
-            self._log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def stop(self, sig=signal.SIGTERM, timeout=30):
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"amaxd did not exit within {timeout}s of signal {sig}")
-        self._log.close()
-        return rc
-
-    def check_clean_exit(self, rc):
-        log = self.log()
-        assert rc == 0, f"amaxd exited with {rc}:\n{log[-4000:]}"
-        assert not os.path.exists(self.socket), "socket file left behind"
-        for bad in ("Sanitizer", "runtime error:", "LeakSanitizer"):
-            assert bad not in log, f"sanitizer report in the daemon log:\n{log[-6000:]}"
+from amaxd_proc import BIN, Daemon  # noqa: F401  (BIN is imported from here by tests)
 
 
 @pytest.fixture

@@ -249,17 +249,29 @@ int main(int argc, char **argv)
     }
     amx_state_t *h = NULL, *c = NULL;
     amx_err_t err = {AMX_OK, ""};
-    if (amx_state_create("host", &h, &err) || amx_state_create("cuda", &c, &err) ||
-        h->ops->reserve(h, ncells, nhist, nq, &err) ||
-        c->ops->reserve(c, ncells, nhist, nq, &err)) {
+    /* The replicated state follows a layout change from nothing to the
+     * catalog (what the engine does when a catalog is first agreed). */
+    amx_layout_change_t lc;
+    memset(&lc, 0, sizeof(lc));
+    lc.ncells = ncells, lc.nhist = nhist, lc.nq = nq;
+    if (amx_state_create("host", 0, &h, &err) || amx_state_create("cuda", 0, &c, &err) ||
+        h->ops->reserve_pending(h, ncells, &err) || c->ops->reserve_pending(c, ncells, &err) ||
+        h->ops->remap(h, &lc, &err) || c->ops->remap(c, &lc, &err) ||
+        h->ops->remap_active(h, &lc, &err) || c->ops->remap_active(c, &lc, &err)) {
         fprintf(stderr, "backend set-up: %s\n", err.msg);
         return 2;
     }
-    amx_comm_t *comm = amx_comm_local_create();
     /* Batch 1 stages every cell, batch 2 up to 1024 runs of 4096 values. */
     uint64_t vcap = ncells > 1024u * 4096u ? ncells : 1024u * 4096u;
     float *vals = (float *)malloc(vcap * sizeof(float));
     amx_run_t *runs = (amx_run_t *)malloc((nq + 1024) * sizeof(amx_run_t));
+    float *ra[2], *rs[2], *ri[2];
+    uint8_t *rb[2];
+    for (int k = 0; k < 2; k++) {
+        ra[k] = (float *)malloc(ncells * 4), rs[k] = (float *)malloc(ncells * 4);
+        ri[k] = (float *)malloc(ncells * 4), rb[k] = (uint8_t *)malloc(ncells);
+    }
+    amx_run_t all = {0, 0, ncells};
     for (int epoch = 1; epoch <= 4; epoch++) {
         /* Batch 1: every cell of every quantizer, one run each. */
         for (uint64_t i = 0; i < ncells; i++)
@@ -290,37 +302,51 @@ int main(int argc, char **argv)
             fprintf(stderr, "merge: %s\n", err.msg);
             return 2;
         }
-        for (uint32_t i = 0; i < nq; i++)
+        for (uint32_t i = 0; i < nq; i++) {
             q[i].hist_head = (uint32_t)((epoch - 1) % q[i].hist_len);
-        if (h->ops->reconcile(h, q, nq, 1, 2, comm, &err) ||
-            c->ops->reconcile(c, q, nq, 1, 2, comm, &err)) {
-            fprintf(stderr, "reconcile: %s\n", err.msg);
+            q[i].reset = epoch == 3 && i == 0; /* a Reset applied at this epoch */
+        }
+        h->ops->flip(h);
+        c->ops->flip(c);
+        if (h->ops->finish(h, q, nq, ncells, 1, 2, 1, &err) ||
+            c->ops->finish(c, q, nq, ncells, 1, 2, 1, &err)) {
+            fprintf(stderr, "finish: %s\n", err.msg);
             return 2;
         }
-        int e = 0;
-        e |= compare("amax", h->out_amax, c->out_amax, ncells, 4, epoch);
-        e |= compare("scale", h->out_scale, c->out_scale, ncells, 4, epoch);
-        e |= compare("scale_inv", h->out_scale_inv, c->out_scale_inv, ncells, 4, epoch);
-        e |= compare("bytes", h->out_bytes, c->out_bytes, ncells, 1, epoch);
-        e |= compare("global_amax", h->out_gamax, c->out_gamax, nq, 4, epoch);
-        e |= compare("global_scale", h->out_gscale, c->out_gscale, nq, 4, epoch);
-        e |= compare("global_scale_inv", h->out_gscale_inv, c->out_gscale_inv, nq, 4, epoch);
+        h->ops->publish(h);
+        c->ops->publish(c);
+        amx_state_t *st[2] = {h, c};
+        for (int k = 0; k < 2; k++)
+            if (st[k]->ops->read_results(st[k], &all, 1, ncells, ra[k], rs[k], ri[k], rb[k],
+                                         &err)) {
+                fprintf(stderr, "read_results: %s\n", err.msg);
+                return 2;
+            }
+        int e = 0, hf = h->front, cf = c->front;
+        e |= compare("amax", ra[0], ra[1], ncells, 4, epoch);
+        e |= compare("scale", rs[0], rs[1], ncells, 4, epoch);
+        e |= compare("scale_inv", ri[0], ri[1], ncells, 4, epoch);
+        e |= compare("bytes", rb[0], rb[1], ncells, 1, epoch);
+        e |= compare("global_amax", h->g_amax[hf], c->g_amax[cf], nq, 4, epoch);
+        e |= compare("global_scale", h->g_scale[hf], c->g_scale[cf], nq, 4, epoch);
+        e |= compare("global_scale_inv", h->g_inv[hf], c->g_inv[cf], nq, 4, epoch);
         uint64_t nonfinite = 0;
         for (uint64_t i = 0; i < ncells; i++)
-            nonfinite += !isfinite(c->out_scale[i]) || !isfinite(c->out_scale_inv[i]);
+            nonfinite += !isfinite(rs[1][i]) || !isfinite(ri[1][i]);
         printf("epoch %d: %llu cells x 8 recipes compared: %s; non-finite scales: %llu\n", epoch,
                (unsigned long long)per, e ? "MISMATCH" : "identical",
                (unsigned long long)nonfinite);
         bad |= e | (nonfinite != 0);
     }
     for (uint32_t i = 0; i < nq; i++)
-        printf("  %-28s global_amax %-14.7g global_scale %-14.7g\n", names[i], c->out_gamax[i],
-               c->out_gscale[i]);
+        printf("  %-28s global_amax %-14.7g global_scale %-14.7g\n", names[i],
+               c->g_amax[c->front][i], c->g_scale[c->front][i]);
     amx_state_destroy(h);
     amx_state_destroy(c);
-    comm->destroy(comm);
     free(vals);
     free(runs);
+    for (int k = 0; k < 2; k++)
+        free(ra[k]), free(rs[k]), free(ri[k]), free(rb[k]);
     printf("backend_compare: %s\n", bad ? "FAILED" : "host and CUDA backends agree byte for byte");
     return bad ? 1 : 0;
 }

@@ -10,6 +10,11 @@ class AmaxdError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self):
+        # Picklable, so that an error raised in a worker process (e.g. a
+        # ProcessPoolExecutor of trainer ranks) arrives as itself.
+        return (type(self), (self.code, self.message))
+
 
 class InvalidArgument(AmaxdError):
     """The request was malformed: bad name, shape, NaN/negative amax..."""

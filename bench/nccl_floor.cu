@@ -1,0 +1,124 @@
+/*
+ * nccl_floor - the floors of the cluster benchmark (bench/cluster_bench.py),
+ * run as NRANKS processes, one per GPU:
+ *
+ *   (a) one packed ncclAllReduce(MAX) of CELLS float32 cells: what amaxd's
+ *       epoch does at its core;
+ *   (b) one ncclAllReduce(MAX) per quantizer: NQ1 quantizers of one cell,
+ *       then NQ2 quantizers of C2 cells, enqueued back to back on one stream
+ *       (what a per-quantizer loop of torch.distributed.all_reduce does).
+ *
+ * Each figure is the wall time from the first enqueue to the end of the
+ * stream, median of REPS (REPS_B for b) runs after 3 warm-up runs of (a) and
+ * one of (b). Rendezvous: rank 0 writes the NCCL unique id to ID_FILE.
+ *
+ *   nccl_floor RANK NRANKS ID_FILE CELLS NQ1 NQ2 C2 REPS REPS_B
+ *
+ * Prints one JSON line: {"rank":..,"packed_us":..,"per_quantizer_us":..}.
+ */
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <vector>
+
+#define CK(x)                                                                                      \
+    do {                                                                                           \
+        cudaError_t e_ = (x);                                                                      \
+        if (e_ != cudaSuccess) {                                                                   \
+            fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));                               \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+#define NK(x)                                                                                      \
+    do {                                                                                           \
+        ncclResult_t r_ = (x);                                                                     \
+        if (r_ != ncclSuccess) {                                                                   \
+            fprintf(stderr, "%s: %s\n", #x, ncclGetErrorString(r_));                               \
+            exit(2);                                                                               \
+        }                                                                                          \
+    } while (0)
+
+static double now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+static double median(std::vector<double> v)
+{
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 10) {
+        fprintf(stderr, "usage: %s RANK NRANKS ID_FILE CELLS NQ1 NQ2 C2 REPS REPS_B\n", argv[0]);
+        return 2;
+    }
+    int rank = atoi(argv[1]), n = atoi(argv[2]);
+    const char *idf = argv[3];
+    size_t cells = strtoull(argv[4], NULL, 10), nq1 = strtoull(argv[5], NULL, 10),
+           nq2 = strtoull(argv[6], NULL, 10), c2 = strtoull(argv[7], NULL, 10);
+    int reps = atoi(argv[8]), reps_b = atoi(argv[9]);
+    CK(cudaSetDevice(rank));
+    ncclUniqueId id;
+    if (rank == 0) {
+        NK(ncclGetUniqueId(&id));
+        char tmp[512];
+        snprintf(tmp, sizeof(tmp), "%s.tmp", idf);
+        FILE *f = fopen(tmp, "wb");
+        fwrite(&id, sizeof(id), 1, f);
+        fclose(f);
+        rename(tmp, idf);
+    } else {
+        FILE *f;
+        while ((f = fopen(idf, "rb")) == NULL)
+            usleep(1000);
+        if (fread(&id, sizeof(id), 1, f) != 1)
+            return 2;
+        fclose(f);
+    }
+    ncclComm_t comm;
+    NK(ncclCommInitRank(&comm, n, id, rank));
+    cudaStream_t s;
+    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    size_t need = std::max(cells, nq1 + nq2 * c2);
+    float *send, *recv;
+    CK(cudaMalloc(&send, need * sizeof(float)));
+    CK(cudaMalloc(&recv, need * sizeof(float)));
+    CK(cudaMemset(send, 0, need * sizeof(float)));
+    std::vector<double> a, b;
+    for (int i = 0; i < 3 + reps; i++) {
+        CK(cudaStreamSynchronize(s));
+        double t0 = now_us();
+        NK(ncclAllReduce(send, recv, cells, ncclFloat32, ncclMax, comm, s));
+        CK(cudaStreamSynchronize(s));
+        if (i >= 3)
+            a.push_back(now_us() - t0);
+    }
+    for (int i = 0; i < 1 + reps_b; i++) {
+        CK(cudaStreamSynchronize(s));
+        double t0 = now_us();
+        for (size_t q = 0; q < nq1; q++)
+            NK(ncclAllReduce(send + q, recv + q, 1, ncclFloat32, ncclMax, comm, s));
+        for (size_t q = 0; q < nq2; q++)
+            NK(ncclAllReduce(send + nq1 + q * c2, recv + nq1 + q * c2, c2, ncclFloat32, ncclMax,
+                             comm, s));
+        CK(cudaStreamSynchronize(s));
+        if (i >= 1)
+            b.push_back(now_us() - t0);
+    }
+    printf("{\"rank\": %d, \"cells\": %zu, \"packed_us\": %.1f, \"per_quantizer_us\": %.1f, "
+           "\"per_quantizer_calls\": %zu}\n",
+           rank, cells, median(a), median(b), nq1 + nq2);
+    ncclCommDestroy(comm);
+    return 0;
+}

@@ -1,0 +1,403 @@
+/*
+ * catalog.c - spec validation and the canonical, sorted catalog.
+ */
+#include "catalog.h"
+
+#include <ctype.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- names ---- */
+
+int amx_valid_job_name(const char *s)
+{
+    size_t n = s ? strlen(s) : 0;
+    if (n == 0 || n > AMX_MAX_JOB_NAME)
+        return 0;
+    for (; *s; s++)
+        if (!isalnum((unsigned char)*s) && *s != '.' && *s != '_' && *s != '-')
+            return 0;
+    return 1;
+}
+
+int amx_valid_name(const char *s)
+{
+    size_t n = s ? strlen(s) : 0;
+    if (n == 0 || n > AMX_MAX_NAME)
+        return 0;
+    for (; *s; s++)
+        if ((unsigned char)*s < 0x21 || (unsigned char)*s > 0x7e)
+            return 0;
+    return 1;
+}
+
+void amx_fmt_shape(char *buf, size_t len, const uint32_t *d, size_t n)
+{
+    size_t k = (size_t)snprintf(buf, len, "[");
+    for (size_t i = 0; i < n && k < len; i++)
+        k += (size_t)snprintf(buf + k, len - k, i ? ", %u" : "%u", d[i]);
+    if (k < len)
+        snprintf(buf + k, len - k, "]");
+}
+
+/* ---- recipes ---- */
+
+static amx_status_t normalize_recipe(const char *qname, const amx_recipe_in_t *in, uint8_t acc,
+                                     amx_recipe_t *out, amx_err_t *err)
+{
+    memset(out, 0, sizeof(*out));
+    if (!in->present)
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe is missing", qname);
+    if (in->format < 1 || in->format > 4)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.format %d is not FP8_E4M3, FP8_E5M2, NVFP4 or "
+                           "MXFP8",
+                           qname, in->format);
+    int fp8 = in->format == AMX_FMT_FP8_E4M3 || in->format == AMX_FMT_FP8_E5M2;
+    out->format = (uint8_t)in->format;
+    int rule = in->rule == 0 ? AMX_RULE_CURRENT : in->rule;
+    if (rule != AMX_RULE_CURRENT && rule != AMX_RULE_DELAYED)
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.rule %d is unknown", qname,
+                           in->rule);
+    if (!fp8 && in->rule != 0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.rule applies to FP8 formats only", qname);
+    out->rule = (uint8_t)(fp8 ? rule : 0);
+    if (!isfinite(in->margin) || in->margin < -100.0f || in->margin > 100.0f)
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.margin must be in [-100, 100]",
+                           qname);
+    if (in->margin != 0.0f && out->rule != AMX_RULE_DELAYED)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.margin applies to FP8 DELAYED scaling only",
+                           qname);
+    out->margin = in->margin;
+    out->history_len = in->history_len == 0 ? 1 : in->history_len;
+    if (out->history_len > AMX_HISTORY_MAX)
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.history_len %u exceeds %u",
+                           qname, in->history_len, AMX_HISTORY_MAX);
+    if (out->history_len > 1 && (out->rule != AMX_RULE_DELAYED || acc != AMX_ACC_PER_EPOCH))
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.history_len > 1 needs rule DELAYED and "
+                           "accumulation PER_EPOCH",
+                           qname);
+    if (in->history_reduce < 0 || in->history_reduce > 2)
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.history_reduce %d is unknown",
+                           qname, in->history_reduce);
+    out->history_reduce = (uint8_t)(in->history_reduce == 0 ? AMX_HIST_MAX : in->history_reduce);
+    if (!isfinite(in->eps) || in->eps < 0.0f)
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.eps must be finite and >= 0",
+                           qname);
+    if ((in->eps != 0.0f || in->power_of_2) && out->rule != AMX_RULE_CURRENT)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.eps and power_of_2 apply to FP8 CURRENT scaling "
+                           "only",
+                           qname);
+    out->eps = in->eps;
+    out->power_of_2 = (uint8_t)(in->power_of_2 != 0);
+    if (in->nvfp4_convention < 0 || in->nvfp4_convention > 2)
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.nvfp4_convention %d is unknown",
+                           qname, in->nvfp4_convention);
+    if (in->nvfp4_convention != 0 && in->format != AMX_FMT_NVFP4)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.nvfp4_convention applies to NVFP4 only", qname);
+    out->nvfp4_convention =
+        (uint8_t)(in->format == AMX_FMT_NVFP4
+                      ? (in->nvfp4_convention == 0 ? AMX_NVFP4_TE : in->nvfp4_convention)
+                      : 0);
+    out->scaled_max = fp8 ? amx_fp8_max(out->format) * powf(2.0f, -out->margin) : 0.0f;
+    return AMX_OK;
+}
+
+static int recipe_equal(const amx_recipe_t *a, const amx_recipe_t *b)
+{
+    return a->format == b->format && a->rule == b->rule && a->history_reduce == b->history_reduce &&
+           a->nvfp4_convention == b->nvfp4_convention && a->power_of_2 == b->power_of_2 &&
+           a->history_len == b->history_len && a->margin == b->margin && a->eps == b->eps;
+}
+
+/* ---- specs ---- */
+
+amx_status_t amx_qspec_parse(const amx_qspec_in_t *in, uint64_t max_cells, amx_qspec_t *out,
+                             amx_err_t *err)
+{
+    const char *name = in->name ? in->name : "";
+    memset(out, 0, sizeof(*out));
+    if (!amx_valid_name(name))
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer name '%.64s' is invalid: use 1-%d printable ASCII characters "
+                           "without spaces",
+                           name, AMX_MAX_NAME);
+    if (in->ndim > AMX_MAX_DIMS)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': global_shape has %zu dimensions, at most %d are "
+                           "supported",
+                           name, in->ndim, AMX_MAX_DIMS);
+    out->name = (char *)name;
+    out->ndim = (uint32_t)in->ndim;
+    out->ncells = 1;
+    for (uint32_t d = 0; d < out->ndim; d++) {
+        if (in->global_shape[d] == 0)
+            return amx_err_set(err, AMX_EINVAL, "quantizer '%s': global_shape[%u] is 0", name, d);
+        out->shape[d] = in->global_shape[d];
+        out->ncells *= in->global_shape[d];
+        if (out->ncells > max_cells)
+            return amx_err_set(err, AMX_ENOMEM,
+                               "quantizer '%s': global shape has more than max_cells=%llu cells",
+                               name, (unsigned long long)max_cells);
+    }
+    if (in->accumulation < 0 || in->accumulation > 2)
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': accumulation %d is unknown", name,
+                           in->accumulation);
+    out->accumulation = (uint8_t)(in->accumulation == 0 ? AMX_ACC_RUNNING_MAX : in->accumulation);
+    AMX_CHECK(normalize_recipe(name, &in->recipe, out->accumulation, &out->recipe, err));
+    const char *pg = in->peer_group ? in->peer_group : "";
+    const char *sg = in->scale_group ? in->scale_group : "";
+    if (pg[0] != '\0' && !amx_valid_name(pg))
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': peer_group name is invalid", name);
+    if (sg[0] != '\0' && !amx_valid_name(sg))
+        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': scale_group name is invalid", name);
+    out->peer_group = (char *)pg;
+    out->scale_group = (char *)sg;
+    return AMX_OK;
+}
+
+int amx_qspec_equal(const amx_qspec_t *a, const amx_qspec_t *b)
+{
+    return strcmp(a->name, b->name) == 0 && a->ndim == b->ndim &&
+           memcmp(a->shape, b->shape, a->ndim * sizeof(uint32_t)) == 0 &&
+           recipe_equal(&a->recipe, &b->recipe) && a->accumulation == b->accumulation &&
+           strcmp(a->peer_group, b->peer_group) == 0 && strcmp(a->scale_group, b->scale_group) == 0;
+}
+
+amx_qspec_t *amx_qspec_dup(const amx_qspec_t *s)
+{
+    /* One allocation: the struct, then the three strings. */
+    size_t ln = strlen(s->name) + 1, lp = strlen(s->peer_group) + 1,
+           ls = strlen(s->scale_group) + 1;
+    amx_qspec_t *d = malloc(sizeof(*d) + ln + lp + ls);
+    if (d == NULL)
+        return NULL;
+    *d = *s;
+    d->name = (char *)(d + 1);
+    d->peer_group = d->name + ln;
+    d->scale_group = d->peer_group + lp;
+    memcpy(d->name, s->name, ln);
+    memcpy(d->peer_group, s->peer_group, lp);
+    memcpy(d->scale_group, s->scale_group, ls);
+    return d;
+}
+
+void amx_qspec_free(amx_qspec_t *s)
+{
+    free(s);
+}
+
+uint64_t amx_qspec_hist_cells(const amx_qspec_t *s)
+{
+    return s->accumulation == AMX_ACC_PER_EPOCH ? s->ncells * s->recipe.history_len : 0;
+}
+
+static const char *fmt_name(int f)
+{
+    static const char *const names[] = {"?", "FP8_E4M3", "FP8_E5M2", "NVFP4", "MXFP8"};
+    return f >= 1 && f <= 4 ? names[f] : "?";
+}
+
+void amx_qspec_diff(const amx_qspec_t *a, const amx_qspec_t *b, char *buf, size_t len)
+{
+    char s1[96], s2[96];
+    if (a->ndim != b->ndim || memcmp(a->shape, b->shape, a->ndim * sizeof(uint32_t)) != 0) {
+        amx_fmt_shape(s1, sizeof(s1), a->shape, a->ndim);
+        amx_fmt_shape(s2, sizeof(s2), b->shape, b->ndim);
+        snprintf(buf, len, "global shape %s vs %s", s1, s2);
+    } else if (a->recipe.format != b->recipe.format) {
+        snprintf(buf, len, "format %s vs %s", fmt_name(a->recipe.format),
+                 fmt_name(b->recipe.format));
+    } else if (!recipe_equal(&a->recipe, &b->recipe)) {
+        snprintf(buf, len,
+                 "recipe (rule %d, margin %g, history %u/%d, eps %g, pow2 %d, nvfp4 %d) vs "
+                 "(rule %d, margin %g, history %u/%d, eps %g, pow2 %d, nvfp4 %d)",
+                 a->recipe.rule, (double)a->recipe.margin, a->recipe.history_len,
+                 a->recipe.history_reduce, (double)a->recipe.eps, a->recipe.power_of_2,
+                 a->recipe.nvfp4_convention, b->recipe.rule, (double)b->recipe.margin,
+                 b->recipe.history_len, b->recipe.history_reduce, (double)b->recipe.eps,
+                 b->recipe.power_of_2, b->recipe.nvfp4_convention);
+    } else if (a->accumulation != b->accumulation) {
+        snprintf(buf, len, "accumulation %s vs %s",
+                 a->accumulation == AMX_ACC_PER_EPOCH ? "PER_EPOCH" : "RUNNING_MAX",
+                 b->accumulation == AMX_ACC_PER_EPOCH ? "PER_EPOCH" : "RUNNING_MAX");
+    } else if (strcmp(a->peer_group, b->peer_group) != 0) {
+        snprintf(buf, len, "peer_group '%s' vs '%s'", a->peer_group, b->peer_group);
+    } else if (strcmp(a->scale_group, b->scale_group) != 0) {
+        snprintf(buf, len, "scale_group '%s' vs '%s'", a->scale_group, b->scale_group);
+    } else {
+        snprintf(buf, len, "no difference");
+    }
+}
+
+/* ---- catalogs ---- */
+
+static int cmp_spec(const void *x, const void *y)
+{
+    const amx_qspec_t *a = *(amx_qspec_t *const *)x, *b = *(amx_qspec_t *const *)y;
+    return strcmp(a->name, b->name);
+}
+
+static int cmp_str(const void *x, const void *y)
+{
+    return strcmp(*(char *const *)x, *(char *const *)y);
+}
+
+/* Sorted unique non-empty group names of one kind (0 peer, 1 scale). */
+static char **collect_groups(amx_qspec_t **q, uint32_t n, int scale, uint32_t *count)
+{
+    char **g = malloc((n ? n : 1) * sizeof(char *));
+    if (g == NULL)
+        return NULL;
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        char *s = scale ? q[i]->scale_group : q[i]->peer_group;
+        if (s[0] != '\0')
+            g[k++] = s;
+    }
+    qsort(g, k, sizeof(char *), cmp_str);
+    uint32_t u = 0;
+    for (uint32_t i = 0; i < k; i++)
+        if (u == 0 || strcmp(g[u - 1], g[i]) != 0)
+            g[u++] = g[i];
+    *count = u;
+    return g;
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+uint64_t amx_catalog_hash(amx_qspec_t *const *q, uint32_t n)
+{
+    uint64_t h = 1469598103934665603ull;
+    h = fnv(h, &n, sizeof(n));
+    for (uint32_t i = 0; i < n; i++) {
+        const amx_qspec_t *s = q[i];
+        const amx_recipe_t *r = &s->recipe;
+        h = fnv(h, s->name, strlen(s->name) + 1);
+        h = fnv(h, &s->ndim, sizeof(s->ndim));
+        h = fnv(h, s->shape, s->ndim * sizeof(uint32_t));
+        uint8_t b[6] = {r->format,           r->rule,       r->history_reduce,
+                        r->nvfp4_convention, r->power_of_2, s->accumulation};
+        h = fnv(h, b, sizeof(b));
+        h = fnv(h, &r->history_len, sizeof(r->history_len));
+        h = fnv(h, &r->margin, sizeof(r->margin));
+        h = fnv(h, &r->eps, sizeof(r->eps));
+        h = fnv(h, s->peer_group, strlen(s->peer_group) + 1);
+        h = fnv(h, s->scale_group, strlen(s->scale_group) + 1);
+    }
+    return h;
+}
+
+amx_catalog_t *amx_catalog_empty(void)
+{
+    amx_catalog_t *c = calloc(1, sizeof(*c));
+    if (c != NULL)
+        c->hash = amx_catalog_hash(NULL, 0);
+    return c;
+}
+
+amx_status_t amx_catalog_build(amx_qspec_t **specs, uint32_t n, amx_catalog_t **out, amx_err_t *err)
+{
+    amx_catalog_t *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        goto nomem;
+    c->q = malloc((n ? n : 1) * sizeof(amx_qspec_t *));
+    if (c->q == NULL || amx_strmap_reserve(&c->map, n) != 0)
+        goto nomem;
+    if (n > 0)
+        memcpy(c->q, specs, n * sizeof(amx_qspec_t *));
+    qsort(c->q, n, sizeof(amx_qspec_t *), cmp_spec);
+    c->peer = collect_groups(c->q, n, 0, &c->npeer);
+    c->scale = collect_groups(c->q, n, 1, &c->nscale);
+    if (c->peer == NULL || c->scale == NULL)
+        goto nomem;
+    for (uint32_t i = 0; i < n; i++) {
+        amx_strmap_put(&c->map, c->q[i]->name, i); /* reserved: cannot fail */
+        c->ncells += c->q[i]->ncells;
+        c->nhist += amx_qspec_hist_cells(c->q[i]);
+    }
+    c->n = n;
+    c->hash = amx_catalog_hash(c->q, n);
+    *out = c;
+    return AMX_OK;
+nomem:
+    if (c != NULL) {
+        free(c->q);
+        free(c->peer);
+        free(c->scale);
+        amx_strmap_free(&c->map);
+        free(c);
+    }
+    return amx_err_set(err, AMX_ENOMEM, "out of memory building a catalog of %u quantizers", n);
+}
+
+void amx_catalog_free(amx_catalog_t *c)
+{
+    if (c == NULL)
+        return;
+    for (uint32_t i = 0; i < c->n; i++)
+        amx_qspec_free(c->q[i]);
+    free(c->q);
+    free(c->peer);
+    free(c->scale);
+    amx_strmap_free(&c->map);
+    free(c);
+}
+
+int64_t amx_catalog_find(const amx_catalog_t *c, const char *name)
+{
+    uint32_t i;
+    return amx_strmap_get(&c->map, name, &i) ? (int64_t)i : -1;
+}
+
+static int32_t group_index(char **g, uint32_t n, const char *name)
+{
+    if (name[0] == '\0')
+        return -1;
+    uint32_t lo = 0, hi = n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        int c = strcmp(g[mid], name);
+        if (c == 0)
+            return (int32_t)mid;
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return -1; /* cannot happen: every group name of the catalog is in g */
+}
+
+void amx_catalog_layout(const amx_catalog_t *c, amx_qdesc_t *desc)
+{
+    uint64_t base = 0, hist = 0;
+    for (uint32_t i = 0; i < c->n; i++) {
+        const amx_qspec_t *s = c->q[i];
+        amx_qdesc_t *d = &desc[i];
+        memset(d, 0, sizeof(*d));
+        d->base = base;
+        d->ncells = s->ncells;
+        d->hist_base = hist;
+        d->hist_len = s->accumulation == AMX_ACC_PER_EPOCH ? s->recipe.history_len : 1;
+        d->hist_head = 0;
+        d->peer_group = group_index(c->peer, c->npeer, s->peer_group);
+        d->scale_group = group_index(c->scale, c->nscale, s->scale_group);
+        d->accumulation = s->accumulation;
+        d->recipe = s->recipe;
+        base += s->ncells;
+        hist += amx_qspec_hist_cells(s);
+    }
+}

@@ -1,0 +1,391 @@
+/*
+ * comm_nccl.c - the NCCL collective backend (comm.h).
+ *
+ * NCCL is never called from two threads: one NCCL thread per daemon issues
+ * every NCCL call (unique id, communicator init, all-reduce, abort,
+ * destroy) on behalf of the jobs' engine threads, which wait for their
+ * request to complete. Communicators are non-blocking
+ * (ncclConfig_t.blocking = 0): the thread polls every operation in flight
+ * (ncclCommGetAsyncError, cudaEventQuery), so one job's collective that
+ * waits on a dead peer does not hold up another job's, and an operation is
+ * aborted (ncclCommAbort) when its deadline passes or abort() is called.
+ *
+ * The rendezvous (the unique id through the coordinator's key-value store)
+ * happens on the engine thread before the init request.
+ */
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "clock.h"
+#include "comm.h"
+#include "log.h"
+
+enum { R_GETID, R_INIT, R_ALLREDUCE, R_DESTROY };
+
+typedef struct nccl_comm {
+    amx_comm_t base;
+    ncclComm_t comm;
+    int device;
+    atomic_int abort_req; /* abort() was called */
+    int dead;             /* aborted or failed: every later request fails */
+    char why[256];
+} nccl_comm_t;
+
+typedef struct nreq {
+    int kind;
+    nccl_comm_t *c;
+    /* R_INIT */
+    ncclUniqueId id;
+    int nranks, rank;
+    /* R_ALLREDUCE */
+    const float *send;
+    float *recv;
+    size_t n;
+    cudaStream_t stream;
+    cudaEvent_t ev;
+    int launched;
+    uint64_t deadline;
+    /* completion */
+    int done;
+    amx_status_t st;
+    char msg[600];
+    struct nreq *next;
+} nreq_t;
+
+static struct {
+    pthread_once_t once;
+    pthread_mutex_t mu;
+    pthread_cond_t cv, done_cv;
+    pthread_t th;
+    int started;
+    nreq_t *queue;  /* submitted, not yet issued */
+    nreq_t *flight; /* issued, polled */
+} G = {PTHREAD_ONCE_INIT, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+       PTHREAD_COND_INITIALIZER};
+
+static void finish(nreq_t *r, amx_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void finish(nreq_t *r, amx_status_t st, const char *fmt, ...)
+{
+    if (st != AMX_OK && fmt != NULL) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(r->msg, sizeof(r->msg), fmt, ap);
+        va_end(ap);
+    }
+    r->st = st;
+    pthread_mutex_lock(&G.mu);
+    r->done = 1;
+    pthread_cond_broadcast(&G.done_cv);
+    pthread_mutex_unlock(&G.mu);
+}
+
+static void kill_comm(nccl_comm_t *c, const char *why)
+{
+    if (c->comm != NULL && !c->dead) {
+        AMX_WARN("nccl", "aborting a communicator (rank %d of %d): %s", c->base.rank, c->base.size,
+                 why);
+        ncclCommAbort(c->comm);
+        c->comm = NULL;
+    }
+    if (!c->dead)
+        snprintf(c->why, sizeof(c->why), "%s", why);
+    c->dead = 1;
+}
+
+/* Issues a new request; 1 when it is done already, 0 when it is in flight. */
+static int issue(nreq_t *r)
+{
+    nccl_comm_t *c = r->c;
+    if (r->kind == R_GETID) {
+        ncclResult_t e = ncclGetUniqueId(&r->id);
+        if (e != ncclSuccess)
+            finish(r, AMX_EUNAVAIL, "ncclGetUniqueId: %s", ncclGetErrorString(e));
+        else
+            finish(r, AMX_OK, NULL);
+        return 1;
+    }
+    if (c->dead && r->kind != R_DESTROY) {
+        finish(r, AMX_EABORTED, "the communicator was aborted before: %s", c->why);
+        return 1;
+    }
+    cudaSetDevice(c->device);
+    if (r->kind == R_INIT) {
+        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+        cfg.blocking = 0;
+        ncclResult_t e = ncclCommInitRankConfig(&c->comm, r->nranks, r->id, r->rank, &cfg);
+        if (e != ncclSuccess && e != ncclInProgress) {
+            c->comm = NULL;
+            c->dead = 1;
+            finish(r, AMX_EUNAVAIL, "ncclCommInitRankConfig: %s", ncclGetErrorString(e));
+            return 1;
+        }
+        return 0;
+    }
+    if (r->kind == R_ALLREDUCE) {
+        ncclResult_t e =
+            ncclAllReduce(r->send, r->recv, r->n, ncclFloat32, ncclMax, c->comm, r->stream);
+        if (e != ncclSuccess && e != ncclInProgress) {
+            kill_comm(c, ncclGetErrorString(e));
+            finish(r, AMX_EUNAVAIL, "ncclAllReduce: %s", ncclGetErrorString(e));
+            return 1;
+        }
+        r->launched = e == ncclSuccess;
+        if (cudaEventCreateWithFlags(&r->ev, cudaEventDisableTiming) != cudaSuccess) {
+            kill_comm(c, "cudaEventCreate failed");
+            finish(r, AMX_EDEVICE, "cudaEventCreate failed");
+            return 1;
+        }
+        return 0;
+    }
+    /* R_DESTROY */
+    if (c->comm != NULL) {
+        /* ncclCommFinalize may wait for peers that are gone; a communicator
+         * being destroyed has no work left, so abort frees it as well and
+         * never waits. */
+        ncclCommAbort(c->comm);
+        c->comm = NULL;
+    }
+    finish(r, AMX_OK, NULL);
+    return 1;
+}
+
+/* Polls one request in flight; 1 when it is done. */
+static int poll_one(nreq_t *r)
+{
+    nccl_comm_t *c = r->c;
+    cudaSetDevice(c->device);
+    uint64_t now = amx_now_ms();
+    if (atomic_load(&c->abort_req)) {
+        kill_comm(c, "aborted by the daemon");
+        finish(r, AMX_EABORTED, "aborted");
+        return 1;
+    }
+    ncclResult_t async = ncclSuccess;
+    if (c->comm != NULL)
+        ncclCommGetAsyncError(c->comm, &async);
+    if (async != ncclSuccess && async != ncclInProgress) {
+        const char *m = ncclGetErrorString(async);
+        const char *last = c->comm ? ncclGetLastError(c->comm) : "";
+        kill_comm(c, m);
+        finish(r, AMX_EUNAVAIL, "NCCL: %s (%s)", m, last ? last : "");
+        return 1;
+    }
+    if (r->kind == R_INIT) {
+        if (async == ncclSuccess) {
+            finish(r, AMX_OK, NULL);
+            return 1;
+        }
+    } else if (r->kind == R_ALLREDUCE) {
+        /* launched: 0 enqueueing, 1 enqueued (event not recorded), 2 recorded. */
+        if (!r->launched && async == ncclSuccess)
+            r->launched = 1;
+        if (r->launched) {
+            if (r->launched == 1) {
+                cudaEventRecord(r->ev, r->stream);
+                r->launched = 2;
+            }
+            cudaError_t q = cudaEventQuery(r->ev);
+            if (q == cudaSuccess) {
+                finish(r, AMX_OK, NULL);
+                return 1;
+            }
+            if (q != cudaErrorNotReady) {
+                kill_comm(c, cudaGetErrorString(q));
+                finish(r, AMX_EDEVICE, "CUDA: %s", cudaGetErrorString(q));
+                return 1;
+            }
+        }
+    }
+    if (now >= r->deadline) {
+        kill_comm(c, "deadline passed");
+        finish(r, AMX_ETIMEDOUT, "%s did not complete in time",
+               r->kind == R_INIT ? "communicator init" : "all-reduce");
+        return 1;
+    }
+    return 0;
+}
+
+static void *nccl_main(void *arg)
+{
+    (void)arg;
+    pthread_mutex_lock(&G.mu);
+    for (;;) {
+        while (G.queue == NULL && G.flight == NULL)
+            pthread_cond_wait(&G.cv, &G.mu);
+        nreq_t *q = G.queue;
+        G.queue = NULL;
+        pthread_mutex_unlock(&G.mu);
+        /* Issue new requests in submission order. */
+        nreq_t *rev = NULL;
+        while (q) {
+            nreq_t *n = q->next;
+            q->next = rev;
+            rev = q;
+            q = n;
+        }
+        while (rev) {
+            nreq_t *n = rev->next;
+            rev->next = NULL;
+            if (!issue(rev)) {
+                pthread_mutex_lock(&G.mu);
+                rev->next = G.flight;
+                G.flight = rev;
+                pthread_mutex_unlock(&G.mu);
+            }
+            rev = n;
+        }
+        /* Poll everything in flight. */
+        pthread_mutex_lock(&G.mu);
+        nreq_t **pp = &G.flight;
+        while (*pp) {
+            nreq_t *r = *pp;
+            pthread_mutex_unlock(&G.mu);
+            int done = poll_one(r);
+            pthread_mutex_lock(&G.mu);
+            if (done)
+                *pp = r->next;
+            else
+                pp = &r->next;
+        }
+        if (G.flight != NULL && G.queue == NULL) {
+            /* Something in flight: poll again shortly. */
+            pthread_mutex_unlock(&G.mu);
+            struct timespec ts = {0, 5000};
+            nanosleep(&ts, NULL);
+            pthread_mutex_lock(&G.mu);
+        }
+    }
+    return NULL;
+}
+
+static void start_thread(void)
+{
+    if (pthread_create(&G.th, NULL, nccl_main, NULL) == 0) {
+        pthread_detach(G.th);
+        G.started = 1;
+    }
+}
+
+/* Submits a request and waits until it is done. */
+static amx_status_t submit(nreq_t *r, amx_err_t *err)
+{
+    pthread_once(&G.once, start_thread);
+    if (!G.started)
+        return amx_err_set(err, AMX_EINTERNAL, "cannot start the NCCL thread");
+    pthread_mutex_lock(&G.mu);
+    r->next = G.queue;
+    G.queue = r;
+    pthread_cond_signal(&G.cv);
+    while (!r->done)
+        pthread_cond_wait(&G.done_cv, &G.mu);
+    pthread_mutex_unlock(&G.mu);
+    if (r->ev != NULL)
+        cudaEventDestroy(r->ev);
+    if (r->st != AMX_OK)
+        return amx_err_set(err, r->st, "%s", r->msg);
+    return AMX_OK;
+}
+
+/* ---- amx_comm_t ---- */
+
+static amx_status_t nccl_allreduce_max(amx_comm_t *base, const float *send, float *recv, size_t n,
+                                       void *stream, uint64_t deadline_ms, amx_err_t *err)
+{
+    nccl_comm_t *c = (nccl_comm_t *)base;
+    nreq_t r;
+    memset(&r, 0, sizeof(r));
+    r.kind = R_ALLREDUCE;
+    r.c = c;
+    r.send = send;
+    r.recv = recv;
+    r.n = n;
+    r.stream = (cudaStream_t)stream;
+    r.deadline = deadline_ms;
+    return submit(&r, err);
+}
+
+static void nccl_abort(amx_comm_t *base)
+{
+    nccl_comm_t *c = (nccl_comm_t *)base;
+    atomic_store(&c->abort_req, 1);
+    pthread_mutex_lock(&G.mu);
+    pthread_cond_signal(&G.cv);
+    pthread_mutex_unlock(&G.mu);
+}
+
+static void nccl_destroy(amx_comm_t *base)
+{
+    nccl_comm_t *c = (nccl_comm_t *)base;
+    nreq_t r;
+    memset(&r, 0, sizeof(r));
+    r.kind = R_DESTROY;
+    r.c = c;
+    amx_err_t err = {0};
+    submit(&r, &err);
+    free(c);
+}
+
+static const amx_comm_ops_t nccl_ops = {"nccl", nccl_allreduce_max, nccl_abort, nccl_destroy};
+
+amx_status_t amx__comm_nccl_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
+{
+    nccl_comm_t *c = calloc(1, sizeof(*c));
+    if (c == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    c->base.ops = &nccl_ops;
+    c->base.rank = p->rank;
+    c->base.size = p->size;
+    c->base.on_device = 1;
+    c->device = p->cuda_device;
+    atomic_init(&c->abort_req, 0);
+    nreq_t r;
+    memset(&r, 0, sizeof(r));
+    char key[300];
+    snprintf(key, sizeof(key), "%snccl-unique-id", p->prefix);
+    if (p->rank == 0) {
+        r.kind = R_GETID;
+        r.c = c;
+        if (submit(&r, err) != AMX_OK ||
+            p->kv->set(p->kv->ud, key, &r.id, sizeof(r.id), err) != AMX_OK) {
+            free(c);
+            return err->code;
+        }
+    } else {
+        void *v = NULL;
+        size_t len = 0;
+        if (p->kv->get(p->kv->ud, key, p->deadline_ms, &v, &len, err) != AMX_OK) {
+            free(c);
+            return err->code;
+        }
+        if (len != sizeof(r.id)) {
+            free(v);
+            free(c);
+            return amx_err_set(err, AMX_EINTERNAL, "the NCCL unique id has %zu bytes, not %zu", len,
+                               sizeof(r.id));
+        }
+        memcpy(&r.id, v, sizeof(r.id));
+        free(v);
+    }
+    nreq_t init;
+    memset(&init, 0, sizeof(init));
+    init.kind = R_INIT;
+    init.c = c;
+    init.id = r.id;
+    init.nranks = p->size;
+    init.rank = p->rank;
+    init.deadline = p->deadline_ms;
+    if (submit(&init, err) != AMX_OK) {
+        nccl_destroy(&c->base);
+        return err->code;
+    }
+    *out = &c->base;
+    return AMX_OK;
+}

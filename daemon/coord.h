@@ -1,0 +1,169 @@
+/*
+ * coord.h - the coordinator: what cluster rank 0 serves to every daemon
+ * (docs/CLUSTER.md).
+ *
+ *   membership  which daemon hosts which trainer rank of a job; a job is
+ *               ready when all W ranks joined some daemon
+ *   agreement   a barrier of a job's participants that merges catalog
+ *               proposals into the master catalog, collects resets, picks
+ *               the daemons that are behind and a donor, and decides on a
+ *               new communicator generation
+ *   kv          a key-value store with waiting gets (Gloo's rendezvous
+ *               store, the NCCL unique id)
+ *
+ * Cluster rank 0 creates the one coordinator (a single daemon is a cluster
+ * of one). Loop thread only. Requests come from the peer service (peer.c)
+ * for remote daemons and through peer.c's local path for rank 0 itself.
+ * Callbacks are called exactly once (unless the request is cancelled) on
+ * the loop thread.
+ */
+#ifndef AMX_COORD_H
+#define AMX_COORD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "catalog.h"
+#include "status.h"
+
+/* A daemon of the cluster taking part in a job. */
+typedef struct amx_part {
+    uint32_t daemon; /* cluster rank */
+    uint64_t incarnation;
+    char addr[256];  /* its peer service, host:port */
+    uint32_t *ranks; /* trainer ranks it hosts, sorted */
+    uint32_t nranks;
+} amx_part_t;
+
+/* A job's membership: participants sorted by cluster rank. */
+typedef struct amx_membership {
+    uint32_t world;
+    uint32_t npart;
+    amx_part_t *part;
+    int rejoined; /* the rank had joined before (a restarted trainer or daemon) */
+    uint64_t coord_inc;
+} amx_membership_t;
+
+/* Deep copy / free of a membership's participant array. */
+amx_status_t amx_membership_copy(const amx_membership_t *src, amx_membership_t *dst);
+void amx_membership_free(amx_membership_t *m);
+
+/* "ranks 0-3, 8" for a sorted rank list. */
+void amx_fmt_ranks(char *buf, size_t len, const uint32_t *r, uint32_t n);
+
+typedef struct amx_coord amx_coord_t;
+typedef struct amx_creq amx_creq_t; /* a waiting request */
+
+amx_coord_t *amx_coord_create(uint64_t incarnation, uint64_t join_timeout_ms);
+void amx_coord_destroy(amx_coord_t *co); /* fails every waiting request with EUNAVAIL */
+uint64_t amx_coord_incarnation(const amx_coord_t *co);
+
+/* ---- membership ---- */
+
+typedef void (*amx_coord_join_cb)(void *ud, amx_status_t st, const char *msg,
+                                  const amx_membership_t *m);
+
+typedef struct amx_coord_join_req {
+    const char *job;
+    uint32_t world, rank;
+    uint32_t daemon;
+    uint64_t incarnation;
+    const char *addr;
+    int announce;         /* record only (a daemon re-announcing a rank it serves) */
+    uint64_t deadline_ms; /* CLOCK_MONOTONIC */
+} amx_coord_join_req_t;
+
+/* Joins a trainer rank. AMX_OK: cb will be (or was) called; *h is a handle
+ * for amx_coord_cancel while it waits (NULL when already answered). */
+amx_status_t amx_coord_join(amx_coord_t *co, const amx_coord_join_req_t *req, amx_coord_join_cb cb,
+                            void *ud, amx_creq_t **h, amx_err_t *err);
+
+/* ---- agreement ---- */
+
+typedef struct amx_coord_sync_req {
+    const char *job;
+    uint32_t daemon;
+    uint64_t incarnation;
+    uint64_t last_reconciled;
+    uint64_t catalog_hash;
+    amx_qspec_t **proposals; /* borrowed for the call (copied) */
+    size_t nprop;
+    int full_catalog; /* proposals are this daemon's whole agreed catalog plus its proposals */
+    char **resets;
+    size_t nresets;
+    int need_comm;
+    /* Enough to rebuild the membership after the coordinator restarted. */
+    uint32_t world;
+    const uint32_t *ranks;
+    uint32_t nranks;
+    const char *addr;
+    uint64_t deadline_ms;
+} amx_coord_sync_req_t;
+
+typedef struct amx_coord_sync_ans {
+    uint64_t seq;
+    uint64_t catalog_hash;
+    const amx_catalog_t *catalog; /* the master: always here (the caller decides what to send) */
+    char **rejected;
+    size_t nrejected;
+    const char *conflict; /* NULL, or the FAILED_PRECONDITION sentence */
+    char **resets;
+    size_t nresets;
+    uint64_t target_epoch;
+    uint32_t donor;
+    const uint32_t *behind;
+    size_t nbehind;
+    uint64_t comm_gen;
+    int new_comm;
+    const amx_membership_t *members;
+    uint64_t coord_inc;
+} amx_coord_sync_ans_t;
+
+/* Called with the answer (valid during the call) or an error. */
+typedef void (*amx_coord_sync_cb)(void *ud, amx_status_t st, const char *msg,
+                                  const amx_coord_sync_ans_t *ans);
+
+amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, amx_coord_sync_cb cb,
+                            void *ud, amx_creq_t **h, amx_err_t *err);
+
+/* ---- key-value store ---- */
+
+typedef void (*amx_coord_kv_cb)(void *ud, amx_status_t st, const char *msg, const void *val,
+                                size_t len);
+
+void amx_coord_kv_set(amx_coord_t *co, const char *key, const void *val, size_t len);
+
+/* Answers at once when the key exists, else when it is set or at the
+ * deadline (ETIMEDOUT). */
+amx_status_t amx_coord_kv_get(amx_coord_t *co, const char *key, uint64_t deadline_ms,
+                              amx_coord_kv_cb cb, void *ud, amx_creq_t **h, amx_err_t *err);
+
+/* ---- notifications ---- */
+
+/* Called when a daemon of a ready job re-joins with a new incarnation (it
+ * restarted): the other participants must drop their communicator of
+ * generation `gen`, which includes the dead incarnation. */
+typedef void (*amx_coord_notify_fn)(void *ud, const char *job, const amx_membership_t *m,
+                                    uint32_t restarted_daemon, uint64_t gen);
+void amx_coord_set_notify(amx_coord_t *co, amx_coord_notify_fn fn, void *ud);
+
+/* ---- common ---- */
+
+/* Withdraws a waiting request; its callback is not called. */
+void amx_coord_cancel(amx_coord_t *co, amx_creq_t *h);
+
+/* Fails waiting requests whose deadline is before now_ms. */
+void amx_coord_expire(amx_coord_t *co, uint64_t now_ms);
+
+/* Forgets a job (membership, catalog, keys); its waiting requests fail with
+ * ABORTED. Returns the participants to tell (copied into *m; free it), or
+ * NOT_FOUND. */
+amx_status_t amx_coord_drop(amx_coord_t *co, const char *job, amx_membership_t *m);
+
+/* Participants of a ready job (copied; free it), or NOT_FOUND. */
+amx_status_t amx_coord_members(amx_coord_t *co, const char *job, amx_membership_t *m);
+
+/* Counts for Status. */
+void amx_coord_counts(const amx_coord_t *co, uint32_t *jobs, uint32_t *waiting, uint32_t *keys);
+
+#endif

@@ -1,0 +1,89 @@
+/*
+ * epoch.h - the epoch engine of one job: a thread that runs the blocking
+ * part of each epoch (agreement, state transfer, rendezvous, the packed
+ * collective, finish) while the loop thread goes on serving
+ * (docs/CLUSTER.md, "An epoch").
+ *
+ * The loop thread creates the engine, hands it an epoch with
+ * amx_engine_start (the job is then in flight) and is told of the outcome
+ * through env.post, called on the engine thread; the loop then reads
+ * amx_engine_result and installs what changed (registry.c). The engine
+ * owns the job's communicator; it keeps it across epochs and drops it after
+ * any failure.
+ */
+#ifndef AMX_EPOCH_H
+#define AMX_EPOCH_H
+
+#include <stdint.h>
+
+#include "catalog.h"
+#include "config.h"
+#include "job.h"
+#include "status.h"
+
+typedef struct amx_engine amx_engine_t;
+
+/* What the engine needs from its surroundings; borrowed, must outlive it. */
+typedef struct amx_engine_env {
+    const amx_config_t *cfg;
+    amx_peer_t *peer;       /* blocking peer calls (several daemons) */
+    const char *collective; /* "gloo" or "nccl" for jobs of several daemons */
+    const char *gloo_host;
+    int cuda_device;
+    /* Engine thread: the epoch of `job` has ended; wake the loop. */
+    void (*post)(void *ud, amx_job_t *job);
+    void *ud;
+} amx_engine_env_t;
+
+/* The outcome of an epoch, read by the loop thread after env.post. */
+typedef struct amx_epoch_result {
+    amx_status_t st;
+    char msg[1536];
+    int reconciled; /* the epoch completed: publish and answer the waiting ranks */
+    uint64_t epoch; /* the epoch reconciled (or attempted) */
+    /* A new agreed catalog and its layout (NULL: unchanged). The loop takes
+     * ownership; pend/npend move the active pending buffer to it. */
+    amx_catalog_t *cat;
+    amx_qdesc_t *desc;
+    amx_layout_change_t pend_change;
+    amx_run_t *pend_runs;
+    char **rejected; /* proposals dropped for a conflict (owned) */
+    size_t nrejected;
+    /* The state was imported from a donor: the job's counters become these. */
+    int imported;
+    uint64_t last_reconciled;
+    int publish; /* the back outputs hold results to publish even on failure */
+    int resets_applied;
+    uint32_t collectives;
+    uint64_t total_us, collective_us, finish_us;
+} amx_epoch_result_t;
+
+amx_status_t amx_engine_create(amx_job_t *job, const amx_engine_env_t *env, amx_engine_t **out,
+                               amx_err_t *err);
+
+/* Loop thread: runs one epoch of the job (job->in_flight must be set and
+ * the pending buffers flipped) with a deadline (CLOCK_MONOTONIC ms). */
+void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms);
+
+/* Loop thread: the outcome, valid from env.post until the next start.
+ * The loop may take the pointers it owns (cat, desc, pend_runs, rejected)
+ * and set them to NULL. */
+amx_epoch_result_t *amx_engine_result(amx_engine_t *e);
+
+/* Any thread: abort the epoch in flight (when it uses communicator `gen`,
+ * or any when gen is 0) and drop the communicator; the next epoch agrees
+ * again. */
+void amx_engine_abort(amx_engine_t *e, uint64_t gen, const char *why);
+
+/* Loop thread, nothing in flight: stops the thread, frees everything. */
+void amx_engine_destroy(amx_engine_t *e);
+
+/* The communicator generation in use (0: none). Any thread. */
+uint64_t amx_engine_comm_gen(const amx_engine_t *e);
+
+/* A donor's published state for sync `seq` (see registry.h,
+ * amx_registry_fetch_state). Any thread. */
+amx_status_t amx_engine_fetch(amx_engine_t *e, uint64_t seq, uint64_t offset, uint32_t max,
+                              void **data, size_t *len, uint64_t *total, amx_err_t *err);
+
+#endif

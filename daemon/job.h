@@ -1,0 +1,113 @@
+/*
+ * job.h - a job as one daemon holds it (internal to registry.c, epoch.c and
+ * jobstate.c).
+ *
+ * Ownership and threads. The loop thread owns the job. While an epoch is in
+ * flight (job->in_flight), the job's engine thread reads the catalog, the
+ * quantizer table and the membership, and alone writes job->desc, the
+ * state backend's in-flight and replicated buffers and the engine fields;
+ * the loop thread writes none of those and defers every request that
+ * would (Register, Reset, drop). When the engine posts the epoch's outcome,
+ * the loop thread installs what changed (registry.c, epoch_done).
+ */
+#ifndef AMX_JOB_H
+#define AMX_JOB_H
+
+#include <stdint.h>
+
+#include "catalog.h"
+#include "coord.h"
+#include "placement.h"
+#include "registry.h"
+#include "state.h"
+#include "strmap.h"
+
+enum { LQ_AGREED = 1, LQ_PROPOSED = 2, LQ_DEAD = 3 };
+
+/* A quantizer as this daemon knows it; its index is its local id (lid),
+ * stable for the life of the job. */
+typedef struct amx_lq {
+    amx_qspec_t *spec; /* AGREED: borrowed from job->cat; PROPOSED/DEAD: owned */
+    int32_t cidx;      /* index in job->cat (AGREED), else -1 */
+    uint8_t status;
+    uint8_t reset;  /* a Reset of it waits for the next epoch */
+    uint64_t base;  /* first cell in pending: agreed layout, or provisional */
+    uint32_t stamp; /* the last SendAmax batch that named it */
+    uint32_t nplacements;
+} amx_lq_t;
+
+/* A trainer rank hosted by this daemon. */
+typedef struct amx_lrank {
+    uint32_t rank;
+    uint8_t joined;       /* Join returned (or is waiting) */
+    uint8_t in_reconcile; /* waiting in Reconcile for the open epoch */
+    amx_waiter_t *join_w, *rec_w;
+    void *cjoin;     /* the coordinator join in progress (peer.c handle) */
+    void *jctx;      /* its callback context, freed when it is cancelled */
+    uint32_t *pl_of; /* per lid: index + 1 into pls, 0 = none */
+    uint32_t cap_of;
+    amx_placement_t *pls;
+    uint32_t *pl_lid; /* lid of pls[i] */
+    uint32_t npls, cap_pls;
+} amx_lrank_t;
+
+/* A request that waits until the epoch in flight has ended. */
+typedef struct amx_deferred {
+    int kind; /* DEFER_REGISTER, DEFER_RESET */
+    amx_waiter_t *w;
+    const void *req;
+    struct amx_deferred *next;
+} amx_deferred_t;
+
+typedef struct amx_engine amx_engine_t;
+
+typedef struct amx_job {
+    char *name;
+    uint32_t world;
+    int ready;   /* membership known: every rank joined some daemon */
+    int dropped; /* drop requested while in flight */
+    /* Membership. */
+    amx_lrank_t *lr; /* local ranks, nlocal of them (grown as ranks join) */
+    uint32_t nlocal, cap_local;
+    int32_t *slot;          /* per trainer rank: index into lr, or -1 */
+    amx_membership_t mship; /* participants (mship.part, mship.npart) */
+    int32_t me;             /* my index in mship.part, -1 before ready */
+    /* Catalog. */
+    amx_lq_t *lq;
+    uint32_t nlq, cap_lq;
+    amx_strmap_t lqmap;  /* name -> lid */
+    amx_catalog_t *cat;  /* agreed; never NULL */
+    uint32_t *lid_of;    /* per catalog index: lid, or UINT32_MAX (known only to peers) */
+    amx_qdesc_t *desc;   /* layout of cat (engine-owned while in flight) */
+    uint64_t prov_cells; /* provisional cells after cat->ncells */
+    uint64_t prov_hist;  /* history cells the proposals will need */
+    uint32_t nprop;      /* proposals (LQ_PROPOSED) */
+    uint32_t nreset;     /* quantizers with lq.reset set */
+    uint64_t reset_seq;  /* Reset calls made here (cluster jobs: sent with proposals) */
+    uint32_t batch;      /* SendAmax batch counter for lq.stamp */
+    amx_state_t *state;
+    /* Epochs. */
+    uint64_t epoch;           /* open epoch, from 1 */
+    uint64_t last_reconciled; /* 0: none */
+    uint32_t nin_reconcile;
+    int in_flight;
+    uint64_t flight_deadline;
+    amx_engine_t *eng;
+    amx_deferred_t *defer_head, **defer_tail;
+    /* Statistics. */
+    uint64_t updates, epochs_ok, epochs_failed;
+    uint64_t last_epoch_us, last_collective_us, last_finish_us;
+    uint32_t last_collectives;
+    struct amx_job *next;
+} amx_job_t;
+
+/* The registry's own state (registry.c). */
+struct amx_registry;
+
+/* Index of trainer rank r among the job's local ranks, or -1. */
+static inline int32_t amx__job_slot(const amx_job_t *j, uint32_t r)
+{
+    return r < j->world ? j->slot[r] : -1;
+}
+
+#endif

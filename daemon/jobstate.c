@@ -1,0 +1,362 @@
+/* jobstate.c - serialization of a job's replicated state. */
+#include "jobstate.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define MAGIC 0x4a584d41u /* "AMXJ" */
+
+uint64_t amx_checksum64(const void *p, size_t n)
+{
+    /* Multiply-xorshift over 8-byte words: fast enough for hundreds of MB,
+     * and any flipped bit changes the result. */
+    const unsigned char *b = p;
+    uint64_t h = 0x9e3779b97f4a7c15ull ^ n;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h ^= w;
+        h *= 0xff51afd7ed558ccdull;
+        h ^= h >> 32;
+    }
+    uint64_t tail = 0;
+    if (n > i)
+        memcpy(&tail, b + i, n - i);
+    h ^= tail;
+    h *= 0xc4ceb9fe1a85ec53ull;
+    h ^= h >> 29;
+    return h;
+}
+
+/* ---- writing ---- */
+
+typedef struct wbuf {
+    unsigned char *p;
+    size_t len, cap;
+    int oom;
+} wbuf_t;
+
+static void put(wbuf_t *w, const void *src, size_t n)
+{
+    if (w->oom)
+        return;
+    if (w->len + n > w->cap) {
+        size_t cap = w->cap ? w->cap : 4096;
+        while (cap < w->len + n)
+            cap *= 2;
+        unsigned char *q = realloc(w->p, cap);
+        if (q == NULL) {
+            w->oom = 1;
+            return;
+        }
+        w->p = q;
+        w->cap = cap;
+    }
+    if (n > 0)
+        memcpy(w->p + w->len, src, n);
+    w->len += n;
+}
+
+static void put32(wbuf_t *w, uint32_t v)
+{
+    put(w, &v, 4);
+}
+
+static void put64(wbuf_t *w, uint64_t v)
+{
+    put(w, &v, 8);
+}
+
+static void putstr(wbuf_t *w, const char *s)
+{
+    uint32_t n = (uint32_t)strlen(s);
+    put32(w, n);
+    put(w, s, n);
+}
+
+static void align8(wbuf_t *w)
+{
+    static const unsigned char z[8] = {0};
+    put(w, z, (8 - w->len % 8) % 8);
+}
+
+/* Room for n bytes at an aligned offset; returns the offset. */
+static size_t reserve(wbuf_t *w, size_t n)
+{
+    align8(w);
+    size_t off = w->len;
+    if (w->oom)
+        return 0;
+    if (w->len + n > w->cap) {
+        size_t cap = w->cap;
+        while (cap < w->len + n)
+            cap *= 2;
+        unsigned char *q = realloc(w->p, cap);
+        if (q == NULL) {
+            w->oom = 1;
+            return 0;
+        }
+        w->p = q;
+        w->cap = cap;
+    }
+    w->len += n;
+    return off;
+}
+
+amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
+                                 const amx_catalog_t *cat, const amx_qdesc_t *desc, amx_state_t *st,
+                                 void **blob, size_t *len, amx_err_t *err)
+{
+    wbuf_t w = {0};
+    put32(&w, MAGIC);
+    put32(&w, AMX_JOBSTATE_VERSION);
+    putstr(&w, job);
+    put64(&w, last_reconciled);
+    put32(&w, cat->n);
+    for (uint32_t i = 0; i < cat->n; i++) {
+        const amx_qspec_t *s = cat->q[i];
+        const amx_recipe_t *r = &s->recipe;
+        putstr(&w, s->name);
+        put32(&w, s->ndim);
+        put(&w, s->shape, sizeof(s->shape));
+        unsigned char b[6] = {r->format,           r->rule,       r->history_reduce,
+                              r->nvfp4_convention, r->power_of_2, s->accumulation};
+        put(&w, b, sizeof(b));
+        put32(&w, r->history_len);
+        put(&w, &r->margin, 4);
+        put(&w, &r->eps, 4);
+        put(&w, &r->scaled_max, 4);
+        putstr(&w, s->peer_group);
+        putstr(&w, s->scale_group);
+        put32(&w, desc[i].hist_head);
+    }
+    uint64_t nc = cat->ncells, nh = cat->nhist, nq = cat->n;
+    put64(&w, nc);
+    put64(&w, nh);
+    size_t o_accum = reserve(&w, nc * 4), o_prev = reserve(&w, nc * 4),
+           o_hist = reserve(&w, nh * 4), o_prevg = reserve(&w, nq * 4),
+           o_amax = reserve(&w, nc * 4), o_scale = reserve(&w, nc * 4), o_inv = reserve(&w, nc * 4),
+           o_bytes = reserve(&w, nc), o_ga = reserve(&w, nq * 4), o_gs = reserve(&w, nq * 4),
+           o_gi = reserve(&w, nq * 4);
+    align8(&w);
+    size_t body = w.len;
+    put64(&w, 0); /* checksum, below */
+    if (w.oom) {
+        free(w.p);
+        return amx_err_set(err, AMX_ENOMEM, "out of memory serializing the state of job '%s'", job);
+    }
+    amx_state_arrays_t a = {
+        .accum = (float *)(w.p + o_accum),
+        .prev = (float *)(w.p + o_prev),
+        .hist = (float *)(w.p + o_hist),
+        .prev_g = (float *)(w.p + o_prevg),
+        .out_amax = (float *)(w.p + o_amax),
+        .out_scale = (float *)(w.p + o_scale),
+        .out_inv = (float *)(w.p + o_inv),
+        .g_amax = (float *)(w.p + o_ga),
+        .g_scale = (float *)(w.p + o_gs),
+        .g_inv = (float *)(w.p + o_gi),
+        .out_bytes = w.p + o_bytes,
+    };
+    amx_status_t rc = st->ops->export_state(st, nc, nh, (uint32_t)nq, &a, err);
+    if (rc != AMX_OK) {
+        free(w.p);
+        return rc;
+    }
+    uint64_t sum = amx_checksum64(w.p, body);
+    memcpy(w.p + body, &sum, 8);
+    *blob = w.p;
+    *len = w.len;
+    return AMX_OK;
+}
+
+/* ---- reading ---- */
+
+typedef struct rbuf {
+    const unsigned char *p;
+    size_t len, off;
+    int bad;
+} rbuf_t;
+
+static const void *get(rbuf_t *r, size_t n)
+{
+    if (r->bad || n > r->len - r->off) {
+        r->bad = 1;
+        return NULL;
+    }
+    const void *q = r->p + r->off;
+    r->off += n;
+    return q;
+}
+
+static uint32_t get32(rbuf_t *r)
+{
+    uint32_t v = 0;
+    const void *q = get(r, 4);
+    if (q)
+        memcpy(&v, q, 4);
+    return v;
+}
+
+static uint64_t get64(rbuf_t *r)
+{
+    uint64_t v = 0;
+    const void *q = get(r, 8);
+    if (q)
+        memcpy(&v, q, 8);
+    return v;
+}
+
+/* A string copied into `buf` (cap bytes with the NUL). */
+static int getstr(rbuf_t *r, char *buf, size_t cap)
+{
+    uint32_t n = get32(r);
+    if (n >= cap) {
+        r->bad = 1;
+        return 0;
+    }
+    const void *q = get(r, n);
+    if (q == NULL)
+        return 0;
+    if (n > 0)
+        memcpy(buf, q, n);
+    buf[n] = '\0';
+    return memchr(buf, '\0', n) == NULL;
+}
+
+static const void *get_array(rbuf_t *r, uint64_t n)
+{
+    r->off += (8 - r->off % 8) % 8;
+    if (r->off > r->len || n > r->len - r->off) {
+        r->bad = 1;
+        return NULL;
+    }
+    return get(r, (size_t)n);
+}
+
+amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *out, amx_err_t *err)
+{
+    memset(out, 0, sizeof(*out));
+    if (len < 16 || len % 8 != 0 || ((uintptr_t)blob % 8) != 0)
+        return amx_err_set(err, AMX_EINVAL, "job state of %zu bytes is truncated", len);
+    uint64_t sum;
+    memcpy(&sum, (const unsigned char *)blob + len - 8, 8);
+    if (amx_checksum64(blob, len - 8) != sum)
+        return amx_err_set(err, AMX_EINVAL, "job state of %zu bytes fails its checksum", len);
+    rbuf_t r = {blob, len - 8, 0, 0};
+    if (get32(&r) != MAGIC)
+        return amx_err_set(err, AMX_EINVAL, "not a job state (bad magic)");
+    uint32_t ver = get32(&r);
+    if (ver != AMX_JOBSTATE_VERSION)
+        return amx_err_set(err, AMX_EINVAL, "job state format %u is not the supported %u", ver,
+                           AMX_JOBSTATE_VERSION);
+    char name[AMX_MAX_JOB_NAME + 1], qname[AMX_MAX_NAME + 1], pg[AMX_MAX_NAME + 1],
+        sg[AMX_MAX_NAME + 1];
+    amx_qspec_t **specs = NULL;
+    uint32_t n = 0, made = 0;
+    amx_status_t st = AMX_EINVAL;
+    if (!getstr(&r, name, sizeof(name)))
+        goto bad;
+    out->last_reconciled = get64(&r);
+    n = get32(&r);
+    if (r.bad || (uint64_t)n * 40 > len)
+        goto bad;
+    specs = calloc(n ? n : 1, sizeof(*specs));
+    out->hist_head = calloc(n ? n : 1, sizeof(uint32_t));
+    out->job = strdup(name);
+    if (specs == NULL || out->hist_head == NULL || out->job == NULL) {
+        st = amx_err_set(err, AMX_ENOMEM, "out of memory parsing a job state");
+        goto fail;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        amx_qspec_t s;
+        memset(&s, 0, sizeof(s));
+        if (!getstr(&r, qname, sizeof(qname)))
+            goto bad;
+        s.name = qname;
+        s.ndim = get32(&r);
+        const void *shape = get(&r, sizeof(s.shape));
+        const unsigned char *b = get(&r, 6);
+        if (r.bad || s.ndim > AMX_MAX_DIMS)
+            goto bad;
+        memcpy(s.shape, shape, sizeof(s.shape));
+        s.ncells = 1;
+        for (uint32_t d = 0; d < s.ndim; d++) {
+            if (s.shape[d] == 0)
+                goto bad;
+            s.ncells *= s.shape[d];
+        }
+        s.recipe.format = b[0];
+        s.recipe.rule = b[1];
+        s.recipe.history_reduce = b[2];
+        s.recipe.nvfp4_convention = b[3];
+        s.recipe.power_of_2 = b[4];
+        s.accumulation = b[5];
+        s.recipe.history_len = get32(&r);
+        const void *m = get(&r, 4), *e = get(&r, 4), *sm = get(&r, 4);
+        if (r.bad)
+            goto bad;
+        memcpy(&s.recipe.margin, m, 4);
+        memcpy(&s.recipe.eps, e, 4);
+        memcpy(&s.recipe.scaled_max, sm, 4);
+        if (!getstr(&r, pg, sizeof(pg)) || !getstr(&r, sg, sizeof(sg)))
+            goto bad;
+        s.peer_group = pg;
+        s.scale_group = sg;
+        out->hist_head[i] = get32(&r);
+        if (r.bad || s.recipe.format < 1 || s.recipe.format > 4 ||
+            (s.accumulation != 1 && s.accumulation != 2) || s.recipe.history_len == 0 ||
+            s.recipe.history_len > AMX_HISTORY_MAX ||
+            out->hist_head[i] >= (s.accumulation == 2 ? s.recipe.history_len : 1) ||
+            !amx_valid_name(s.name) || (i > 0 && strcmp(specs[i - 1]->name, s.name) >= 0))
+            goto bad;
+        if ((specs[i] = amx_qspec_dup(&s)) == NULL) {
+            st = amx_err_set(err, AMX_ENOMEM, "out of memory parsing a job state");
+            goto fail;
+        }
+        made++;
+    }
+    uint64_t nc = get64(&r), nh = get64(&r);
+    if (r.bad)
+        goto bad;
+    if (amx_catalog_build(specs, n, &out->cat, err) != AMX_OK) {
+        st = AMX_ENOMEM;
+        goto fail;
+    }
+    made = 0; /* the catalog owns the specs now */
+    if (out->cat->ncells != nc || out->cat->nhist != nh)
+        goto bad;
+    out->a.accum = (float *)get_array(&r, nc * 4);
+    out->a.prev = (float *)get_array(&r, nc * 4);
+    out->a.hist = (float *)get_array(&r, nh * 4);
+    out->a.prev_g = (float *)get_array(&r, (uint64_t)n * 4);
+    out->a.out_amax = (float *)get_array(&r, nc * 4);
+    out->a.out_scale = (float *)get_array(&r, nc * 4);
+    out->a.out_inv = (float *)get_array(&r, nc * 4);
+    out->a.out_bytes = (uint8_t *)get_array(&r, nc);
+    out->a.g_amax = (float *)get_array(&r, (uint64_t)n * 4);
+    out->a.g_scale = (float *)get_array(&r, (uint64_t)n * 4);
+    out->a.g_inv = (float *)get_array(&r, (uint64_t)n * 4);
+    r.off += (8 - r.off % 8) % 8;
+    if (r.bad || r.off != r.len)
+        goto bad;
+    free(specs);
+    return AMX_OK;
+bad:
+    st = amx_err_set(err, AMX_EINVAL, "job state is malformed (at byte %zu of %zu)", r.off, len);
+fail:
+    for (uint32_t i = 0; i < made; i++)
+        amx_qspec_free(specs[i]);
+    free(specs);
+    amx_jobstate_free(out);
+    return st;
+}
+
+void amx_jobstate_free(amx_jobstate_t *js)
+{
+    free(js->job);
+    free(js->hist_head);
+    amx_catalog_free(js->cat);
+    memset(js, 0, sizeof(*js));
+}

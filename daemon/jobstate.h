@@ -1,0 +1,51 @@
+/*
+ * jobstate.h - a job's replicated state as one self-describing,
+ * checksummed byte string: what a donor sends to a daemon that is behind
+ * (docs/CLUSTER.md, "Agreement").
+ *
+ * Layout (little-endian): "AMXJ", format version, the job name, the last
+ * reconciled epoch, the agreed catalog (every spec field) with each
+ * quantizer's history head, then the arrays of the replicated state and of
+ * the published results (8-byte aligned), and a 64-bit checksum of
+ * everything before it. Parsing checks every length and the checksum
+ * before anything is used. Any thread.
+ */
+#ifndef AMX_JOBSTATE_H
+#define AMX_JOBSTATE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "catalog.h"
+#include "state.h"
+#include "status.h"
+
+#define AMX_JOBSTATE_VERSION 1
+
+typedef struct amx_jobstate {
+    char *job;
+    uint64_t last_reconciled;
+    amx_catalog_t *cat;   /* owned */
+    uint32_t *hist_head;  /* per catalog index, owned */
+    amx_state_arrays_t a; /* point into the parsed blob (kept alive by the caller) */
+} amx_jobstate_t;
+
+/*
+ * Serializes the replicated state of `st` (layout of `cat` / `desc`, whose
+ * hist_head fields are saved) and its published results into a malloc'd
+ * blob. Engine thread of the job (it reads the state backend).
+ */
+amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
+                                 const amx_catalog_t *cat, const amx_qdesc_t *desc, amx_state_t *st,
+                                 void **blob, size_t *len, amx_err_t *err);
+
+/* Parses and checks a blob; on AMX_OK `out` owns a catalog and borrows
+ * arrays from `blob`, which must stay alive and 8-byte aligned. */
+amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *out, amx_err_t *err);
+
+void amx_jobstate_free(amx_jobstate_t *js);
+
+/* The checksum used (64 bits over 8-byte words). */
+uint64_t amx_checksum64(const void *p, size_t n);
+
+#endif

@@ -1,0 +1,79 @@
+"""Two and three daemons: membership, catalog agreement regardless of
+registration order, one packed collective, identical answers."""
+import threading
+
+import numpy as np
+import pytest
+
+import amaxd
+
+
+def run_threads(fns, timeout=60):
+    out, errs = {}, {}
+
+    def wrap(k, fn):
+        try:
+            out[k] = fn()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errs[k] = e
+
+    ts = [threading.Thread(target=wrap, args=(k, fn)) for k, fn in fns.items()]
+    [t.start() for t in ts]
+    [t.join(timeout) for t in ts]
+    assert not any(t.is_alive() for t in ts), "a trainer thread hangs"
+    return out, errs
+
+
+def Q(name, shape=(), peer="", **kw):
+    return amaxd.Quantizer(name, list(shape), amaxd.Recipe.fp8_current(), peer_group=peer, **kw)
+
+
+def test_two_daemons_reduce_and_agree(make_cluster):
+    c = make_cluster(2)
+    names = ["b.w", "a.w", "c.in"]
+    vals = {0: {"a.w": [1, 5], "b.w": 2.0, "c.in": 0.5}, 1: {"a.w": [3, 4], "b.w": 7.0}}
+
+    def rank(r):
+        d = r  # rank r on daemon r
+        with amaxd.Client("j", r, 2, socket=c.socket(d), timeout=30) as cl:
+            cl.join()
+            qs = {"a.w": Q("a.w", [2]), "b.w": Q("b.w"), "c.in": Q("c.in")}
+            order = names if r == 0 else list(reversed(names))
+            cl.register([qs[n] for n in order if n in vals[r] or r == 0])
+            out = []
+            for epoch in range(3):
+                cl.send({k: np.asarray(v, np.float32) * (epoch + 1) for k, v in vals[r].items()})
+                res = cl.reconcile()
+                out.append({k: (v.amax.tobytes(), v.scale.tobytes()) for k, v in res.items()})
+            whole = cl.get_scales(whole=True)
+            st = cl.status("j").jobs[0]
+            return out, {k: v.amax.tobytes() for k, v in whole.items()}, st
+
+    out, errs = run_threads({0: lambda: rank(0), 1: lambda: rank(1)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    for epoch in range(3):
+        m = epoch + 1
+        assert out[0][0][epoch]["a.w"][0] == (np.array([3, 5], np.float32) * m).tobytes()
+        assert out[0][0][epoch]["b.w"][0] == np.float32(7 * m).tobytes()
+    assert out[0][1] == out[1][1], "whole tensors differ between daemons"
+    s0, s1 = out[0][2], out[1][2]
+    assert s0.participants == s1.participants == 2
+    assert s0.catalog_hash == s1.catalog_hash and s0.catalog_hash != 0
+    assert s0.collective == "gloo" and s0.local_ranks == 1
+    # Steady state: one collective per epoch.
+    assert s0.last_collectives == 1 and s1.last_collectives == 1
+
+
+def test_job_on_one_daemon_of_a_cluster_is_local(make_cluster):
+    c = make_cluster(2)
+    with amaxd.Client("solo", 0, 1, socket=c.socket(1), timeout=30) as cl:
+        cl.join()
+        cl.register([Q("x")])
+        cl.send({"x": 2.0})
+        assert cl.reconcile()["x"].amax[()] == 2.0
+        st = cl.status("solo").jobs[0]
+    assert st.participants == 1 and st.collective == "local"
+    # The other daemon knows nothing of it.
+    with amaxd.Client("solo", 0, 1, socket=c.socket(0), timeout=30) as cl:
+        with pytest.raises(amaxd.errors.NotFound):
+            cl.status("solo")

@@ -1,0 +1,246 @@
+"""Faults between daemons: a daemon killed during an epoch and restarted, a
+trainer that never reconciles, a catalog conflict across daemons, a peer
+without the cluster secret, and a job stuck on a hung peer while another
+job goes on. Every trainer must get an error within its timeout (never a
+hang), and the next epoch after recovery must succeed with the same bytes
+everywhere."""
+import os
+import signal
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+import amaxd
+from conftest import COLLECTIVE, max_daemons
+from test_basic import Q, run_threads
+
+TIMEOUT_MS = 4000
+
+
+def test_daemon_killed_during_epoch_then_restarted(make_cluster):
+    n = max_daemons(3)
+    last = n - 1
+    c = make_cluster(n, f"--reconcile-timeout-ms={TIMEOUT_MS}")
+    qs = [Q("w", [3]), Q("x")]
+    vals = lambda r, e: {"w": np.array([r + 1, 10 - r, e], np.float32) * e,
+                         "x": np.float32(r * 2 + e)}
+    clients = [amaxd.Client("k", r, n, socket=c.socket(r), timeout=30) for r in range(n)]
+    for epoch in (1, 2):
+        def rank(r, epoch=epoch):
+            if epoch == 1:
+                clients[r].join()
+                clients[r].register(qs if r != 1 else qs[::-1])
+            clients[r].send(vals(r, epoch))
+            return clients[r].reconcile()
+        out, errs = run_threads({r: (lambda r=r: rank(r)) for r in range(n)})
+        assert not errs, f"{errs}\n{c.logs()}"
+    # Epoch 3: the other ranks enter Reconcile; the last daemon dies before
+    # its rank does.
+    started = time.monotonic()
+    res = {}
+
+    def waiting(r):
+        clients[r].send(vals(r, 3))
+        try:
+            res[r] = clients[r].reconcile()
+        except amaxd.AmaxdError as e:
+            res[r] = e
+    ts = [threading.Thread(target=waiting, args=(r,)) for r in range(last)]
+    [t.start() for t in ts]
+    time.sleep(0.5)
+    c.kill(last)
+    [t.join(TIMEOUT_MS / 1000 + 5) for t in ts]
+    assert not any(t.is_alive() for t in ts), "a trainer hangs after a daemon died"
+    elapsed = time.monotonic() - started
+    for r in range(last):
+        e = res[r]
+        assert isinstance(e, (amaxd.errors.Unavailable, amaxd.errors.DeadlineExceeded)), e
+        assert f"daemon {last}" in e.message, e.message
+    assert elapsed < TIMEOUT_MS / 1000 + 0.5, f"errors came after {elapsed:.1f} s"
+    # The daemon restarts (empty); its trainer re-joins and carries on.
+    c.start(last)
+    clients[last].close()
+    clients[last] = amaxd.Client("k", last, n, socket=c.socket(last), timeout=30)
+
+    def again(r):
+        if r == last:
+            assert clients[last].join().rejoined
+            clients[last].register(qs)
+            clients[last].send(vals(last, 3))
+        return clients[r].reconcile()
+    out, errs = run_threads({r: (lambda r=r: again(r)) for r in range(n)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    w = np.max([vals(r, e)["w"] for r in range(n) for e in (1, 2, 3)], axis=0)
+    for r in range(n):
+        assert out[r]["w"].amax.tobytes() == w.tobytes(), (r, out[r]["w"].amax, w)
+    assert len({out[r]["x"].amax.tobytes() for r in range(n)}) == 1
+    assert "caught up with daemon" in c[last].log()
+    # And the epoch after that is an ordinary one.
+    out, errs = run_threads({r: (lambda r=r: (clients[r].send(vals(r, 4)),
+                                             clients[r].reconcile())[1]) for r in range(n)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    st = [clients[r].status("k").jobs[0] for r in range(n)]
+    assert len({s.reconciled_epochs for s in st}) == 1
+    assert all(s.last_collectives == 1 for s in st)
+    for cl in clients:
+        cl.close()
+
+
+def test_trainer_that_never_reconciles_is_named(make_cluster):
+    c = make_cluster(2, f"--reconcile-timeout-ms={TIMEOUT_MS}")
+    clients = [amaxd.Client("n", r, 4, socket=c.socket(r // 2), timeout=30) for r in range(4)]
+
+    def prep(r):
+        clients[r].join()
+        clients[r].register([Q("a")])
+        clients[r].send({"a": float(r)})
+    out, errs = run_threads({r: (lambda r=r: prep(r)) for r in range(4)})
+    assert not errs, errs
+    start = time.monotonic()
+    out, errs = run_threads({r: (lambda r=r: clients[r].reconcile()) for r in range(3)},
+                            timeout=TIMEOUT_MS / 1000 + 10)
+    elapsed = time.monotonic() - start
+    assert sorted(errs) == [0, 1, 2], (out, errs)
+    for r, e in errs.items():
+        assert isinstance(e, amaxd.errors.DeadlineExceeded), (r, e)
+        assert "3" in e.message and ("rank 3" in e.message or "ranks 3" in e.message), e.message
+    assert elapsed < TIMEOUT_MS / 1000 + 0.5
+    # Everyone comes: the next attempt succeeds with every contribution.
+    out, errs = run_threads({r: (lambda r=r: clients[r].reconcile()) for r in range(4)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    assert all(out[r]["a"].amax[()] == 3.0 for r in range(4))
+    for cl in clients:
+        cl.close()
+
+
+def test_catalog_conflict_reaches_every_trainer(make_cluster):
+    c = make_cluster(2)
+    clients = [amaxd.Client("cf", r, 2, socket=c.socket(r), timeout=30) for r in range(2)]
+
+    def prep(r):
+        clients[r].join()
+        clients[r].register([Q("ok"), Q("w", [4] if r == 0 else [8])])
+        clients[r].send({"ok": 1.0 + r})
+    out, errs = run_threads({r: (lambda r=r: prep(r)) for r in range(2)})
+    assert not errs, errs
+    out, errs = run_threads({r: (lambda r=r: clients[r].reconcile()) for r in range(2)})
+    assert sorted(errs) == [0, 1], out
+    assert isinstance(errs[0], amaxd.errors.FailedPrecondition), errs[0]
+    assert errs[0].message == errs[1].message
+    assert "'w'" in errs[0].message and "[4] vs [8]" in errs[0].message
+    assert "daemon 0" in errs[0].message and "daemon 1" in errs[0].message
+    # The conflicting registrations were dropped; the others were agreed.
+    for r in range(2):
+        names = {q.name: q.agreed for q in clients[r].list_quantizers().quantizers}
+        assert names == {"ok": True}, names
+    # Declared consistently again, the next epoch works (contributions kept).
+    clients[1].register([Q("w", [4])])
+    clients[0].register([Q("w", [4])])
+    out, errs = run_threads({r: (lambda r=r: clients[r].reconcile()) for r in range(2)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    assert out[0]["ok"].amax[()] == out[1]["ok"].amax[()] == 2.0
+    for cl in clients:
+        cl.close()
+
+
+def test_peer_without_secret_is_unauthenticated(make_cluster, tmp_path):
+    c = make_cluster(2)
+    # A raw call on the coordinator's peer port without a token.
+    with grpc.insecure_channel(f"127.0.0.1:{c.ports[0]}") as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/amaxd.peer.v1.Peer/Progress")(b"", timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/amaxd.peer.v1.Peer/Join")(
+                b"", timeout=5, metadata=[("x-amaxd-auth", "1:00")])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "refused /amaxd.peer.v1.Peer/Progress" in c[0].log()
+    # A daemon with another secret: its trainers learn why.
+    c.stop_all()
+    c2 = make_cluster(2)
+    wrong = tmp_path / "wrong"
+    wrong.write_bytes(b"another-secret-of-16-bytes")
+    os.chmod(wrong, 0o600)
+    c2[1].stop()
+    c2.start(1, extra=[f"--cluster-secret-file={wrong}"])
+    with amaxd.Client("s", 0, 1, socket=c2.socket(1), timeout=10) as cl:
+        with pytest.raises(amaxd.errors.AmaxdError) as e:
+            cl.join()
+    assert e.value.code == grpc.StatusCode.UNAUTHENTICATED, e.value
+    assert "cluster_secret_file" in e.value.message
+    assert "wrong token" in c2[0].log()
+
+
+def test_secret_file_is_checked_at_start(tmp_path):
+    from amaxd_proc import BIN
+    import subprocess
+    loose = tmp_path / "s"
+    loose.write_bytes(b"0123456789abcdef0123")
+    os.chmod(loose, 0o644)
+    args = [BIN, f"--socket={tmp_path}/x.sock", "--cluster-size=2", "--coordinator=127.0.0.1:1",
+            f"--cluster-secret-file={loose}", "--collective=gloo", "--backend=host"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=20)
+    assert p.returncode == 1 and "chmod 600" in p.stderr, p.stderr
+    os.chmod(loose, 0o600)
+    loose.write_bytes(b"short")
+    p = subprocess.run(args, capture_output=True, text=True, timeout=20)
+    assert p.returncode == 1 and "at least 16" in p.stderr, p.stderr
+    p = subprocess.run(args[:3], capture_output=True, text=True, timeout=20)
+    assert p.returncode == 1 and "no coordinator address" in p.stderr, p.stderr
+
+
+def health_ms(sock):
+    with amaxd.Client("h", 0, 1, socket=sock, timeout=5) as cl:
+        t = time.monotonic()
+        assert cl.health() == "SERVING"
+        return (time.monotonic() - t) * 1000
+
+
+def test_job_stuck_on_hung_peer_does_not_stop_another(make_cluster):
+    c = make_cluster(3, "--reconcile-timeout-ms=8000")
+    a = [amaxd.Client("A", r, 3, socket=c.socket(r), timeout=30) for r in range(3)]
+    b = [amaxd.Client("B", r, 2, socket=c.socket(r), timeout=30) for r in range(2)]
+
+    def prep(cl, r):
+        cl.join()
+        cl.register([Q("v")])
+    out, errs = run_threads({("A", r): (lambda r=r: prep(a[r], r)) for r in range(3)} |
+                            {("B", r): (lambda r=r: prep(b[r], r)) for r in range(2)})
+    assert not errs, errs
+    out, errs = run_threads({r: (lambda r=r: (a[r].send({"v": 1.0}), a[r].reconcile())[1])
+                             for r in range(3)})
+    assert not errs, errs
+    # Daemon 2 hangs (SIGSTOP): job A's collective on daemons 0 and 1 waits.
+    c[2].proc.send_signal(signal.SIGSTOP)
+    try:
+        stuck = {}
+        ts = [threading.Thread(target=lambda r=r: stuck.setdefault(
+            r, (a[r].send({"v": 2.0}), _try(a[r].reconcile))[1])) for r in range(2)]
+        [t.start() for t in ts]
+        time.sleep(0.5)
+        worst = 0.0
+        for epoch in range(5):
+            out, errs = run_threads({r: (lambda r=r: (b[r].send({"v": float(epoch)}),
+                                                     b[r].reconcile())[1]) for r in range(2)},
+                                    timeout=20)
+            assert not errs, f"job B blocked: {errs}\n{c.logs()}"
+            assert out[0]["v"].amax[()] == float(epoch) or epoch == 0
+            worst = max(worst, health_ms(c.socket(0)), health_ms(c.socket(1)))
+        assert all(t.is_alive() for t in ts), "job A should still be waiting on the hung peer"
+        assert worst < 100, f"Health took {worst:.1f} ms"
+    finally:
+        c[2].proc.send_signal(signal.SIGCONT)
+    [t.join(20) for t in ts]
+    assert all(isinstance(stuck[r], amaxd.AmaxdError) for r in range(2)), stuck
+    for cl in a + b:
+        cl.close()
+
+
+def _try(fn):
+    try:
+        return fn()
+    except amaxd.AmaxdError as e:
+        return e
