@@ -27,10 +27,17 @@
  * What abort can and cannot do with this gloo version:
  *  - An allreduce_max blocked on another thread returns EABORTED at once:
  *    abort calls abortWaitRecv/abortWaitSend on the buffers it waits on.
- *  - The connections are then reset (Context::closeConnections, SO_LINGER 0)
- *    by a watchdog thread, so that abort itself never blocks (it takes a
- *    mutex and sets flags); peers blocked on us fail with EUNAVAIL within
- *    milliseconds. A failed allreduce_max resets them too, before it returns.
+ *  - Every connection is then reset (Context::closeConnections, SO_LINGER 0)
+ *    by a watchdog thread, as after any failed collective, so that peers
+ *    blocked on us fail with EUNAVAIL within milliseconds. Neither abort nor
+ *    the failing call waits for that ((P-1) gloo loop ticks of up to 10 ms):
+ *    abort takes a mutex and sets flags.
+ *  - An abort while no collective runs: a watchdog thread resets the
+ *    connections, 50 ms later unless destroy came first. destroy closes
+ *    them gracefully (FIN after the data queued in the kernel), which a
+ *    reset would discard: abort+destroy right after a collective that
+ *    succeeded here must not fail it on a neighbour still reading our last
+ *    segment (epoch.c's drop_comm does abort then destroy).
  *  - gloo's own abortWaitRecv/abortWaitSend interrupt one wait, not an
  *    operation (gloo::allreduce ignores their false return and goes on),
  *    and Context::closeConnections closes the sockets without waking local
@@ -112,6 +119,10 @@ constexpr uint64_t kFirstRingSlot = 1u << 20;
 /* A watchdog waits "forever"; gloo treats the end of a wait as a timeout
  * that closes every connection, so this must outlive any communicator. */
 constexpr auto kWatchdogWait = std::chrono::hours(100);
+
+/* How long a watchdog lets destroy follow an abort before it resets the
+ * connections itself (see the top). */
+constexpr Ms kAbortGrace(50);
 
 /* An error with an amx status, thrown by this file's code (also from inside
  * gloo's rendezvous, through the store) and caught at the C boundary. */
@@ -339,6 +350,7 @@ struct GlooComm {
     bool aborted = false;
     bool stopping = false;      /* destroy has begun */
     bool closed = false;        /* closeConnections was called */
+    bool reset_now = false;     /* a collective failed: watchdogs reset at once */
     amx_status_t dead = AMX_OK; /* the first failure: later calls fail alike */
     std::string dead_msg;
     std::vector<std::string> gone; /* per rank: why its connection died ("" if alive) */
@@ -377,6 +389,16 @@ struct GlooComm {
                 b->abortWaitSend();
             }
         }
+    }
+
+    /* Makes the watchdogs reset every connection now; mu held. */
+    void request_reset_locked()
+    {
+        reset_now = true;
+        for (int k = 0; k < nwatch; k++)
+            if (sentinel[k])
+                sentinel[k]->abortWaitRecv();
+        cv.notify_all();
     }
 
     /* Resets every connection (once), so that peers blocked on this
@@ -451,10 +473,12 @@ void GlooComm::connect(const amx_comm_params_t *p)
 /*
  * A watchdog: waits until the connection to neighbour watch_rank[k] dies
  * (gloo fails the sentinel receive) or it is poked (abort, destroy). A death
- * is recorded and wakes allreduce. Then it waits for abort or destroy; after
- * an abort it resets every connection, here rather than on abort's caller.
- * A death does not reset the other connections: the other neighbour may
- * still be reading our last segment of a collective that succeeded.
+ * is recorded and wakes allreduce. Then it waits for abort, a failed
+ * collective or destroy: it resets every connection at once after a failed
+ * collective, and after an abort that destroy does not follow within
+ * kAbortGrace. A death alone does not reset the other connections: the
+ * other neighbour may still be reading our last segment of a collective
+ * that succeeded.
  */
 void GlooComm::watch(int k) noexcept
 {
@@ -474,8 +498,10 @@ void GlooComm::watch(int k) noexcept
             gone[watch_rank[k]] = why;
             poke_locked();
         }
-        cv.wait(lk, [this] { return aborted || stopping; });
-        close = aborted && !stopping;
+        cv.wait(lk, [this] { return aborted || stopping || reset_now; });
+        if (!reset_now)
+            cv.wait_for(lk, kAbortGrace, [this] { return stopping || reset_now; });
+        close = reset_now || !stopping;
     } catch (...) {
     }
     if (close)
@@ -483,9 +509,9 @@ void GlooComm::watch(int k) noexcept
 }
 
 /* Stops the watchdogs and frees everything; also the cleanup of a failed
- * create. A healthy communicator is closed gracefully (FIN, so that a
- * neighbour still reading our last segment gets it), a failed or aborted
- * one is reset. */
+ * create. Connections not reset before are closed gracefully by the
+ * context's destructor (FIN after the queued data: a neighbour still
+ * reading our last segment gets it; one blocked on us sees EOF at once). */
 void GlooComm::teardown() noexcept
 {
     try {
@@ -500,13 +526,6 @@ void GlooComm::teardown() noexcept
         for (int k = 0; k < 2; k++)
             if (watchdog[k].joinable())
                 watchdog[k].join();
-        bool reset;
-        {
-            std::lock_guard<std::mutex> lk(mu);
-            reset = aborted || dead != AMX_OK;
-        }
-        if (reset)
-            close_connections();
         /* Buffers first: each holds the transport context. */
         for (int k = 0; k < 2; k++)
             sentinel[k].reset();
@@ -745,9 +764,9 @@ amx_status_t gloo_allreduce_max(amx_comm_t *base, const float *send, float *recv
             c->dead_msg = msg;
             first_failure = true;
         }
+        c->request_reset_locked(); /* peers blocked on us fail now, not at their deadline */
     } catch (...) {
     }
-    c->close_connections(); /* peers blocked on us fail now, not at their deadline */
     amx_status_t ret = amx_err_set(
         err, st, "gloo allreduce of %zu floats (rank %d of %d) failed: %s", n, r, P, msg.c_str());
     if (first_failure)

@@ -247,6 +247,7 @@ struct rank_t {
     uint64_t op2_ms;
     /* scenario knobs: what the body does (see each body), and when */
     int flag;
+    int abort_first;
     uint64_t t_mark;
 };
 
@@ -540,16 +541,19 @@ END_TEST
 
 /*
  * The end of a job: every rank destroys its communicator right after a
- * collective that succeeded. A rank that finishes first closes its
+ * collective that succeeded, half of the rounds with abort first (as
+ * epoch.c's drop_comm does). A rank that finishes first closes its
  * connections while a neighbour may still be finishing; that must not fail
- * the neighbour's collective. Rank 1 is made slow to enter (2 ms), many
- * rounds, two sizes.
+ * the neighbour's collective. Rank 1 is sometimes slow to enter (2 ms);
+ * many rounds, two sizes.
  */
 static void body_op_then_destroy(rank_t *r)
 {
     if (r->flag)
         sleep_ms(r->flag);
     do_op(r);
+    if (r->abort_first)
+        r->comm->ops->abort(r->comm);
     r->comm->ops->destroy(r->comm);
     r->comm = NULL;
 }
@@ -572,6 +576,7 @@ START_TEST(test_destroy_right_after)
             rs[i].op_deadline = amx_now_ms() + 20000;
             rs[i].body = body_op_then_destroy;
             rs[i].flag = (i == 1 && round % 4 < 2) ? 2 : 0;
+            rs[i].abort_first = round % 4 == 1 || round % 4 == 2;
         }
         run_ranks(rs, P);
         for (int i = 0; i < P; i++) {
