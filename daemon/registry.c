@@ -1324,6 +1324,7 @@ static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *er
     j->state->ops->flip(j->state);
     j->in_flight = 1;
     j->flight_deadline = deadline;
+    j->flight_started_us = amx_now_us();
     AMX_DEBUG("registry", "job %s: epoch %llu handed to its engine", j->name,
               (unsigned long long)j->epoch);
     amx_engine_start(j->eng, j->epoch, deadline);
@@ -1447,6 +1448,8 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
 {
     amx_epoch_result_t *res = amx_engine_result(j->eng);
     j->in_flight = 0;
+    j->last_started_us = j->flight_started_us;
+    j->last_ended_us = amx_now_us();
     if (res->cat != NULL)
         install_catalog(reg, j, res);
     if (res->imported) {
@@ -1478,10 +1481,11 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
             j->nreset = 0;
         }
         AMX_DEBUG("registry",
-                  "job %s: epoch %llu reconciled in %llu us (%u collectives, %llu us; "
-                  "finish %llu us)",
+                  "job %s: epoch %llu reconciled in %llu us (%u collectives, %llu us; header in "
+                  "%llu + out %llu us; finish %llu us)",
                   j->name, (unsigned long long)res->epoch, (unsigned long long)res->total_us,
                   res->collectives, (unsigned long long)res->collective_us,
+                  (unsigned long long)res->prepare_us, (unsigned long long)res->header_us,
                   (unsigned long long)res->finish_us);
         for (uint32_t i = 0; i < j->nlocal; i++) {
             amx_lrank_t *r = &j->lr[i];
@@ -1771,6 +1775,8 @@ amx_status_t amx_registry_status(amx_registry_t *reg, const char *job, amx_job_i
         x->last_collective_us = j->last_collective_us;
         x->last_finish_us = j->last_finish_us;
         x->last_collectives = j->last_collectives;
+        x->last_started_us = j->last_started_us;
+        x->last_ended_us = j->last_ended_us;
         x->collective = j->mship.npart > 1 ? reg->collective : "local";
     }
     *jobs = out;

@@ -368,6 +368,8 @@ static void h_status(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         js->last_collective_us = x->last_collective_us;
         js->last_finish_us = x->last_finish_us;
         js->last_collectives = x->last_collectives;
+        js->last_epoch_started_us = x->last_started_us;
+        js->last_epoch_ended_us = x->last_ended_us;
         resp.jobs[resp.n_jobs++] = js;
     }
     void *ctx[2] = {&resp, &a};
