@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "clock.h"
+#include "log.h"
 #include "postproc.h"
 #include "state.h"
 
@@ -47,9 +48,14 @@ typedef struct cuda_state {
     uint64_t cap_stage;
     amx_run_t *h_runs, *d_runs;
     size_t cap_runs;
-    /* Engine-thread runs. */
+    /* Engine-thread runs, and pinned staging for descriptors and the
+     * per-quantizer results (copies from pinned memory are asynchronous and
+     * about twice as fast as from pageable memory). */
     amx_run_t *e_runs;
     size_t cap_e_runs;
+    void *e_pin;
+    size_t cap_e_pin;
+    uint32_t dq_n; /* descriptors on the device, valid for this many quantizers */
     /* Pinned buffers replaced by bigger ones, freed at destroy (freeing
      * pinned memory may synchronize the device). */
     void *retired[64];
@@ -745,9 +751,40 @@ static amx_status_t cuda_read_header(amx_state_t *st, float *hdr, amx_err_t *err
     return AMX_OK;
 }
 
+/* AMAXD_PROFILE=1: finish logs the device time of each of its stages
+ * (events) and the host time around them, at info level. */
+static int profiling(void)
+{
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("AMAXD_PROFILE");
+        on = v != NULL && v[0] != '\0' && strcmp(v, "0") != 0;
+    }
+    return on;
+}
+
+enum { P_START, P_UPLOAD, P_RESET, P_ACCUM, P_FILL, P_GLOBAL, P_SCALES, P_D2H, P_CLEAR, P_N };
+
+/* The engine's pinned staging buffer, at least `bytes` long. */
+static amx_status_t engine_pin(cuda_state_t *c, size_t bytes, amx_err_t *err)
+{
+    if (bytes <= c->cap_e_pin)
+        return AMX_OK;
+    size_t n = c->cap_e_pin ? c->cap_e_pin : 65536;
+    while (n < bytes)
+        n *= 2;
+    void *p = NULL;
+    CU(cudaHostAlloc(&p, n, cudaHostAllocDefault), "cudaHostAlloc (engine staging)");
+    if (c->e_pin != NULL && c->nretired < 64)
+        c->retired[c->nretired++] = c->e_pin;
+    c->e_pin = p;
+    c->cap_e_pin = n;
+    return AMX_OK;
+}
+
 static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
                                 uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
-                                amx_err_t *err)
+                                int desc_dirty, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     cudaStream_t s = c->se;
@@ -757,6 +794,16 @@ static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
     if (ncells != st->ncells)
         return amx_err_set(err, AMX_EINTERNAL, "finish over %llu cells, the state holds %llu",
                            (unsigned long long)ncells, (unsigned long long)st->ncells);
+    int prof = profiling();
+    cudaEvent_t ev[P_N];
+    if (prof)
+        for (int i = 0; i < P_N; i++)
+            cudaEventCreate(&ev[i]);
+#define MARK(i)                                                                                    \
+    do {                                                                                           \
+        if (prof)                                                                                  \
+            cudaEventRecord(ev[i], s);                                                             \
+    } while (0)
     size_t ngroups = (size_t)npeer + nscale;
     if (ngroups > c->cap_groups) {
         dfree(c->groups, s);
@@ -769,47 +816,92 @@ static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         dfree(c->dq, s);
         c->dq = NULL;
         c->cap_dq = 0;
+        c->dq_n = 0;
         AMX_CHECK(dalloc((void **)&c->dq, (size_t)nq * sizeof(amx_qdesc_t), s, err));
         c->cap_dq = nq;
     }
+    size_t dbytes = (size_t)nq * sizeof(amx_qdesc_t), gbytes = (size_t)nq * 4;
+    AMX_CHECK(engine_pin(c, dbytes + 3 * gbytes, err));
+    char *pin_d = (char *)c->e_pin;
+    float *pin_g = (float *)(pin_d + dbytes);
     AMX_CHECK(size_outputs(st, back, ncells, nq, err));
     uint64_t n = ncells;
     const float *red = (from_send ? c->pend[fl] : c->recv) + AMX_HDR_CELLS;
+    uint64_t t_setup = amx_now_us();
+    MARK(P_START);
     if (nq > 0) {
-        CU(cudaMemcpyAsync(c->dq, qs, nq * sizeof(amx_qdesc_t), cudaMemcpyHostToDevice, s),
-           "cudaMemcpyAsync (descriptors)");
+        if (desc_dirty || c->dq_n != nq) {
+            memcpy(pin_d, qs, dbytes);
+            CU(cudaMemcpyAsync(c->dq, pin_d, dbytes, cudaMemcpyHostToDevice, s),
+               "cudaMemcpyAsync (descriptors)");
+            c->dq_n = nq;
+        }
+        MARK(P_UPLOAD);
         float *peer_max = c->groups, *scale_max = c->groups + npeer;
         unsigned nb = nq < 4096 ? nq : 4096;
         k_reset_flagged<<<nb, THREADS, 0, s>>>(c->dq, nq, c->accum, c->prev, c->hist, c->prev_g);
         if (ngroups)
             k_fill<<<blocks_for(ngroups), THREADS, 0, s>>>(c->groups, ngroups, -INFINITY);
         k_fill<<<blocks_for(nq), THREADS, 0, s>>>(c->o_gamax[back], nq, -INFINITY);
-        if (n > 0) {
+        MARK(P_RESET);
+        if (n > 0)
             k_accumulate<<<chunks_for(n), THREADS, 0, s>>>(c->dq, nq, n, red, c->accum, c->hist,
                                                            c->o_amax[back], peer_max);
+        MARK(P_ACCUM);
+        if (n > 0)
             k_peer_fill<<<chunks_for(n), THREADS, 0, s>>>(c->dq, nq, n, peer_max, c->o_amax[back],
                                                           c->o_gamax[back]);
-        }
+        MARK(P_FILL);
         k_scale_groups<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, c->o_gamax[back], scale_max);
         k_global<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, scale_max, c->o_gamax[back],
                                                     c->prev_g, c->o_gscale[back], c->o_ginv[back]);
         CU(cudaGetLastError(), "epoch kernels launch");
+        MARK(P_GLOBAL);
         AMX_CHECK(amx__cuda_scales_launch(
             c->dq, nq, n, c->o_amax[back], c->o_gamax[back], c->o_gscale[back], c->o_ginv[back],
             c->prev, c->o_scale[back], c->o_inv[back], c->o_bytes[back], s, err));
-        CU(cudaMemcpyAsync(st->g_amax[back], c->o_gamax[back], (size_t)nq * 4,
-                           cudaMemcpyDeviceToHost, s),
+        MARK(P_SCALES);
+        CU(cudaMemcpyAsync(pin_g, c->o_gamax[back], gbytes, cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (globals)");
-        CU(cudaMemcpyAsync(st->g_scale[back], c->o_gscale[back], (size_t)nq * 4,
-                           cudaMemcpyDeviceToHost, s),
+        CU(cudaMemcpyAsync(pin_g + nq, c->o_gscale[back], gbytes, cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (globals)");
-        CU(cudaMemcpyAsync(st->g_inv[back], c->o_ginv[back], (size_t)nq * 4, cudaMemcpyDeviceToHost,
+        CU(cudaMemcpyAsync(pin_g + 2 * (size_t)nq, c->o_ginv[back], gbytes, cudaMemcpyDeviceToHost,
                            s),
            "cudaMemcpyAsync (globals)");
     }
+    MARK(P_D2H);
     AMX_CHECK(fill_f(c->pend[fl] + AMX_HDR_CELLS, c->pend_n[fl], -INFINITY, s, err));
+    MARK(P_CLEAR);
+    uint64_t t_launched = amx_now_us();
     CU(cudaStreamSynchronize(s), "epoch kernels");
+    uint64_t t_synced = amx_now_us();
+    if (nq > 0) {
+        memcpy(st->g_amax[back], pin_g, gbytes);
+        memcpy(st->g_scale[back], pin_g + nq, gbytes);
+        memcpy(st->g_inv[back], pin_g + 2 * (size_t)nq, gbytes);
+    }
     st->last_finish_us = amx_now_us() - t0;
+    if (prof) {
+        static const char *names[P_N] = {"",       "upload", "reset", "accumulate", "fill",
+                                         "global", "scales", "d2h",   "clear"};
+        char buf[512];
+        size_t k = 0;
+        for (int i = 1; i < P_N && k < sizeof(buf); i++) {
+            float ms = 0.0f;
+            cudaEventElapsedTime(&ms, ev[i - 1], ev[i]);
+            k += (size_t)snprintf(buf + k, sizeof(buf) - k, " %s %.0f", names[i], ms * 1000.0f);
+        }
+        AMX_INFO("profile",
+                 "finish of %llu cells / %u quantizers: host setup %llu us, launches "
+                 "%llu us, wait %llu us, copy-out %llu us; device us:%s",
+                 (unsigned long long)ncells, nq, (unsigned long long)(t_setup - t0),
+                 (unsigned long long)(t_launched - t_setup),
+                 (unsigned long long)(t_synced - t_launched),
+                 (unsigned long long)(amx_now_us() - t_synced), buf);
+        for (int i = 0; i < P_N; i++)
+            cudaEventDestroy(ev[i]);
+    }
+#undef MARK
     return AMX_OK;
 }
 
@@ -909,6 +1001,7 @@ static void cuda_destroy(amx_state_t *st)
     cudaStreamSynchronize(c->se);
     cudaFreeHost(c->h_stage);
     cudaFreeHost(c->h_runs);
+    cudaFreeHost(c->e_pin);
     for (int i = 0; i < c->nretired; i++)
         cudaFreeHost(c->retired[i]);
     cudaStreamDestroy(c->sl);

@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 
 #include "clock.h"
@@ -51,6 +52,7 @@ typedef struct nreq {
     cudaEvent_t ev;
     int launched;
     uint64_t deadline;
+    uint64_t t_submit, t_issue, t_enqueued, t_done; /* AMAXD_PROFILE */
     /* completion */
     int done;
     amx_status_t st;
@@ -66,14 +68,17 @@ static struct {
     int started;
     nreq_t *queue;  /* submitted, not yet issued */
     nreq_t *flight; /* issued, polled */
-} G = {PTHREAD_ONCE_INIT, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-       PTHREAD_COND_INITIALIZER};
+} G = {.once = PTHREAD_ONCE_INIT,
+       .mu = PTHREAD_MUTEX_INITIALIZER,
+       .cv = PTHREAD_COND_INITIALIZER,
+       .done_cv = PTHREAD_COND_INITIALIZER};
 
 static void finish(nreq_t *r, amx_status_t st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 static void finish(nreq_t *r, amx_status_t st, const char *fmt, ...)
 {
+    r->t_done = amx_now_us();
     if (st != AMX_OK && fmt != NULL) {
         va_list ap;
         va_start(ap, fmt);
@@ -130,8 +135,11 @@ static int issue(nreq_t *r)
         return 0;
     }
     if (r->kind == R_ALLREDUCE) {
+        r->t_issue = amx_now_us();
         ncclResult_t e =
             ncclAllReduce(r->send, r->recv, r->n, ncclFloat32, ncclMax, c->comm, r->stream);
+        if (e == ncclSuccess)
+            r->t_enqueued = amx_now_us();
         if (e != ncclSuccess && e != ncclInProgress) {
             kill_comm(c, ncclGetErrorString(e));
             finish(r, AMX_EUNAVAIL, "ncclAllReduce: %s", ncclGetErrorString(e));
@@ -185,8 +193,10 @@ static int poll_one(nreq_t *r)
         }
     } else if (r->kind == R_ALLREDUCE) {
         /* launched: 0 enqueueing, 1 enqueued (event not recorded), 2 recorded. */
-        if (!r->launched && async == ncclSuccess)
+        if (!r->launched && async == ncclSuccess) {
             r->launched = 1;
+            r->t_enqueued = amx_now_us();
+        }
         if (r->launched) {
             if (r->launched == 1) {
                 cudaEventRecord(r->ev, r->stream);
@@ -216,6 +226,10 @@ static int poll_one(nreq_t *r)
 static void *nccl_main(void *arg)
 {
     (void)arg;
+    /* The thread sleeps a few microseconds between polls while something
+     * is in flight: the default 50 us timer slack would add that much to
+     * every collective. */
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
     pthread_mutex_lock(&G.mu);
     for (;;) {
         while (G.queue == NULL && G.flight == NULL)
@@ -309,7 +323,18 @@ static amx_status_t nccl_allreduce_max(amx_comm_t *base, const float *send, floa
     r.n = n;
     r.stream = (cudaStream_t)stream;
     r.deadline = deadline_ms;
-    return submit(&r, err);
+    r.t_submit = amx_now_us();
+    amx_status_t st = submit(&r, err);
+    const char *pv = getenv("AMAXD_PROFILE");
+    if (pv != NULL && pv[0] != '\0' && strcmp(pv, "0") != 0)
+        AMX_INFO("profile",
+                 "nccl all-reduce of %zu floats: to the NCCL thread %llu us, enqueue %llu us, "
+                 "run %llu us, back to the engine %llu us",
+                 n, (unsigned long long)(r.t_issue - r.t_submit),
+                 (unsigned long long)(r.t_enqueued - r.t_issue),
+                 (unsigned long long)(r.t_done - r.t_enqueued),
+                 (unsigned long long)(amx_now_us() - r.t_done));
+    return st;
 }
 
 static void nccl_abort(amx_comm_t *base)

@@ -75,6 +75,10 @@ struct amx_engine {
     amx_qdesc_t *imp_desc;
     uint64_t last_reconciled; /* of the state, as this attempt knows it */
     int synced;               /* an agreement round happened in this attempt */
+    /* Descriptor generations: bumped by every layout change; the backend
+     * may keep a copy of the descriptors the last finish saw. */
+    uint64_t desc_gen, fin_gen;
+    int fin_had_reset;
 };
 
 /* ---- results ---- */
@@ -296,6 +300,7 @@ static amx_status_t change_layout(amx_engine_t *e, amx_catalog_t *to)
     e->w_cat = to;
     e->w_desc = e->res.desc;
     e->w_owned = 1;
+    e->desc_gen++;
     e->pend_original = 0;
     amx_catalog_free(e->imp_cat);
     free(e->imp_desc);
@@ -702,13 +707,16 @@ static amx_status_t collective(amx_engine_t *e, int *flag)
     uint64_t cells = e->w_cat->ncells;
     int want = !e->synced && (j->nprop > 0 || j->nreset > 0);
     make_header(hdr, e->epoch, e->w_cat->hash, atomic_load(&e->comm_gen), cells, want);
+    uint64_t tp = amx_now_us();
     amx_status_t st = j->state->ops->prepare(j->state, hdr, cells, &send, &recv, &stream, &err);
     if (st != AMX_OK)
         return fail(e, st, "job '%s': %s", j->name, err.msg);
     uint64_t t0 = amx_now_us();
+    e->res.prepare_us += t0 - tp;
     st = e->comm->ops->allreduce_max(e->comm, send, recv, AMX_HDR_CELLS + cells, stream,
                                      e->deadline, &err);
-    e->res.collective_us += amx_now_us() - t0;
+    uint64_t t1 = amx_now_us();
+    e->res.collective_us += t1 - t0;
     e->res.collectives++;
     if (st != AMX_OK) {
         if (atomic_load(&e->abort_flag))
@@ -724,6 +732,7 @@ static amx_status_t collective(amx_engine_t *e, int *flag)
     st = j->state->ops->read_header(j->state, rh, &err);
     if (st != AMX_OK)
         return fail(e, st, "job '%s': %s", j->name, err.msg);
+    e->res.header_us += amx_now_us() - t1;
     return check_header(e, rh, cells, flag);
 }
 
@@ -733,9 +742,21 @@ static amx_status_t finish(amx_engine_t *e, int from_send)
     amx_err_t err = {0};
     if (from_send)
         mark_local_resets(e);
+    /* The descriptors change with the layout, a reset, or the history
+     * heads (which move every epoch when there is a history). */
+    int dirty = e->desc_gen != e->fin_gen || e->w_cat->nhist > 0;
+    for (uint32_t i = 0; !dirty && i < e->w_cat->n; i++)
+        dirty = e->w_desc[i].reset;
+    if (e->fin_had_reset)
+        dirty = 1;
     uint64_t t0 = amx_now_us();
-    amx_status_t st = j->state->ops->finish(j->state, e->w_desc, e->w_cat->n, e->w_cat->ncells,
-                                            e->w_cat->npeer, e->w_cat->nscale, from_send, &err);
+    amx_status_t st =
+        j->state->ops->finish(j->state, e->w_desc, e->w_cat->n, e->w_cat->ncells, e->w_cat->npeer,
+                              e->w_cat->nscale, from_send, dirty, &err);
+    e->fin_had_reset = 0;
+    for (uint32_t i = 0; i < e->w_cat->n && !e->fin_had_reset; i++)
+        e->fin_had_reset = e->w_desc[i].reset; /* cleared below: upload again next time */
+    e->fin_gen = e->desc_gen;
     e->res.finish_us = amx_now_us() - t0;
     if (st != AMX_OK)
         return fail(e, st, "job '%s', epoch %llu: finishing failed: %s", j->name,

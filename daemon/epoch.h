@@ -55,7 +55,7 @@ typedef struct amx_epoch_result {
     int publish; /* the back outputs hold results to publish even on failure */
     int resets_applied;
     uint32_t collectives;
-    uint64_t total_us, collective_us, finish_us;
+    uint64_t total_us, collective_us, finish_us, prepare_us, header_us;
 } amx_epoch_result_t;
 
 amx_status_t amx_engine_create(amx_job_t *job, const amx_engine_env_t *env, amx_engine_t **out,

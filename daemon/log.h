@@ -8,6 +8,10 @@
 #ifndef AMX_LOG_H
 #define AMX_LOG_H
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 enum { AMX_LOG_ERROR = 0, AMX_LOG_WARN = 1, AMX_LOG_INFO = 2, AMX_LOG_DEBUG = 3 };
 
 extern int amx_log_level;
@@ -37,5 +41,9 @@ int amx_log_parse_level(const char *s);
 int amx_log_open(const char *path);
 
 void amx_log_close(void);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -139,10 +139,12 @@ typedef struct amx_state_ops {
      * accumulated state first; then accumulation of the reduced values (recv,
      * or the in-flight buffer itself when `from_send`: one participant),
      * peer fill, global amax, scale groups and scales into the back outputs;
-     * the in-flight buffer is cleared. On error the replicated state may be
+     * the in-flight buffer is cleared. `desc_dirty`: q differs from the last
+     * finish's (a device copy may be reused otherwise). On error the replicated state may be
      * partly updated: the caller treats the job's device as broken. */
     amx_status_t (*finish)(amx_state_t *st, const amx_qdesc_t *q, uint32_t nq, uint64_t ncells,
-                           uint32_t npeer, uint32_t nscale, int from_send, amx_err_t *err);
+                           uint32_t npeer, uint32_t nscale, int from_send, int desc_dirty,
+                           amx_err_t *err);
     /* Engine. Copies the replicated state and the front outputs of a layout
      * of (ncells, nhist, nq) into host arrays (a donor's state transfer). */
     amx_status_t (*export_state)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,

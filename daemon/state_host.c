@@ -306,8 +306,9 @@ static amx_status_t host_read_header(amx_state_t *st, float *hdr, amx_err_t *err
 
 static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
                                 uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
-                                amx_err_t *err)
+                                int desc_dirty, amx_err_t *err)
 {
+    (void)desc_dirty;
     host_state_t *h = st->impl;
     uint64_t t0 = amx_now_us();
     int fl = h->active ^ 1, back = st->front ^ 1;
