@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import amaxd
+from conftest import COLLECTIVE
 
 
 def run_threads(fns, timeout=60):
@@ -59,7 +60,7 @@ def test_two_daemons_reduce_and_agree(make_cluster):
     s0, s1 = out[0][2], out[1][2]
     assert s0.participants == s1.participants == 2
     assert s0.catalog_hash == s1.catalog_hash and s0.catalog_hash != 0
-    assert s0.collective == "gloo" and s0.local_ranks == 1
+    assert s0.collective == COLLECTIVE and s0.local_ranks == 1
     # Steady state: one collective per epoch.
     assert s0.last_collectives == 1 and s1.last_collectives == 1
 

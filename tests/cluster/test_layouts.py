@@ -53,7 +53,7 @@ def test_three_layouts_same_bytes_as_numpy(make_cluster):
         for d in range(DAEMONS):
             with amaxd.Client(f"moe-{layout}", 0, M.WORLD, socket=c.socket(d)) as cl:
                 st = cl.status(f"moe-{layout}").jobs[0]
-            assert st.participants == DAEMONS and st.local_ranks == 2, st
+            assert st.participants == DAEMONS and st.local_ranks == M.WORLD // DAEMONS, st
             assert st.reconciled_epochs == M.epochs and st.last_collectives == 1, st
             assert st.collective == COLLECTIVE
     assert len(set(per_layout.values())) == 1, "the layouts gave different bytes"      # (b)

@@ -308,8 +308,8 @@ int main(int argc, char **argv)
         }
         h->ops->flip(h);
         c->ops->flip(c);
-        if (h->ops->finish(h, q, nq, ncells, 1, 2, 1, &err) ||
-            c->ops->finish(c, q, nq, ncells, 1, 2, 1, &err)) {
+        if (h->ops->finish(h, q, nq, ncells, 1, 2, 1, 1, &err) ||
+            c->ops->finish(c, q, nq, ncells, 1, 2, 1, 1, &err)) {
             fprintf(stderr, "finish: %s\n", err.msg);
             return 2;
         }

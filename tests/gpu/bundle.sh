@@ -9,7 +9,8 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 venv=${AMAXD_VENV:-$root/.venv}
 mkdir -p "$carry/lib" "$carry/wheels"
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libstdc\+\+\.so|libgcc_s\.so|libcuda\.so|libnccl\.so|libnvidia)'
-for bin in "$build"/amaxd "$build"/amaxctl "$build"/backend_compare "$build"/bench_kernels "$build"/tests/test_*; do
+for bin in "$build"/amaxd "$build"/amaxctl "$build"/backend_compare "$build"/bench_kernels \
+           "$build"/nccl_floor "$build"/tests/test_*; do
   ldd "$bin" | awk '/=>/ && $3 ~ /^\// {print $1, $3}' | while read -r name path; do
     [[ $name =~ $skip ]] && continue
     [ -e "$carry/lib/$name" ] || cp -L "$path" "$carry/lib/$name"

@@ -243,7 +243,7 @@ START_TEST(jobstate_round_trip_and_corruption)
     amx_run_t run = {0, 0, 4};
     ck_assert_int_eq(st->ops->merge(st, v, 4, &run, 1, 0, &err), AMX_OK);
     st->ops->flip(st);
-    ck_assert_int_eq(st->ops->finish(st, d, 2, 4, 0, 0, 1, &err), AMX_OK);
+    ck_assert_int_eq(st->ops->finish(st, d, 2, 4, 0, 0, 1, 1, &err), AMX_OK);
     st->ops->publish(st);
     void *blob;
     size_t len;

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The cluster on GPUs: one amaxd per GPU, CUDA state backend, NCCL between
+# the daemons. For a GPU host without the -dev packages (tests/gpu/README.md):
+#   1. unit tests of the CUDA build
+#   2. backend_compare: host vs CUDA backend, byte for byte
+#   3. the single-daemon end-to-end suite on the CUDA backend
+#   4. the cluster suite over NCCL (three layouts vs numpy, kill -9 and
+#      restart, a missing trainer, a conflict, a peer without the secret);
+#      the whole-tensor digest is the CPU run's (it is checked against the
+#      same numpy reference)
+#   5. bench/cluster_bench.py: reconcile latency vs one packed NCCL
+#      all-reduce and vs one all-reduce per quantizer
+# Usage: tests/gpu/cluster.sh BUILD_DIR CARRY_DIR [OUT_DIR]
+set -uo pipefail
+rc=0
+build=$(realpath "${1:-build-gpu}")
+carry=$(realpath "${2:-.gpu}")
+out=${3:-${OUT:-/tmp/amaxd-gpu-out}}
+mkdir -p "$out"
+root=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$root"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1
+ngpu=$(nvidia-smi -L | wc -l)
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -5
+"$build/amaxd" --version
+
+echo "== 1. unit tests"
+export AMAXD_VECTORS="$root/tests/vectors"
+for t in recipe registry config cluster comm_gloo; do
+  printf '%-10s ' "$t"; "$build/tests/test_$t" 2>/dev/null | tail -1 || rc=1
+done
+
+echo "== 2. host vs CUDA backend"
+"$build/backend_compare" tests/vectors/recipes.tsv "${AMAXD_COMPARE_N:-10000000}" 2>&1 \
+  | tee "$out/backend_compare.txt" || rc=1
+
+py=$(mktemp -d)
+python3 -m pip install -q --no-deps --no-index --target "$py" "$carry"/wheels/*.whl || rc=1
+export PYTHONPATH="$py:$root/tests/e2e"
+export AMAXD_BIN="$build/amaxd" AMAXCTL_BIN="$build/amaxctl"
+
+echo "== 3. end-to-end suite, one daemon on the CUDA backend"
+AMAXD_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider tests/e2e 2>&1 \
+  | tee "$out/e2e.txt" | tail -3 || rc=1
+
+echo "== 4. cluster suite: $ngpu daemons, one per GPU, NCCL + CUDA backend"
+AMAXD_CLUSTER_COLLECTIVE=nccl AMAXD_CLUSTER_BACKEND=cuda AMAXD_CLUSTER_GPUS=$ngpu \
+  AMAXD_DIGEST_FILE="$out/digest.txt" \
+  python3 -m pytest -q -rs -p no:cacheprovider tests/cluster 2>&1 \
+  | tee "$out/cluster.txt" | tail -8 || rc=1
+cat "$out/digest.txt" 2>/dev/null
+
+echo "== 5. benchmark: $ngpu daemons over NCCL"
+python3 bench/cluster_bench.py --amaxd "$build/amaxd" --floor "$build/nccl_floor" \
+  --daemons "$ngpu" ${AMAXD_BENCH_ARGS:-} 2>&1 | tee "$out/cluster_bench.txt" || rc=1
+echo "== gpu cluster checks: $([ $rc -eq 0 ] && echo passed || echo FAILED)"
+exit $rc
