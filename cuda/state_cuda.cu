@@ -43,6 +43,10 @@ typedef struct cuda_state {
     size_t cap_groups;
     amx_qdesc_t *dq;
     uint32_t cap_dq;
+    uint8_t *empty; /* per quantizer: some cell saw no data this epoch */
+    uint32_t cap_empty;
+    uint32_t *chunkq; /* per CHUNK of cells: the quantizer of its first cell */
+    uint32_t cap_chunkq, chunkq_n;
     /* Loop-thread staging: values and runs (pinned + device). */
     float *h_stage, *d_stage;
     uint64_t cap_stage;
@@ -136,12 +140,47 @@ __device__ __forceinline__ uint32_t chunk_first(const T *a, uint32_t n, uint64_t
     return first;
 }
 
-__device__ __forceinline__ uint32_t advance_q(const amx_qdesc_t *qs, uint32_t nq, uint32_t qi,
-                                              uint64_t cell)
+/* The quantizer of this block's first cell: precomputed per chunk when
+ * the descriptors were uploaded (a search per block, run by one thread
+ * while the others wait, would cost more than the block's own work), or
+ * searched when there is no table. */
+__device__ __forceinline__ uint32_t chunk_q(const amx_qdesc_t *qs, uint32_t nq,
+                                            const uint32_t *chunkq)
 {
-    while (qi + 1 < nq && qs[qi + 1].base <= cell)
-        qi++;
-    return qi;
+    if (chunkq != NULL)
+        return chunkq[blockIdx.x];
+    return chunk_first(qs, nq, &amx_qdesc_t::base);
+}
+
+/* One thread per chunk: the quantizer of its first cell. */
+__global__ void k_chunk_table(const amx_qdesc_t *qs, uint32_t nq, uint32_t nchunks,
+                              uint32_t *chunkq)
+{
+    for (uint32_t b = blockIdx.x * blockDim.x + threadIdx.x; b < nchunks;
+         b += gridDim.x * blockDim.x)
+        chunkq[b] = last_le(qs, nq, &amx_qdesc_t::base, (uint64_t)b * CHUNK);
+}
+
+/* The quantizer of `cell`, at or after qi (the quantizer of an earlier
+ * cell). Within one quantizer this is one load; across small quantizers a
+ * binary search, bounded because each quantizer has at least one cell:
+ * the answer is at most cell - base(qi + 1) quantizers past qi + 1. */
+__device__ __forceinline__ uint32_t seek_q(const amx_qdesc_t *qs, uint32_t nq, uint32_t qi,
+                                           uint64_t cell)
+{
+    if (qi + 1 >= nq || qs[qi + 1].base > cell)
+        return qi;
+    uint32_t lo = qi + 1;
+    uint64_t span = cell - qs[lo].base + 1;
+    uint32_t hi = (uint64_t)(nq - lo) > span ? lo + (uint32_t)span : nq;
+    while (hi - lo > 1) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (qs[mid].base <= cell)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
 }
 
 /* Max-merges staged values into pending. `overlap`: some cells may be hit
@@ -181,64 +220,126 @@ __global__ void k_merge(float *pending, const float *vals, uint64_t nvals, const
             pending[dst[k]] = amx_fmaxf(old[k], v[k]);
 }
 
+/* Publishes one thread's running max `m` of quantizer `mq` (and whether
+ * some of its cells saw no data). */
+__device__ __forceinline__ void publish_q(const amx_qdesc_t *qs, uint32_t mq, float m, int e,
+                                          float *gamax, float *peer_max, uint8_t *empty)
+{
+    if (m != AMX_NEG_INF) {
+        atomic_max_nonneg(&gamax[mq], m);
+        if (qs[mq].peer_group >= 0)
+            atomic_max_nonneg(&peer_max[qs[mq].peer_group], m);
+    }
+    if (e)
+        empty[mq] = 1;
+}
+
+/*
+ * Accumulates the reduced values into the running state and writes each
+ * cell's amax. Each thread keeps a running max of its cells of one
+ * quantizer and publishes it into the quantizer's max `gamax` and its peer
+ * group's max, and flags quantizers with cells that saw no data in
+ * `empty`. Inside a large tensor every lane of a warp ends on the same
+ * quantizer: the warp then publishes once (atomics on one address
+ * serialize). `clear`, when set, is the next epoch's pending buffer, reset
+ * here rather than by a pass of its own.
+ */
 __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells,
                              const float *pending, float *accum, float *hist, float *out_amax,
-                             float *peer_max)
+                             float *peer_max, float *gamax, uint8_t *empty, float *clear,
+                             const uint32_t *chunkq)
 {
-    uint32_t qi = chunk_first(qs, nq, &amx_qdesc_t::base);
+    uint32_t qi = chunk_q(qs, nq, chunkq);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
+    /* Every load is issued before the first result is computed: one
+     * outstanding load per thread would leave the kernel latency-bound. */
+    float red[ITEMS], acc[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
         uint64_t i = base + (uint64_t)k * THREADS;
-        if (i >= ncells)
-            break;
-        qi = advance_q(qs, nq, qi, i);
-        const amx_qdesc_t *q = &qs[qi];
-        float a = amx_pp_accumulate(q, &accum[i], hist + q->hist_base, i - q->base, pending[i]);
-        out_amax[i] = a;
-        if (q->peer_group >= 0 && a != AMX_NEG_INF)
-            atomic_max_nonneg(&peer_max[q->peer_group], a);
+        if (i < ncells) {
+            red[k] = pending[i];
+            acc[k] = accum[i];
+        }
     }
-}
-
-__global__ void k_peer_fill(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells,
-                            const float *peer_max, float *out_amax, float *gamax)
-{
-    uint32_t qi = chunk_first(qs, nq, &amx_qdesc_t::base);
-    uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
-    /* Each thread keeps a running max of its cells of one quantizer and
-     * publishes it once per quantizer: few atomics even for huge tensors. */
+    if (clear != NULL) {
+#pragma unroll
+        for (int k = 0; k < ITEMS; k++) {
+            uint64_t i = base + (uint64_t)k * THREADS;
+            if (i < ncells)
+                clear[i] = AMX_NEG_INF;
+        }
+    }
     float m = AMX_NEG_INF;
     uint32_t mq = qi;
+    int e = 0;
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
         uint64_t i = base + (uint64_t)k * THREADS;
         if (i >= ncells)
             break;
-        qi = advance_q(qs, nq, qi, i);
+        qi = seek_q(qs, nq, qi, i);
         if (qi != mq) {
-            if (m != AMX_NEG_INF)
-                atomic_max_nonneg(&gamax[mq], m);
+            publish_q(qs, mq, m, e, gamax, peer_max, empty);
             m = AMX_NEG_INF;
+            e = 0;
             mq = qi;
         }
-        float a = out_amax[i];
-        if (a == AMX_NEG_INF && qs[qi].peer_group >= 0) {
-            a = peer_max[qs[qi].peer_group];
-            out_amax[i] = a;
-        }
-        m = amx_fmaxf(m, a);
+        const amx_qdesc_t *q = &qs[qi];
+        float a = amx_pp_accumulate(q, &acc[k], hist + q->hist_base, i - q->base, red[k]);
+        if (q->accumulation != AMX_ACC_PER_EPOCH)
+            accum[i] = acc[k];
+        out_amax[i] = a;
+        if (a == AMX_NEG_INF)
+            e = 1;
+        else
+            m = amx_fmaxf(m, a);
     }
-    if (m != AMX_NEG_INF)
-        atomic_max_nonneg(&gamax[mq], m);
+    /* Lanes past the end hold m = -inf, e = 0: publishing them is a no-op. */
+    const unsigned full = 0xffffffffu;
+    uint32_t q0 = __shfl_sync(full, mq, 0);
+    if (__all_sync(full, mq == q0)) {
+        for (int off = 16; off > 0; off /= 2)
+            m = amx_fmaxf(m, __shfl_xor_sync(full, m, off));
+        e = __any_sync(full, e);
+        if ((threadIdx.x & 31) == 0)
+            publish_q(qs, mq, m, e, gamax, peer_max, empty);
+    } else {
+        publish_q(qs, mq, m, e, gamax, peer_max, empty);
+    }
 }
 
-__global__ void k_scale_groups(const amx_qdesc_t *qs, uint32_t nq, const float *gamax,
-                               float *scale_max)
+/*
+ * Per quantizer: cells without data take their peer group's max (so the
+ * quantizer's max includes it), then scale groups collect their members'.
+ */
+__global__ void k_quantizer_max(const amx_qdesc_t *qs, uint32_t nq, const float *peer_max,
+                                const uint8_t *empty, float *gamax, float *scale_max)
 {
-    for (uint32_t qi = blockIdx.x * blockDim.x + threadIdx.x; qi < nq; qi += gridDim.x * blockDim.x)
-        if (qs[qi].scale_group >= 0 && gamax[qi] != AMX_NEG_INF)
-            atomic_max_nonneg(&scale_max[qs[qi].scale_group], gamax[qi]);
+    for (uint32_t qi = blockIdx.x * blockDim.x + threadIdx.x; qi < nq;
+         qi += gridDim.x * blockDim.x) {
+        float g = gamax[qi];
+        if (empty[qi] && qs[qi].peer_group >= 0) {
+            g = amx_fmaxf(g, peer_max[qs[qi].peer_group]);
+            gamax[qi] = g;
+        }
+        if (qs[qi].scale_group >= 0 && g != AMX_NEG_INF)
+            atomic_max_nonneg(&scale_max[qs[qi].scale_group], g);
+    }
+}
+
+__global__ void k_epoch_init(float *groups, size_t ngroups, float *gamax, uint8_t *empty,
+                             uint32_t nq)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < ngroups || i < nq;
+         i += (size_t)gridDim.x * blockDim.x) {
+        if (i < ngroups)
+            groups[i] = AMX_NEG_INF;
+        if (i < nq) {
+            gamax[i] = AMX_NEG_INF;
+            empty[i] = 0;
+        }
+    }
 }
 
 __global__ void k_global(const amx_qdesc_t *qs, uint32_t nq, const float *scale_max, float *gamax,
@@ -253,11 +354,14 @@ __global__ void k_global(const amx_qdesc_t *qs, uint32_t nq, const float *scale_
     }
 }
 
-__global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, const float *out_amax,
-                         const float *gamax, const float *gscale, const float *gscale_inv,
-                         float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes)
+/* Per-cell scales; a cell without data takes its peer group's max here
+ * (written back, it is the cell's reported amax). */
+__global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, float *out_amax,
+                         const float *peer_max, const float *gamax, const float *gscale,
+                         const float *gscale_inv, float *prev, float *out_scale, float *out_inv,
+                         uint8_t *out_bytes, const uint32_t *chunkq)
 {
-    uint32_t qi = chunk_first(qs, nq, &amx_qdesc_t::base);
+    uint32_t qi = chunk_q(qs, nq, chunkq);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
     float a[ITEMS];
 #pragma unroll
@@ -271,10 +375,15 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, co
         uint64_t i = base + (uint64_t)k * THREADS;
         if (i >= ncells)
             break;
-        qi = advance_q(qs, nq, qi, i);
+        qi = seek_q(qs, nq, qi, i);
+        const amx_qdesc_t *q = &qs[qi];
+        if (a[k] == AMX_NEG_INF && q->peer_group >= 0) {
+            a[k] = peer_max[q->peer_group];
+            out_amax[i] = a[k];
+        }
         float s, inv;
         uint8_t b;
-        amx_pp_cell(&qs[qi].recipe, a[k], gamax[qi], gscale[qi], gscale_inv[qi], &prev[i], &s, &inv,
+        amx_pp_cell(&q->recipe, a[k], gamax[qi], gscale[qi], gscale_inv[qi], &prev[i], &s, &inv,
                     &b);
         out_scale[i] = s;
         out_inv[i] = inv;
@@ -297,16 +406,16 @@ extern "C" amx_status_t amx__cuda_merge_launch(float *pending, const float *d_va
 }
 
 /* Launches the per-cell scale kernel (also used by the benchmark). */
-extern "C" amx_status_t
-amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, const float *out_amax,
-                        const float *gamax, const float *gscale, const float *gscale_inv,
-                        float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes,
-                        cudaStream_t stream, amx_err_t *err)
+extern "C" amx_status_t amx__cuda_scales_launch(
+    const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, float *out_amax, const float *peer_max,
+    const float *gamax, const float *gscale, const float *gscale_inv, float *prev, float *out_scale,
+    float *out_inv, uint8_t *out_bytes, const uint32_t *chunkq, cudaStream_t stream, amx_err_t *err)
 {
     if (ncells == 0)
         return AMX_OK;
-    k_scales<<<chunks_for(ncells), THREADS, 0, stream>>>(
-        d_q, nq, ncells, out_amax, gamax, gscale, gscale_inv, prev, out_scale, out_inv, out_bytes);
+    k_scales<<<chunks_for(ncells), THREADS, 0, stream>>>(d_q, nq, ncells, out_amax, peer_max, gamax,
+                                                         gscale, gscale_inv, prev, out_scale,
+                                                         out_inv, out_bytes, chunkq);
     CU(cudaGetLastError(), "scale kernel launch");
     return AMX_OK;
 }
@@ -820,66 +929,91 @@ static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         AMX_CHECK(dalloc((void **)&c->dq, (size_t)nq * sizeof(amx_qdesc_t), s, err));
         c->cap_dq = nq;
     }
+    uint32_t nch = chunks_for(ncells);
+    if (nch > c->cap_chunkq) {
+        dfree(c->chunkq, s);
+        c->chunkq = NULL;
+        c->cap_chunkq = 0;
+        c->chunkq_n = 0;
+        AMX_CHECK(dalloc((void **)&c->chunkq, (size_t)nch * 4, s, err));
+        c->cap_chunkq = nch;
+    }
+    if (nq > c->cap_empty) {
+        dfree(c->empty, s);
+        c->empty = NULL;
+        c->cap_empty = 0;
+        AMX_CHECK(dalloc((void **)&c->empty, nq, s, err));
+        c->cap_empty = nq;
+    }
     size_t dbytes = (size_t)nq * sizeof(amx_qdesc_t), gbytes = (size_t)nq * 4;
-    AMX_CHECK(engine_pin(c, dbytes + 3 * gbytes, err));
+    AMX_CHECK(engine_pin(c, dbytes, err));
     char *pin_d = (char *)c->e_pin;
-    float *pin_g = (float *)(pin_d + dbytes);
     AMX_CHECK(size_outputs(st, back, ncells, nq, err));
     uint64_t n = ncells;
     const float *red = (from_send ? c->pend[fl] : c->recv) + AMX_HDR_CELLS;
     uint64_t t_setup = amx_now_us();
+    int cleared = 0;
     MARK(P_START);
     if (nq > 0) {
-        if (desc_dirty || c->dq_n != nq) {
+        int upload = desc_dirty || c->dq_n != nq;
+        if (upload) {
             memcpy(pin_d, qs, dbytes);
             CU(cudaMemcpyAsync(c->dq, pin_d, dbytes, cudaMemcpyHostToDevice, s),
                "cudaMemcpyAsync (descriptors)");
             c->dq_n = nq;
         }
+        if (upload || c->chunkq_n != nch) {
+            k_chunk_table<<<blocks_for(nch), THREADS, 0, s>>>(c->dq, nq, nch, c->chunkq);
+            c->chunkq_n = nch;
+        }
         MARK(P_UPLOAD);
         float *peer_max = c->groups, *scale_max = c->groups + npeer;
-        unsigned nb = nq < 4096 ? nq : 4096;
-        k_reset_flagged<<<nb, THREADS, 0, s>>>(c->dq, nq, c->accum, c->prev, c->hist, c->prev_g);
-        if (ngroups)
-            k_fill<<<blocks_for(ngroups), THREADS, 0, s>>>(c->groups, ngroups, -INFINITY);
-        k_fill<<<blocks_for(nq), THREADS, 0, s>>>(c->o_gamax[back], nq, -INFINITY);
+        /* Reset flags only ever come with new descriptors. */
+        if (desc_dirty) {
+            unsigned nb = nq < 4096 ? nq : 4096;
+            k_reset_flagged<<<nb, THREADS, 0, s>>>(c->dq, nq, c->accum, c->prev, c->hist,
+                                                   c->prev_g);
+        }
+        size_t m = ngroups > nq ? ngroups : nq;
+        k_epoch_init<<<blocks_for(m), THREADS, 0, s>>>(c->groups, ngroups, c->o_gamax[back],
+                                                       c->empty, nq);
         MARK(P_RESET);
+        /* The next epoch's pending buffer is cleared by accumulate when it
+         * covers the same cells. */
+        float *clear = c->pend_n[fl] == n ? c->pend[fl] + AMX_HDR_CELLS : NULL;
+        cleared = clear != NULL;
         if (n > 0)
-            k_accumulate<<<chunks_for(n), THREADS, 0, s>>>(c->dq, nq, n, red, c->accum, c->hist,
-                                                           c->o_amax[back], peer_max);
+            k_accumulate<<<chunks_for(n), THREADS, 0, s>>>(
+                c->dq, nq, n, red, c->accum, c->hist, c->o_amax[back], peer_max, c->o_gamax[back],
+                c->empty, clear, c->chunkq);
         MARK(P_ACCUM);
-        if (n > 0)
-            k_peer_fill<<<chunks_for(n), THREADS, 0, s>>>(c->dq, nq, n, peer_max, c->o_amax[back],
-                                                          c->o_gamax[back]);
+        k_quantizer_max<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, peer_max, c->empty,
+                                                           c->o_gamax[back], scale_max);
         MARK(P_FILL);
-        k_scale_groups<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, c->o_gamax[back], scale_max);
         k_global<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, scale_max, c->o_gamax[back],
                                                     c->prev_g, c->o_gscale[back], c->o_ginv[back]);
         CU(cudaGetLastError(), "epoch kernels launch");
         MARK(P_GLOBAL);
-        AMX_CHECK(amx__cuda_scales_launch(
-            c->dq, nq, n, c->o_amax[back], c->o_gamax[back], c->o_gscale[back], c->o_ginv[back],
-            c->prev, c->o_scale[back], c->o_inv[back], c->o_bytes[back], s, err));
+        AMX_CHECK(amx__cuda_scales_launch(c->dq, nq, n, c->o_amax[back], peer_max, c->o_gamax[back],
+                                          c->o_gscale[back], c->o_ginv[back], c->prev,
+                                          c->o_scale[back], c->o_inv[back], c->o_bytes[back],
+                                          c->chunkq, s, err));
         MARK(P_SCALES);
-        CU(cudaMemcpyAsync(pin_g, c->o_gamax[back], gbytes, cudaMemcpyDeviceToHost, s),
+        /* Straight into the (pinned) host results. */
+        CU(cudaMemcpyAsync(st->g_amax[back], c->o_gamax[back], gbytes, cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (globals)");
-        CU(cudaMemcpyAsync(pin_g + nq, c->o_gscale[back], gbytes, cudaMemcpyDeviceToHost, s),
+        CU(cudaMemcpyAsync(st->g_scale[back], c->o_gscale[back], gbytes, cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (globals)");
-        CU(cudaMemcpyAsync(pin_g + 2 * (size_t)nq, c->o_ginv[back], gbytes, cudaMemcpyDeviceToHost,
-                           s),
+        CU(cudaMemcpyAsync(st->g_inv[back], c->o_ginv[back], gbytes, cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (globals)");
     }
     MARK(P_D2H);
-    AMX_CHECK(fill_f(c->pend[fl] + AMX_HDR_CELLS, c->pend_n[fl], -INFINITY, s, err));
+    if (!cleared)
+        AMX_CHECK(fill_f(c->pend[fl] + AMX_HDR_CELLS, c->pend_n[fl], -INFINITY, s, err));
     MARK(P_CLEAR);
     uint64_t t_launched = amx_now_us();
     CU(cudaStreamSynchronize(s), "epoch kernels");
     uint64_t t_synced = amx_now_us();
-    if (nq > 0) {
-        memcpy(st->g_amax[back], pin_g, gbytes);
-        memcpy(st->g_scale[back], pin_g + nq, gbytes);
-        memcpy(st->g_inv[back], pin_g + 2 * (size_t)nq, gbytes);
-    }
     st->last_finish_us = amx_now_us() - t0;
     if (prof) {
         static const char *names[P_N] = {"",       "upload", "reset", "accumulate", "fill",
@@ -994,7 +1128,7 @@ static void cuda_destroy(amx_state_t *st)
                    c->o_scale[1], c->o_inv[0],   c->o_inv[1],    c->o_bytes[0],  c->o_bytes[1],
                    c->o_gamax[0], c->o_gamax[1], c->o_gscale[0], c->o_gscale[1], c->o_ginv[0],
                    c->o_ginv[1],  c->groups,     c->dq,          c->d_stage,     c->d_runs,
-                   c->e_runs};
+                   c->e_runs,     c->empty,      c->chunkq};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         if (dev[i] != NULL)
             cudaFreeAsync(dev[i], c->se);
@@ -1007,6 +1141,28 @@ static void cuda_destroy(amx_state_t *st)
     cudaStreamDestroy(c->sl);
     cudaStreamDestroy(c->se);
     free(c);
+}
+
+/* Per-quantizer host results are pinned: finish copies into them directly. */
+static void *pinned_alloc(amx_state_t *st, size_t bytes)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    void *p = NULL;
+    cudaSetDevice(c->device);
+    if (cudaHostAlloc(&p, bytes ? bytes : 4, cudaHostAllocDefault) != cudaSuccess)
+        return NULL;
+    return p;
+}
+
+/* Retired until destroy where there is room (freeing pinned memory may
+ * wait for the device). */
+static void pinned_free(amx_state_t *st, void *p)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    if (c->nretired < 64)
+        c->retired[c->nretired++] = p;
+    else
+        cudaFreeHost(p);
 }
 
 static const amx_state_ops_t cuda_ops = {
@@ -1064,6 +1220,8 @@ extern "C" amx_status_t amx__state_cuda_create(int device, amx_state_t **out, am
     }
     st->ops = &cuda_ops;
     st->impl = c;
+    st->host_alloc = pinned_alloc;
+    st->host_free = pinned_free;
     *out = st;
     return AMX_OK;
 }

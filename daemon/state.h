@@ -168,6 +168,10 @@ struct amx_state {
     int front; /* index of the published output set */
     /* Per-quantizer results of both output sets, host memory. */
     float *g_amax[2], *g_scale[2], *g_inv[2];
+    /* How those arrays are allocated and freed; NULL: malloc and free. The
+     * CUDA backend pins them so that finish copies results straight in. */
+    void *(*host_alloc)(struct amx_state *st, size_t bytes);
+    void (*host_free)(struct amx_state *st, void *p);
     /* Engine timings of the last finish, microseconds (for Status). */
     uint64_t last_finish_us;
 };

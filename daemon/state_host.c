@@ -64,25 +64,43 @@ static amx_status_t remap_floats(float **p, uint64_t n, float v, const amx_run_t
     return AMX_OK;
 }
 
+static void *globals_alloc(amx_state_t *st, size_t bytes)
+{
+    return st->host_alloc != NULL ? st->host_alloc(st, bytes) : malloc(bytes);
+}
+
+static void globals_free(amx_state_t *st, void *p)
+{
+    if (p == NULL)
+        return;
+    if (st->host_free != NULL)
+        st->host_free(st, p);
+    else
+        free(p);
+}
+
 amx_status_t amx__state_grow_globals(amx_state_t *st, int k, uint32_t nq, amx_err_t *err)
 {
     if (nq <= st->out_nq[k])
         return AMX_OK;
-    float *a = realloc(st->g_amax[k], (size_t)nq * sizeof(float));
-    if (a != NULL)
-        st->g_amax[k] = a;
-    float *s = realloc(st->g_scale[k], (size_t)nq * sizeof(float));
-    if (s != NULL)
-        st->g_scale[k] = s;
-    float *i = realloc(st->g_inv[k], (size_t)nq * sizeof(float));
-    if (i != NULL)
-        st->g_inv[k] = i;
-    if (a == NULL || s == NULL || i == NULL)
-        return amx_err_set(err, AMX_ENOMEM, "out of host memory for %u quantizer results", nq);
-    for (uint32_t q = st->out_nq[k]; q < nq; q++) {
-        st->g_amax[k][q] = 0.0f;
-        st->g_scale[k][q] = 1.0f;
-        st->g_inv[k][q] = 1.0f;
+    float **arr[3] = {&st->g_amax[k], &st->g_scale[k], &st->g_inv[k]};
+    float *grown[3];
+    for (int a = 0; a < 3; a++) {
+        grown[a] = globals_alloc(st, (size_t)nq * sizeof(float));
+        if (grown[a] == NULL) {
+            while (a-- > 0)
+                globals_free(st, grown[a]);
+            return amx_err_set(err, AMX_ENOMEM, "out of host memory for %u quantizer results", nq);
+        }
+    }
+    static const float init[3] = {0.0f, 1.0f, 1.0f};
+    for (int a = 0; a < 3; a++) {
+        if (*arr[a] != NULL && st->out_nq[k] > 0)
+            memcpy(grown[a], *arr[a], (size_t)st->out_nq[k] * sizeof(float));
+        for (uint32_t q = st->out_nq[k]; q < nq; q++)
+            grown[a][q] = init[a];
+        globals_free(st, *arr[a]);
+        *arr[a] = grown[a];
     }
     st->out_nq[k] = nq;
     return AMX_OK;
@@ -531,11 +549,12 @@ void amx_state_destroy(amx_state_t *st)
 {
     if (st == NULL)
         return;
-    st->ops->destroy(st);
+    /* Before the backend goes: its host_free may need it. */
     for (int k = 0; k < 2; k++) {
-        free(st->g_amax[k]);
-        free(st->g_scale[k]);
-        free(st->g_inv[k]);
+        globals_free(st, st->g_amax[k]);
+        globals_free(st, st->g_scale[k]);
+        globals_free(st, st->g_inv[k]);
     }
+    st->ops->destroy(st);
     free(st);
 }

@@ -196,6 +196,191 @@ static int compare(const char *what, const void *a, const void *b, size_t n, siz
     return 1;
 }
 
+/* Two states of one catalog, one per backend. */
+typedef struct {
+    amx_state_t *h, *c;
+} pair_t;
+
+static int setup(pair_t *p, uint64_t ncells, uint64_t nhist, uint32_t nq)
+{
+    amx_err_t err = {AMX_OK, ""};
+    /* The replicated state follows a layout change from nothing to the
+     * catalog (what the engine does when a catalog is first agreed). */
+    amx_layout_change_t lc;
+    memset(&lc, 0, sizeof(lc));
+    lc.ncells = ncells, lc.nhist = nhist, lc.nq = nq;
+    p->h = p->c = NULL;
+    if (amx_state_create("host", 0, &p->h, &err) || amx_state_create("cuda", 0, &p->c, &err) ||
+        p->h->ops->reserve_pending(p->h, ncells, &err) ||
+        p->c->ops->reserve_pending(p->c, ncells, &err) || p->h->ops->remap(p->h, &lc, &err) ||
+        p->c->ops->remap(p->c, &lc, &err) || p->h->ops->remap_active(p->h, &lc, &err) ||
+        p->c->ops->remap_active(p->c, &lc, &err)) {
+        fprintf(stderr, "backend set-up: %s\n", err.msg);
+        return 2;
+    }
+    return 0;
+}
+
+/* What one epoch of a catalog looks like. */
+typedef struct {
+    const char *label;
+    int epochs;
+    /* Cells of quantizer i that see no value in this epoch. */
+    int (*silent)(uint32_t i, int epoch);
+    /* Quantizer i is reset at this epoch. */
+    int (*reset)(uint32_t i, int epoch);
+} plan_t;
+
+/*
+ * Runs `plan` through both backends and compares every result byte for
+ * byte after each epoch. Each epoch stages every cell (one run per
+ * quantizer), then 1024 random overlapping runs (the atomic path), and
+ * finishes with the descriptors dirty only when the engine would say so
+ * (a reset now or in the previous epoch, or a history), so the CUDA
+ * backend's clean-epoch path is covered too.
+ */
+static int run_catalog(const plan_t *plan, amx_qdesc_t *q, uint32_t nq, uint64_t ncells,
+                       uint64_t nhist, uint32_t npeer, uint32_t nscale, pair_t *p)
+{
+    amx_state_t *h = p->h, *c = p->c;
+    amx_err_t err = {AMX_OK, ""};
+    int bad = 0;
+    uint64_t vcap = ncells > 1024u * 4096u ? ncells : 1024u * 4096u;
+    float *vals = (float *)malloc(vcap * sizeof(float));
+    amx_run_t *runs = (amx_run_t *)malloc((nq + 1024) * sizeof(amx_run_t));
+    float *ra[2], *rs[2], *ri[2];
+    uint8_t *rb[2];
+    for (int k = 0; k < 2; k++) {
+        ra[k] = (float *)malloc(ncells * 4), rs[k] = (float *)malloc(ncells * 4);
+        ri[k] = (float *)malloc(ncells * 4), rb[k] = (uint8_t *)malloc(ncells);
+    }
+    amx_run_t all = {0, 0, ncells};
+    int had_reset = 0;
+    for (int epoch = 1; epoch <= plan->epochs; epoch++) {
+        for (uint32_t i = 0; i < nq; i++) {
+            int quiet = plan->silent != NULL && plan->silent(i, epoch);
+            for (uint64_t k = 0; k < q[i].ncells; k++)
+                vals[q[i].base + k] = quiet ? -INFINITY : random_amax();
+            runs[i] = (amx_run_t){q[i].base, q[i].base, q[i].ncells};
+        }
+        if (h->ops->merge(h, vals, ncells, runs, nq, 0, &err) ||
+            c->ops->merge(c, vals, ncells, runs, nq, 0, &err)) {
+            fprintf(stderr, "merge: %s\n", err.msg);
+            return 2;
+        }
+        uint64_t nv = 0;
+        size_t nr = 0;
+        for (int k = 0; k < 1024; k++) {
+            uint64_t len = 1 + rnd() % (ncells < 4096 ? ncells / 2 : 4096);
+            uint64_t dst = rnd() % (ncells - len);
+            runs[nr++] = (amx_run_t){dst, nv, len};
+            for (uint64_t i = 0; i < len; i++)
+                vals[nv + i] = random_amax();
+            nv += len;
+        }
+        if (h->ops->merge(h, vals, nv, runs, nr, 1, &err) ||
+            c->ops->merge(c, vals, nv, runs, nr, 1, &err)) {
+            fprintf(stderr, "merge: %s\n", err.msg);
+            return 2;
+        }
+        int resets = 0;
+        for (uint32_t i = 0; i < nq; i++) {
+            q[i].hist_head = (uint32_t)((epoch - 1) % q[i].hist_len);
+            q[i].reset = plan->reset != NULL && plan->reset(i, epoch);
+            resets += q[i].reset;
+        }
+        int dirty = epoch == 1 || resets > 0 || had_reset || nhist > 0;
+        had_reset = resets > 0;
+        h->ops->flip(h);
+        c->ops->flip(c);
+        if (h->ops->finish(h, q, nq, ncells, npeer, nscale, 1, dirty, &err) ||
+            c->ops->finish(c, q, nq, ncells, npeer, nscale, 1, dirty, &err)) {
+            fprintf(stderr, "finish: %s\n", err.msg);
+            return 2;
+        }
+        h->ops->publish(h);
+        c->ops->publish(c);
+        amx_state_t *st[2] = {h, c};
+        for (int k = 0; k < 2; k++)
+            if (st[k]->ops->read_results(st[k], &all, 1, ncells, ra[k], rs[k], ri[k], rb[k],
+                                         &err)) {
+                fprintf(stderr, "read_results: %s\n", err.msg);
+                return 2;
+            }
+        int e = 0, hf = h->front, cf = c->front;
+        e |= compare("amax", ra[0], ra[1], ncells, 4, epoch);
+        e |= compare("scale", rs[0], rs[1], ncells, 4, epoch);
+        e |= compare("scale_inv", ri[0], ri[1], ncells, 4, epoch);
+        e |= compare("bytes", rb[0], rb[1], ncells, 1, epoch);
+        e |= compare("global_amax", h->g_amax[hf], c->g_amax[cf], nq, 4, epoch);
+        e |= compare("global_scale", h->g_scale[hf], c->g_scale[cf], nq, 4, epoch);
+        e |= compare("global_scale_inv", h->g_inv[hf], c->g_inv[cf], nq, 4, epoch);
+        uint64_t nonfinite = 0;
+        for (uint64_t i = 0; i < ncells; i++)
+            nonfinite += !isfinite(rs[1][i]) || !isfinite(ri[1][i]);
+        printf("%s, epoch %d (%s descriptors, %d resets): %llu cells of %u quantizers compared: "
+               "%s; non-finite scales: %llu\n",
+               plan->label, epoch, dirty ? "new" : "same", resets, (unsigned long long)ncells, nq,
+               e ? "MISMATCH" : "identical", (unsigned long long)nonfinite);
+        bad |= e | (nonfinite != 0);
+    }
+    free(vals);
+    free(runs);
+    for (int k = 0; k < 2; k++)
+        free(ra[k]), free(rs[k]), free(ri[k]), free(rb[k]);
+    return bad;
+}
+
+static void init_recipe(amx_recipe_t *r)
+{
+    r->history_len = r->history_len ? r->history_len : 1;
+    r->history_reduce = r->history_reduce ? r->history_reduce : AMX_HIST_MAX;
+    r->scaled_max = r->format <= 2 ? amx_fp8_max(r->format) * powf(2.0f, -r->margin) : 0.0f;
+}
+
+/* Appends quantizer i of `ncells` cells with recipe r to q. */
+static void add_q(amx_qdesc_t *q, uint32_t i, const amx_recipe_t *r, uint64_t n, uint64_t *ncells,
+                  uint64_t *nhist, int peer, int scale)
+{
+    memset(&q[i], 0, sizeof(q[i]));
+    q[i].recipe = *r;
+    q[i].base = *ncells;
+    q[i].ncells = n;
+    q[i].accumulation = r->rule == AMX_RULE_DELAYED ? AMX_ACC_PER_EPOCH : AMX_ACC_RUNNING_MAX;
+    q[i].hist_len = q[i].accumulation == AMX_ACC_PER_EPOCH ? r->history_len : 1;
+    q[i].hist_base = *nhist;
+    if (q[i].accumulation == AMX_ACC_PER_EPOCH)
+        *nhist += n * q[i].hist_len;
+    q[i].peer_group = peer;
+    q[i].scale_group = scale;
+    *ncells += n;
+}
+
+/* The 8-recipe catalog: the delayed quantizers see nothing in epoch 4,
+ * quantizer 0 is reset in epoch 3. */
+static int silent8(uint32_t i, int epoch)
+{
+    return epoch == 4 && (i == 2 || i == 3);
+}
+
+static int reset8(uint32_t i, int epoch)
+{
+    return epoch == 3 && i == 0;
+}
+
+/* The many-quantizer catalog: every 7th quantizer never sees data (its
+ * peer group fills it), every 1000th is reset in epoch 3. */
+static int silent_many(uint32_t i, int epoch)
+{
+    (void)epoch;
+    return i % 7 == 3;
+}
+
+static int reset_many(uint32_t i, int epoch)
+{
+    return epoch == 3 && i % 1000 == 0;
+}
+
 int main(int argc, char **argv)
 {
     const char *vec = argc > 1 ? argv[1] : "tests/vectors/recipes.tsv";
@@ -225,128 +410,53 @@ int main(int argc, char **argv)
                             "nvfp4-modelopt",
                             "mxfp8",
                             "fp8-e5m2-delayed-H2"};
-    uint32_t nq = 8;
-    amx_qdesc_t q[8];
-    uint64_t ncells = 0, nhist = 0;
-    for (uint32_t i = 0; i < nq; i++) {
-        memset(&q[i], 0, sizeof(q[i]));
-        rec[i].history_len = rec[i].history_len ? rec[i].history_len : 1;
-        rec[i].history_reduce = rec[i].history_reduce ? rec[i].history_reduce : AMX_HIST_MAX;
-        rec[i].scaled_max =
-            rec[i].format <= 2 ? amx_fp8_max(rec[i].format) * powf(2.0f, -rec[i].margin) : 0.0f;
-        q[i].recipe = rec[i];
-        q[i].base = ncells;
-        q[i].ncells = per;
-        q[i].accumulation =
-            rec[i].rule == AMX_RULE_DELAYED ? AMX_ACC_PER_EPOCH : AMX_ACC_RUNNING_MAX;
-        q[i].hist_len = q[i].accumulation == AMX_ACC_PER_EPOCH ? rec[i].history_len : 1;
-        q[i].hist_base = nhist;
-        if (q[i].accumulation == AMX_ACC_PER_EPOCH)
-            nhist += per * q[i].hist_len;
-        q[i].peer_group = (i == 4 || i == 5 || i == 6) ? 0 : -1;
-        q[i].scale_group = (i == 0 || i == 1) ? 0 : (i == 2 || i == 3) ? 1 : -1;
-        ncells += per;
-    }
-    amx_state_t *h = NULL, *c = NULL;
-    amx_err_t err = {AMX_OK, ""};
-    /* The replicated state follows a layout change from nothing to the
-     * catalog (what the engine does when a catalog is first agreed). */
-    amx_layout_change_t lc;
-    memset(&lc, 0, sizeof(lc));
-    lc.ncells = ncells, lc.nhist = nhist, lc.nq = nq;
-    if (amx_state_create("host", 0, &h, &err) || amx_state_create("cuda", 0, &c, &err) ||
-        h->ops->reserve_pending(h, ncells, &err) || c->ops->reserve_pending(c, ncells, &err) ||
-        h->ops->remap(h, &lc, &err) || c->ops->remap(c, &lc, &err) ||
-        h->ops->remap_active(h, &lc, &err) || c->ops->remap_active(c, &lc, &err)) {
-        fprintf(stderr, "backend set-up: %s\n", err.msg);
-        return 2;
-    }
-    /* Batch 1 stages every cell, batch 2 up to 1024 runs of 4096 values. */
-    uint64_t vcap = ncells > 1024u * 4096u ? ncells : 1024u * 4096u;
-    float *vals = (float *)malloc(vcap * sizeof(float));
-    amx_run_t *runs = (amx_run_t *)malloc((nq + 1024) * sizeof(amx_run_t));
-    float *ra[2], *rs[2], *ri[2];
-    uint8_t *rb[2];
-    for (int k = 0; k < 2; k++) {
-        ra[k] = (float *)malloc(ncells * 4), rs[k] = (float *)malloc(ncells * 4);
-        ri[k] = (float *)malloc(ncells * 4), rb[k] = (uint8_t *)malloc(ncells);
-    }
-    amx_run_t all = {0, 0, ncells};
-    for (int epoch = 1; epoch <= 4; epoch++) {
-        /* Batch 1: every cell of every quantizer, one run each. */
-        for (uint64_t i = 0; i < ncells; i++)
-            vals[i] = random_amax();
-        if (epoch == 4) /* an epoch in which the delayed quantizers see nothing */
-            for (uint64_t i = q[2].base; i < q[4].base; i++)
-                vals[i] = -INFINITY;
+    for (int i = 0; i < 8; i++)
+        init_recipe(&rec[i]);
+    {
+        uint32_t nq = 8;
+        amx_qdesc_t q[8];
+        uint64_t ncells = 0, nhist = 0;
         for (uint32_t i = 0; i < nq; i++)
-            runs[i] = (amx_run_t){q[i].base, q[i].base, per};
-        if (h->ops->merge(h, vals, ncells, runs, nq, 0, &err) ||
-            c->ops->merge(c, vals, ncells, runs, nq, 0, &err)) {
-            fprintf(stderr, "merge: %s\n", err.msg);
+            add_q(q, i, &rec[i], per, &ncells, &nhist, (i == 4 || i == 5 || i == 6) ? 0 : -1,
+                  (i == 0 || i == 1)   ? 0
+                  : (i == 2 || i == 3) ? 1
+                                       : -1);
+        pair_t p;
+        if (setup(&p, ncells, nhist, nq))
             return 2;
-        }
-        /* Batch 2: 1024 random overlapping runs (the atomic path). */
-        uint64_t nv = 0;
-        size_t nr = 0;
-        for (int k = 0; k < 1024; k++) {
-            uint64_t len = 1 + rnd() % (ncells < 4096 ? ncells / 2 : 4096);
-            uint64_t dst = rnd() % (ncells - len);
-            runs[nr++] = (amx_run_t){dst, nv, len};
-            for (uint64_t i = 0; i < len; i++)
-                vals[nv + i] = random_amax();
-            nv += len;
-        }
-        if (h->ops->merge(h, vals, nv, runs, nr, 1, &err) ||
-            c->ops->merge(c, vals, nv, runs, nr, 1, &err)) {
-            fprintf(stderr, "merge: %s\n", err.msg);
-            return 2;
-        }
-        for (uint32_t i = 0; i < nq; i++) {
-            q[i].hist_head = (uint32_t)((epoch - 1) % q[i].hist_len);
-            q[i].reset = epoch == 3 && i == 0; /* a Reset applied at this epoch */
-        }
-        h->ops->flip(h);
-        c->ops->flip(c);
-        if (h->ops->finish(h, q, nq, ncells, 1, 2, 1, 1, &err) ||
-            c->ops->finish(c, q, nq, ncells, 1, 2, 1, 1, &err)) {
-            fprintf(stderr, "finish: %s\n", err.msg);
-            return 2;
-        }
-        h->ops->publish(h);
-        c->ops->publish(c);
-        amx_state_t *st[2] = {h, c};
-        for (int k = 0; k < 2; k++)
-            if (st[k]->ops->read_results(st[k], &all, 1, ncells, ra[k], rs[k], ri[k], rb[k],
-                                         &err)) {
-                fprintf(stderr, "read_results: %s\n", err.msg);
-                return 2;
-            }
-        int e = 0, hf = h->front, cf = c->front;
-        e |= compare("amax", ra[0], ra[1], ncells, 4, epoch);
-        e |= compare("scale", rs[0], rs[1], ncells, 4, epoch);
-        e |= compare("scale_inv", ri[0], ri[1], ncells, 4, epoch);
-        e |= compare("bytes", rb[0], rb[1], ncells, 1, epoch);
-        e |= compare("global_amax", h->g_amax[hf], c->g_amax[cf], nq, 4, epoch);
-        e |= compare("global_scale", h->g_scale[hf], c->g_scale[cf], nq, 4, epoch);
-        e |= compare("global_scale_inv", h->g_inv[hf], c->g_inv[cf], nq, 4, epoch);
-        uint64_t nonfinite = 0;
-        for (uint64_t i = 0; i < ncells; i++)
-            nonfinite += !isfinite(rs[1][i]) || !isfinite(ri[1][i]);
-        printf("epoch %d: %llu cells x 8 recipes compared: %s; non-finite scales: %llu\n", epoch,
-               (unsigned long long)per, e ? "MISMATCH" : "identical",
-               (unsigned long long)nonfinite);
-        bad |= e | (nonfinite != 0);
+        plan_t plan = {"8 recipes", 4, silent8, reset8};
+        bad |= run_catalog(&plan, q, nq, ncells, nhist, 1, 2, &p);
+        for (uint32_t i = 0; i < nq; i++)
+            printf("  %-28s global_amax %-14.7g global_scale %-14.7g\n", names[i],
+                   p.c->g_amax[p.c->front][i], p.c->g_scale[p.c->front][i]);
+        amx_state_destroy(p.h);
+        amx_state_destroy(p.c);
     }
-    for (uint32_t i = 0; i < nq; i++)
-        printf("  %-28s global_amax %-14.7g global_scale %-14.7g\n", names[i],
-               c->g_amax[c->front][i], c->g_scale[c->front][i]);
-    amx_state_destroy(h);
-    amx_state_destroy(c);
-    free(vals);
-    free(runs);
-    for (int k = 0; k < 2; k++)
-        free(ra[k]), free(rs[k]), free(ri[k]), free(rb[k]);
+    {
+        /* Many quantizers of every size from 1 cell up (the shape of a real
+         * catalog: many per-tensor quantizers, some per-channel ones), the
+         * recipes without history so that most epochs keep the descriptors,
+         * 64 peer groups and 32 scale groups. */
+        static const int pick[5] = {0, 1, 4, 5, 6};
+        uint32_t nq = 120000;
+        amx_qdesc_t *q = (amx_qdesc_t *)malloc(nq * sizeof(amx_qdesc_t));
+        uint64_t ncells = 0, nhist = 0;
+        for (uint32_t i = 0; i < nq; i++) {
+            uint64_t r = rnd();
+            uint64_t n = i < 100000 ? 1 : (r % 10 == 0 ? 1 + r % 20000 : 1 + r % 700);
+            int peer = i % 5 == 2 || i % 7 == 3 ? (int)(i % 64) : -1;
+            int scale = i % 11 == 0 ? (int)(i % 32) : -1;
+            add_q(q, i, &rec[pick[i % 5]], n, &ncells, &nhist, peer, scale);
+        }
+        pair_t p;
+        if (setup(&p, ncells, nhist, nq))
+            return 2;
+        plan_t plan = {"many quantizers", 5, silent_many, reset_many};
+        bad |= run_catalog(&plan, q, nq, ncells, nhist, 64, 32, &p);
+        amx_state_destroy(p.h);
+        amx_state_destroy(p.c);
+        free(q);
+    }
     printf("backend_compare: %s\n", bad ? "FAILED" : "host and CUDA backends agree byte for byte");
     return bad ? 1 : 0;
 }
