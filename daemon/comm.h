@@ -65,6 +65,10 @@ typedef struct amx_comm_ops {
     /* Any thread; idempotent. */
     void (*abort)(amx_comm_t *c);
     void (*destroy)(amx_comm_t *c);
+    /* Optional: an all-reduce follows shortly (the caller is about to
+     * prepare one); a backend with a thread of its own may wake it now so
+     * that its wake-up does not add to the collective. */
+    void (*soon)(amx_comm_t *c);
 } amx_comm_ops_t;
 
 struct amx_comm {

@@ -26,7 +26,8 @@ static void local_destroy(amx_comm_t *c)
     free(c);
 }
 
-static const amx_comm_ops_t local_ops = {"local", local_allreduce_max, local_abort, local_destroy};
+static const amx_comm_ops_t local_ops = {"local", local_allreduce_max, local_abort, local_destroy,
+                                         NULL};
 
 amx_status_t amx__comm_local_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
 {

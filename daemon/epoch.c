@@ -79,6 +79,7 @@ struct amx_engine {
      * may keep a copy of the descriptors the last finish saw. */
     uint64_t desc_gen, fin_gen;
     int fin_had_reset;
+    int marked; /* some w_desc[].reset may be set: clean epochs skip the O(n) scans */
 };
 
 /* ---- results ---- */
@@ -356,20 +357,26 @@ static void mark_resets_by_name(amx_engine_t *e, char **names, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         int64_t k = amx_catalog_find(e->w_cat, names[i]);
-        if (k >= 0)
+        if (k >= 0) {
             e->w_desc[k].reset = 1;
+            e->marked = 1;
+        }
     }
 }
 
 static void mark_local_resets(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
+    if (j->nreset == 0)
+        return;
     for (uint32_t lid = 0; lid < j->nlq; lid++)
         if (j->lq[lid].reset &&
             (j->lq[lid].status == LQ_AGREED || j->lq[lid].status == LQ_PROPOSED)) {
             int64_t k = amx_catalog_find(e->w_cat, j->lq[lid].spec->name);
-            if (k >= 0)
+            if (k >= 0) {
                 e->w_desc[k].reset = 1;
+                e->marked = 1;
+            }
         }
 }
 
@@ -706,6 +713,8 @@ static amx_status_t collective(amx_engine_t *e, int *flag)
     void *stream;
     uint64_t cells = e->w_cat->ncells;
     int want = !e->synced && (j->nprop > 0 || j->nreset > 0);
+    if (e->comm->ops->soon != NULL)
+        e->comm->ops->soon(e->comm); /* wakes the NCCL thread while we prepare */
     make_header(hdr, e->epoch, e->w_cat->hash, atomic_load(&e->comm_gen), cells, want);
     uint64_t tp = amx_now_us();
     amx_status_t st = j->state->ops->prepare(j->state, hdr, cells, &send, &recv, &stream, &err);
@@ -744,31 +753,33 @@ static amx_status_t finish(amx_engine_t *e, int from_send)
         mark_local_resets(e);
     /* The descriptors change with the layout, a reset, or the history
      * heads (which move every epoch when there is a history). */
-    int dirty = e->desc_gen != e->fin_gen || e->w_cat->nhist > 0;
-    for (uint32_t i = 0; !dirty && i < e->w_cat->n; i++)
-        dirty = e->w_desc[i].reset;
-    if (e->fin_had_reset)
-        dirty = 1;
+    int dirty = e->desc_gen != e->fin_gen || e->w_cat->nhist > 0 || e->fin_had_reset;
+    int had_reset = 0;
+    for (uint32_t i = 0; e->marked && !had_reset && i < e->w_cat->n; i++)
+        had_reset = e->w_desc[i].reset;
+    dirty |= had_reset;
     uint64_t t0 = amx_now_us();
     amx_status_t st =
         j->state->ops->finish(j->state, e->w_desc, e->w_cat->n, e->w_cat->ncells, e->w_cat->npeer,
                               e->w_cat->nscale, from_send, dirty, &err);
-    e->fin_had_reset = 0;
-    for (uint32_t i = 0; i < e->w_cat->n && !e->fin_had_reset; i++)
-        e->fin_had_reset = e->w_desc[i].reset; /* cleared below: upload again next time */
+    /* The backend's copy has reset flags that are cleared below: upload
+     * the descriptors again next time. */
+    e->fin_had_reset = had_reset;
     e->fin_gen = e->desc_gen;
     e->res.finish_us = amx_now_us() - t0;
     if (st != AMX_OK)
         return fail(e, st, "job '%s', epoch %llu: finishing failed: %s", j->name,
                     (unsigned long long)e->epoch, err.msg);
-    for (uint32_t i = 0; i < e->w_cat->n; i++) {
-        amx_qdesc_t *d = &e->w_desc[i];
-        if (d->reset)
-            d->hist_head = 0;
-        d->reset = 0;
-        if (d->accumulation == AMX_ACC_PER_EPOCH)
-            d->hist_head = (d->hist_head + 1) % d->hist_len;
-    }
+    if (e->marked || e->w_cat->nhist > 0)
+        for (uint32_t i = 0; i < e->w_cat->n; i++) {
+            amx_qdesc_t *d = &e->w_desc[i];
+            if (d->reset)
+                d->hist_head = 0;
+            d->reset = 0;
+            if (d->accumulation == AMX_ACC_PER_EPOCH)
+                d->hist_head = (d->hist_head + 1) % d->hist_len;
+        }
+    e->marked = 0;
     e->res.resets_applied = 1;
     e->res.publish = 1;
     return AMX_OK;
@@ -860,8 +871,9 @@ out:
                 amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, e->last_gen, e->res.msg,
                                     500);
         }
-        for (uint32_t i = 0; i < e->w_cat->n; i++)
+        for (uint32_t i = 0; e->marked && i < e->w_cat->n; i++)
             e->w_desc[i].reset = 0;
+        e->marked = 0;
         e->res.resets_applied = 0;
     }
     amx_catalog_free(e->imp_cat);
