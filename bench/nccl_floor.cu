@@ -3,7 +3,10 @@
  * run as NRANKS processes, one per GPU:
  *
  *   (a) one packed ncclAllReduce(MAX) of CELLS float32 cells: what amaxd's
- *       epoch does at its core;
+ *       epoch does at its core; measured on a blocking communicator (the
+ *       floor) and on a non-blocking one polled with ncclCommGetAsyncError,
+ *       the kind amaxd uses so that a dead peer can be aborted (NCCL then
+ *       enqueues from a thread of its own, which costs time);
  *   (b) one ncclAllReduce(MAX) per quantizer: NQ1 quantizers of one cell,
  *       then NQ2 quantizers of C2 cells, enqueued back to back on one stream
  *       (what a per-quantizer loop of torch.distributed.all_reduce does).
@@ -14,7 +17,8 @@
  *
  *   nccl_floor RANK NRANKS ID_FILE CELLS NQ1 NQ2 C2 REPS REPS_B
  *
- * Prints one JSON line: {"rank":..,"packed_us":..,"per_quantizer_us":..}.
+ * Prints one JSON line: {"rank":..,"packed_us":..,"packed_nonblocking_us":..,
+ * "per_quantizer_us":..}.
  */
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -69,25 +73,32 @@ int main(int argc, char **argv)
            nq2 = strtoull(argv[6], NULL, 10), c2 = strtoull(argv[7], NULL, 10);
     int reps = atoi(argv[8]), reps_b = atoi(argv[9]);
     CK(cudaSetDevice(rank));
-    ncclUniqueId id;
+    ncclUniqueId id[2];
     if (rank == 0) {
-        NK(ncclGetUniqueId(&id));
+        NK(ncclGetUniqueId(&id[0]));
+        NK(ncclGetUniqueId(&id[1]));
         char tmp[512];
         snprintf(tmp, sizeof(tmp), "%s.tmp", idf);
         FILE *f = fopen(tmp, "wb");
-        fwrite(&id, sizeof(id), 1, f);
+        fwrite(id, sizeof(id), 1, f);
         fclose(f);
         rename(tmp, idf);
     } else {
         FILE *f;
         while ((f = fopen(idf, "rb")) == NULL)
             usleep(1000);
-        if (fread(&id, sizeof(id), 1, f) != 1)
+        if (fread(id, sizeof(id), 1, f) != 1)
             return 2;
         fclose(f);
     }
-    ncclComm_t comm;
-    NK(ncclCommInitRank(&comm, n, id, rank));
+    ncclComm_t comm, nb;
+    NK(ncclCommInitRank(&comm, n, id[0], rank));
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclResult_t ar = ncclCommInitRankConfig(&nb, n, id[1], rank, &cfg);
+    while (ar == ncclInProgress)
+        ncclCommGetAsyncError(nb, &ar);
+    NK(ar);
     cudaStream_t s;
     CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     size_t need = std::max(cells, nq1 + nq2 * c2);
@@ -95,7 +106,7 @@ int main(int argc, char **argv)
     CK(cudaMalloc(&send, need * sizeof(float)));
     CK(cudaMalloc(&recv, need * sizeof(float)));
     CK(cudaMemset(send, 0, need * sizeof(float)));
-    std::vector<double> a, b;
+    std::vector<double> a, a_nb, b;
     for (int i = 0; i < 3 + reps; i++) {
         CK(cudaStreamSynchronize(s));
         double t0 = now_us();
@@ -103,6 +114,17 @@ int main(int argc, char **argv)
         CK(cudaStreamSynchronize(s));
         if (i >= 3)
             a.push_back(now_us() - t0);
+    }
+    for (int i = 0; i < 3 + reps; i++) {
+        CK(cudaStreamSynchronize(s));
+        double t0 = now_us();
+        ncclResult_t r = ncclAllReduce(send, recv, cells, ncclFloat32, ncclMax, nb, s);
+        while (r == ncclInProgress)
+            ncclCommGetAsyncError(nb, &r);
+        NK(r);
+        CK(cudaStreamSynchronize(s));
+        if (i >= 3)
+            a_nb.push_back(now_us() - t0);
     }
     for (int i = 0; i < 1 + reps_b; i++) {
         CK(cudaStreamSynchronize(s));
@@ -116,9 +138,10 @@ int main(int argc, char **argv)
         if (i >= 1)
             b.push_back(now_us() - t0);
     }
-    printf("{\"rank\": %d, \"cells\": %zu, \"packed_us\": %.1f, \"per_quantizer_us\": %.1f, "
-           "\"per_quantizer_calls\": %zu}\n",
-           rank, cells, median(a), median(b), nq1 + nq2);
+    printf("{\"rank\": %d, \"cells\": %zu, \"packed_us\": %.1f, \"packed_nonblocking_us\": %.1f, "
+           "\"per_quantizer_us\": %.1f, \"per_quantizer_calls\": %zu}\n",
+           rank, cells, median(a), median(a_nb), median(b), nq1 + nq2);
     ncclCommDestroy(comm);
+    ncclCommAbort(nb);
     return 0;
 }

@@ -8,9 +8,11 @@
 #      restart, a missing trainer, a conflict, a peer without the secret);
 #      the whole-tensor digest is the CPU run's (it is checked against the
 #      same numpy reference)
-#   5. bench/cluster_bench.py: reconcile latency vs one packed NCCL
-#      all-reduce and vs one all-reduce per quantizer
+#   5. bench/cluster_bench.py (AMAXD_BENCH_RUNS runs, default 3): reconcile
+#      latency vs one packed NCCL all-reduce and vs one all-reduce per
+#      quantizer; 6. one run with AMAXD_PROFILE=1 for the breakdown
 # Usage: tests/gpu/cluster.sh BUILD_DIR CARRY_DIR [OUT_DIR]
+# AMAXD_GPU_STEPS="1 2 3 4 5 6" picks the steps to run.
 set -uo pipefail
 rc=0
 build=$(realpath "${1:-build-gpu}")
@@ -23,38 +25,55 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
 export PYTHONUNBUFFERED=1
 ngpu=$(nvidia-smi -L | wc -l)
+step() { [[ " ${AMAXD_GPU_STEPS:-1 2 3 4 5 6} " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -5
 "$build/amaxd" --version
 
-echo "== 1. unit tests"
-export AMAXD_VECTORS="$root/tests/vectors"
-for t in recipe registry config cluster comm_gloo; do
-  printf '%-10s ' "$t"; "$build/tests/test_$t" 2>/dev/null | tail -1 || rc=1
-done
-
-echo "== 2. host vs CUDA backend"
-"$build/backend_compare" tests/vectors/recipes.tsv "${AMAXD_COMPARE_N:-10000000}" 2>&1 \
-  | tee "$out/backend_compare.txt" || rc=1
+if step 1; then
+  echo "== 1. unit tests"
+  export AMAXD_VECTORS="$root/tests/vectors"
+  for t in recipe registry config cluster comm_gloo; do
+    printf '%-10s ' "$t"; "$build/tests/test_$t" 2>/dev/null | tail -1 || rc=1
+  done
+fi
+if step 2; then
+  echo "== 2. host vs CUDA backend"
+  "$build/backend_compare" tests/vectors/recipes.tsv "${AMAXD_COMPARE_N:-10000000}" 2>&1 \
+    | tee "$out/backend_compare.txt" || rc=1
+fi
 
 py=$(mktemp -d)
 python3 -m pip install -q --no-deps --no-index --target "$py" "$carry"/wheels/*.whl || rc=1
 export PYTHONPATH="$py:$root/tests/e2e"
 export AMAXD_BIN="$build/amaxd" AMAXCTL_BIN="$build/amaxctl"
 
-echo "== 3. end-to-end suite, one daemon on the CUDA backend"
-AMAXD_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider tests/e2e 2>&1 \
-  | tee "$out/e2e.txt" | tail -3 || rc=1
-
-echo "== 4. cluster suite: $ngpu daemons, one per GPU, NCCL + CUDA backend"
-AMAXD_CLUSTER_COLLECTIVE=nccl AMAXD_CLUSTER_BACKEND=cuda AMAXD_CLUSTER_GPUS=$ngpu \
-  AMAXD_DIGEST_FILE="$out/digest.txt" \
-  python3 -m pytest -q -rs -p no:cacheprovider tests/cluster 2>&1 \
-  | tee "$out/cluster.txt" | tail -8 || rc=1
-cat "$out/digest.txt" 2>/dev/null
-
-echo "== 5. benchmark: $ngpu daemons over NCCL"
-python3 bench/cluster_bench.py --amaxd "$build/amaxd" --floor "$build/nccl_floor" \
-  --daemons "$ngpu" ${AMAXD_BENCH_ARGS:-} 2>&1 | tee "$out/cluster_bench.txt" || rc=1
+if step 3; then
+  echo "== 3. end-to-end suite, one daemon on the CUDA backend"
+  AMAXD_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider tests/e2e 2>&1 \
+    | tee "$out/e2e.txt" | tail -3 || rc=1
+fi
+if step 4; then
+  echo "== 4. cluster suite: $ngpu daemons, one per GPU, NCCL + CUDA backend"
+  AMAXD_CLUSTER_COLLECTIVE=nccl AMAXD_CLUSTER_BACKEND=cuda AMAXD_CLUSTER_GPUS=$ngpu \
+    AMAXD_DIGEST_FILE="$out/digest.txt" \
+    python3 -m pytest -q -rs -p no:cacheprovider tests/cluster 2>&1 \
+    | tee "$out/cluster.txt" | tail -8 || rc=1
+  cat "$out/digest.txt" 2>/dev/null
+fi
+runs=${AMAXD_BENCH_RUNS:-3}
+if step 5; then
+  echo "== 5. benchmark: $ngpu daemons over NCCL, $runs runs"
+  for r in $(seq 1 "$runs"); do
+    python3 bench/cluster_bench.py --amaxd "$build/amaxd" --floor "$build/nccl_floor" \
+      --daemons "$ngpu" ${AMAXD_BENCH_ARGS:-} 2>&1 | tee "$out/cluster_bench.$r.txt" || rc=1
+  done
+fi
+if step 6; then
+  echo "== 6. one more run with AMAXD_PROFILE=1: where an epoch's time goes (daemon logs)"
+  AMAXD_PROFILE=1 python3 bench/cluster_bench.py --amaxd "$build/amaxd" --daemons "$ngpu" \
+    --epochs 5 --logs "$out/profile" ${AMAXD_BENCH_ARGS:-} > "$out/cluster_bench.profile.txt" 2>&1 || rc=1
+  grep -h "profile" "$out"/profile/amaxd*.log | tail -12
+fi
 echo "== gpu cluster checks: $([ $rc -eq 0 ] && echo passed || echo FAILED)"
 exit $rc
