@@ -16,6 +16,7 @@
  * kernel that is stuck on a dead peer.
  */
 #include <cuda_runtime.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -62,8 +63,9 @@ typedef struct cuda_state {
     uint32_t dq_n; /* descriptors on the device, valid for this many quantizers */
     /* Pinned buffers replaced by bigger ones, freed at destroy (freeing
      * pinned memory may synchronize the device). */
-    void *retired[64];
-    int nretired;
+    pthread_mutex_t retired_mu; /* the loop and the engine thread both retire */
+    void **retired;
+    size_t nretired, cap_retired;
 } cuda_state_t;
 
 /* Converts a CUDA error once, where it happens, keeping the original text. */
@@ -557,6 +559,30 @@ static amx_status_t cuda_reserve_pending(amx_state_t *st, uint64_t ncells, amx_e
     return AMX_OK;
 }
 
+/* Keeps pinned memory that is no longer used until destroy: freeing it
+ * may wait for the whole device, e.g. for another job's collective stuck on
+ * a dead peer. Buffers grow by doubling, so little is kept this way. Any
+ * thread. */
+static void retire(cuda_state_t *c, void *p)
+{
+    if (p == NULL)
+        return;
+    pthread_mutex_lock(&c->retired_mu);
+    if (c->nretired == c->cap_retired) {
+        size_t n = c->cap_retired ? 2 * c->cap_retired : 16;
+        void **g = (void **)realloc(c->retired, n * sizeof(void *));
+        if (g == NULL) {
+            pthread_mutex_unlock(&c->retired_mu);
+            cudaFreeHost(p); /* out of host memory: free it now, even if that waits */
+            return;
+        }
+        c->retired = g;
+        c->cap_retired = n;
+    }
+    c->retired[c->nretired++] = p;
+    pthread_mutex_unlock(&c->retired_mu);
+}
+
 static amx_status_t grow_pinned(cuda_state_t *c, void **h, void **d, uint64_t *cap, uint64_t need,
                                 size_t elem, amx_err_t *err)
 {
@@ -568,11 +594,10 @@ static amx_status_t grow_pinned(cuda_state_t *c, void **h, void **d, uint64_t *c
     void *nh = NULL, *nd = NULL;
     CU(cudaHostAlloc(&nh, n * elem, cudaHostAllocDefault), "cudaHostAlloc (staging)");
     if (dalloc(&nd, n * elem, c->sl, err) != AMX_OK) {
-        c->retired[c->nretired < 64 ? c->nretired++ : 63] = nh;
+        retire(c, nh);
         return err->code;
     }
-    if (*h != NULL && c->nretired < 64)
-        c->retired[c->nretired++] = *h;
+    retire(c, *h);
     dfree(*d, c->sl);
     *h = nh;
     *d = nd;
@@ -884,16 +909,15 @@ static amx_status_t engine_pin(cuda_state_t *c, size_t bytes, amx_err_t *err)
         n *= 2;
     void *p = NULL;
     CU(cudaHostAlloc(&p, n, cudaHostAllocDefault), "cudaHostAlloc (engine staging)");
-    if (c->e_pin != NULL && c->nretired < 64)
-        c->retired[c->nretired++] = c->e_pin;
+    retire(c, c->e_pin);
     c->e_pin = p;
     c->cap_e_pin = n;
     return AMX_OK;
 }
 
-static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
-                                uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
-                                int desc_dirty, amx_err_t *err)
+static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
+                                 uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
+                                 int desc_dirty, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     cudaStream_t s = c->se;
@@ -1039,6 +1063,23 @@ static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
     return AMX_OK;
 }
 
+/* finish_epoch; after a failure, waits for whatever it had queued (copies
+ * into host results must not run on after the caller moves on) and
+ * forgets what it had uploaded. */
+static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
+                                uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
+                                int desc_dirty, amx_err_t *err)
+{
+    amx_status_t r = finish_epoch(st, qs, nq, ncells, npeer, nscale, from_send, desc_dirty, err);
+    if (r != AMX_OK) {
+        cuda_state_t *c = (cuda_state_t *)st->impl;
+        cudaStreamSynchronize(c->se);
+        c->dq_n = 0;
+        c->chunkq_n = 0;
+    }
+    return r;
+}
+
 static amx_status_t cuda_export(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
                                 const amx_state_arrays_t *d, amx_err_t *err)
 {
@@ -1136,8 +1177,10 @@ static void cuda_destroy(amx_state_t *st)
     cudaFreeHost(c->h_stage);
     cudaFreeHost(c->h_runs);
     cudaFreeHost(c->e_pin);
-    for (int i = 0; i < c->nretired; i++)
+    for (size_t i = 0; i < c->nretired; i++)
         cudaFreeHost(c->retired[i]);
+    free(c->retired);
+    pthread_mutex_destroy(&c->retired_mu);
     cudaStreamDestroy(c->sl);
     cudaStreamDestroy(c->se);
     free(c);
@@ -1154,15 +1197,9 @@ static void *pinned_alloc(amx_state_t *st, size_t bytes)
     return p;
 }
 
-/* Retired until destroy where there is room (freeing pinned memory may
- * wait for the device). */
 static void pinned_free(amx_state_t *st, void *p)
 {
-    cuda_state_t *c = (cuda_state_t *)st->impl;
-    if (c->nretired < 64)
-        c->retired[c->nretired++] = p;
-    else
-        cudaFreeHost(p);
+    retire((cuda_state_t *)st->impl, p);
 }
 
 static const amx_state_ops_t cuda_ops = {
@@ -1208,6 +1245,7 @@ extern "C" amx_status_t amx__state_cuda_create(int device, amx_state_t **out, am
         return amx_err_set(err, AMX_ENOMEM, "out of host memory");
     }
     c->device = device;
+    pthread_mutex_init(&c->retired_mu, NULL);
     e = cudaSetDevice(device);
     if (e == cudaSuccess)
         e = cudaStreamCreateWithFlags(&c->sl, cudaStreamNonBlocking);

@@ -288,11 +288,15 @@ static void *nccl_main(void *arg)
         nreq_t **pp = &G.flight;
         while (*pp) {
             nreq_t *r = *pp;
+            /* Read before polling: once a request is finished its owner may
+             * return and reuse the memory (only this thread changes the
+             * flight list). */
+            nreq_t *next = r->next;
             pthread_mutex_unlock(&G.mu);
             int done = poll_one(r);
             pthread_mutex_lock(&G.mu);
             if (done)
-                *pp = r->next;
+                *pp = next;
             else
                 pp = &r->next;
         }

@@ -80,6 +80,7 @@ struct amx_engine {
     uint64_t desc_gen, fin_gen;
     int fin_had_reset;
     int marked; /* some w_desc[].reset may be set: clean epochs skip the O(n) scans */
+    int fin_ok; /* the last finish succeeded (its descriptors may be reused) */
 };
 
 /* ---- results ---- */
@@ -753,7 +754,7 @@ static amx_status_t finish(amx_engine_t *e, int from_send)
         mark_local_resets(e);
     /* The descriptors change with the layout, a reset, or the history
      * heads (which move every epoch when there is a history). */
-    int dirty = e->desc_gen != e->fin_gen || e->w_cat->nhist > 0 || e->fin_had_reset;
+    int dirty = !e->fin_ok || e->desc_gen != e->fin_gen || e->w_cat->nhist > 0 || e->fin_had_reset;
     int had_reset = 0;
     for (uint32_t i = 0; e->marked && !had_reset && i < e->w_cat->n; i++)
         had_reset = e->w_desc[i].reset;
@@ -763,9 +764,11 @@ static amx_status_t finish(amx_engine_t *e, int from_send)
         j->state->ops->finish(j->state, e->w_desc, e->w_cat->n, e->w_cat->ncells, e->w_cat->npeer,
                               e->w_cat->nscale, from_send, dirty, &err);
     /* The backend's copy has reset flags that are cleared below: upload
-     * the descriptors again next time. */
+     * the descriptors again next time. After a failure, the backend's copy
+     * is not trusted at all. */
     e->fin_had_reset = had_reset;
     e->fin_gen = e->desc_gen;
+    e->fin_ok = st == AMX_OK;
     e->res.finish_us = amx_now_us() - t0;
     if (st != AMX_OK)
         return fail(e, st, "job '%s', epoch %llu: finishing failed: %s", j->name,

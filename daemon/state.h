@@ -168,6 +168,7 @@ struct amx_state {
     int front; /* index of the published output set */
     /* Per-quantizer results of both output sets, host memory. */
     float *g_amax[2], *g_scale[2], *g_inv[2];
+    uint32_t g_cap[2]; /* entries allocated in each of them */
     /* How those arrays are allocated and freed; NULL: malloc and free. The
      * CUDA backend pins them so that finish copies results straight in. */
     void *(*host_alloc)(struct amx_state *st, size_t bytes);

@@ -84,24 +84,33 @@ amx_status_t amx__state_grow_globals(amx_state_t *st, int k, uint32_t nq, amx_er
     if (nq <= st->out_nq[k])
         return AMX_OK;
     float **arr[3] = {&st->g_amax[k], &st->g_scale[k], &st->g_inv[k]};
-    float *grown[3];
-    for (int a = 0; a < 3; a++) {
-        grown[a] = globals_alloc(st, (size_t)nq * sizeof(float));
-        if (grown[a] == NULL) {
-            while (a-- > 0)
-                globals_free(st, grown[a]);
-            return amx_err_set(err, AMX_ENOMEM, "out of host memory for %u quantizer results", nq);
-        }
-    }
     static const float init[3] = {0.0f, 1.0f, 1.0f};
-    for (int a = 0; a < 3; a++) {
-        if (*arr[a] != NULL && st->out_nq[k] > 0)
-            memcpy(grown[a], *arr[a], (size_t)st->out_nq[k] * sizeof(float));
-        for (uint32_t q = st->out_nq[k]; q < nq; q++)
-            grown[a][q] = init[a];
-        globals_free(st, *arr[a]);
-        *arr[a] = grown[a];
+    if (nq > st->g_cap[k] || st->g_amax[k] == NULL) {
+        /* Capacity doubles: a catalog that grows a little at a time does
+         * not reallocate (pinned, for the CUDA backend) every time. */
+        uint32_t cap = st->g_cap[k] > UINT32_MAX / 2 ? UINT32_MAX : 2 * st->g_cap[k];
+        cap = cap > nq ? cap : nq;
+        float *grown[3];
+        for (int a = 0; a < 3; a++) {
+            grown[a] = globals_alloc(st, (size_t)cap * sizeof(float));
+            if (grown[a] == NULL) {
+                while (a-- > 0)
+                    globals_free(st, grown[a]);
+                return amx_err_set(err, AMX_ENOMEM, "out of host memory for %u quantizer results",
+                                   nq);
+            }
+        }
+        for (int a = 0; a < 3; a++) {
+            if (*arr[a] != NULL && st->out_nq[k] > 0)
+                memcpy(grown[a], *arr[a], (size_t)st->out_nq[k] * sizeof(float));
+            globals_free(st, *arr[a]);
+            *arr[a] = grown[a];
+        }
+        st->g_cap[k] = cap;
     }
+    for (int a = 0; a < 3; a++)
+        for (uint32_t q = st->out_nq[k]; q < nq; q++)
+            (*arr[a])[q] = init[a];
     st->out_nq[k] = nq;
     return AMX_OK;
 }
@@ -286,6 +295,7 @@ static amx_status_t host_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     free(st->g_amax[back]), free(st->g_scale[back]), free(st->g_inv[back]);
     h->o_amax[back] = na, h->o_scale[back] = ns, h->o_inv[back] = ni, h->o_bytes[back] = nb;
     st->g_amax[back] = ga, st->g_scale[back] = gs, st->g_inv[back] = gi;
+    st->g_cap[back] = lc->nq;
     st->out_cells[back] = lc->ncells;
     st->out_nq[back] = lc->nq;
     return AMX_OK;
