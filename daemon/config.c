@@ -132,6 +132,18 @@ static void apply_typed(amx_config_t *cfg, int i, int64_t iv)
     case AMX_CFG_max_world_size:
         cfg->max_world_size = iv;
         break;
+    case AMX_CFG_max_request_memory:
+        cfg->max_request_memory = iv;
+        break;
+    case AMX_CFG_memory_budget:
+        cfg->memory_budget = iv;
+        break;
+    case AMX_CFG_max_queued_bytes:
+        cfg->max_queued_bytes = iv;
+        break;
+    case AMX_CFG_job_idle_timeout_ms:
+        cfg->job_idle_timeout_ms = iv;
+        break;
     case AMX_CFG_join_timeout_ms:
         cfg->join_timeout_ms = iv;
         break;

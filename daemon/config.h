@@ -41,6 +41,17 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
     X(max_jobs, AMX_CFG_INT, "64", 1, 65536, NULL, 0, "most jobs served at once")                  \
     X(max_world_size, AMX_CFG_INT, "65536", 1, 1048576, NULL, 0,                                   \
       "largest world size a job may declare")                                                      \
+    X(max_request_memory, AMX_CFG_INT, "268435456", 1048576, 1099511627776LL, NULL, 0,             \
+      "most memory one request may take once decoded, bytes (estimated before decoding; more "     \
+      "gets RESOURCE_EXHAUSTED)")                                                                  \
+    X(memory_budget, AMX_CFG_INT, "0", 0, 1125899906842624LL, NULL, 0,                             \
+      "memory the state of all jobs may take together, bytes (0: half of the host's memory, or "   \
+      "of the GPU's with the cuda backend)")                                                       \
+    X(max_queued_bytes, AMX_CFG_INT, "1073741824", 1048576, 1099511627776LL, NULL, 0,              \
+      "answer bytes waiting for slow clients, all calls together; an answer that would pass it "   \
+      "gets RESOURCE_EXHAUSTED")                                                                   \
+    X(job_idle_timeout_ms, AMX_CFG_INT, "86400000", 0, 31536000000LL, NULL, 0,                     \
+      "a job none of whose ranks called for this long is dropped, with a log line (0: never)")     \
     X(join_timeout_ms, AMX_CFG_INT, "300000", 10, 86400000, NULL, 0,                               \
       "how long Join waits for the other ranks before DEADLINE_EXCEEDED")                          \
     X(reconcile_timeout_ms, AMX_CFG_INT, "600000", 10, 86400000, NULL, 0,                          \
@@ -90,6 +101,7 @@ typedef struct amx_config {
     unsigned char set[AMX_CFG_COUNT]; /* given by a file, the environment or a flag */
     const char *socket, *tcp, *backend, *log_level, *log_file;
     int64_t socket_mode, max_message_bytes, max_cells, max_quantizers, max_jobs, max_world_size;
+    int64_t max_request_memory, memory_budget, max_queued_bytes, job_idle_timeout_ms;
     int64_t join_timeout_ms, reconcile_timeout_ms, shutdown_grace_ms;
     int allow_remote;
     int64_t cluster_size, cluster_rank, peer_port, cuda_device;

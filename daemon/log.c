@@ -46,13 +46,27 @@ void amx_log_write(int level, const char *subsys, const char *fmt, ...)
         n += (size_t)snprintf(line + n, sizeof(line) - n, ".%03ldZ %-5s %s: ", ts.tv_nsec / 1000000,
                               level_name[level], subsys);
     }
+    /* The message may quote what a client sent: control characters are
+     * written as \xNN, so that one line stays one line (a newline and a
+     * timestamp, or journald's "<N>" priority prefix, cannot be forged). */
+    char msg[sizeof(line)];
     va_list ap;
     va_start(ap, fmt);
-    int m = vsnprintf(line + n, sizeof(line) - n - 1, fmt, ap);
+    int m = vsnprintf(msg, sizeof(msg), fmt, ap);
     va_end(ap);
-    if (m < 0)
-        m = 0;
-    n += (size_t)m < sizeof(line) - n - 1 ? (size_t)m : sizeof(line) - n - 2;
+    size_t mlen = m < 0 ? 0 : (size_t)m < sizeof(msg) ? (size_t)m : sizeof(msg) - 1;
+    static const char hex[] = "0123456789abcdef";
+    for (size_t i = 0; i < mlen && n + 5 < sizeof(line); i++) {
+        unsigned char c = (unsigned char)msg[i];
+        if (c < 0x20 || c == 0x7f) {
+            line[n++] = '\\';
+            line[n++] = 'x';
+            line[n++] = hex[c >> 4];
+            line[n++] = hex[c & 15];
+        } else {
+            line[n++] = (char)c;
+        }
+    }
     line[n++] = '\n';
     ssize_t w = write(log_fd, line, n);
     (void)w;

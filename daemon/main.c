@@ -76,6 +76,19 @@ static void on_hup(uv_signal_t *s, int signum)
         AMX_INFO("main", "SIGHUP: log re-opened");
 }
 
+/* Start-up failed after the loop was made: closes what is open on it. */
+static int fail_start(amx_daemon_t *d)
+{
+    uv_close((uv_handle_t *)&d->sig_term, NULL);
+    uv_close((uv_handle_t *)&d->sig_int, NULL);
+    uv_close((uv_handle_t *)&d->sig_hup, NULL);
+    uv_run(&d->loop, UV_RUN_DEFAULT);
+    uv_loop_close(&d->loop);
+    amx_log_close();
+    amx_config_free(&d->cfg);
+    return 1;
+}
+
 static void log_setting(void *ud, const char *name, const char *value, int is_default)
 {
     (void)ud;
@@ -128,20 +141,24 @@ int main(int argc, char **argv)
     if (strcmp(backend, "auto") == 0)
         backend = amx_state_cuda_available() ? "cuda" : "host";
     uv_loop_init(&d.loop);
+    /* Signals are caught before anything exists that a signal's default
+     * action would leave behind (the socket): one that arrives while the
+     * daemon starts is handled once the loop runs, as a graceful stop. */
+    uv_signal_init(&d.loop, &d.sig_term);
+    uv_signal_init(&d.loop, &d.sig_int);
+    uv_signal_init(&d.loop, &d.sig_hup);
+    d.sig_term.data = d.sig_int.data = d.sig_hup.data = &d;
+    uv_signal_start(&d.sig_term, on_stop_signal, SIGTERM);
+    uv_signal_start(&d.sig_int, on_stop_signal, SIGINT);
+    uv_signal_start(&d.sig_hup, on_hup, SIGHUP);
     if (amx_peer_create(&d.loop, &d.cfg, &d.id, &d.peer, &err) != AMX_OK) {
         AMX_ERROR("main", "%s", err.msg);
-        uv_loop_close(&d.loop);
-        amx_log_close();
-        amx_config_free(&d.cfg);
-        return 1;
+        return fail_start(&d);
     }
     if (amx_registry_create(&d.loop, &d.cfg, backend, d.peer, &d.reg, &err) != AMX_OK) {
         AMX_ERROR("main", "state backend %s: %s", backend, err.msg);
         amx_peer_destroy(d.peer);
-        uv_loop_close(&d.loop);
-        amx_log_close();
-        amx_config_free(&d.cfg);
-        return 1;
+        return fail_start(&d);
     }
     if (d.id.size > 1)
         AMX_INFO("main",
@@ -155,19 +172,9 @@ int main(int argc, char **argv)
         AMX_ERROR("main", "%s", err.msg);
         amx_registry_destroy(d.reg);
         amx_peer_destroy(d.peer);
-        uv_run(&d.loop, UV_RUN_DEFAULT);
-        uv_loop_close(&d.loop);
-        amx_config_free(&d.cfg);
-        return 1;
+        return fail_start(&d);
     }
     amx_peer_attach(d.peer, d.reg, d.rpc);
-    uv_signal_init(&d.loop, &d.sig_term);
-    uv_signal_init(&d.loop, &d.sig_int);
-    uv_signal_init(&d.loop, &d.sig_hup);
-    d.sig_term.data = d.sig_int.data = d.sig_hup.data = &d;
-    uv_signal_start(&d.sig_term, on_stop_signal, SIGTERM);
-    uv_signal_start(&d.sig_int, on_stop_signal, SIGINT);
-    uv_signal_start(&d.sig_hup, on_hup, SIGHUP);
     uv_timer_init(&d.loop, &d.tick);
     d.tick.data = &d;
     uv_timer_start(&d.tick, on_tick, 50, 50);

@@ -41,6 +41,7 @@
 #include "log.h"
 #include "peer.h"
 #include "service.h"
+#include "wire.h"
 
 #define POSTED_PER_METHOD 8
 #define MAX_METHODS 32
@@ -321,9 +322,22 @@ const char *amx__call_method(amx_call_t *c)
     return c->method >= 0 ? c->rpc->methods[c->method]->path : "(unknown method)";
 }
 
+/* What a request may hold before it is decoded (the configuration may be
+ * reloaded, so it is read every time). */
+static amx_wire_limits_t wire_limits(const amx_config_t *cfg)
+{
+    amx_wire_limits_t l;
+    l.max_decoded = (uint64_t)cfg->max_request_memory;
+    l.max_elements = (uint64_t)(cfg->max_quantizers > cfg->cluster_size ? cfg->max_quantizers
+                                                                        : cfg->cluster_size);
+    l.max_scalars = (uint64_t)(cfg->max_world_size > 64 ? cfg->max_world_size : 64);
+    l.max_depth = 8;
+    return l;
+}
+
 /* Unpacks a byte buffer into a message; NULL and a sentence when it is not one. */
 static ProtobufCMessage *unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
-                                int64_t max_bytes, amx_err_t *err)
+                                int64_t max_bytes, const amx_wire_limits_t *lim, amx_err_t *err)
 {
     size_t len = grpc_byte_buffer_length(bb);
     if ((int64_t)len > max_bytes) {
@@ -340,11 +354,15 @@ static ProtobufCMessage *unpack(grpc_byte_buffer *bb, const ProtobufCMessageDesc
     }
     grpc_slice s = grpc_byte_buffer_reader_readall(&r);
     grpc_byte_buffer_reader_destroy(&r);
-    ProtobufCMessage *m =
-        protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
-    if (m == NULL)
-        amx_err_set(err, AMX_EINVAL, "request is not a valid %s message (%zu bytes)", desc->name,
-                    (size_t)GRPC_SLICE_LENGTH(s));
+    /* Checked before protobuf-c allocates anything (wire.h). */
+    ProtobufCMessage *m = NULL;
+    if (amx_wire_check(desc, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), lim, NULL, err) ==
+        AMX_OK) {
+        m = protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+        if (m == NULL)
+            amx_err_set(err, AMX_EINVAL, "request is not a valid %s message (%zu bytes)",
+                        desc->name, (size_t)GRPC_SLICE_LENGTH(s));
+    }
     grpc_slice_unref(s);
     return m;
 }
@@ -401,7 +419,8 @@ static void on_new(amx_call_t *c, int ok)
     if (c->payload == NULL) {
         amx_err_set(&err, AMX_EINVAL, "%s: the call carried no request message", m->path);
     } else {
-        c->request = unpack(c->payload, m->request, rpc->cfg->max_message_bytes, &err);
+        amx_wire_limits_t lim = wire_limits(rpc->cfg);
+        c->request = unpack(c->payload, m->request, rpc->cfg->max_message_bytes, &lim, &err);
         grpc_byte_buffer_destroy(c->payload);
         c->payload = NULL;
     }
@@ -434,8 +453,9 @@ static void on_recv(amx_call_t *c, int ok)
         return;
     }
     amx_err_t err = {0};
-    ProtobufCMessage *m =
-        unpack(c->recv_buf, rpc->methods[c->method]->request, rpc->cfg->max_message_bytes, &err);
+    amx_wire_limits_t lim = wire_limits(rpc->cfg);
+    ProtobufCMessage *m = unpack(c->recv_buf, rpc->methods[c->method]->request,
+                                 rpc->cfg->max_message_bytes, &lim, &err);
     grpc_byte_buffer_destroy(c->recv_buf);
     c->recv_buf = NULL;
     if (m == NULL) {
@@ -800,7 +820,12 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
             unlink(cfg->socket);
         }
         snprintf(addr, sizeof(addr), "unix:%s", cfg->socket);
-        if (grpc_server_add_http2_port(rpc->server, addr, creds) == 0) {
+        /* The socket is created with socket_mode already (never wider for
+         * a moment); the chmod below only corrects an unusual umask. */
+        mode_t old_mask = umask((mode_t)(~cfg->socket_mode & 0777));
+        int bound = grpc_server_add_http2_port(rpc->server, addr, creds);
+        umask(old_mask);
+        if (bound == 0) {
             st = amx_err_set(err, AMX_EIO, "cannot listen on %s (permissions?)", addr);
             goto fail_creds;
         }

@@ -1,0 +1,228 @@
+"""Hostile and careless clients (docs/SECURITY.md): each case gets a precise
+status and a log line, changes no state, and Health keeps answering within
+1 s while it runs (a prober thread on its own connection)."""
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import grpc
+import pytest
+
+import amaxd
+from amaxd import pb
+from amaxd_proc import BIN
+from test_bad_input import SVC, call, f32, raw, send, snapshot, spec
+
+C = grpc.StatusCode
+
+
+class HealthProber:
+    """Calls Health every 50 ms on its own channel; records each latency (a
+    call that fails counts as its full time)."""
+
+    def __init__(self, d, period=0.05):
+        self.d, self.period = d, period
+        self.lat = []
+        self.failures = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with amaxd.Client("probe", 0, 1, socket=self.d.socket, timeout=5) as c:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    h = c.health()
+                    if h != "SERVING":
+                        self.failures.append(h)
+                except amaxd.AmaxdError as e:
+                    self.failures.append(str(e))
+                self.lat.append(time.monotonic() - t0)
+                self._stop.wait(self.period)
+
+    def __enter__(self):
+        self._t.start()
+        time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join(10)
+
+    def check(self, limit=1.0):
+        assert self.lat, "the prober made no call"
+        assert not self.failures, f"Health failed: {self.failures[:3]}"
+        assert max(self.lat) < limit, f"Health took {max(self.lat):.3f} s (limit {limit} s)"
+
+
+def rss_peak_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    raise AssertionError("no VmHWM")
+
+
+@pytest.fixture
+def bad(start_daemon):
+    d = start_daemon("--max-message-bytes=65536", "--max-cells=4096")
+    with d.client("bad", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("w", [4], amaxd.Recipe.fp8_current())])
+        c.send({"w": [1, 2, 3, 4]})
+        c.reconcile()
+        c.send({"w": [5, 1, 1, 1]})
+    return d
+
+
+# ---- 1 and 2: names with NUL or control bytes ----
+
+def named(**kw):
+    s = spec("p", [1])
+    for k, v in kw.items():
+        setattr(s, k, v)
+    return pb.RegisterRequest(job="bad", quantizers=[s])
+
+
+NAME_CASES = [
+    ("nul-quantizer", "RegisterQuantizers", named(name="a\x00b"), "QuantizerSpec.name holds a NUL byte at offset 1"),
+    ("nul-peer-group", "RegisterQuantizers", named(peer_group="g\x00h"), "QuantizerSpec.peer_group holds a NUL"),
+    ("nul-scale-group", "RegisterQuantizers", named(scale_group="g\x00"), "QuantizerSpec.scale_group holds a NUL"),
+    ("nul-join", "Join", pb.JoinRequest(job="bad\x00y", rank=0, world_size=1), "JoinRequest.job holds a NUL"),
+    ("nul-drop-job", "Reset", pb.ResetRequest(job="bad\x00junk", drop_job=True), "ResetRequest.job holds a NUL"),
+    ("nul-send-name", "SendAmax", send("w\x00junk", f32(9, 9, 9, 9)), "AmaxUpdate.name holds a NUL"),
+    ("nul-reconcile-name", "Reconcile", pb.ReconcileRequest(job="bad", names=["w\x00"]), "ReconcileRequest.names holds a NUL"),
+    ("newline-job", "Join", pb.JoinRequest(job="x\n2026-01-01T00:00:00.000Z error main: forged", rank=0, world_size=1),
+     "JoinRequest.job holds a control byte 0x0a"),
+    ("tab-name", "GetScales", pb.GetScalesRequest(job="bad", names=["w\t"]), "GetScalesRequest.names holds a control byte 0x09"),
+]
+
+
+def test_names_with_nul_or_control_bytes_are_refused(bad):
+    before = snapshot(bad)
+    with HealthProber(bad) as p:
+        for case_id, method, req, text in NAME_CASES:
+            code, details = call(bad, method, req)
+            assert code == C.INVALID_ARGUMENT, f"{case_id}: got {code} ({details})"
+            assert text in details, f"{case_id}: {details!r} lacks {text!r}"
+            assert details in bad.log(), f"{case_id}: no log line for {details!r}"
+            assert snapshot(bad) == before, f"{case_id} changed the state"
+    p.check()
+    # Job "bad" is still there (the NUL did not make "bad\0junk" drop it),
+    # and its quantizer "w" got none of the 9s.
+    with bad.client("bad", 0, 1) as c:
+        assert c.reconcile()["w"].amax.tolist() == [5, 2, 3, 4]
+
+
+def test_log_lines_cannot_be_forged(bad):
+    forged = "2026-01-01T00:00:00.000Z error main: forged"
+    call(bad, "Join", pb.JoinRequest(job="x\n" + forged, rank=0, world_size=1))
+    log = bad.log()
+    assert not any(line.startswith(forged) for line in log.splitlines()), "a forged line"
+    assert "x\\x0a2026-01-01T00:00:00.000Z" in log   # escaped, on the refusal's line
+
+
+def test_journald_priority_prefix_cannot_be_forged(start_daemon):
+    d = start_daemon(env={"JOURNAL_STREAM": "8:1234"})
+    call(d, "Join", pb.JoinRequest(job="x\n<0>amaxd: forged emergency", rank=0, world_size=1))
+    lines = d.log().splitlines()
+    assert all(not line.startswith("<0>") for line in lines), "a forged priority"
+    assert any("\\x0a<0>amaxd: forged" in line for line in lines)
+
+
+# ---- 3: signals while the daemon starts ----
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_signal_while_starting(tmp_path, sig):
+    """The signal arrives the moment the socket appears (before 'ready'):
+    SIGTERM/SIGINT stop the daemon cleanly (exit 0, socket removed), SIGHUP
+    leaves it running."""
+    for attempt in range(3):
+        sock = tmp_path / f"s{attempt}.sock"
+        log = open(tmp_path / f"log{attempt}", "wb")
+        p = subprocess.Popen([BIN, f"--socket={sock}", "--log-level=debug"], stdout=log,
+                             stderr=subprocess.STDOUT)
+        end = time.time() + 20
+        while not sock.exists() and time.time() < end and p.poll() is None:
+            pass
+        assert sock.exists(), "the socket never appeared"
+        p.send_signal(sig)
+        if sig == signal.SIGHUP:
+            time.sleep(0.5)
+            assert p.poll() is None, "SIGHUP killed the daemon"
+            with amaxd.Client("probe", 0, 1, socket=str(sock), timeout=5) as c:
+                assert c.health() == "SERVING"
+            p.send_signal(signal.SIGTERM)
+        rc = p.wait(30)
+        log.close()
+        text = open(tmp_path / f"log{attempt}", "rb").read().decode(errors="replace")
+        assert rc == 0, f"exit {rc} after signal {sig}:\n{text[-3000:]}"
+        assert not sock.exists(), "socket left behind"
+
+
+# ---- 6: requests that would take a lot of memory to decode ----
+
+def test_decoding_is_bounded(start_daemon):
+    d = start_daemon("--max-request-memory=67108864", "--max-quantizers=100000")
+    with d.client("j", 0, 1) as c:
+        c.join()
+    peak0 = rss_peak_mb(d.proc.pid)
+    # 12M empty QuantizerSpecs: 24 MB on the wire, ~2 GB once decoded.
+    bomb = b"\x0a\x01j" + b"\x1a\x00" * 12_000_000
+    # 200k of them: more elements than max_quantizers, little memory.
+    many = b"\x0a\x01j" + b"\x1a\x00" * 200_000
+    with HealthProber(d) as p:
+        code, details = raw(d, SVC + "RegisterQuantizers", bomb, timeout=60)
+        assert code == C.RESOURCE_EXHAUSTED, details
+        assert "would take more than 67108864 bytes of memory unpacked" in details
+        assert details in d.log()
+        code, details = raw(d, SVC + "RegisterQuantizers", many, timeout=60)
+        assert code == C.RESOURCE_EXHAUSTED, details
+        assert "RegisterRequest.quantizers has more than 100000 elements" in details
+        assert details in d.log()
+    p.check()
+    grown = rss_peak_mb(d.proc.pid) - peak0
+    assert grown < 200, f"peak RSS grew by {grown:.0f} MB"
+    with d.client("j", 0, 1) as c:
+        assert c.status("j").jobs[0].quantizers == 0
+
+
+def test_malformed_wire_is_refused_precisely(bad):
+    cases = [
+        (b"\x0a\x05ab", "a length past the end of the message"),
+        (b"\x0a\x01j\x1a\x80", "a length past the end"),
+        (b"\x0b", "a group or an unknown wire type"),
+        (b"\x0d\x00\x00\x00\x00", "a wire type that does not match its field"),
+        (b"\x00\x01", "field number 0"),
+    ]
+    for payload, text in cases:
+        code, details = raw(bad, SVC + "RegisterQuantizers", payload)
+        assert code == C.INVALID_ARGUMENT, (payload, details)
+        assert "not a valid amaxd.v1.RegisterRequest" in details and text in details, details
+
+
+# ---- 9: the socket is never wider than socket_mode ----
+
+def test_socket_mode_from_the_start(tmp_path):
+    """Started under umask 0: the socket is 0660 from the first moment it
+    exists (it used to be 0777 until a chmod)."""
+    sock = tmp_path / "s.sock"
+    log = open(tmp_path / "log", "wb")
+    p = subprocess.Popen([BIN, f"--socket={sock}", "--socket-mode=0660"], stdout=log,
+                         stderr=subprocess.STDOUT, preexec_fn=lambda: os.umask(0))
+    try:
+        modes = []
+        end = time.time() + 20
+        while time.time() < end and p.poll() is None and len(modes) < 2000:
+            try:
+                modes.append(os.stat(sock).st_mode & 0o777)
+            except FileNotFoundError:
+                pass
+        assert modes, "the socket never appeared"
+        assert set(modes) == {0o660}, f"socket modes seen: {sorted({oct(m) for m in modes})}"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0
+        log.close()
