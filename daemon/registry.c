@@ -1118,15 +1118,22 @@ typedef struct gather_ctx {
     amx_registry_t *reg;
     size_t nruns;
     uint64_t dst_base;
+    uint64_t w0, w1; /* the window of the block's cells being gathered */
 } gather_ctx_t;
 
-static void gather_row(void *ud, uint64_t dst, uint64_t src, uint64_t len)
+/* One contiguous row of a block (flat cell `flat`, block offset `boff`),
+ * clipped to the window. */
+static void gather_row(void *ud, uint64_t flat, uint64_t boff, uint64_t len)
 {
     gather_ctx_t *c = ud;
+    uint64_t lo = boff > c->w0 ? boff : c->w0;
+    uint64_t hi = boff + len < c->w1 ? boff + len : c->w1;
+    if (lo >= hi)
+        return;
     amx_run_t *run = &c->reg->runs[c->nruns++];
-    run->src = dst; /* a cell of the flat buffer */
-    run->dst = c->dst_base + src;
-    run->len = len;
+    run->src = flat + (lo - boff); /* a cell of the flat buffer */
+    run->dst = c->dst_base + (lo - c->w0);
+    run->len = hi - lo;
 }
 
 /* Validates `names` for a rank (or whole tensors when rank < 0) and counts
@@ -1181,74 +1188,117 @@ static uint32_t result_lid(amx_job_t *j, amx_lrank_t *r, char **names, size_t n,
     return r->pl_lid[(*cursor)++];
 }
 
+/* The block of quantizer `lid` that a result covers. */
+static const amx_placement_t *result_block(const amx_job_t *j, const amx_lrank_t *r, uint32_t lid,
+                                           amx_placement_t *whole)
+{
+    if (r == NULL) {
+        amx_placement_whole(j->lq[lid].spec, whole);
+        return whole;
+    }
+    return &r->pls[r->pl_of[lid] - 1];
+}
+
+/* Bytes of a QuantizerResult of n cells, framing included (an upper
+ * estimate: 13 bytes a cell, the name, the block, the scalars). */
+static uint64_t result_bytes(const char *name, uint32_t ndim, uint64_t n)
+{
+    return 13 * n + strlen(name) + 12ull * ndim + 96;
+}
+
+/*
+ * The results for `names` (all of the rank's when none; whole tensors when
+ * rank < 0), restricted to cells [start, start + max) of the answer (max 0:
+ * all). Refused, before anything is built, when the answer would not fit
+ * in max_message_bytes. *total_cells (may be NULL): cells of the whole
+ * answer.
+ */
 static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t rank, char **names,
-                                  size_t n, amx_result_t **out, size_t *nout, amx_arena_t *a,
+                                  size_t n, uint64_t start, uint64_t max, amx_result_t **out,
+                                  size_t *nout, uint64_t *total_cells, amx_arena_t *a,
                                   amx_err_t *err)
 {
     size_t count;
     AMX_CHECK(check_names(j, rank, names, n, &count, err));
     amx_lrank_t *r = rank >= 0 ? local_rank(j, (uint32_t)rank) : NULL;
-    amx_result_t *res = amx_arena_alloc(a, (count ? count : 1) * sizeof(*res));
-    if (res == NULL)
-        return amx_err_set(err, AMX_ENOMEM, "out of memory building %zu results", count);
-    /* Pass 1: blocks and sizes. */
-    uint64_t total = 0;
-    size_t nruns = 0;
+    uint64_t end = max == 0 || start + max < start ? UINT64_MAX : start + max;
+    /* Pass 1: sizes, the window, the answer's bytes. */
+    uint64_t all = 0, answer = 64, total = 0;
+    size_t nres = 0, nruns = 0;
     uint32_t cursor = 0;
+    for (size_t i = 0; i < count; i++) {
+        uint32_t lid = result_lid(j, r, names, n, i, &cursor);
+        amx_placement_t whole;
+        const amx_placement_t *pl = result_block(j, r, lid, &whole);
+        uint64_t lo = all > start ? all : start,
+                 hi = all + pl->ncells < end ? all + pl->ncells : end;
+        all += pl->ncells;
+        if (lo >= hi)
+            continue;
+        nres++;
+        answer += result_bytes(j->lq[lid].spec->name, pl->ndim, hi - lo);
+        if (j->lq[lid].status == LQ_AGREED) {
+            total += hi - lo;
+            nruns += amx_placement_nrows(pl);
+        }
+    }
+    if (total_cells != NULL)
+        *total_cells = all;
+    if (answer > (uint64_t)reg->cfg->max_message_bytes)
+        return amx_err_set(err, AMX_ENOMEM,
+                           "the answer (%zu quantizers, %llu cells) would take %llu bytes, more "
+                           "than max_message_bytes=%lld: ask for fewer quantizers at a time, or "
+                           "for a window of cells (GetScales start_cell and max_cells; the Python "
+                           "client's get_scales does this by itself)",
+                           nres, (unsigned long long)(max ? (end - start) : all - start),
+                           (unsigned long long)answer, (long long)reg->cfg->max_message_bytes);
+    amx_result_t *res = amx_arena_alloc(a, (nres ? nres : 1) * sizeof(*res));
+    float *amax = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
+    float *scale = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
+    float *inv = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
+    uint8_t *bytes = amx_arena_alloc(a, total ? total : 1);
+    if (res == NULL || amax == NULL || scale == NULL || inv == NULL || bytes == NULL ||
+        stage_reserve(reg, 0, nruns) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory building results of %llu cells",
+                           (unsigned long long)total);
+    /* Pass 2: runs, then one gather from the published results. */
+    gather_ctx_t g = {reg, 0, 0, 0, 0};
+    cursor = 0;
+    all = 0;
+    size_t k = 0;
+    int f = j->state->front;
     for (size_t i = 0; i < count; i++) {
         uint32_t lid = result_lid(j, r, names, n, i, &cursor);
         const amx_lq_t *q = &j->lq[lid];
         amx_placement_t whole;
-        const amx_placement_t *pl = &whole;
-        if (r == NULL)
-            amx_placement_whole(q->spec, &whole);
-        else
-            pl = &r->pls[r->pl_of[lid] - 1];
-        amx_result_t *x = &res[i];
+        const amx_placement_t *pl = result_block(j, r, lid, &whole);
+        uint64_t lo = all > start ? all : start,
+                 hi = all + pl->ncells < end ? all + pl->ncells : end;
+        uint64_t b0 = all;
+        all += pl->ncells;
+        if (lo >= hi)
+            continue;
+        amx_result_t *x = &res[k++];
         memset(x, 0, sizeof(*x));
         x->name = q->spec->name;
         x->ndim = pl->ndim;
         memcpy(x->off, pl->off, sizeof(x->off));
         memcpy(x->shape, pl->shape, sizeof(x->shape));
-        x->ncells = pl->ncells;
-        if (q->status == LQ_AGREED) {
-            total += pl->ncells;
-            nruns += amx_placement_nrows(pl);
-        }
-    }
-    float *amax = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
-    float *scale = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
-    float *inv = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
-    uint8_t *bytes = amx_arena_alloc(a, total ? total : 1);
-    if (amax == NULL || scale == NULL || inv == NULL || bytes == NULL ||
-        stage_reserve(reg, 0, nruns) != AMX_OK)
-        return amx_err_set(err, AMX_ENOMEM, "out of memory building results of %llu cells",
-                           (unsigned long long)total);
-    /* Pass 2: runs, then one gather from the published results. */
-    gather_ctx_t g = {reg, 0, 0};
-    cursor = 0;
-    int f = j->state->front;
-    for (size_t i = 0; i < count; i++) {
-        uint32_t lid = result_lid(j, r, names, n, i, &cursor);
-        const amx_lq_t *q = &j->lq[lid];
-        amx_result_t *x = &res[i];
+        x->first_cell = lo - b0;
+        x->ncells = hi - lo;
         if (q->status != LQ_AGREED) {
             if (empty_result(x, a) != AMX_OK)
                 return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
             continue;
         }
-        amx_placement_t whole;
-        const amx_placement_t *pl = &whole;
-        if (r == NULL)
-            amx_placement_whole(q->spec, &whole);
-        else
-            pl = &r->pls[r->pl_of[lid] - 1];
         x->amax = amax + g.dst_base;
         x->scale = scale + g.dst_base;
         x->scale_inv = inv + g.dst_base;
         x->bytes = bytes + g.dst_base;
+        g.w0 = x->first_cell;
+        g.w1 = x->first_cell + x->ncells;
         amx_placement_rows(pl, q->spec->shape, q->base, gather_row, &g);
-        g.dst_base += pl->ncells;
+        g.dst_base += x->ncells;
         uint32_t c = (uint32_t)q->cidx;
         int have = c < j->state->out_nq[f];
         x->global_amax = have ? j->state->g_amax[f][c] : 0.0f;
@@ -1260,7 +1310,7 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
                                               bytes, err));
     /* Cells without data anywhere read 0 and are counted (results of
      * quantizers not agreed yet were filled by empty_result). */
-    for (size_t i = 0; i < count; i++) {
+    for (size_t i = 0; i < k; i++) {
         amx_result_t *x = &res[i];
         if (x->amax < amax || x->amax >= amax + (total ? total : 1))
             continue;
@@ -1273,7 +1323,35 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
         x->missing = missing;
     }
     *out = res;
-    *nout = count;
+    *nout = k;
+    return AMX_OK;
+}
+
+/* Checks `names` for a Reconcile, and that its answer will fit in
+ * max_message_bytes (refused before the rank enters the epoch). */
+static amx_status_t reconcile_answer_fits(amx_registry_t *reg, amx_job_t *j, uint32_t rank,
+                                          char **names, size_t n, amx_err_t *err)
+{
+    size_t count;
+    AMX_CHECK(check_names(j, rank, names, n, &count, err));
+    amx_lrank_t *r = local_rank(j, rank);
+    uint64_t answer = 64, cells = 0;
+    uint32_t cursor = 0;
+    for (size_t i = 0; i < count; i++) {
+        uint32_t lid = result_lid(j, r, names, n, i, &cursor);
+        amx_placement_t whole;
+        const amx_placement_t *pl = result_block(j, r, lid, &whole);
+        answer += result_bytes(j->lq[lid].spec->name, pl->ndim, pl->ncells);
+        cells += pl->ncells;
+    }
+    if (answer > (uint64_t)reg->cfg->max_message_bytes)
+        return amx_err_set(err, AMX_ENOMEM,
+                           "the answer to this Reconcile (%zu quantizers, %llu cells) would take "
+                           "%llu bytes, more than max_message_bytes=%lld: name fewer quantizers "
+                           "in Reconcile and fetch the others with GetScales (in windows of "
+                           "cells)",
+                           count, (unsigned long long)cells, (unsigned long long)answer,
+                           (long long)reg->cfg->max_message_bytes);
     return AMX_OK;
 }
 
@@ -1290,7 +1368,8 @@ amx_status_t amx_registry_get_scales(amx_registry_t *reg, const amx_scales_req_t
     rep->epoch = j->last_reconciled;
     rep->next_epoch = j->epoch;
     return build_results(reg, j, req->whole ? -1 : (int64_t)req->rank, req->names, req->n_names,
-                         &rep->results, &rep->nresults, arena, err);
+                         req->start_cell, req->max_cells, &rep->results, &rep->nresults,
+                         &rep->total_cells, arena, err);
 }
 
 /* ---- Reconcile ---- */
@@ -1341,8 +1420,7 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
         (req->epoch == 0 || req->epoch == j->epoch)) {
         /* Its earlier call went away while the epoch was in flight: this
          * call takes its place and gets the epoch's answer. */
-        size_t count;
-        AMX_CHECK(check_names(j, req->rank, req->names, req->n_names, &count, err));
+        AMX_CHECK(reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
         w->job = j;
         w->rank = req->rank;
         w->kind = WAIT_RECONCILE;
@@ -1359,8 +1437,7 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
                            "another call",
                            req->rank, j->name, (unsigned long long)j->epoch);
     AMX_CHECK(check_epoch(j, j->epoch, req->epoch, req->rank, "Reconcile", err));
-    size_t count;
-    AMX_CHECK(check_names(j, req->rank, req->names, req->n_names, &count, err));
+    AMX_CHECK(reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
     w->job = j;
     w->rank = req->rank;
     w->kind = WAIT_RECONCILE;
@@ -1503,8 +1580,8 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
             memset(&rep, 0, sizeof(rep));
             rep.epoch = res->epoch;
             rep.next_epoch = j->epoch;
-            amx_status_t st = build_results(reg, j, r->rank, w->names, w->n_names, &rep.results,
-                                            &rep.nresults, &a, &e2);
+            amx_status_t st = build_results(reg, j, r->rank, w->names, w->n_names, 0, 0,
+                                            &rep.results, &rep.nresults, NULL, &a, &e2);
             if (st == AMX_OK)
                 finish_waiter(reg, w, AMX_OK, NULL, &rep);
             else

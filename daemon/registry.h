@@ -72,6 +72,10 @@ typedef struct amx_scales_req {
     char **names;
     size_t n_names;
     int whole; /* whole global tensors instead of the rank's blocks */
+    /* A window of the answer's cells (results in order, each block's cells
+     * in row-major order): skip `start_cell`, return at most `max_cells`
+     * (0: all). */
+    uint64_t start_cell, max_cells;
 } amx_scales_req_t;
 
 typedef struct amx_reset_req {
@@ -83,12 +87,14 @@ typedef struct amx_reset_req {
 
 /* ---- answers ---- */
 
-/* One quantizer's results restricted to a block (arrays in the arena). */
+/* One quantizer's results restricted to a block (arrays in the arena), or
+ * to cells [first_cell, first_cell + ncells) of it (row-major) when a
+ * window cut it. */
 typedef struct amx_result {
     const char *name;
     uint32_t ndim;
     uint32_t off[AMX_MAX_DIMS], shape[AMX_MAX_DIMS];
-    uint64_t ncells;
+    uint64_t first_cell, ncells;
     float *amax, *scale, *scale_inv;
     uint8_t *bytes;
     float global_amax, global_scale, global_scale_inv;
@@ -104,6 +110,7 @@ typedef struct amx_reply {
     uint64_t next_epoch;
     amx_result_t *results;
     size_t nresults;
+    uint64_t total_cells; /* GetScales: cells of the whole answer, all windows */
     /* Register */
     uint32_t created, existing, catalog_size;
     /* Reset */

@@ -87,6 +87,7 @@ struct amx_call {
     ProtobufCMessage *request; /* kept while the call waits in the registry */
     amx_arena_t arena;         /* request views that live as long as the call */
     uint64_t stream_accepted, stream_epoch;
+    uint64_t queued; /* bytes of its answer counted in rpc->queued */
     tag_t t_new, t_recv, t_send, t_close;
     struct amx_call *prev, *next; /* live calls */
 };
@@ -117,6 +118,7 @@ struct amx_rpc {
     size_t spare_cap;
     amx_call_t *calls; /* live calls */
     uint32_t ncalls;
+    uint64_t queued; /* answer bytes handed to gRPC and not sent yet */
     int stopping, cq_done;
     tag_t t_shutdown, t_shutdown_peer;
     uv_timer_t grace;
@@ -190,6 +192,7 @@ static void call_free(amx_call_t *c)
     if (c->next)
         c->next->prev = c->prev;
     rpc->ncalls--;
+    rpc->queued -= c->queued;
     if (c->waiter.on_cancel != NULL)
         c->waiter.on_cancel(&c->waiter);
     else if (c->waiter.job != NULL)
@@ -252,13 +255,42 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
         /* Answered already, or the client is gone: nobody to answer. */
         return;
     }
+    amx_rpc_t *rpc = c->rpc;
+    char why[400];
+    if (st == AMX_OK && resp != NULL) {
+        /* Answers are bounded (the registry sizes them beforehand; this is
+         * the last guard), and so are the bytes held for clients that do
+         * not read their answers: gRPC keeps a message until the client's
+         * flow-control window lets it go. */
+        size_t len = protobuf_c_message_get_packed_size(resp);
+        if ((int64_t)len > rpc->cfg->max_message_bytes) {
+            snprintf(why, sizeof(why),
+                     "%s: the answer of %zu bytes exceeds max_message_bytes=%lld; ask for less "
+                     "at a time",
+                     amx__call_method(c), len, (long long)rpc->cfg->max_message_bytes);
+            st = AMX_ENOMEM, msg = why, resp = NULL;
+        } else if (rpc->queued + len > (uint64_t)rpc->cfg->max_queued_bytes) {
+            snprintf(why, sizeof(why),
+                     "%s: the daemon already holds %llu bytes of answers that clients have not "
+                     "read yet (max_queued_bytes=%lld); this answer of %zu bytes is refused: "
+                     "read answers before asking for more",
+                     amx__call_method(c), (unsigned long long)rpc->queued,
+                     (long long)rpc->cfg->max_queued_bytes, len);
+            st = AMX_ENOMEM, msg = why, resp = NULL;
+        } else {
+            rpc->queued += len;
+            c->queued = len;
+        }
+        if (resp == NULL)
+            AMX_WARN("rpc", "%s", why);
+    }
     grpc_op ops[3];
     size_t n = 0;
     memset(ops, 0, sizeof(ops));
     ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
     n++;
     if (st == AMX_OK && resp != NULL) {
-        size_t len = protobuf_c_message_get_packed_size(resp);
+        size_t len = c->queued;
         grpc_slice s = grpc_slice_malloc(len);
         protobuf_c_message_pack(resp, GRPC_SLICE_START_PTR(s));
         c->send_buf = grpc_raw_byte_buffer_create(&s, 1);
@@ -638,6 +670,8 @@ static void dispatch(amx_rpc_t *rpc, event_t *ev)
         break;
     case TAG_SEND:
         c->send_pending = 0;
+        rpc->queued -= c->queued;
+        c->queued = 0;
         maybe_free(c);
         break;
     case TAG_CLOSE:

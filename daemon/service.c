@@ -58,6 +58,7 @@ static Amaxd__V1__QuantizerResult **results_to_pb(const amx_reply_t *rep, amx_ar
         r->global_scale = x->global_scale;
         r->global_scale_inv = x->global_scale_inv;
         r->missing = x->missing;
+        r->first_cell = x->first_cell;
         v[i] = r;
     }
     return v;
@@ -257,7 +258,8 @@ amx_status_t amx__service_stream_msg(amx_svc_t *svc, const ProtobufCMessage *m, 
 static void h_get_scales(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__GetScalesRequest *req = (const void *)m;
-    amx_scales_req_t q = {req->job, req->rank, req->names, req->n_names, req->global};
+    amx_scales_req_t q = {req->job,    req->rank,       req->names,    req->n_names,
+                          req->global, req->start_cell, req->max_cells};
     amx_err_t err = {0};
     amx_arena_t a = {0};
     amx_reply_t rep;
@@ -266,6 +268,7 @@ static void h_get_scales(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     } else {
         Amaxd__V1__GetScalesResponse r = AMAXD__V1__GET_SCALES_RESPONSE__INIT;
         r.epoch = rep.epoch;
+        r.total_cells = rep.total_cells;
         r.n_results = rep.nresults;
         r.results = results_to_pb(&rep, &a);
         if (r.results == NULL)

@@ -8,11 +8,13 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import pytest
 
 import amaxd
 from amaxd import pb
 from amaxd_proc import BIN
+from h2raw import RawConn
 from test_bad_input import SVC, call, f32, raw, send, snapshot, spec
 
 C = grpc.StatusCode
@@ -226,3 +228,97 @@ def test_socket_mode_from_the_start(tmp_path):
         p.send_signal(signal.SIGTERM)
         assert p.wait(30) == 0
         log.close()
+
+
+# ---- 7: answers are bounded, and so are answers nobody reads ----
+
+def big_job(d, cells):
+    """Job "big": quantizer "big" of `cells` cells, reconciled once."""
+    vals = np.random.default_rng(0).random(cells, dtype=np.float32) + 0.5
+    with d.client("big", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("big", [cells], amaxd.Recipe.fp8_current()),
+                    amaxd.Quantizer("small", [4], amaxd.Recipe.fp8_current())])
+        c.send({"big": vals, "small": [1, 2, 3, 4]})
+        c.reconcile(names=["small"])
+    return vals
+
+
+def test_answers_are_bounded(start_daemon):
+    d = start_daemon("--max-message-bytes=65536")
+    vals = big_job(d, 15000)
+    peak0 = rss_peak_mb(d.proc.pid)
+    with HealthProber(d) as p:
+        code, details = call(d, "GetScales", pb.GetScalesRequest(job="big", names=["big"]))
+        assert code == C.RESOURCE_EXHAUSTED, details
+        assert "more than max_message_bytes=65536" in details and details in d.log()
+        # Amplification: a 300-byte request naming the big quantizer 64 times.
+        req = pb.GetScalesRequest(job="big", names=["big"] * 64)
+        assert len(req.SerializeToString()) < 400
+        code, details = call(d, "GetScales", req)
+        assert code == C.RESOURCE_EXHAUSTED and "64 quantizers, 960000 cells" in details
+        # A Reconcile whose answer would not fit is refused before the rank
+        # enters the epoch (the epoch stays open).
+        with d.client("big", 0, 1) as c:
+            epoch = c.status("big").jobs[0].epoch
+            with pytest.raises(amaxd.errors.ResourceExhausted) as e:
+                c.reconcile()
+            assert "name fewer quantizers in Reconcile" in e.value.message
+            st = c.status("big").jobs[0]
+            assert st.epoch == epoch and st.ranks_in_reconcile == 0
+        # Windows: the client fetches the big answer in pieces.
+        with d.client("big", 0, 1, max_message_bytes=65536) as c:
+            r = c.get_scales(["small", "big"])
+            assert r["small"].amax.tolist() == [1, 2, 3, 4]
+            np.testing.assert_array_equal(r["big"].amax, vals)
+            w = c.get_scales(["big"], whole=True, window_cells=777)
+            np.testing.assert_array_equal(w["big"].amax, vals)
+            np.testing.assert_array_equal(w["big"].scale, r["big"].scale)
+            assert w["big"].missing == 0
+    p.check()
+    grown = rss_peak_mb(d.proc.pid) - peak0
+    assert grown < 64, f"peak RSS grew by {grown:.0f} MB"
+
+
+def test_windows_cover_exactly(start_daemon):
+    """Every window of a multi-quantizer answer holds the right cells."""
+    d = start_daemon()
+    vals = big_job(d, 1000)
+    with d.client("big", 0, 1) as c:
+        for start, n in [(0, 1), (3, 2), (4, 1), (0, 4), (2, 600), (999, 10), (1003, 5), (5000, 5)]:
+            r = c._unary("GetScales", pb.GetScalesRequest(job="big", names=["small", "big"],
+                                                          start_cell=start, max_cells=n),
+                         pb.GetScalesResponse)
+            assert r.total_cells == 1004
+            want = np.concatenate([np.float32([1, 2, 3, 4]), vals])[start:start + n]
+            got = np.frombuffer(b"".join(q.amax for q in r.results), "<f4")
+            np.testing.assert_array_equal(got, want)
+            firsts = [(q.name, q.first_cell) for q in r.results]
+            if start < 4:
+                assert firsts[0] == ("small", start)
+            elif start < 1004:
+                assert firsts[0] == ("big", start - 4)
+            else:
+                assert firsts == []
+
+
+def test_unread_answers_are_capped(start_daemon):
+    d = start_daemon("--max-queued-bytes=1048576")
+    vals = big_job(d, 60000)                       # an answer of ~780 kB
+    req = pb.GetScalesRequest(job="big", names=["big"]).SerializeToString()
+    slow = RawConn(d.socket, window=0)             # never lets an answer through
+    try:
+        slow.unary(SVC + "GetScales", req)         # held by the daemon
+        time.sleep(0.5)
+        s2 = slow.unary(SVC + "GetScales", req)    # would pass 1 MiB
+        code, msg = slow.status_of(s2)
+        assert code == C.RESOURCE_EXHAUSTED.value[0], (code, msg)
+        assert "clients have not read yet" in msg
+        assert "max_queued_bytes=1048576" in d.log()
+        with d.client("big", 0, 1) as c:           # small answers still go out
+            assert c.get_scales(["small"])["small"].amax.tolist() == [1, 2, 3, 4]
+    finally:
+        slow.close()
+    time.sleep(0.5)                                # the held answer is dropped
+    with d.client("big", 0, 1) as c:
+        np.testing.assert_array_equal(c.get_scales(["big"])["big"].amax, vals)

@@ -339,7 +339,7 @@ START_TEST(block_placement_2d)
     ck_assert_int_eq(send1("j", 0, 0, "b", v0, 12, &err), AMX_OK);
     ck_assert_int_eq(send1("j", 1, 0, "b", v1, 12, &err), AMX_OK);
     reconcile_all("j", 2, 0);
-    amx_scales_req_t gr = {"j", 0, NULL, 0, 1};
+    amx_scales_req_t gr = {"j", 0, NULL, 0, 1, 0, 0};
     amx_reply_t rep;
     amx_arena_t ar = {0};
     ck_assert_int_eq(amx_registry_get_scales(reg, &gr, &rep, &ar, &err), AMX_OK);

@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 
 from ._gen import amaxd_pb2 as pb
-from .errors import AmaxdError, from_rpc_error
+from .errors import AmaxdError, ResourceExhausted, from_rpc_error
 from .placement import Placement
 
 DEFAULT_SOCKET = "/run/amaxd/amaxd.sock"
@@ -100,15 +100,32 @@ class Result:
 
     @staticmethod
     def from_pb(r):
+        return Result.from_parts([r])
+
+    @staticmethod
+    def from_parts(parts):
+        """One result from the windows of it that GetScales returned (in order)."""
+        r = parts[0]
         shape = tuple(r.shape)
+        ncells = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        pos = 0
+        for p in parts:
+            if p.first_cell != pos:
+                raise AmaxdError(grpc.StatusCode.INTERNAL,
+                                 f"{r.name}: a window starts at cell {p.first_cell}, "
+                                 f"expected {pos}")
+            pos += len(p.amax) // 4
+        if pos != ncells:
+            raise AmaxdError(grpc.StatusCode.INTERNAL, f"{r.name}: {pos} of {ncells} cells returned")
 
-        def f32(b):
-            return np.frombuffer(b, dtype="<f4").reshape(shape).copy()
+        def cat(field, dtype):
+            b = b"".join(getattr(p, field) for p in parts)
+            return np.frombuffer(b, dtype=dtype).reshape(shape).copy()
 
-        return Result(r.name, tuple(r.offset), shape, f32(r.amax), f32(r.scale),
-                      f32(r.scale_inv),
-                      np.frombuffer(r.block_scales, dtype=np.uint8).reshape(shape).copy(),
-                      r.global_amax, r.global_scale, r.global_scale_inv, r.missing)
+        return Result(r.name, tuple(r.offset), shape, cat("amax", "<f4"), cat("scale", "<f4"),
+                      cat("scale_inv", "<f4"), cat("block_scales", np.uint8),
+                      r.global_amax, r.global_scale, r.global_scale_inv,
+                      sum(p.missing for p in parts))
 
 
 def _to_f32_bytes(values) -> bytes:
@@ -148,6 +165,7 @@ class Client:
                  max_message_bytes: int = 64 << 20):
         self.job, self.rank, self.world_size = job, int(rank), int(world_size)
         self.timeout = timeout
+        self.max_message_bytes = max_message_bytes
         opts = [("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", -1)]
         self._channel = grpc.insecure_channel(_target(socket, address), options=opts)
@@ -214,11 +232,33 @@ class Client:
         self.epoch = r.next_epoch
         return {q.name: Result.from_pb(q) for q in r.results}
 
-    def get_scales(self, names: Sequence[str] = (), whole: bool = False) -> Dict[str, Result]:
-        r = self._unary("GetScales", pb.GetScalesRequest(job=self.job, rank=self.rank,
-                                                         names=list(names), **{"global": whole}),
-                        pb.GetScalesResponse)
-        return {q.name: Result.from_pb(q) for q in r.results}
+    def get_scales(self, names: Sequence[str] = (), whole: bool = False,
+                   window_cells: Optional[int] = None) -> Dict[str, Result]:
+        """The last reconciled results. Fetched in windows of `window_cells`
+        cells (default: what fits in max_message_bytes); a window the daemon
+        refuses as too large is halved."""
+        mmb = self.max_message_bytes
+        window = window_cells or max(1, (mmb - min(mmb // 8, 1 << 20)) // 14)
+        parts: Dict[str, list] = {}
+        start = 0
+        while True:
+            req = pb.GetScalesRequest(job=self.job, rank=self.rank, names=list(names),
+                                      start_cell=start, max_cells=window, **{"global": whole})
+            try:
+                r = self._unary("GetScales", req, pb.GetScalesResponse)
+            except ResourceExhausted:
+                if window <= 1:
+                    raise
+                window //= 2
+                continue
+            got = 0
+            for q in r.results:
+                parts.setdefault(q.name, []).append(q)
+                got += len(q.amax) // 4
+            start += got
+            if got == 0 or start >= r.total_cells:
+                break
+        return {n: Result.from_parts(p) for n, p in parts.items()}
 
     def reset(self, names: Sequence[str] = (), drop_job: bool = False):
         return self._unary("Reset", pb.ResetRequest(job=self.job, names=list(names),
