@@ -1221,6 +1221,17 @@ static const amx_state_ops_t cuda_ops = {
     cuda_destroy,
 };
 
+extern "C" uint64_t amx__state_cuda_memory(int device)
+{
+    size_t free_b = 0, total = 0;
+    int prev = 0;
+    if (cudaGetDevice(&prev) != cudaSuccess || cudaSetDevice(device) != cudaSuccess)
+        return 0;
+    cudaError_t e = cudaMemGetInfo(&free_b, &total);
+    cudaSetDevice(prev);
+    return e == cudaSuccess ? (uint64_t)total : 0;
+}
+
 extern "C" int amx__state_cuda_probe(void)
 {
     int n = 0;

@@ -98,6 +98,7 @@ typedef struct amx_job {
     uint64_t updates, epochs_ok, epochs_failed;
     uint64_t last_epoch_us, last_collective_us, last_finish_us;
     uint64_t flight_started_us, last_started_us, last_ended_us; /* CLOCK_MONOTONIC */
+    uint64_t last_active_ms; /* the last call of one of its ranks (job_idle_timeout_ms) */
     uint32_t last_collectives;
     struct amx_job *next;
 } amx_job_t;

@@ -48,6 +48,8 @@ struct amx_registry {
     amx_job_t **done_q, **done_spare;
     size_t ndone, cap_done, cap_spare;
     amx_engine_env_t env;
+    uint64_t budget;     /* memory_budget resolved: bytes of state all jobs may take */
+    char budget_src[64]; /* where it came from, for messages */
 };
 
 typedef struct join_ctx {
@@ -58,6 +60,7 @@ typedef struct join_ctx {
 
 static void epoch_done(amx_registry_t *reg, amx_job_t *j);
 static void run_deferred(amx_registry_t *reg, amx_job_t *j);
+static void drop_job(amx_registry_t *reg, amx_job_t *j, const char *why);
 
 /* ---- small helpers ---- */
 
@@ -122,6 +125,7 @@ static amx_status_t ready_job(amx_registry_t *reg, const char *name, uint32_t ra
                            "daemon it joined",
                            rank, name, home);
     }
+    j->last_active_ms = amx_now_ms();
     *out = j;
     return AMX_OK;
 }
@@ -409,6 +413,16 @@ amx_status_t amx_registry_create(uv_loop_t *loop, const amx_config_t *cfg, const
     reg->env.cuda_device = (int)cfg->cuda_device;
     reg->env.post = post_done;
     reg->env.ud = reg;
+    /* The default memory budget: half of the memory the state lives in. */
+    uint64_t mem = amx_state_memory(backend, (int)cfg->cuda_device);
+    reg->budget = mem > 0 ? mem / 2 : UINT64_MAX / 2;
+    snprintf(reg->budget_src, sizeof(reg->budget_src), "%s",
+             mem == 0                       ? "unlimited: the memory size is unknown"
+             : strcmp(backend, "cuda") == 0 ? "half of the GPU's memory"
+                                            : "half of the host's memory");
+    if (cfg->memory_budget == 0)
+        AMX_INFO("registry", "memory budget for job state: %llu MiB (%s)",
+                 (unsigned long long)(reg->budget >> 20), reg->budget_src);
     *out = reg;
     return AMX_OK;
 }
@@ -603,6 +617,7 @@ amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, a
                            req->rank, req->job, home);
     }
     if (j != NULL && j->ready && r != NULL && r->join_w == NULL) {
+        j->last_active_ms = now_ms;
         AMX_INFO("registry", "job %s: rank %u re-joined; state kept", j->name, req->rank);
         r->joined = 1;
         w->job = NULL;
@@ -618,6 +633,7 @@ amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, a
         AMX_CHECK(job_create(reg, req->job, req->world, &j, err));
         created = 1;
     }
+    j->last_active_ms = now_ms;
     r = add_local_rank(j, req->rank);
     join_ctx_t *ctx = malloc(sizeof(*ctx));
     if (r == NULL || ctx == NULL) {
@@ -782,6 +798,13 @@ static uint64_t view_cells(const amx_job_t *j)
     return j->cat->ncells + j->cat->nhist + j->prov_cells + j->prov_hist;
 }
 
+/* The memory budget (configuration may be reloaded: an explicit value is
+ * read every time; 0 means the default found at start). */
+static uint64_t reg_budget(const amx_registry_t *reg)
+{
+    return reg->cfg->memory_budget > 0 ? (uint64_t)reg->cfg->memory_budget : reg->budget;
+}
+
 static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_register_req_t *req,
                                 amx_reply_t *rep, amx_err_t *err)
 {
@@ -827,6 +850,22 @@ static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_reg
                          "max_cells=%lld; register fewer or smaller quantizers or raise max_cells",
                          j->name, (unsigned long long)(have + new_cells + new_hist),
                          (long long)reg->cfg->max_cells);
+        goto out;
+    }
+    uint64_t used = 0;
+    for (const amx_job_t *o = reg->jobs; o != NULL; o = o->next)
+        used += view_cells(o);
+    if ((used + new_cells + new_hist) * AMX_STATE_BYTES_PER_CELL > reg_budget(reg)) {
+        st = amx_err_set(
+            err, AMX_ENOMEM,
+            "the jobs of this daemon would hold %llu amax cells, about %llu MiB of "
+            "state (%d bytes a cell), more than memory_budget=%llu MiB (%s); "
+            "register fewer or smaller quantizers, drop unused jobs, or raise "
+            "memory_budget",
+            (unsigned long long)(used + new_cells + new_hist),
+            (unsigned long long)((used + new_cells + new_hist) * AMX_STATE_BYTES_PER_CELL >> 20),
+            AMX_STATE_BYTES_PER_CELL, (unsigned long long)(reg_budget(reg) >> 20),
+            reg->cfg->memory_budget > 0 ? "configured" : reg->budget_src);
         goto out;
     }
     if ((uint64_t)j->cat->n + j->nprop + new_q > (uint64_t)reg->cfg->max_quantizers) {
@@ -1669,10 +1708,32 @@ void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w)
              w->rank, (unsigned long long)j->epoch);
 }
 
+/* A job none of whose ranks called for job_idle_timeout_ms (none waits,
+ * no epoch in flight): its slot and memory go back. */
+static int job_idle(const amx_registry_t *reg, const amx_job_t *j, uint64_t now_ms)
+{
+    int64_t t = reg->cfg->job_idle_timeout_ms;
+    if (t <= 0 || j->in_flight || now_ms < j->last_active_ms + (uint64_t)t)
+        return 0;
+    for (uint32_t i = 0; i < j->nlocal; i++)
+        if (j->lr[i].join_w != NULL || j->lr[i].rec_w != NULL)
+            return 0;
+    return 1;
+}
+
 void amx_registry_expire(amx_registry_t *reg, uint64_t now_ms)
 {
     char msg[1024], missing[256];
-    for (amx_job_t *j = reg->jobs; j != NULL; j = j->next) {
+    for (amx_job_t *j = reg->jobs, *next; j != NULL; j = next) {
+        next = j->next;
+        if (job_idle(reg, j, now_ms)) {
+            snprintf(msg, sizeof(msg),
+                     "no rank of it called this daemon for %lld ms (job_idle_timeout_ms); its "
+                     "state is gone, its ranks must join again",
+                     (long long)(now_ms - j->last_active_ms));
+            drop_job(reg, j, msg);
+            continue;
+        }
         if (j->in_flight) {
             /* The engine answers by the deadline; this only reports a bug. */
             if (j->flight_deadline != UINT64_MAX && now_ms > j->flight_deadline + 30000 &&
@@ -1756,6 +1817,7 @@ amx_status_t amx_registry_reset(amx_registry_t *reg, const amx_reset_req_t *req,
     amx_job_t *j = find_job(reg, req->job);
     if (j == NULL)
         return amx_err_set(err, AMX_ENOTFOUND, "job '%s' is not known to this daemon", req->job);
+    j->last_active_ms = amx_now_ms();
     amx_reply_t rep;
     memset(&rep, 0, sizeof(rep));
     if (req->drop_job) {

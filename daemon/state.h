@@ -187,6 +187,15 @@ void amx_state_destroy(amx_state_t *st);
 /* True when a CUDA device is present and the cuda backend is compiled in. */
 int amx_state_cuda_available(void);
 
+/* Bytes of state a backend keeps per amax cell (pending x2, receive,
+ * accumulated, previous scale, two result sets), for memory budgets. */
+#define AMX_STATE_BYTES_PER_CELL 48
+
+/* The memory a backend's state lives in: the host's physical memory, or
+ * the CUDA device's (0 when unknown). */
+uint64_t amx_state_memory(const char *backend, int device);
+uint64_t amx__state_cuda_memory(int device);
+
 /* Host backend constructor (state_host.c). */
 amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err);
 /* CUDA backend constructor (cuda/state_cuda.cu), when built. */

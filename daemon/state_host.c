@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "clock.h"
 #include "postproc.h"
@@ -539,7 +540,21 @@ int amx__state_cuda_probe(void)
 {
     return 0;
 }
+
+uint64_t amx__state_cuda_memory(int device)
+{
+    (void)device;
+    return 0;
+}
 #endif
+
+uint64_t amx_state_memory(const char *backend, int device)
+{
+    if (strcmp(backend, "cuda") == 0)
+        return amx__state_cuda_memory(device);
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && size > 0 ? (uint64_t)pages * (uint64_t)size : 0;
+}
 
 int amx_state_cuda_available(void)
 {

@@ -2,6 +2,7 @@
 status and a log line, changes no state, and Health keeps answering within
 1 s while it runs (a prober thread on its own connection)."""
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -322,3 +323,52 @@ def test_unread_answers_are_capped(start_daemon):
     time.sleep(0.5)                                # the held answer is dropped
     with d.client("big", 0, 1) as c:
         np.testing.assert_array_equal(c.get_scales(["big"])["big"].amax, vals)
+
+
+# ---- 8: abandoned jobs give their slots back ----
+
+def test_idle_jobs_expire(start_daemon):
+    d = start_daemon("--max-jobs=2", "--job-idle-timeout-ms=1500")
+    for name in ("a", "b"):
+        with d.client(name, 0, 1) as c:
+            c.join()
+    code, details = call(d, "Join", pb.JoinRequest(job="c", rank=0, world_size=1))
+    assert code == C.RESOURCE_EXHAUSTED and "max_jobs" in details
+    # Job "b" stays busy; job "a" is abandoned.
+    with d.client("b", 0, 1) as c:
+        for _ in range(12):
+            c.register([amaxd.Quantizer("w", [1], amaxd.Recipe.fp8_current())])
+            time.sleep(0.2)
+        names = [j.name for j in c.status().jobs]
+    assert names == ["b"], names
+    assert re.search(r"job a dropped \(0 quantizers\): no rank of it called this daemon for "
+                     r"\d+ ms \(job_idle_timeout_ms\)", d.log())
+    with d.client("c", 0, 1) as c:     # the slot is free again
+        c.join()
+
+
+# ---- 6: one memory budget for all jobs ----
+
+def test_memory_budget_across_jobs(start_daemon):
+    # 1 MiB of state = 21845 cells at 48 bytes a cell.
+    d = start_daemon("--memory-budget=1048576")
+    peak0 = rss_peak_mb(d.proc.pid)
+    with d.client("a", 0, 1) as a, d.client("b", 0, 1) as b:
+        a.join()
+        b.join()
+        a.register([amaxd.Quantizer("w", [12000], amaxd.Recipe.fp8_current())])
+        with HealthProber(d) as p:
+            # 22 bytes on the wire asking for 2^27 cells (6 GiB of state).
+            req = pb.RegisterRequest(job="b", quantizers=[spec("huge", [134217728])])
+            code, details = call(d, "RegisterQuantizers", req)
+            assert code == C.RESOURCE_EXHAUSTED, details
+            assert "more than memory_budget=1 MiB (configured)" in details and details in d.log()
+            # The budget is shared: job b cannot take what job a holds.
+            with pytest.raises(amaxd.errors.ResourceExhausted):
+                b.register([amaxd.Quantizer("w", [12000], amaxd.Recipe.fp8_current())])
+            b.register([amaxd.Quantizer("w", [8000], amaxd.Recipe.fp8_current())])
+        p.check()
+        st = b.status("b").jobs[0]
+        assert st.quantizers + st.proposals == 1
+    assert rss_peak_mb(d.proc.pid) - peak0 < 50
+    assert "memory budget for job state" not in d.log()   # explicit: no default to report
