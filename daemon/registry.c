@@ -49,6 +49,7 @@ struct amx_registry {
     size_t ndone, cap_done, cap_spare;
     amx_engine_env_t env;
     uint64_t budget;     /* memory_budget resolved: bytes of state all jobs may take */
+    char fault[512];     /* a state backend fault (sticky CUDA error): Health says NOT_SERVING */
     char budget_src[64]; /* where it came from, for messages */
 };
 
@@ -805,6 +806,25 @@ static uint64_t reg_budget(const amx_registry_t *reg)
     return reg->cfg->memory_budget > 0 ? (uint64_t)reg->cfg->memory_budget : reg->budget;
 }
 
+/* Records a device fault of the state backend: CUDA errors are sticky, so
+ * every later epoch would fail too; Health reports it. Returns st. */
+static amx_status_t note_fault(amx_registry_t *reg, amx_status_t st, const char *msg)
+{
+    if (st == AMX_EDEVICE && reg->fault[0] == '\0') {
+        snprintf(reg->fault, sizeof(reg->fault), "%.500s", msg);
+        AMX_ERROR("registry",
+                  "state backend fault: %s; Health answers NOT_SERVING from now on: restart "
+                  "the daemon",
+                  msg);
+    }
+    return st;
+}
+
+const char *amx_registry_fault(const amx_registry_t *reg)
+{
+    return reg->fault[0] != '\0' ? reg->fault : NULL;
+}
+
 static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_register_req_t *req,
                                 amx_reply_t *rep, amx_err_t *err)
 {
@@ -886,9 +906,11 @@ static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_reg
         st = amx_err_set(err, AMX_ENOMEM, "out of memory registering %zu quantizers", n);
         goto out;
     }
-    AMX_CHECK_GOTO(
-        j->state->ops->reserve_pending(j->state, j->cat->ncells + j->prov_cells + new_cells, err),
-        st, out);
+    st = j->state->ops->reserve_pending(j->state, j->cat->ncells + j->prov_cells + new_cells, err);
+    if (st != AMX_OK) {
+        note_fault(reg, st, err->msg);
+        goto out;
+    }
     /* Phase 3: apply; nothing below can fail. */
     uint32_t created = 0, existing = 0;
     for (size_t i = 0; i < n; i++) {
@@ -1126,8 +1148,10 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
         amx_placement_rows(pl, j->lq[lid].spec->shape, j->lq[lid].base, stage_row, &ctx);
         ctx.src_base += pl->ncells;
     }
-    AMX_CHECK(
-        j->state->ops->merge(j->state, reg->stage, nvals, reg->runs, ctx.nruns, overlap, err));
+    amx_status_t mst =
+        j->state->ops->merge(j->state, reg->stage, nvals, reg->runs, ctx.nruns, overlap, err);
+    if (mst != AMX_OK)
+        return note_fault(reg, mst, err->msg);
     j->updates += req->n;
     *accepted = req->n;
     *epoch = open;
@@ -1344,9 +1368,12 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
         x->global_scale = have ? j->state->g_scale[f][c] : 1.0f;
         x->global_scale_inv = have ? j->state->g_inv[f][c] : 1.0f;
     }
-    if (total > 0)
-        AMX_CHECK(j->state->ops->read_results(j->state, reg->runs, g.nruns, total, amax, scale, inv,
-                                              bytes, err));
+    if (total > 0) {
+        amx_status_t rst = j->state->ops->read_results(j->state, reg->runs, g.nruns, total, amax,
+                                                       scale, inv, bytes, err);
+        if (rst != AMX_OK)
+            return note_fault(reg, rst, err->msg);
+    }
     /* Cells without data anywhere read 0 and are counted (results of
      * quantizers not agreed yet were filled by empty_result). */
     for (size_t i = 0; i < k; i++) {
@@ -1628,6 +1655,7 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
             amx_arena_free(&a);
         }
     } else {
+        note_fault(reg, res->st, res->msg);
         amx_err_t e2 = {0};
         if (j->state->ops->unflip(j->state, &e2) != AMX_OK)
             AMX_ERROR("registry", "job %s: %s", j->name, e2.msg);

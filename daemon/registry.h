@@ -197,6 +197,9 @@ amx_status_t amx_registry_reset(amx_registry_t *reg, const amx_reset_req_t *req,
 /* Removes a waiter whose client went away; its callback is not called. */
 void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w);
 
+/* The state backend's device fault (a sticky CUDA error), or NULL. */
+const char *amx_registry_fault(const amx_registry_t *reg);
+
 /* Fails waiters whose deadline is before `now_ms` with ETIMEDOUT. */
 void amx_registry_expire(amx_registry_t *reg, uint64_t now_ms);
 

@@ -444,7 +444,9 @@ static void h_health(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         reply_err(c, "Health/Check", &err);
         return;
     }
-    resp.status = svc->stopping
+    /* Not serving while stopping, or once the state backend has failed
+     * (every epoch would fail: an orchestrator should restart the daemon). */
+    resp.status = svc->stopping || amx_registry_fault(svc->reg) != NULL
                       ? GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__NOT_SERVING
                       : GRPC__HEALTH__V1__HEALTH_CHECK_RESPONSE__SERVING_STATUS__SERVING;
     amx__call_reply(c, AMX_OK, NULL, &resp.base);

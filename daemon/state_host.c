@@ -13,6 +13,7 @@
 #include "state.h"
 
 typedef struct host_state {
+    int simulate_fault; /* AMAXD_TEST_DEVICE_FAULT: finish fails as a device would */
     float *pend[2];     /* AMX_HDR_CELLS + pend_n[k] floats */
     uint64_t pend_n[2]; /* data cells of each pending buffer */
     int active;         /* the pending buffer SendAmax merges into */
@@ -339,6 +340,9 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
 {
     (void)desc_dirty;
     host_state_t *h = st->impl;
+    if (h->simulate_fault)
+        return amx_err_set(err, AMX_EDEVICE,
+                           "simulated device fault (AMAXD_TEST_DEVICE_FAULT is set; a test aid)");
     uint64_t t0 = amx_now_us();
     int fl = h->active ^ 1, back = st->front ^ 1;
     if (ncells != st->ncells)
@@ -521,6 +525,10 @@ amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err)
         free(h);
         return amx_err_set(err, AMX_ENOMEM, "out of host memory creating a job state");
     }
+    /* For the tests of what a device fault does (CUDA errors are sticky):
+     * with AMAXD_TEST_DEVICE_FAULT set, every finish fails like one. */
+    const char *f = getenv("AMAXD_TEST_DEVICE_FAULT");
+    h->simulate_fault = f != NULL && f[0] != '\0' && strcmp(f, "0") != 0;
     st->ops = &host_ops;
     st->impl = h;
     *out = st;

@@ -372,3 +372,53 @@ def test_memory_budget_across_jobs(start_daemon):
         assert st.quantizers + st.proposals == 1
     assert rss_peak_mb(d.proc.pid) - peak0 < 50
     assert "memory budget for job state" not in d.log()   # explicit: no default to report
+
+
+# ---- 9: a failed state backend is reported by Health ----
+
+def test_device_fault_makes_health_not_serving(start_daemon):
+    """AMAXD_TEST_DEVICE_FAULT makes the host backend fail every finish the
+    way a sticky CUDA error fails the CUDA backend."""
+    d = start_daemon(env={"AMAXD_TEST_DEVICE_FAULT": "1"})
+    with d.client("j", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("w", [2], amaxd.Recipe.fp8_current())])
+        c.send({"w": [1, 2]})
+        assert c.health() == "SERVING"
+        with pytest.raises(amaxd.AmaxdError) as e:
+            c.reconcile()
+        assert "simulated device fault" in e.value.message
+        assert c.health() == "NOT_SERVING"
+    assert "state backend fault: " in d.log() and "restart the daemon" in d.log()
+
+
+def test_late_update_is_refused_not_moved(start_daemon):
+    """The Python client sends for the epoch it saw open: an update that
+    arrives after that epoch was reconciled is refused, not merged into the
+    next epoch."""
+    d = start_daemon()
+    with d.client("j", 0, 2) as a, d.client("j", 1, 2) as b:
+        t = threading.Thread(target=a.join)
+        t.start()
+        b.join()
+        t.join()
+        a.register([amaxd.Quantizer("w", [1], amaxd.Recipe.fp8_current())])
+        b.register([amaxd.Quantizer("w", [1], amaxd.Recipe.fp8_current())])
+        late = d.client("j", 1, 2)             # a sender of rank 1 that saw epoch 1
+        late.epoch = b.epoch
+        res = {}
+        t = threading.Thread(target=lambda: res.update(a=a.reconcile()))
+        t.start()
+        res["b"] = b.reconcile()
+        t.join()
+        with pytest.raises(amaxd.errors.FailedPrecondition) as e:
+            late.send({"w": [99.0]})
+        assert "already reconciled" in e.value.message
+        late.close()
+        a.send({"w": [1.0]})
+        b.send({"w": [2.0]})
+        t = threading.Thread(target=lambda: res.update(a=a.reconcile()))
+        t.start()
+        r = b.reconcile()
+        t.join()
+        assert r["w"].amax.tolist() == [2.0]   # the 99 never landed

@@ -210,12 +210,22 @@ class Client:
         return pb.SendAmaxRequest(job=self.job, rank=self.rank, epoch=epoch,
                                   updates=[_update(n, v) for n, v in amax.items()])
 
-    def send(self, amax: Mapping[str, object], epoch: int = 0):
-        """Merges {name: local amax block} into the open epoch (atomic)."""
-        return self._unary("SendAmax", self._send_req(amax, epoch), pb.SendAmaxResponse)
+    def _epoch(self, epoch):
+        # Updates are for the epoch this client saw open (Join, Reconcile):
+        # one that arrives after that epoch was reconciled is refused
+        # (FAILED_PRECONDITION) instead of landing in the next one. 0 means
+        # "whatever epoch is open now".
+        return self.epoch if epoch is None else epoch
 
-    def stream(self, batches: Iterable[Mapping[str, object]], epoch: int = 0):
+    def send(self, amax: Mapping[str, object], epoch: Optional[int] = None):
+        """Merges {name: local amax block} into the epoch this client saw
+        open (atomic); `epoch` overrides it (0: whatever is open)."""
+        return self._unary("SendAmax", self._send_req(amax, self._epoch(epoch)),
+                           pb.SendAmaxResponse)
+
+    def stream(self, batches: Iterable[Mapping[str, object]], epoch: Optional[int] = None):
         """Sends many batches on one client-streaming call; returns the total accepted."""
+        epoch = self._epoch(epoch)
         fn = self._channel.stream_unary(_SVC + "StreamAmax",
                                         request_serializer=lambda m: m.SerializeToString(),
                                         response_deserializer=pb.SendAmaxResponse.FromString)
@@ -224,9 +234,13 @@ class Client:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
-    def reconcile(self, names: Sequence[str] = (), epoch: int = 0, timeout=None) -> Dict[str, Result]:
-        """Ends this rank's epoch; blocks until every rank did; returns {name: Result}."""
-        r = self._unary("Reconcile", pb.ReconcileRequest(job=self.job, rank=self.rank, epoch=epoch,
+    def reconcile(self, names: Sequence[str] = (), epoch: Optional[int] = None,
+                  timeout=None) -> Dict[str, Result]:
+        """Ends this rank's epoch (the one this client saw open; `epoch`
+        overrides it, 0: whatever is open); blocks until every rank did;
+        returns {name: Result}."""
+        r = self._unary("Reconcile", pb.ReconcileRequest(job=self.job, rank=self.rank,
+                                                         epoch=self._epoch(epoch),
                                                          names=list(names)),
                         pb.ReconcileResponse, timeout)
         self.epoch = r.next_epoch
