@@ -359,7 +359,8 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
     AMX_CHECK(size_outputs(st, back, ncells, nq, err));
     const float *red = (from_send ? h->pend[fl] : h->recv) + AMX_HDR_CELLS;
     float *out_amax = h->o_amax[back];
-    float *peer_max = h->group_max, *scale_max = h->group_max + npeer;
+    float *peer_max = h->group_max;
+    float *scale_max = h->group_max != NULL ? h->group_max + npeer : NULL;
     for (size_t i = 0; i < ngroups; i++)
         h->group_max[i] = -INFINITY;
     /* 0. Resets agreed for this epoch. */
