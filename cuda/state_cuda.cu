@@ -1219,6 +1219,8 @@ static const amx_state_ops_t cuda_ops = {
     cuda_export,
     cuda_import,
     cuda_destroy,
+    NULL,
+    NULL,
 };
 
 extern "C" uint64_t amx__state_cuda_memory(int device)

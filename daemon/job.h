@@ -13,6 +13,7 @@
 #ifndef AMX_JOB_H
 #define AMX_JOB_H
 
+#include <pthread.h>
 #include <stdint.h>
 
 #include "catalog.h"
@@ -65,7 +66,14 @@ typedef struct amx_job {
     char *name;
     uint32_t world;
     int ready;   /* membership known: every rank joined some daemon */
-    int dropped; /* drop requested while in flight */
+    int dropped; /* drop requested while in flight (or growing) */
+    /* A large growth of the pending buffers whose new cells a thread of
+     * its own is filling (state.h grow_pending): Register waits, no epoch
+     * starts. */
+    int growing;
+    int grow_done; /* set by that thread (atomic), read by the loop */
+    pthread_t grow_th;
+    void *grow_wake; /* the registry's uv_async_t the thread signals */
     /* Membership. */
     amx_lrank_t *lr; /* local ranks, nlocal of them (grown as ranks join) */
     uint32_t nlocal, cap_local;

@@ -42,6 +42,9 @@ struct amx_registry {
     uint64_t stage_cap;
     amx_run_t *runs;
     size_t runs_cap;
+    /* Growths of pending buffers that ended (job.h growing). */
+    uv_async_t grow_async;
+    int open_asyncs; /* the registry is freed when both asyncs are closed */
     /* Epoch outcomes posted by engine threads. */
     uv_async_t done_async;
     pthread_mutex_t done_mu;
@@ -62,6 +65,7 @@ typedef struct join_ctx {
 static void epoch_done(amx_registry_t *reg, amx_job_t *j);
 static void run_deferred(amx_registry_t *reg, amx_job_t *j);
 static void drop_job(amx_registry_t *reg, amx_job_t *j, const char *why);
+static void on_grow_async(uv_async_t *h);
 
 /* ---- small helpers ---- */
 
@@ -197,6 +201,8 @@ static void fail_all_waiters(amx_registry_t *reg, amx_job_t *j, amx_status_t st,
 
 static void job_free(amx_job_t *j)
 {
+    if (j->growing)
+        pthread_join(j->grow_th, NULL); /* only at shutdown: drops wait for it */
     if (j->eng != NULL)
         amx_engine_destroy(j->eng);
     for (uint32_t i = 0; i < j->nlocal; i++)
@@ -232,11 +238,11 @@ static void job_unlink(amx_registry_t *reg, amx_job_t *j)
 static void job_remove(amx_registry_t *reg, amx_job_t *j)
 {
     job_unlink(reg, j);
-    if (j->in_flight) {
+    if (j->in_flight || j->growing) {
         j->dropped = 1;
         j->next = reg->zombies;
         reg->zombies = j;
-        if (j->eng != NULL)
+        if (j->in_flight && j->eng != NULL)
             amx_engine_abort(j->eng, 0, "the job was dropped");
         return;
     }
@@ -404,9 +410,13 @@ amx_status_t amx_registry_create(uv_loop_t *loop, const amx_config_t *cfg, const
     pthread_mutex_init(&reg->done_mu, NULL);
     uv_async_init(loop, &reg->done_async, on_done_async);
     reg->done_async.data = reg;
+    uv_async_init(loop, &reg->grow_async, on_grow_async);
+    reg->grow_async.data = reg;
+    reg->open_asyncs = 2;
     /* Epoch outcomes are delivered while the loop runs; they never keep it
      * running on their own. */
     uv_unref((uv_handle_t *)&reg->done_async);
+    uv_unref((uv_handle_t *)&reg->grow_async);
     reg->env.cfg = cfg;
     reg->env.peer = peer;
     reg->env.collective = reg->collective;
@@ -459,6 +469,8 @@ static void drain_engines(amx_registry_t *reg)
 static void on_async_closed(uv_handle_t *h)
 {
     amx_registry_t *reg = h->data;
+    if (--reg->open_asyncs > 0)
+        return;
     free(reg->done_q);
     free(reg->done_spare);
     pthread_mutex_destroy(&reg->done_mu);
@@ -485,6 +497,7 @@ void amx_registry_destroy(amx_registry_t *reg)
         job_free(j);
     }
     uv_close((uv_handle_t *)&reg->done_async, on_async_closed);
+    uv_close((uv_handle_t *)&reg->grow_async, on_async_closed);
 }
 
 const char *amx_registry_backend(const amx_registry_t *reg)
@@ -825,9 +838,48 @@ const char *amx_registry_fault(const amx_registry_t *reg)
     return reg->fault[0] != '\0' ? reg->fault : NULL;
 }
 
-static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_register_req_t *req,
-                                amx_reply_t *rep, amx_err_t *err)
+/* The growth above which pending buffers are grown by a thread of their
+ * own (about 10 ms of filling on the loop). */
+#define GROW_ASYNC_CELLS (4u << 20)
+
+static void *grow_main(void *arg)
 {
+    amx_job_t *j = arg;
+    j->state->ops->fill_pending(j->state);
+    __atomic_store_n(&j->grow_done, 1, __ATOMIC_RELEASE);
+    uv_async_send((uv_async_t *)j->grow_wake);
+    return NULL;
+}
+
+/* Starts growing the pending buffers to `cells` off the loop; AMX_OK and
+ * *started when it did (the Register waits for it), AMX_OK and !*started
+ * when the growth is small or the backend has no such path (do it now). */
+static amx_status_t grow_async(amx_registry_t *reg, amx_job_t *j, uint64_t cells, int *started,
+                               amx_err_t *err)
+{
+    *started = 0;
+    amx_state_t *st = j->state;
+    if (st->ops->grow_pending == NULL || cells <= st->pend_cells ||
+        cells - st->pend_cells < GROW_ASYNC_CELLS)
+        return AMX_OK;
+    AMX_CHECK(st->ops->grow_pending(st, cells, err));
+    j->grow_done = 0;
+    j->grow_wake = &reg->grow_async;
+    if (pthread_create(&j->grow_th, NULL, grow_main, j) != 0) {
+        st->ops->fill_pending(st); /* no thread: fill here */
+        return AMX_OK;
+    }
+    j->growing = 1;
+    *started = 1;
+    AMX_DEBUG("registry", "job %s: growing pending buffers to %llu cells off the loop", j->name,
+              (unsigned long long)cells);
+    return AMX_OK;
+}
+
+static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_register_req_t *req,
+                                amx_reply_t *rep, int *deferred, amx_err_t *err)
+{
+    *deferred = 0;
     amx_lrank_t *r = local_rank(j, req->rank);
     size_t n = req->n;
     if (n == 0)
@@ -906,7 +958,12 @@ static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_reg
         st = amx_err_set(err, AMX_ENOMEM, "out of memory registering %zu quantizers", n);
         goto out;
     }
-    st = j->state->ops->reserve_pending(j->state, j->cat->ncells + j->prov_cells + new_cells, err);
+    uint64_t need = j->cat->ncells + j->prov_cells + new_cells;
+    st = grow_async(reg, j, need, deferred, err);
+    if (st == AMX_OK && *deferred)
+        goto out; /* nothing applied: the Register runs again once the buffers are ready */
+    if (st == AMX_OK)
+        st = j->state->ops->reserve_pending(j->state, need, err);
     if (st != AMX_OK) {
         note_fault(reg, st, err->msg);
         goto out;
@@ -984,17 +1041,20 @@ amx_status_t amx_registry_register(amx_registry_t *reg, const amx_register_req_t
 {
     amx_job_t *j;
     AMX_CHECK(ready_job(reg, req->job, req->rank, 1, &j, err));
-    if (j->in_flight) {
-        /* The catalog and the buffers belong to the engine until it returns. */
+    int deferred = 0;
+    amx_reply_t rep;
+    memset(&rep, 0, sizeof(rep));
+    /* The catalog and the buffers belong to the engine until it returns,
+     * and new cells wait for a growth to end. */
+    if (!j->in_flight && !j->growing)
+        AMX_CHECK(do_register(reg, j, req, &rep, &deferred, err));
+    if (j->in_flight || j->growing) {
         AMX_CHECK(defer(j, WAIT_REGISTER, w, req, err));
         w->job = j;
         w->kind = WAIT_REGISTER;
         reg->nwaiting++;
         return AMX_OK;
     }
-    amx_reply_t rep;
-    memset(&rep, 0, sizeof(rep));
-    AMX_CHECK(do_register(reg, j, req, &rep, err));
     w->job = NULL;
     w->done(w, AMX_OK, NULL, &rep);
     return AMX_OK;
@@ -1458,6 +1518,48 @@ static void missing_ranks(const amx_job_t *j, char *buf, size_t len)
         snprintf(buf + k, len - k, " and %d more", total - shown);
 }
 
+static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *err);
+
+static void start_epoch_or_fail(amx_registry_t *reg, amx_job_t *j)
+{
+    amx_err_t e2 = {0};
+    if (start_epoch(reg, j, &e2) != AMX_OK) {
+        AMX_ERROR("registry", "job %s: %s", j->name, e2.msg);
+        fail_all_waiters(reg, j, e2.code, e2.msg);
+    }
+}
+
+/* Growths that ended: their Registers go on, and an epoch whose ranks all
+ * entered Reconcile meanwhile starts. */
+static void on_grow_async(uv_async_t *h)
+{
+    amx_registry_t *reg = h->data;
+    for (amx_job_t **pp = &reg->zombies; *pp != NULL;) {
+        amx_job_t *j = *pp;
+        if (j->growing && __atomic_load_n(&j->grow_done, __ATOMIC_ACQUIRE)) {
+            pthread_join(j->grow_th, NULL);
+            j->growing = 0;
+            if (!j->in_flight) {
+                *pp = j->next;
+                job_free(j);
+                continue;
+            }
+        }
+        pp = &j->next;
+    }
+    for (amx_job_t *j = reg->jobs; j != NULL; j = j->next) {
+        if (!j->growing || !__atomic_load_n(&j->grow_done, __ATOMIC_ACQUIRE))
+            continue;
+        pthread_join(j->grow_th, NULL);
+        j->growing = 0;
+        AMX_DEBUG("registry", "job %s: pending buffers grown to %llu cells", j->name,
+                  (unsigned long long)j->state->pend_cells);
+        run_deferred(reg, j);
+        if (!j->growing && !j->in_flight && j->nlocal > 0 && j->nin_reconcile == j->nlocal)
+            start_epoch_or_fail(reg, j);
+    }
+}
+
 static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *err)
 {
     if (j->eng == NULL)
@@ -1515,13 +1617,8 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
     r->in_reconcile = 1;
     j->nin_reconcile++;
     reg->nwaiting++;
-    if (j->nin_reconcile == j->nlocal) {
-        amx_err_t e2 = {0};
-        if (start_epoch(reg, j, &e2) != AMX_OK) {
-            AMX_ERROR("registry", "job %s: %s", j->name, e2.msg);
-            fail_all_waiters(reg, j, e2.code, e2.msg);
-        }
-    }
+    if (j->nin_reconcile == j->nlocal && !j->growing)
+        start_epoch_or_fail(reg, j); /* else when the growth ends */
     return AMX_OK;
 }
 
@@ -1883,20 +1980,23 @@ amx_status_t amx_registry_reset(amx_registry_t *reg, const amx_reset_req_t *req,
 
 static void run_deferred(amx_registry_t *reg, amx_job_t *j)
 {
-    while (j->defer_head != NULL && !j->in_flight) {
+    while (j->defer_head != NULL && !j->in_flight && !j->growing) {
         amx_deferred_t *d = j->defer_head;
-        j->defer_head = d->next;
-        if (j->defer_head == NULL)
-            j->defer_tail = &j->defer_head;
         amx_waiter_t *w = d->w;
         int kind = d->kind;
         const void *req = d->req;
-        free(d);
         amx_reply_t rep;
         memset(&rep, 0, sizeof(rep));
         amx_err_t err = {0};
-        amx_status_t st = kind == WAIT_REGISTER ? do_register(reg, j, req, &rep, &err)
+        int deferred = 0;
+        amx_status_t st = kind == WAIT_REGISTER ? do_register(reg, j, req, &rep, &deferred, &err)
                                                 : do_reset(reg, j, req, &rep, &err);
+        if (st == AMX_OK && deferred)
+            return; /* it waits, first in line, for the growth it started */
+        j->defer_head = d->next;
+        if (j->defer_head == NULL)
+            j->defer_tail = &j->defer_head;
+        free(d);
         if (st != AMX_OK)
             AMX_WARN("rpc", "%s rejected (%s): %s", kind == WAIT_REGISTER ? "Register" : "Reset",
                      amx_strerror(st), err.msg);

@@ -154,6 +154,15 @@ typedef struct amx_state_ops {
     amx_status_t (*import_state)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
                                  const amx_state_arrays_t *src, amx_err_t *err);
     void (*destroy)(amx_state_t *st);
+
+    /* Optional (NULL: reserve_pending does it all). Loop. Like
+     * reserve_pending, but the new cells are left for fill_pending: cheap
+     * on the loop however large the growth. Until fill_pending has run,
+     * nothing may read or write the new cells and no epoch may start. */
+    amx_status_t (*grow_pending)(amx_state_t *st, uint64_t ncells, amx_err_t *err);
+    /* Any thread, while the loop keeps off the new cells: sets the cells
+     * grow_pending added to -inf. */
+    void (*fill_pending)(amx_state_t *st);
 } amx_state_ops_t;
 
 struct amx_state {

@@ -14,6 +14,12 @@
 
 typedef struct host_state {
     int simulate_fault; /* AMAXD_TEST_DEVICE_FAULT: finish fails as a device would */
+    /* Made by the engine's remap for the loop's remap_active: the active
+     * buffer of the new layout, already -inf (the loop only copies). */
+    float *next_active;
+    uint64_t next_active_n;
+    /* Cells grow_pending added and fill_pending has yet to set. */
+    uint64_t unfilled_from[2], unfilled_to[2];
     float *pend[2];     /* AMX_HDR_CELLS + pend_n[k] floats */
     uint64_t pend_n[2]; /* data cells of each pending buffer */
     int active;         /* the pending buffer SendAmax merges into */
@@ -119,7 +125,10 @@ amx_status_t amx__state_grow_globals(amx_state_t *st, int k, uint32_t nq, amx_er
 
 /* ---- loop thread ---- */
 
-static amx_status_t grow_pend(host_state_t *h, int k, uint64_t n)
+/* Grows pending buffer k to n cells; the new cells are set to -inf now, or
+ * left for fill_pending (`lazy`). realloc of a large block moves pages,
+ * not bytes, so only the fill is proportional to the growth. */
+static amx_status_t grow_pend(host_state_t *h, int k, uint64_t n, int lazy)
 {
     if (n <= h->pend_n[k] && h->pend[k] != NULL)
         return AMX_OK;
@@ -129,7 +138,13 @@ static amx_status_t grow_pend(host_state_t *h, int k, uint64_t n)
     uint64_t old = h->pend[k] == NULL ? 0 : h->pend_n[k];
     if (h->pend[k] == NULL)
         fill(p, AMX_HDR_CELLS, 0.0f);
-    fill(p + AMX_HDR_CELLS + old, n - old, -INFINITY);
+    if (lazy) {
+        if (h->unfilled_to[k] == h->unfilled_from[k])
+            h->unfilled_from[k] = old;
+        h->unfilled_to[k] = n;
+    } else {
+        fill(p + AMX_HDR_CELLS + old, n - old, -INFINITY);
+    }
     h->pend[k] = p;
     h->pend_n[k] = n;
     return AMX_OK;
@@ -138,11 +153,32 @@ static amx_status_t grow_pend(host_state_t *h, int k, uint64_t n)
 static amx_status_t host_reserve_pending(amx_state_t *st, uint64_t ncells, amx_err_t *err)
 {
     host_state_t *h = st->impl;
-    if (grow_pend(h, 0, ncells) != AMX_OK || grow_pend(h, 1, ncells) != AMX_OK)
+    if (grow_pend(h, 0, ncells, 0) != AMX_OK || grow_pend(h, 1, ncells, 0) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of host memory growing pending amax to %llu cells",
                            (unsigned long long)ncells);
     st->pend_cells = h->pend_n[h->active];
     return AMX_OK;
+}
+
+static amx_status_t host_grow_pending(amx_state_t *st, uint64_t ncells, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    if (grow_pend(h, 0, ncells, 1) != AMX_OK || grow_pend(h, 1, ncells, 1) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory growing pending amax to %llu cells",
+                           (unsigned long long)ncells);
+    st->pend_cells = h->pend_n[h->active];
+    return AMX_OK;
+}
+
+static void host_fill_pending(amx_state_t *st)
+{
+    host_state_t *h = st->impl;
+    for (int k = 0; k < 2; k++) {
+        if (h->unfilled_to[k] > h->unfilled_from[k])
+            fill(h->pend[k] + AMX_HDR_CELLS + h->unfilled_from[k],
+                 h->unfilled_to[k] - h->unfilled_from[k], -INFINITY);
+        h->unfilled_from[k] = h->unfilled_to[k] = 0;
+    }
 }
 
 static amx_status_t host_merge(amx_state_t *st, const float *vals, uint64_t nvals,
@@ -201,9 +237,20 @@ static amx_status_t host_remap_active(amx_state_t *st, const amx_layout_change_t
                                       amx_err_t *err)
 {
     host_state_t *h = st->impl;
-    if (remap_pend(h, h->active, lc) != AMX_OK)
+    int k = h->active;
+    if (h->next_active != NULL && h->next_active_n == lc->ncells) {
+        /* The engine made the buffer (remap): the loop only copies cells. */
+        if (h->pend[k] != NULL)
+            copy_runs(h->next_active + AMX_HDR_CELLS, h->pend[k] + AMX_HDR_CELLS, sizeof(float),
+                      lc->pend, lc->npend_runs);
+        free(h->pend[k]);
+        h->pend[k] = h->next_active;
+        h->pend_n[k] = lc->ncells;
+        h->next_active = NULL;
+    } else if (remap_pend(h, k, lc) != AMX_OK) {
         return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping pending amax");
-    st->pend_cells = h->pend_n[h->active];
+    }
+    st->pend_cells = h->pend_n[k];
     return AMX_OK;
 }
 
@@ -270,6 +317,15 @@ static amx_status_t host_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     st->ncells = lc->ncells;
     st->nhist = lc->nhist;
     st->nq = lc->nq;
+    /* The loop's active buffer in the new layout, made here so that the
+     * loop's remap_active only copies (without it, it does it all). */
+    free(h->next_active);
+    h->next_active = malloc((size_t)(AMX_HDR_CELLS + lc->ncells) * sizeof(float));
+    h->next_active_n = lc->ncells;
+    if (h->next_active != NULL) {
+        fill(h->next_active, AMX_HDR_CELLS, 0.0f);
+        fill(h->next_active + AMX_HDR_CELLS, lc->ncells, -INFINITY);
+    }
     /* Results in the new layout, from the published ones (or the imported
      * ones), so that a failure after this point still publishes results
      * that match the layout. */
@@ -490,6 +546,7 @@ static void host_destroy(amx_state_t *st)
         free(h->o_bytes[k]);
     }
     free(h->recv);
+    free(h->next_active);
     free(h->accum);
     free(h->prev);
     free(h->hist);
@@ -515,6 +572,8 @@ static const amx_state_ops_t host_ops = {
     .export_state = host_export,
     .import_state = host_import,
     .destroy = host_destroy,
+    .grow_pending = host_grow_pending,
+    .fill_pending = host_fill_pending,
 };
 
 amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err)

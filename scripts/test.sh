@@ -11,6 +11,12 @@ echo "== tests under AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/)
 scripts/deps.sh build-asan -DCMAKE_BUILD_TYPE=Debug -DAMAXD_SANITIZE=address,undefined
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure
+echo "== fuzzing request decoding and validation (build-fuzz/, libFuzzer, ${AMAXD_FUZZ_SECONDS:-60} s)"
+scripts/deps.sh build-fuzz -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DAMAXD_FUZZ=ON \
+  -DAMAXD_GLOO=OFF -DAMAXD_TESTS=OFF
+"${AMAXD_VENV:-.venv}/bin/python" tests/fuzz/make_seeds.py build-fuzz/fuzz_requests build-fuzz/corpus
+(cd build-fuzz && ./fuzz_requests -max_total_time="${AMAXD_FUZZ_SECONDS:-60}" -timeout=10 \
+  -rss_limit_mb=2048 -print_final_stats=1 corpus 2>&1 | grep -E "^stat::|^Done|ERROR|SUMMARY")
 if command -v nvcc >/dev/null 2>&1; then
   echo "== CUDA build (build-cuda/): the CUDA state backend must compile; unit tests of that build"
   AMAXD_CUDA=ON scripts/deps.sh build-cuda

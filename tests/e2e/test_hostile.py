@@ -422,3 +422,55 @@ def test_late_update_is_refused_not_moved(start_daemon):
         r = b.reconcile()
         t.join()
         assert r["w"].amax.tolist() == [2.0]   # the 99 never landed
+
+
+# ---- 6: a large catalog does not stall the daemon ----
+
+def test_large_registration_does_not_stall(start_daemon):
+    """32M cells: the pending buffers grow on a thread of their own and the
+    loop only copies at the first epoch; Health stays fast throughout."""
+    d = start_daemon()
+    cells = 32 << 20
+    rss0 = rss_peak_mb(d.proc.pid)
+    with HealthProber(d, period=0.02) as p:
+        with d.client("big", 0, 1) as c:
+            c.join()
+            c.register([amaxd.Quantizer("huge", [cells], amaxd.Recipe.fp8_current()),
+                        amaxd.Quantizer("s", [4], amaxd.Recipe.fp8_current())])
+            c.send({"s": [1, 2, 3, 4]})
+            assert c.reconcile(names=["s"])["s"].amax.tolist() == [1, 2, 3, 4]
+            st = c.status("big").jobs[0]
+            assert st.cells == cells + 4
+    p.check()
+    assert max(p.lat) < 0.3, f"Health took {max(p.lat):.3f} s"
+    grown = rss_peak_mb(d.proc.pid) - rss0
+    assert grown < cells * 48 / 2**20, f"peak RSS grew by {grown:.0f} MB"
+    assert "growing pending buffers to" in d.log()
+
+
+def test_drop_while_growing(start_daemon):
+    d = start_daemon()
+    with d.client("g", 0, 1) as c:
+        c.join()
+    out = {}
+
+    def register():
+        with d.client("g", 0, 1) as c:
+            try:
+                c.register([amaxd.Quantizer("huge", [16 << 20], amaxd.Recipe.fp8_current())])
+                out["ok"] = True
+            except amaxd.AmaxdError as e:
+                out["err"] = e
+    t = threading.Thread(target=register)
+    t.start()
+    for _ in range(200):
+        if "growing pending buffers" in d.log():
+            break
+        time.sleep(0.005)
+    with d.client("g", 0, 1) as c:
+        c.reset(drop_job=True)
+    t.join(30)
+    assert "ok" in out or isinstance(out.get("err"), amaxd.errors.Aborted), out
+    with d.client("g", 0, 1) as c:
+        assert c.health() == "SERVING"
+        assert [j.name for j in c.status().jobs] == []
