@@ -199,6 +199,10 @@ def test_malformed_wire_is_refused_precisely(bad):
         (b"\x0b", "a group or an unknown wire type"),
         (b"\x0d\x00\x00\x00\x00", "a wire type that does not match its field"),
         (b"\x00\x01", "field number 0"),
+        # A length as a 10-byte varint (protobuf-c takes at most 5): found
+        # by the fuzzer (tests/fuzz/regress/overlong-length-prefix).
+        (b"\x0a\x80\x80\x80\x80\x80\x80\x80\x80\x80\x00", "a length past the end"),
+        (b"\x80\x80\x80\x80\x80\x08\x00", "overlong field tag"),
     ]
     for payload, text in cases:
         code, details = raw(bad, SVC + "RegisterQuantizers", payload)

@@ -88,6 +88,12 @@ def main():
         (P + "Drop", ppb.DropRequest(job="j", **{"from": 1})),
     ]
     os.makedirs(out, exist_ok=True)
+    # Inputs that once found a bug stay in the corpus.
+    regress = os.path.join(ROOT, "tests", "fuzz", "regress")
+    for name in sorted(os.listdir(regress)):
+        with open(os.path.join(regress, name), "rb") as src, \
+                open(os.path.join(out, "regress-" + name), "wb") as dst:
+            dst.write(src.read())
     for i, (method, req) in enumerate(reqs):
         body = req if isinstance(req, bytes) else req.SerializeToString()
         with open(os.path.join(out, f"seed-{i:02d}"), "wb") as f:
