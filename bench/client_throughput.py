@@ -28,8 +28,8 @@ from amaxd import pb
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def start(bin_path, sock):
-    p = subprocess.Popen([bin_path, f"--socket={sock}", "--log-level=warn"])
+def start(bin_path, sock, extra=()):
+    p = subprocess.Popen([bin_path, f"--socket={sock}", "--log-level=warn", *extra])
     for _ in range(200):
         if os.path.exists(sock):
             return p
@@ -48,11 +48,13 @@ def main():
     ap.add_argument("--calls", type=int, default=5000)
     ap.add_argument("--stream-mb", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--daemon-arg", action="append", default=[],
+                    help="extra daemon flag, e.g. --daemon-arg=--socket-guard=false")
     args = ap.parse_args()
     bin_path = os.environ.get("AMAXD_BIN", os.path.join(ROOT, "build", "amaxd"))
     tmp = tempfile.mkdtemp()
     sock = os.path.join(tmp, "amaxd.sock")
-    proc = start(bin_path, sock)
+    proc = start(bin_path, sock, args.daemon_arg)
     cells = 1 << 18  # 1 MiB of float32 per message
     try:
         with amaxd.Client("bench", 0, 1, socket=sock) as c:
@@ -104,7 +106,8 @@ def main():
         proc.wait(30)
     med = {k: statistics.median(v) for k, v in res.items()}
     print(f"amaxd client throughput, Python grpcio {grpc.__version__}, Unix socket, "
-          f"median of {args.repeat} runs ({os.cpu_count()} CPUs)")
+          f"median of {args.repeat} runs ({os.cpu_count()} CPUs); daemon flags: "
+          f"{' '.join(args.daemon_arg) or '(defaults)'}")
     print(f"{'measure':<34}{'value':>14}{'floor':>14}{'ratio':>8}")
     print(f"{'unary SendAmax (1 scalar), calls/s':<34}{med['unary']:>14.0f}{med['health']:>14.0f}"
           f"{med['unary'] / med['health']:>8.2f}")

@@ -27,6 +27,10 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
       "also listen on this TCP host:port (empty: none; loopback only unless allow_remote)")        \
     X(allow_remote, AMX_CFG_BOOL, "false", 0, 1, NULL, AMX_CFG_IMMUTABLE,                          \
       "allow a non-loopback tcp address (the API has no authentication)")                          \
+    X(socket_guard, AMX_CFG_BOOL, "true", 0, 1, NULL, AMX_CFG_IMMUTABLE,                           \
+      "the daemon listens on the Unix socket itself and relays each connection to gRPC, capping "  \
+      "header blocks and connections (docs/SECURITY.md); false: gRPC listens (faster large "       \
+      "transfers, exposed to gRPC 1.51's header-flood and EMFILE bugs)")                           \
     X(backend, AMX_CFG_ENUM, "auto", 0, 0, "auto|host|cuda", AMX_CFG_IMMUTABLE,                    \
       "state backend: cuda keeps amax state in GPU memory; auto = cuda when a GPU is usable")      \
     X(log_level, AMX_CFG_ENUM, "info", 0, 0, "error|warn|info|debug", 0, "log verbosity")          \
@@ -103,7 +107,7 @@ typedef struct amx_config {
     int64_t socket_mode, max_message_bytes, max_cells, max_quantizers, max_jobs, max_world_size;
     int64_t max_request_memory, memory_budget, max_queued_bytes, job_idle_timeout_ms;
     int64_t join_timeout_ms, reconcile_timeout_ms, shutdown_grace_ms;
-    int allow_remote;
+    int allow_remote, socket_guard;
     int64_t cluster_size, cluster_rank, peer_port, cuda_device;
     const char *coordinator, *peer_listen, *peer_advertise, *cluster_secret_file;
     const char *peer_tls_cert, *peer_tls_key, *peer_tls_ca, *collective, *gloo_host;

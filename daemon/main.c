@@ -5,7 +5,9 @@
  * libuv loop thread owns it. SIGTERM/SIGINT stop gracefully and exit 0,
  * SIGHUP re-opens the log file.
  */
+#include <errno.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -96,6 +98,23 @@ static void log_setting(void *ud, const char *name, const char *value, int is_de
         AMX_INFO("config", "%s = %s", name, value);
 }
 
+/* Every connection costs descriptors (three through the socket guard); the
+ * soft limit (1024 under systemd) is only a default: take the hard one. */
+static void raise_nofile(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == rl.rlim_max)
+        return;
+    rlim_t was = rl.rlim_cur;
+    rl.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0)
+        AMX_WARN("main", "cannot raise RLIMIT_NOFILE to %llu: %s", (unsigned long long)rl.rlim_max,
+                 strerror(errno));
+    else
+        AMX_INFO("main", "RLIMIT_NOFILE raised from %llu to %llu", (unsigned long long)was,
+                 (unsigned long long)rl.rlim_max);
+}
+
 int main(int argc, char **argv)
 {
     amx_daemon_t d;
@@ -129,6 +148,7 @@ int main(int argc, char **argv)
     }
     signal(SIGPIPE, SIG_IGN);
     AMX_INFO("main", "amaxd %s starting (pid %d)", AMAXD_VERSION, (int)getpid());
+    raise_nofile();
     amx_config_foreach(&d.cfg, log_setting, NULL);
 
     if (amx_cluster_resolve(&d.cfg, (const char *(*)(const char *))getenv, &d.id, &err) != AMX_OK) {

@@ -16,6 +16,13 @@
  *
  * Client calls of the loop thread (amx_rpc_call) use the same queue: one
  * batch with every op, one tag, one callback.
+ *
+ * CQ_THREADS threads call grpc_completion_queue_next: gRPC reads, parses
+ * and accepts inside that call, and one connection that keeps its socket
+ * full keeps its thread there, so a single thread lets one client stall
+ * every other. The Unix socket is not gRPC's: the guard (guard.h) listens
+ * on it and relays each connection, because gRPC 1.51's listener dies on
+ * EMFILE and its HPACK parser has no bound on a header block.
  */
 #include "rpc.h"
 
@@ -38,6 +45,7 @@
 
 #include "amaxd/v1/amaxd.pb-c.h"
 #include "clock.h"
+#include "guard.h"
 #include "log.h"
 #include "peer.h"
 #include "service.h"
@@ -47,6 +55,8 @@
 #define MAX_METHODS 32
 #define UNKNOWN_TRAINER -1
 #define UNKNOWN_PEER -2
+#define CQ_THREADS 4
+#define MAX_HEADER_BLOCK (64 * 1024) /* bytes of one HEADERS + CONTINUATION block */
 
 enum { TAG_NEW, TAG_RECV, TAG_SEND, TAG_CLOSE, TAG_SHUTDOWN, TAG_CLIENT };
 
@@ -108,8 +118,9 @@ struct amx_rpc {
     void *method_handles[MAX_METHODS];
     size_t nmethods;
     amx_ccall_t *ccalls; /* client calls in flight */
-    pthread_t cq_thread;
-    int cq_thread_started;
+    pthread_t cq_threads[CQ_THREADS];
+    int n_cq_threads;    /* started */
+    int cq_threads_live; /* not yet past GRPC_QUEUE_SHUTDOWN; under mu */
     uv_async_t wake;
     pthread_mutex_t mu;
     event_t *queue; /* filled by the CQ thread */
@@ -126,9 +137,10 @@ struct amx_rpc {
     void (*on_stopped)(void *);
     void *stopped_ud;
     char unix_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    amx_guard_t *guard; /* listens on unix_path */
 };
 
-/* ---- completion-queue thread ---- */
+/* ---- completion-queue threads ---- */
 
 static void *cq_main(void *arg)
 {
@@ -147,6 +159,12 @@ static void *cq_main(void *arg)
             }
             rpc->queue = q;
             rpc->qcap = cap;
+        }
+        /* Every thread sees the shutdown; the last one reports it, after the
+         * events the others took have been queued. */
+        if (ev.type == GRPC_QUEUE_SHUTDOWN && --rpc->cq_threads_live > 0) {
+            pthread_mutex_unlock(&rpc->mu);
+            return NULL;
         }
         rpc->queue[rpc->qlen].tag = ev.type == GRPC_QUEUE_SHUTDOWN ? NULL : ev.tag;
         rpc->queue[rpc->qlen].ok = ev.success;
@@ -472,7 +490,9 @@ static void on_recv(amx_call_t *c, int ok)
                  "StreamAmax: reading message %llu failed (over twice max_message_bytes, "
                  "or the client went away)",
                  (unsigned long long)c->stream_accepted + 1);
-    if (!ok || c->replied) {
+    /* closed: with several CQ threads the call's end may be queued before
+     * this message; the client is gone, so is the stream. */
+    if (!ok || c->replied || c->closed) {
         maybe_free(c);
         return;
     }
@@ -847,23 +867,28 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
 
     grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
     grpc_server_credentials *pcreds = NULL;
-    char addr[300];
     if (cfg->socket[0] != '\0') {
         if (stale) {
             AMX_WARN("rpc", "removing stale socket %s", cfg->socket);
             unlink(cfg->socket);
         }
-        snprintf(addr, sizeof(addr), "unix:%s", cfg->socket);
-        /* The socket is created with socket_mode already (never wider for
-         * a moment); the chmod below only corrects an unusual umask. */
-        mode_t old_mask = umask((mode_t)(~cfg->socket_mode & 0777));
-        int bound = grpc_server_add_http2_port(rpc->server, addr, creds);
-        umask(old_mask);
-        if (bound == 0) {
-            st = amx_err_set(err, AMX_EIO, "cannot listen on %s (permissions?)", addr);
-            goto fail_creds;
-        }
         snprintf(rpc->unix_path, sizeof(rpc->unix_path), "%s", cfg->socket);
+        if (!cfg->socket_guard) {
+            /* gRPC listens itself. The socket is created with socket_mode
+             * already (never wider for a moment). */
+            char addr[300];
+            snprintf(addr, sizeof(addr), "unix:%s", cfg->socket);
+            mode_t old_mask = umask((mode_t)(~cfg->socket_mode & 0777));
+            int bound = grpc_server_add_http2_port(rpc->server, addr, creds);
+            umask(old_mask);
+            if (bound == 0) {
+                st = amx_err_set(err, AMX_EIO, "cannot listen on %s (permissions?)", addr);
+                goto fail_creds;
+            }
+            if (chmod(cfg->socket, (mode_t)cfg->socket_mode) != 0)
+                AMX_WARN("rpc", "chmod %s %llo: %s", cfg->socket,
+                         (unsigned long long)cfg->socket_mode, strerror(errno));
+        }
     }
     if (cfg->tcp[0] != '\0' && grpc_server_add_http2_port(rpc->server, cfg->tcp, creds) == 0) {
         st = amx_err_set(err, AMX_EIO, "cannot listen on tcp %s (address in use?)", cfg->tcp);
@@ -886,17 +911,31 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     grpc_server_start(rpc->server);
     if (serve_peer)
         grpc_server_start(rpc->peer_server);
-    if (rpc->unix_path[0] != '\0' && chmod(rpc->unix_path, (mode_t)cfg->socket_mode) != 0)
-        AMX_WARN("rpc", "chmod %s %llo: %s", rpc->unix_path, (unsigned long long)cfg->socket_mode,
-                 strerror(errno));
 
     uv_async_init(loop, &rpc->wake, on_wake);
     rpc->wake.data = rpc;
-    if (pthread_create(&rpc->cq_thread, NULL, cq_main, rpc) != 0) {
-        st = amx_err_set(err, AMX_EINTERNAL, "cannot start the completion-queue thread");
+    if (rpc->unix_path[0] != '\0' && cfg->socket_guard &&
+        amx_guard_start(rpc->unix_path, (unsigned)cfg->socket_mode, rpc->server, MAX_HEADER_BLOCK,
+                        &rpc->guard, err) != AMX_OK) {
+        st = err->code;
         goto fail_started;
     }
-    rpc->cq_thread_started = 1;
+    rpc->cq_threads_live = CQ_THREADS;
+    for (int i = 0; i < CQ_THREADS; i++) {
+        if (pthread_create(&rpc->cq_threads[i], NULL, cq_main, rpc) != 0) {
+            pthread_mutex_lock(&rpc->mu);
+            rpc->cq_threads_live -= CQ_THREADS - i;
+            pthread_mutex_unlock(&rpc->mu);
+            if (i == 0) {
+                st = amx_err_set(err, AMX_EINTERNAL, "cannot start the completion-queue thread");
+                amx_guard_free(rpc->guard);
+                goto fail_started;
+            }
+            AMX_WARN("rpc", "only %d of %d completion-queue threads started", i, CQ_THREADS);
+            break;
+        }
+        rpc->n_cq_threads++;
+    }
     for (size_t i = 0; i < rpc->nmethods; i++)
         for (int k = 0; k < POSTED_PER_METHOD; k++)
             post_request(rpc, (int)i);
@@ -976,6 +1015,8 @@ static void check_stopped(amx_rpc_t *rpc)
         if (rpc->ccalls != NULL)
             return; /* client calls end (cancelled) before the queue shuts down */
         /* Every call is finished: the servers and the queue can go. */
+        amx_guard_free(rpc->guard);
+        rpc->guard = NULL;
         grpc_server_destroy(rpc->server);
         rpc->server = NULL;
         if (rpc->peer_server != NULL) {
@@ -987,8 +1028,9 @@ static void check_stopped(amx_rpc_t *rpc)
     }
     if (!rpc->cq_done)
         return;
-    pthread_join(rpc->cq_thread, NULL);
-    rpc->cq_thread_started = 0;
+    for (int i = 0; i < rpc->n_cq_threads; i++)
+        pthread_join(rpc->cq_threads[i], NULL);
+    rpc->n_cq_threads = 0;
     while (rpc->calls != NULL) {
         rpc->calls->closed = 1;
         rpc->calls->send_pending = rpc->calls->recv_pending = 0;
@@ -1018,6 +1060,8 @@ void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud
     rpc->stopped_ud = ud;
     AMX_INFO("rpc", "stopping: %u calls in flight, grace %llu ms", amx_rpc_calls(rpc),
              (unsigned long long)grace_ms);
+    if (rpc->guard != NULL)
+        amx_guard_stop_listening(rpc->guard); /* before the server stops taking connections */
     grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
     if (rpc->peer_server != NULL)
         grpc_server_shutdown_and_notify(rpc->peer_server, rpc->cq, &rpc->t_shutdown_peer);

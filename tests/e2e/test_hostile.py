@@ -478,3 +478,58 @@ def test_drop_while_growing(start_daemon):
     with d.client("g", 0, 1) as c:
         assert c.health() == "SERVING"
         assert [j.name for j in c.status().jobs] == []
+
+
+# ---- 4 and 5: header floods and connection storms ----
+
+@pytest.mark.parametrize("attack", ["split", "many", "connect", "split-x8"])
+def test_health_answers_during_a_flood(start_daemon, attack):
+    """One client floods the socket (endless CONTINUATION frames, huge header
+    lists, 10^4 connect/close, or 8 connections at once): Health on another
+    connection answers within 1 s throughout, header memory stays bounded,
+    a new connection works afterwards, and the jobs are untouched."""
+    import h2flood
+    d = start_daemon()
+    with d.client("keep", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("w", [2], amaxd.Recipe.fp8_current())])
+        c.send({"w": [1, 2]})
+        c.reconcile()
+    r = h2flood.measure(d.socket, attack, duration=4.0, timeout=5.0)
+    assert r["failed"] == 0 and r["max"] < 1.0, (r["max"], r["attacker"])
+    assert r["fresh"] is not None, "no new connection after the flood"
+    assert rss_peak_mb(d.proc.pid) < 512, "header memory is not bounded"
+    if attack in ("split", "many", "split-x8"):
+        assert "closing a connection whose HTTP/2 header block exceeds 65536 bytes" in d.log()
+    with d.client("keep", 0, 1) as c:
+        assert c.get_scales(["w"])["w"].amax.tolist() == [1, 2]
+
+
+def test_descriptor_exhaustion_recovers(tmp_path):
+    """At a soft and hard limit of 1024 descriptors, 1100 idle connections
+    then closed: new connections are served again at once (gRPC 1.51's own
+    listener stops accepting for good after one EMFILE)."""
+    import fdstorm
+    sock = str(tmp_path / "amaxd.sock")
+    p = fdstorm.start_daemon(BIN, sock, ["--backend=host"], nofile=(1024, 1024))
+    try:
+        r = fdstorm.exhaust(sock, n=1100, recover=10.0)
+    finally:
+        rc = fdstorm.stop_daemon(p)
+    log = open(sock + ".log", "rb").read().decode(errors="replace")
+    assert rc == 0, log[-3000:]
+    assert r["recovered_after"] is not None and r["recovered_after"] < 1.0, r
+    assert "refusing connections" in log
+
+
+def test_soft_descriptor_limit_is_raised(tmp_path):
+    import fdstorm
+    sock = str(tmp_path / "amaxd.sock")
+    p = fdstorm.start_daemon(BIN, sock, ["--backend=host"], nofile=(1024, 4096))
+    try:
+        with open(f"/proc/{p.pid}/limits") as f:
+            line = next(x for x in f if x.startswith("Max open files"))
+        assert line.split()[3] == "4096", line
+    finally:
+        assert fdstorm.stop_daemon(p) == 0
+    assert "RLIMIT_NOFILE raised from 1024 to 4096" in open(sock + ".log").read()

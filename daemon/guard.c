@@ -1,0 +1,504 @@
+/*
+ * guard.c - the Unix socket's own listener and HTTP/2 header guard (guard.h).
+ *
+ * One thread with its own libuv loop. The listening socket is polled and
+ * accepted by hand (at most ACCEPT_BATCH per wake-up, so that a connect
+ * flood cannot starve the relay); EMFILE/ENFILE sheds the waiting connection
+ * through a reserve descriptor and never stops the listener. Each client
+ * gets a socketpair whose other end is given to gRPC
+ * (grpc_server_add_channel_from_fd); bytes are copied both ways, with
+ * back-pressure, and the client's frames are followed header by header.
+ */
+#include "guard.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <grpc/grpc_posix.h>
+#include <grpc/grpc_security.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "log.h"
+
+#define ACCEPT_BATCH 32
+#define READ_CHUNK 65536
+#define HIGH_WATER (1u << 20) /* stop reading the other side above this */
+#define LOW_WATER (256u << 10)
+#define FD_RESERVE 128 /* descriptors left for gRPC, logs, peers */
+#define H2_PREFACE_LEN 24
+
+enum { H2_HEADERS = 1, H2_PUSH_PROMISE = 5, H2_CONTINUATION = 9 };
+
+typedef struct conn {
+    uv_pipe_t cl, gr; /* the client's connection, our end of gRPC's socketpair */
+    struct amx_guard *g;
+    int closing, closed, paused_cl, paused_gr;
+    uint32_t preface_left, payload_left, block;
+    uint8_t hdr[9];
+    int hdr_have;
+    struct conn *prev, *next;
+} conn_t;
+
+typedef struct wreq {
+    uv_write_t req;
+    char *base;
+} wreq_t;
+
+struct amx_guard {
+    uv_loop_t loop;
+    uv_poll_t lpoll;
+    uv_timer_t retry;
+    uv_async_t wake;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    int lfd, reserve, stop_listen, exit, listening, exiting;
+    grpc_server *server;
+    grpc_server_credentials *creds;
+    size_t max_header_block;
+    uint32_t nconn, max_conn;
+    uint64_t accepted, shed, killed, last_shed_log, last_kill_log;
+    conn_t *conns;
+    char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
+};
+
+/* ---- relay ---- */
+
+static void conn_closed(uv_handle_t *h)
+{
+    conn_t *c = h->data;
+    if (++c->closed < 2)
+        return;
+    amx_guard_t *g = c->g;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        g->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    g->nconn--;
+    free(c);
+}
+
+static void conn_close(conn_t *c)
+{
+    if (c->closing)
+        return;
+    c->closing = 1;
+    uv_close((uv_handle_t *)&c->cl, conn_closed);
+    uv_close((uv_handle_t *)&c->gr, conn_closed);
+}
+
+/* Follows the client's frames; -1 when a header block exceeds the cap. */
+static int inspect(conn_t *c, const uint8_t *p, size_t n)
+{
+    size_t max = c->g->max_header_block;
+    while (n > 0) {
+        if (c->preface_left > 0 || c->payload_left > 0) {
+            uint32_t *left = c->preface_left > 0 ? &c->preface_left : &c->payload_left;
+            size_t k = n < *left ? n : *left;
+            *left -= (uint32_t)k;
+            p += k;
+            n -= k;
+            continue;
+        }
+        c->hdr[c->hdr_have++] = *p++;
+        n--;
+        if (c->hdr_have < 9)
+            continue;
+        c->hdr_have = 0;
+        uint32_t len = (uint32_t)c->hdr[0] << 16 | (uint32_t)c->hdr[1] << 8 | c->hdr[2];
+        uint8_t type = c->hdr[3];
+        c->payload_left = len;
+        /* A block is HEADERS (or PUSH_PROMISE) and the CONTINUATION frames
+         * after it; whatever else comes in between, gRPC refuses itself. */
+        if (type == H2_HEADERS || type == H2_PUSH_PROMISE)
+            c->block = len;
+        else if (type == H2_CONTINUATION)
+            c->block += len;
+        else
+            continue;
+        if (c->block > max)
+            return -1;
+    }
+    return 0;
+}
+
+static void on_alloc(uv_handle_t *h, size_t hint, uv_buf_t *buf)
+{
+    (void)h;
+    (void)hint;
+    buf->base = malloc(READ_CHUNK);
+    buf->len = buf->base ? READ_CHUNK : 0;
+}
+
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
+
+static void on_written(uv_write_t *req, int status)
+{
+    wreq_t *w = (wreq_t *)req;
+    conn_t *c = req->handle->data;
+    uv_stream_t *dst = req->handle;
+    free(w->base);
+    free(w);
+    if (c->closing)
+        return;
+    if (status < 0) {
+        conn_close(c);
+        return;
+    }
+    if (uv_stream_get_write_queue_size(dst) < LOW_WATER) {
+        int *paused = dst == (uv_stream_t *)&c->gr ? &c->paused_cl : &c->paused_gr;
+        uv_stream_t *src =
+            dst == (uv_stream_t *)&c->gr ? (uv_stream_t *)&c->cl : (uv_stream_t *)&c->gr;
+        if (*paused) {
+            *paused = 0;
+            uv_read_start(src, on_alloc, on_read);
+        }
+    }
+}
+
+static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
+{
+    conn_t *c = s->data;
+    int from_client = s == (uv_stream_t *)&c->cl;
+    if (nread <= 0 || c->closing) {
+        free(buf->base);
+        if (nread < 0)
+            conn_close(c);
+        return;
+    }
+    if (from_client && inspect(c, (const uint8_t *)buf->base, (size_t)nread) != 0) {
+        amx_guard_t *g = c->g;
+        uint64_t now = uv_now(&g->loop);
+        if (g->killed++ == 0 || now - g->last_kill_log >= 1000) {
+            g->last_kill_log = now;
+            AMX_WARN("guard",
+                     "closing a connection whose HTTP/2 header block exceeds %zu bytes (%llu "
+                     "closed so far)",
+                     g->max_header_block, (unsigned long long)g->killed);
+        }
+        free(buf->base);
+        conn_close(c);
+        return;
+    }
+    uv_stream_t *dst = from_client ? (uv_stream_t *)&c->gr : (uv_stream_t *)&c->cl;
+    wreq_t *w = malloc(sizeof(*w));
+    if (w == NULL) {
+        free(buf->base);
+        conn_close(c);
+        return;
+    }
+    w->base = buf->base;
+    uv_buf_t b = uv_buf_init(buf->base, (unsigned)nread);
+    if (uv_write(&w->req, dst, &b, 1, on_written) != 0) {
+        free(w->base);
+        free(w);
+        conn_close(c);
+        return;
+    }
+    if (uv_stream_get_write_queue_size(dst) > HIGH_WATER) {
+        uv_read_stop(s);
+        *(from_client ? &c->paused_cl : &c->paused_gr) = 1;
+    }
+}
+
+/* ---- accepting ---- */
+
+static void shed(amx_guard_t *g, int fd, const char *why)
+{
+    if (fd >= 0)
+        close(fd);
+    g->shed++;
+    uint64_t now = uv_now(&g->loop);
+    if (g->last_shed_log == 0 || now - g->last_shed_log >= 1000) {
+        g->last_shed_log = now;
+        AMX_WARN("guard", "refusing connections: %s (%llu refused so far, %u open)", why,
+                 (unsigned long long)g->shed, g->nconn);
+    }
+}
+
+/* Gives `fd` to the server unless stop_listening has run. */
+static int give(amx_guard_t *g, int fd)
+{
+    pthread_mutex_lock(&g->mu);
+    int ok = !g->stop_listen;
+    if (ok)
+        grpc_server_add_channel_from_fd(g->server, fd, g->creds);
+    pthread_mutex_unlock(&g->mu);
+    if (!ok)
+        close(fd);
+    return ok;
+}
+
+static void take(amx_guard_t *g, int fd)
+{
+    g->accepted++;
+    if (g->nconn >= g->max_conn) {
+        shed(g, fd, "connection limit reached");
+        return;
+    }
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv) != 0) {
+        shed(g, fd, strerror(errno));
+        return;
+    }
+    conn_t *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        close(sv[0]);
+        close(sv[1]);
+        shed(g, fd, "out of memory");
+        return;
+    }
+    c->g = g;
+    c->preface_left = H2_PREFACE_LEN;
+    uv_pipe_init(&g->loop, &c->cl, 0);
+    uv_pipe_init(&g->loop, &c->gr, 0);
+    c->cl.data = c->gr.data = c;
+    c->next = g->conns;
+    if (g->conns)
+        g->conns->prev = c;
+    g->conns = c;
+    g->nconn++;
+    int bad = 0;
+    if (uv_pipe_open(&c->cl, fd) != 0) /* an open handle closes its descriptor */
+        close(fd), bad = 1;
+    if (uv_pipe_open(&c->gr, sv[0]) != 0)
+        close(sv[0]), bad = 1;
+    if (bad) {
+        close(sv[1]);
+        conn_close(c);
+        return;
+    }
+    if (!give(g, sv[1])) {
+        conn_close(c);
+        return;
+    }
+    uv_read_start((uv_stream_t *)&c->cl, on_alloc, on_read);
+    uv_read_start((uv_stream_t *)&c->gr, on_alloc, on_read);
+}
+
+static void on_listen(uv_poll_t *p, int status, int events);
+
+static void on_retry(uv_timer_t *t)
+{
+    amx_guard_t *g = t->data;
+    if (g->listening)
+        uv_poll_start(&g->lpoll, UV_READABLE, on_listen);
+}
+
+static void pause_accepting(amx_guard_t *g, uint64_t ms)
+{
+    uv_poll_stop(&g->lpoll);
+    uv_timer_start(&g->retry, on_retry, ms, 0);
+}
+
+static void on_listen(uv_poll_t *p, int status, int events)
+{
+    amx_guard_t *g = p->data;
+    (void)events;
+    if (status < 0) {
+        AMX_ERROR("guard", "polling the listening socket: %s; retrying in 1 s",
+                  uv_strerror(status));
+        pause_accepting(g, 1000);
+        return;
+    }
+    for (int i = 0; i < ACCEPT_BATCH; i++) {
+        int fd = accept4(g->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd >= 0) {
+            take(g, fd);
+            continue;
+        }
+        switch (errno) {
+        case EAGAIN:
+#if EWOULDBLOCK != EAGAIN
+        case EWOULDBLOCK:
+#endif
+            return;
+        case EINTR:
+        case ECONNABORTED:
+        case EPROTO:
+        case EPERM:
+            continue;
+        case EMFILE:
+        case ENFILE:
+            /* Out of descriptors: take the waiting connection with the
+             * reserve one and close it, so that its client gets an answer
+             * (EOF) instead of hanging in the backlog, and go on listening. */
+            if (g->reserve >= 0) {
+                close(g->reserve);
+                g->reserve = -1;
+                int f = accept4(g->lfd, NULL, NULL, SOCK_CLOEXEC);
+                g->reserve = open("/dev/null", O_RDONLY | O_CLOEXEC);
+                shed(g, f, "out of file descriptors");
+                if (f >= 0 && g->reserve >= 0)
+                    continue;
+            } else {
+                g->reserve = open("/dev/null", O_RDONLY | O_CLOEXEC);
+                shed(g, -1, "out of file descriptors");
+            }
+            pause_accepting(g, 100);
+            return;
+        default:
+            AMX_ERROR("guard", "accept: %s; retrying in 100 ms", strerror(errno));
+            pause_accepting(g, 100);
+            return;
+        }
+    }
+}
+
+/* ---- thread and control ---- */
+
+static void on_listener_closed(uv_handle_t *h)
+{
+    amx_guard_t *g = h->data;
+    close(g->lfd); /* only now: the loop no longer watches the descriptor */
+    g->lfd = -1;
+}
+
+static void close_listener(amx_guard_t *g)
+{
+    if (!g->listening)
+        return;
+    g->listening = 0;
+    uv_close((uv_handle_t *)&g->retry, NULL);
+    uv_close((uv_handle_t *)&g->lpoll, on_listener_closed);
+}
+
+static void on_wake(uv_async_t *a)
+{
+    amx_guard_t *g = a->data;
+    pthread_mutex_lock(&g->mu);
+    int stop = g->stop_listen, ex = g->exit;
+    pthread_mutex_unlock(&g->mu);
+    if (stop)
+        close_listener(g);
+    if (ex && !g->exiting) {
+        g->exiting = 1;
+        for (conn_t *c = g->conns; c != NULL; c = c->next)
+            conn_close(c);
+        uv_close((uv_handle_t *)&g->wake, NULL);
+    }
+}
+
+static void *guard_main(void *arg)
+{
+    amx_guard_t *g = arg;
+    uv_run(&g->loop, UV_RUN_DEFAULT);
+    return NULL;
+}
+
+amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *server,
+                             size_t max_header_block, amx_guard_t **out, amx_err_t *err)
+{
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof(sa.sun_path))
+        return amx_err_set(err, AMX_EINVAL, "socket path '%s' is too long", path);
+    memcpy(sa.sun_path, path, strlen(path) + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return amx_err_set(err, AMX_EIO, "socket(): %s", strerror(errno));
+    /* Created with `mode` already (never wider for a moment); the chmod
+     * only corrects an unusual umask. */
+    mode_t old_mask = umask((mode_t)(~mode & 0777));
+    int rc = bind(fd, (struct sockaddr *)&sa, sizeof(sa));
+    int bind_errno = errno;
+    umask(old_mask);
+    if (rc != 0 || listen(fd, 4096) != 0) {
+        amx_err_set(err, AMX_EIO, "cannot listen on unix:%s: %s (permissions?)", path,
+                    strerror(rc != 0 ? bind_errno : errno));
+        if (rc == 0)
+            unlink(path);
+        close(fd);
+        return err->code;
+    }
+    if (chmod(path, (mode_t)mode) != 0)
+        AMX_WARN("guard", "chmod %s %o: %s", path, mode, strerror(errno));
+    amx_guard_t *g = calloc(1, sizeof(*g));
+    if (g == NULL) {
+        close(fd);
+        unlink(path);
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    }
+    g->lfd = fd;
+    memcpy(g->path, path, strlen(path) + 1);
+    g->server = server;
+    g->creds = grpc_insecure_server_credentials_create();
+    g->max_header_block = max_header_block;
+    g->reserve = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    struct rlimit rl;
+    rlim_t soft = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? rl.rlim_cur : 1024;
+    if (soft == RLIM_INFINITY || soft > (rlim_t)3 * UINT32_MAX)
+        soft = (rlim_t)3 * UINT32_MAX;
+    /* A relayed connection costs three descriptors. */
+    g->max_conn = soft > FD_RESERVE + 3 * 16 ? (uint32_t)((soft - FD_RESERVE) / 3) : 16;
+    pthread_mutex_init(&g->mu, NULL);
+    uv_loop_init(&g->loop);
+    uv_poll_init(&g->loop, &g->lpoll, fd);
+    uv_timer_init(&g->loop, &g->retry);
+    uv_async_init(&g->loop, &g->wake, on_wake);
+    g->lpoll.data = g->retry.data = g->wake.data = g;
+    g->listening = 1;
+    uv_poll_start(&g->lpoll, UV_READABLE, on_listen);
+    if (pthread_create(&g->thread, NULL, guard_main, g) != 0) {
+        /* Never started: nothing runs on its loop. */
+        uv_close((uv_handle_t *)&g->lpoll, NULL);
+        uv_close((uv_handle_t *)&g->retry, NULL);
+        uv_close((uv_handle_t *)&g->wake, NULL);
+        uv_run(&g->loop, UV_RUN_DEFAULT);
+        uv_loop_close(&g->loop);
+        close(fd);
+        unlink(path);
+        grpc_server_credentials_release(g->creds);
+        free(g);
+        return amx_err_set(err, AMX_EINTERNAL, "cannot start the listener thread");
+    }
+    AMX_INFO("guard",
+             "unix:%s: header blocks capped at %zu bytes, at most %u connections "
+             "(RLIMIT_NOFILE %llu)",
+             path, max_header_block, g->max_conn, (unsigned long long)soft);
+    *out = g;
+    return AMX_OK;
+}
+
+void amx_guard_stop_listening(amx_guard_t *g)
+{
+    pthread_mutex_lock(&g->mu);
+    g->stop_listen = 1;
+    pthread_mutex_unlock(&g->mu);
+    uv_async_send(&g->wake);
+}
+
+void amx_guard_free(amx_guard_t *g)
+{
+    if (g == NULL)
+        return;
+    pthread_mutex_lock(&g->mu);
+    g->stop_listen = g->exit = 1;
+    pthread_mutex_unlock(&g->mu);
+    uv_async_send(&g->wake);
+    pthread_join(g->thread, NULL);
+    if (g->lfd >= 0)
+        close(g->lfd);
+    if (g->reserve >= 0)
+        close(g->reserve);
+    uv_loop_close(&g->loop);
+    unlink(g->path);
+    AMX_INFO("guard",
+             "stopped: %llu connections accepted, %llu refused, %llu closed by the "
+             "header guard",
+             (unsigned long long)g->accepted, (unsigned long long)g->shed,
+             (unsigned long long)g->killed);
+    grpc_server_credentials_release(g->creds);
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}

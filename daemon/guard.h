@@ -1,0 +1,40 @@
+/*
+ * guard.h - the Unix socket's own listener and HTTP/2 header guard.
+ *
+ * gRPC 1.51 cannot be trusted with the trainer socket: its listener stops
+ * accepting for good after one EMFILE (CVE-2023-4785), and its HPACK parser
+ * buffers an unbounded header block, checks the metadata limit per frame and
+ * re-copies a header split over CONTINUATION frames on every frame
+ * (CVE-2023-33953). The guard listens on the socket itself, on its own
+ * thread: it never stops accepting (a reserve descriptor sheds connections
+ * it cannot take), caps the number of connections, and relays every
+ * connection to the gRPC server through a socketpair while reading only the
+ * HTTP/2 frame headers: a header block (HEADERS + CONTINUATION) larger than
+ * max_header_block closes the connection before gRPC sees the excess.
+ */
+#ifndef AMX_GUARD_H
+#define AMX_GUARD_H
+
+#include <grpc/grpc.h>
+#include <stddef.h>
+
+#include "status.h"
+
+typedef struct amx_guard amx_guard_t;
+
+/* Binds and listens on `path` (a stale socket must be gone), chmods it to
+ * `mode`, and starts the guard thread, which relays connections to `server`
+ * (started, insecure). A relayed connection costs three descriptors; at most
+ * (RLIMIT_NOFILE - 128) / 3 are taken at once, the others are closed. */
+amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *server,
+                             size_t max_header_block, amx_guard_t **out, amx_err_t *err);
+
+/* Stops accepting and closes the listening socket; connections stay. Returns
+ * once no connection can be handed to the server any more. Any thread. */
+void amx_guard_stop_listening(amx_guard_t *g);
+
+/* Closes every relayed connection, joins the thread, removes the socket file
+ * and frees the guard. NULL is allowed. */
+void amx_guard_free(amx_guard_t *g);
+
+#endif
