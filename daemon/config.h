@@ -27,6 +27,8 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
       "also listen on this TCP host:port (empty: none; loopback only unless allow_remote)")        \
     X(allow_remote, AMX_CFG_BOOL, "false", 0, 1, NULL, AMX_CFG_IMMUTABLE,                          \
       "allow a non-loopback tcp address (the API has no authentication)")                          \
+    X(max_connections, AMX_CFG_INT, "1024", 16, 1048576, NULL, AMX_CFG_IMMUTABLE,                  \
+      "most trainer connections on the Unix socket at once (with socket_guard); more are closed")  \
     X(socket_guard, AMX_CFG_BOOL, "true", 0, 1, NULL, AMX_CFG_IMMUTABLE,                           \
       "the daemon listens on the Unix socket itself and relays each connection to gRPC, capping "  \
       "header blocks and connections (docs/SECURITY.md); false: gRPC listens (faster large "       \
@@ -106,6 +108,7 @@ typedef struct amx_config {
     const char *socket, *tcp, *backend, *log_level, *log_file;
     int64_t socket_mode, max_message_bytes, max_cells, max_quantizers, max_jobs, max_world_size;
     int64_t max_request_memory, memory_budget, max_queued_bytes, job_idle_timeout_ms;
+    int64_t max_connections;
     int64_t join_timeout_ms, reconcile_timeout_ms, shutdown_grace_ms;
     int allow_remote, socket_guard;
     int64_t cluster_size, cluster_rank, peer_port, cuda_device;

@@ -32,15 +32,19 @@
 #define READ_CHUNK 65536
 #define HIGH_WATER (1u << 20) /* stop reading the other side above this */
 #define LOW_WATER (256u << 10)
-#define FD_RESERVE 128 /* descriptors left for gRPC, logs, peers */
+#define MAX_BUFFERED (256u << 20) /* all connections together: stop reading above */
+#define SMALL_READ 4096           /* reads below this are moved to a buffer of their size */
+#define DRAIN_MS 1000             /* at exit, how long answers may drain to slow clients */
+#define FD_RESERVE 128            /* descriptors left for gRPC, logs, peers */
 #define H2_PREFACE_LEN 24
 
 enum { H2_HEADERS = 1, H2_PUSH_PROMISE = 5, H2_CONTINUATION = 9 };
 
 typedef struct conn {
     uv_pipe_t cl, gr; /* the client's connection, our end of gRPC's socketpair */
+    uv_shutdown_t shut;
     struct amx_guard *g;
-    int closing, closed, paused_cl, paused_gr;
+    int closing, closed, paused_cl, paused_gr, shutting;
     uint32_t preface_left, payload_left, block;
     uint8_t hdr[9];
     int hdr_have;
@@ -50,6 +54,7 @@ typedef struct conn {
 typedef struct wreq {
     uv_write_t req;
     char *base;
+    size_t len;
 } wreq_t;
 
 struct amx_guard {
@@ -57,6 +62,7 @@ struct amx_guard {
     uv_poll_t lpoll;
     uv_timer_t retry;
     uv_async_t wake;
+    uv_timer_t drain;
     pthread_t thread;
     pthread_mutex_t mu;
     int lfd, reserve, stop_listen, exit, listening, exiting;
@@ -64,6 +70,7 @@ struct amx_guard {
     grpc_server_credentials *creds;
     size_t max_header_block;
     uint32_t nconn, max_conn;
+    uint64_t buffered; /* bytes read and not yet written on, all connections */
     uint64_t accepted, shed, killed, last_shed_log, last_kill_log;
     conn_t *conns;
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
@@ -85,6 +92,9 @@ static void conn_closed(uv_handle_t *h)
         c->next->prev = c->prev;
     g->nconn--;
     free(c);
+    /* Exiting and every connection has drained: the loop may end. */
+    if (g->exiting && g->conns == NULL && !uv_is_closing((uv_handle_t *)&g->drain))
+        uv_close((uv_handle_t *)&g->drain, NULL);
 }
 
 static void conn_close(conn_t *c)
@@ -141,11 +151,52 @@ static void on_alloc(uv_handle_t *h, size_t hint, uv_buf_t *buf)
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
 
+/* Reads again on either side of `c` that was paused and whose destination
+ * queue is short, unless the guard as a whole holds too much. */
+static void resume(conn_t *c)
+{
+    if (c->closing || c->g->buffered > MAX_BUFFERED)
+        return;
+    if (c->paused_cl && uv_stream_get_write_queue_size((uv_stream_t *)&c->gr) < LOW_WATER) {
+        c->paused_cl = 0;
+        uv_read_start((uv_stream_t *)&c->cl, on_alloc, on_read);
+    }
+    if (c->paused_gr && !c->shutting &&
+        uv_stream_get_write_queue_size((uv_stream_t *)&c->cl) < LOW_WATER) {
+        c->paused_gr = 0;
+        uv_read_start((uv_stream_t *)&c->gr, on_alloc, on_read);
+    }
+}
+
+static void on_shut(uv_shutdown_t *req, int status)
+{
+    (void)status;
+    conn_close((conn_t *)req->data);
+}
+
+/* gRPC ended the connection (or the guard stops): what gRPC wrote still
+ * goes to the client, then the connection closes, so that a slow reader
+ * gets its last answer. */
+static void drain_and_close(conn_t *c)
+{
+    if (c->closing || c->shutting)
+        return;
+    c->shutting = 1;
+    uv_read_stop((uv_stream_t *)&c->gr);
+    uv_read_stop((uv_stream_t *)&c->cl);
+    c->shut.data = c;
+    if (uv_shutdown(&c->shut, (uv_stream_t *)&c->cl, on_shut) != 0)
+        conn_close(c);
+}
+
 static void on_written(uv_write_t *req, int status)
 {
     wreq_t *w = (wreq_t *)req;
     conn_t *c = req->handle->data;
+    amx_guard_t *g = c->g;
     uv_stream_t *dst = req->handle;
+    int was_over = g->buffered > MAX_BUFFERED;
+    g->buffered -= w->len;
     free(w->base);
     free(w);
     if (c->closing)
@@ -154,25 +205,27 @@ static void on_written(uv_write_t *req, int status)
         conn_close(c);
         return;
     }
-    if (uv_stream_get_write_queue_size(dst) < LOW_WATER) {
-        int *paused = dst == (uv_stream_t *)&c->gr ? &c->paused_cl : &c->paused_gr;
-        uv_stream_t *src =
-            dst == (uv_stream_t *)&c->gr ? (uv_stream_t *)&c->cl : (uv_stream_t *)&c->gr;
-        if (*paused) {
-            *paused = 0;
-            uv_read_start(src, on_alloc, on_read);
-        }
+    if (was_over && g->buffered <= MAX_BUFFERED) {
+        /* Below the guard-wide limit again: every paused connection whose
+         * own queue allows it reads again. */
+        for (conn_t *o = g->conns; o != NULL; o = o->next)
+            resume(o);
+        return;
     }
+    (void)dst;
+    resume(c);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
 {
     conn_t *c = s->data;
     int from_client = s == (uv_stream_t *)&c->cl;
-    if (nread <= 0 || c->closing) {
+    if (nread <= 0 || c->closing || c->shutting) {
         free(buf->base);
-        if (nread < 0)
-            conn_close(c);
+        if (nread < 0 && !from_client)
+            drain_and_close(c); /* gRPC is done: let its last bytes reach the client */
+        else if (nread < 0)
+            conn_close(c); /* the client is gone */
         return;
     }
     if (from_client && inspect(c, (const uint8_t *)buf->base, (size_t)nread) != 0) {
@@ -196,15 +249,30 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         conn_close(c);
         return;
     }
-    w->base = buf->base;
-    uv_buf_t b = uv_buf_init(buf->base, (unsigned)nread);
+    /* A small read does not keep a whole read buffer alive while it waits
+     * to be written (many small answers to a client that does not read). */
+    char *data = buf->base;
+    if (nread < SMALL_READ) {
+        char *small = malloc((size_t)nread);
+        if (small != NULL) {
+            memcpy(small, data, (size_t)nread);
+            free(data);
+            data = small;
+        }
+    }
+    w->base = data;
+    w->len = (size_t)nread;
+    amx_guard_t *g = c->g;
+    g->buffered += w->len;
+    uv_buf_t b = uv_buf_init(data, (unsigned)nread);
     if (uv_write(&w->req, dst, &b, 1, on_written) != 0) {
+        g->buffered -= w->len;
         free(w->base);
         free(w);
         conn_close(c);
         return;
     }
-    if (uv_stream_get_write_queue_size(dst) > HIGH_WATER) {
+    if (uv_stream_get_write_queue_size(dst) > HIGH_WATER || g->buffered > MAX_BUFFERED) {
         uv_read_stop(s);
         *(from_client ? &c->paused_cl : &c->paused_gr) = 1;
     }
@@ -336,8 +404,8 @@ static void on_listen(uv_poll_t *p, int status, int events)
                 close(g->reserve);
                 g->reserve = -1;
                 int f = accept4(g->lfd, NULL, NULL, SOCK_CLOEXEC);
+                shed(g, f, "out of file descriptors"); /* closes f: its slot is the reserve's */
                 g->reserve = open("/dev/null", O_RDONLY | O_CLOEXEC);
-                shed(g, f, "out of file descriptors");
                 if (f >= 0 && g->reserve >= 0)
                     continue;
             } else {
@@ -372,6 +440,15 @@ static void close_listener(amx_guard_t *g)
     uv_close((uv_handle_t *)&g->lpoll, on_listener_closed);
 }
 
+static void on_drained(uv_timer_t *t)
+{
+    amx_guard_t *g = t->data;
+    for (conn_t *c = g->conns; c != NULL; c = c->next)
+        conn_close(c);
+    if (!uv_is_closing((uv_handle_t *)&g->drain))
+        uv_close((uv_handle_t *)&g->drain, NULL);
+}
+
 static void on_wake(uv_async_t *a)
 {
     amx_guard_t *g = a->data;
@@ -382,9 +459,15 @@ static void on_wake(uv_async_t *a)
         close_listener(g);
     if (ex && !g->exiting) {
         g->exiting = 1;
+        /* Answers gRPC has written still go to their clients, for at most
+         * DRAIN_MS; then every connection closes. */
         for (conn_t *c = g->conns; c != NULL; c = c->next)
-            conn_close(c);
+            drain_and_close(c);
         uv_close((uv_handle_t *)&g->wake, NULL);
+        if (g->conns != NULL)
+            uv_timer_start(&g->drain, on_drained, DRAIN_MS, 0);
+        else
+            uv_close((uv_handle_t *)&g->drain, NULL);
     }
 }
 
@@ -396,7 +479,8 @@ static void *guard_main(void *arg)
 }
 
 amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *server,
-                             size_t max_header_block, amx_guard_t **out, amx_err_t *err)
+                             size_t max_header_block, uint32_t max_connections, amx_guard_t **out,
+                             amx_err_t *err)
 {
     struct sockaddr_un sa;
     memset(&sa, 0, sizeof(sa));
@@ -441,21 +525,27 @@ amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *serve
         soft = (rlim_t)3 * UINT32_MAX;
     /* A relayed connection costs three descriptors. */
     g->max_conn = soft > FD_RESERVE + 3 * 16 ? (uint32_t)((soft - FD_RESERVE) / 3) : 16;
+    if (max_connections > 0 && g->max_conn > max_connections)
+        g->max_conn = max_connections;
     pthread_mutex_init(&g->mu, NULL);
     uv_loop_init(&g->loop);
     uv_poll_init(&g->loop, &g->lpoll, fd);
     uv_timer_init(&g->loop, &g->retry);
+    uv_timer_init(&g->loop, &g->drain);
     uv_async_init(&g->loop, &g->wake, on_wake);
-    g->lpoll.data = g->retry.data = g->wake.data = g;
+    g->lpoll.data = g->retry.data = g->wake.data = g->drain.data = g;
     g->listening = 1;
     uv_poll_start(&g->lpoll, UV_READABLE, on_listen);
     if (pthread_create(&g->thread, NULL, guard_main, g) != 0) {
         /* Never started: nothing runs on its loop. */
         uv_close((uv_handle_t *)&g->lpoll, NULL);
         uv_close((uv_handle_t *)&g->retry, NULL);
+        uv_close((uv_handle_t *)&g->drain, NULL);
         uv_close((uv_handle_t *)&g->wake, NULL);
         uv_run(&g->loop, UV_RUN_DEFAULT);
         uv_loop_close(&g->loop);
+        if (g->reserve >= 0)
+            close(g->reserve);
         close(fd);
         unlink(path);
         grpc_server_credentials_release(g->creds);

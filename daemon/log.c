@@ -48,7 +48,10 @@ void amx_log_write(int level, const char *subsys, const char *fmt, ...)
     }
     /* The message may quote what a client sent: control characters are
      * written as \xNN, so that one line stays one line (a newline and a
-     * timestamp, or journald's "<N>" priority prefix, cannot be forged). */
+     * timestamp, or journald's "<N>" priority prefix, cannot be forged).
+     * The backslash is left as it is, so that a status message and its log
+     * line read the same; messages that quote refused strings escape them
+     * fully themselves (wire.c amx_escape: a backslash is \x5c there). */
     char msg[sizeof(line)];
     va_list ap;
     va_start(ap, fmt);
@@ -68,24 +71,35 @@ void amx_log_write(int level, const char *subsys, const char *fmt, ...)
         }
     }
     line[n++] = '\n';
-    ssize_t w = write(log_fd, line, n);
+    ssize_t w = write(__atomic_load_n(&log_fd, __ATOMIC_ACQUIRE), line, n);
     (void)w;
 }
 
 int amx_log_open(const char *path)
 {
     if (path == NULL || path[0] == '\0') {
-        if (log_fd != 2)
-            close(log_fd);
-        log_fd = 2;
+        int old = log_fd;
+        __atomic_store_n(&log_fd, 2, __ATOMIC_RELEASE);
+        if (old != 2)
+            close(old);
         return 0;
     }
     int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0640);
     if (fd < 0)
         return -errno;
-    if (log_fd != 2)
-        close(log_fd);
-    log_fd = fd;
+    if (log_fd != 2) {
+        /* Other threads may be writing: the descriptor number they use
+         * now refers to the new file, at once (never a closed or reused
+         * number). */
+        if (dup2(fd, log_fd) < 0) {
+            int e = errno;
+            close(fd);
+            return -e;
+        }
+        close(fd);
+        return 0;
+    }
+    __atomic_store_n(&log_fd, fd, __ATOMIC_RELEASE);
     return 0;
 }
 

@@ -924,9 +924,17 @@ static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_reg
                          (long long)reg->cfg->max_cells);
         goto out;
     }
+    /* What the jobs hold: their catalogs, or their pending buffers where
+     * those are larger (a growth for a Register that was then cancelled);
+     * jobs dropped while busy too. */
     uint64_t used = 0;
-    for (const amx_job_t *o = reg->jobs; o != NULL; o = o->next)
-        used += view_cells(o);
+    for (int list = 0; list < 2; list++)
+        for (const amx_job_t *o = list ? reg->zombies : reg->jobs; o != NULL; o = o->next) {
+            uint64_t v = view_cells(o), p = o->state ? o->state->pend_cells : 0;
+            used += v > p ? v : p;
+        }
+    if (j->state != NULL && j->state->pend_cells > view_cells(j))
+        used -= j->state->pend_cells - view_cells(j); /* this job's growth is counted as new */
     if ((used + new_cells + new_hist) * AMX_STATE_BYTES_PER_CELL > reg_budget(reg)) {
         st = amx_err_set(
             err, AMX_ENOMEM,

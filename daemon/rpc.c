@@ -267,6 +267,23 @@ static void post_request(amx_rpc_t *rpc, int method)
     }
 }
 
+/* Answers that the cap on unread answer bytes never refuses: small ones
+ * (Health, SendAmax, Status...), and those of calls whose work is done and
+ * cannot be asked for again the same way (Join, Reconcile: the epoch has
+ * been reconciled; both are bounded, one per rank). A client that does not
+ * read can only hold back GetScales-sized answers of its own asking. */
+#define QUEUE_EXEMPT_BYTES (64u << 10)
+
+static int reply_is_owed(const amx_call_t *c)
+{
+    if (c->method < 0)
+        return 0;
+    const char *p = c->rpc->methods[c->method]->path;
+    size_t n = strlen(p);
+    return (n >= 9 && strcmp(p + n - 9, "Reconcile") == 0) ||
+           (n >= 5 && strcmp(p + n - 5, "/Join") == 0);
+}
+
 void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const ProtobufCMessage *resp)
 {
     if (c->replied || c->closed) {
@@ -287,7 +304,8 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
                      "at a time",
                      amx__call_method(c), len, (long long)rpc->cfg->max_message_bytes);
             st = AMX_ENOMEM, msg = why, resp = NULL;
-        } else if (rpc->queued + len > (uint64_t)rpc->cfg->max_queued_bytes) {
+        } else if (len > QUEUE_EXEMPT_BYTES && !reply_is_owed(c) &&
+                   rpc->queued + len > (uint64_t)rpc->cfg->max_queued_bytes) {
             snprintf(why, sizeof(why),
                      "%s: the daemon already holds %llu bytes of answers that clients have not "
                      "read yet (max_queued_bytes=%lld); this answer of %zu bytes is refused: "
@@ -916,7 +934,7 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     rpc->wake.data = rpc;
     if (rpc->unix_path[0] != '\0' && cfg->socket_guard &&
         amx_guard_start(rpc->unix_path, (unsigned)cfg->socket_mode, rpc->server, MAX_HEADER_BLOCK,
-                        &rpc->guard, err) != AMX_OK) {
+                        (uint32_t)cfg->max_connections, &rpc->guard, err) != AMX_OK) {
         st = err->code;
         goto fail_started;
     }

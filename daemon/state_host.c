@@ -150,9 +150,12 @@ static amx_status_t grow_pend(host_state_t *h, int k, uint64_t n, int lazy)
     return AMX_OK;
 }
 
+static void host_fill_pending(amx_state_t *st);
+
 static amx_status_t host_reserve_pending(amx_state_t *st, uint64_t ncells, amx_err_t *err)
 {
     host_state_t *h = st->impl;
+    host_fill_pending(st); /* cells a growth left unset (it never runs during one) */
     if (grow_pend(h, 0, ncells, 0) != AMX_OK || grow_pend(h, 1, ncells, 0) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of host memory growing pending amax to %llu cells",
                            (unsigned long long)ncells);
@@ -160,12 +163,16 @@ static amx_status_t host_reserve_pending(amx_state_t *st, uint64_t ncells, amx_e
     return AMX_OK;
 }
 
+static void host_fill_pending(amx_state_t *st);
+
 static amx_status_t host_grow_pending(amx_state_t *st, uint64_t ncells, amx_err_t *err)
 {
     host_state_t *h = st->impl;
-    if (grow_pend(h, 0, ncells, 1) != AMX_OK || grow_pend(h, 1, ncells, 1) != AMX_OK)
+    if (grow_pend(h, 0, ncells, 1) != AMX_OK || grow_pend(h, 1, ncells, 1) != AMX_OK) {
+        host_fill_pending(st); /* what did grow is filled now: no cell stays unset */
         return amx_err_set(err, AMX_ENOMEM, "out of host memory growing pending amax to %llu cells",
                            (unsigned long long)ncells);
+    }
     st->pend_cells = h->pend_n[h->active];
     return AMX_OK;
 }

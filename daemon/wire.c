@@ -11,10 +11,12 @@
  * 16-byte rounding); an upper estimate is what the budget needs. */
 #define ALLOC_COST 32
 
-/* protobuf-c's first pass keeps a record of every field it meets, in slabs
- * that double in size (its ScannedMember, about 40 bytes): at most twice
- * that per field, freed when unpacking ends, but part of its peak. */
+/* protobuf-c's first pass keeps a record of every field of a message it
+ * meets: the first 16 on the stack, the others in slabs that double in size
+ * (its ScannedMember, about 40 bytes: at most twice that per field), freed
+ * when that message is unpacked. */
 #define SCAN_COST 96
+#define SCAN_ON_STACK 16
 
 enum { WT_VARINT = 0, WT_64 = 1, WT_LEN = 2, WT_START = 3, WT_END = 4, WT_32 = 5 };
 
@@ -186,7 +188,7 @@ static amx_status_t walk_msg(walk_t *w, const ProtobufCMessageDescriptor *d, con
     if (d->n_fields > 64)
         return amx_err_set(w->err, AMX_EINTERNAL, "%s has too many fields to check", d->name);
     memset(counts, 0, sizeof(counts));
-    size_t i = 0;
+    size_t i = 0, nfields = 0;
     while (i < n) {
         size_t at = base + i;
         uint64_t tag;
@@ -224,7 +226,8 @@ static amx_status_t walk_msg(walk_t *w, const ProtobufCMessageDescriptor *d, con
         default:
             return bad(w, at, "a group or an unknown wire type");
         }
-        w->decoded += SCAN_COST;
+        if (++nfields > SCAN_ON_STACK)
+            w->decoded += SCAN_COST;
         const ProtobufCFieldDescriptor *f =
             protobuf_c_message_descriptor_get_field(d, (unsigned)num);
         if (f == NULL) {

@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 
 from ._gen import amaxd_pb2 as pb
-from .errors import AmaxdError, ResourceExhausted, from_rpc_error
+from .errors import AmaxdError, FailedPrecondition, ResourceExhausted, from_rpc_error
 from .placement import Placement
 
 DEFAULT_SOCKET = "/run/amaxd/amaxd.sock"
@@ -201,10 +201,20 @@ class Client:
         self.epoch = r.epoch
         return r
 
-    def register(self, quantizers: Iterable[Quantizer]):
-        req = pb.RegisterRequest(job=self.job, rank=self.rank,
-                                 quantizers=[q.to_pb() for q in quantizers])
-        return self._unary("RegisterQuantizers", req, pb.RegisterResponse)
+    def register(self, quantizers: Iterable[Quantizer], batch: int = 20000):
+        """Registers quantizers, `batch` per request (a request is decoded
+        whole by the daemon, within its max_request_memory). Each request
+        is atomic; the answer sums created and existing over all of them,
+        with the catalog size after the last."""
+        qs = [q.to_pb() for q in quantizers]
+        total = pb.RegisterResponse()
+        for i in range(0, max(len(qs), 1), batch):
+            req = pb.RegisterRequest(job=self.job, rank=self.rank, quantizers=qs[i:i + batch])
+            r = self._unary("RegisterQuantizers", req, pb.RegisterResponse)
+            total.created += r.created
+            total.existing += r.existing
+            total.catalog_size = r.catalog_size
+        return total
 
     def _send_req(self, amax: Mapping[str, object], epoch: int):
         return pb.SendAmaxRequest(job=self.job, rank=self.rank, epoch=epoch,
@@ -217,11 +227,27 @@ class Client:
         # "whatever epoch is open now".
         return self.epoch if epoch is None else epoch
 
+    def _tracked(self, epoch, fn):
+        """Runs fn(); when it was refused because the epoch this client
+        tracked is closed, learns the open epoch (so that the next call
+        goes to it) and re-raises."""
+        try:
+            return fn()
+        except FailedPrecondition:
+            if epoch is None and self.epoch:
+                try:
+                    jobs = self.status(self.job).jobs
+                    if jobs:
+                        self.epoch = jobs[0].epoch
+                except AmaxdError:
+                    pass
+            raise
+
     def send(self, amax: Mapping[str, object], epoch: Optional[int] = None):
         """Merges {name: local amax block} into the epoch this client saw
         open (atomic); `epoch` overrides it (0: whatever is open)."""
-        return self._unary("SendAmax", self._send_req(amax, self._epoch(epoch)),
-                           pb.SendAmaxResponse)
+        return self._tracked(epoch, lambda: self._unary(
+            "SendAmax", self._send_req(amax, self._epoch(epoch)), pb.SendAmaxResponse))
 
     def stream(self, batches: Iterable[Mapping[str, object]], epoch: Optional[int] = None):
         """Sends many batches on one client-streaming call; returns the total accepted."""
@@ -239,10 +265,10 @@ class Client:
         """Ends this rank's epoch (the one this client saw open; `epoch`
         overrides it, 0: whatever is open); blocks until every rank did;
         returns {name: Result}."""
-        r = self._unary("Reconcile", pb.ReconcileRequest(job=self.job, rank=self.rank,
-                                                         epoch=self._epoch(epoch),
-                                                         names=list(names)),
-                        pb.ReconcileResponse, timeout)
+        req = pb.ReconcileRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
+                                  names=list(names))
+        r = self._tracked(epoch, lambda: self._unary("Reconcile", req, pb.ReconcileResponse,
+                                                     timeout))
         self.epoch = r.next_epoch
         return {q.name: Result.from_pb(q) for q in r.results}
 
@@ -253,8 +279,18 @@ class Client:
         refuses as too large is halved."""
         mmb = self.max_message_bytes
         window = window_cells or max(1, (mmb - min(mmb // 8, 1 << 20)) // 14)
+        for _ in range(8):
+            parts, epoch = self._windows(names, whole, window)
+            if parts is not None:
+                return {n: Result.from_parts(p) for n, p in parts.items()}
+        raise AmaxdError(grpc.StatusCode.ABORTED,
+                         f"epochs kept being reconciled while the results were read (last {epoch})")
+
+    def _windows(self, names, whole, window):
+        """All windows of one answer; (None, epoch) when an epoch was
+        reconciled between two of them (the windows would mix epochs)."""
         parts: Dict[str, list] = {}
-        start = 0
+        start, epoch = 0, None
         while True:
             req = pb.GetScalesRequest(job=self.job, rank=self.rank, names=list(names),
                                       start_cell=start, max_cells=window, **{"global": whole})
@@ -265,14 +301,17 @@ class Client:
                     raise
                 window //= 2
                 continue
+            if epoch is None:
+                epoch = r.epoch
+            elif r.epoch != epoch:
+                return None, r.epoch
             got = 0
             for q in r.results:
                 parts.setdefault(q.name, []).append(q)
                 got += len(q.amax) // 4
             start += got
             if got == 0 or start >= r.total_cells:
-                break
-        return {n: Result.from_parts(p) for n, p in parts.items()}
+                return parts, epoch
 
     def reset(self, names: Sequence[str] = (), drop_job: bool = False):
         return self._unary("Reset", pb.ResetRequest(job=self.job, names=list(names),
