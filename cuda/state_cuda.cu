@@ -1081,11 +1081,11 @@ static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
 }
 
 static amx_status_t cuda_export(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                const amx_state_arrays_t *d, amx_err_t *err)
+                                int back, const amx_state_arrays_t *d, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     cudaStream_t s = c->se;
-    int f = st->front;
+    int f = st->front ^ (back != 0);
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     if (ncells != st->ncells || nhist != st->nhist || nq != st->nq || ncells != st->out_cells[f] ||
         nq > st->out_nq[f])

@@ -147,6 +147,12 @@ static void apply_typed(amx_config_t *cfg, int i, int64_t iv)
     case AMX_CFG_max_queued_bytes:
         cfg->max_queued_bytes = iv;
         break;
+    case AMX_CFG_state_dir:
+        cfg->state_dir = t;
+        break;
+    case AMX_CFG_snapshot_interval_ms:
+        cfg->snapshot_interval_ms = iv;
+        break;
     case AMX_CFG_job_idle_timeout_ms:
         cfg->job_idle_timeout_ms = iv;
         break;

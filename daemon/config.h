@@ -58,6 +58,11 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
       "gets RESOURCE_EXHAUSTED")                                                                   \
     X(job_idle_timeout_ms, AMX_CFG_INT, "86400000", 0, 31536000000LL, NULL, 0,                     \
       "a job none of whose ranks called for this long is dropped, with a log line (0: never)")     \
+    X(state_dir, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                                   \
+      "directory of job snapshots, restored at start (empty: none; /var/lib/amaxd under systemd)") \
+    X(snapshot_interval_ms, AMX_CFG_INT, "0", 0, 86400000, NULL, 0,                                \
+      "0: every reconciled epoch is written before its Reconcile returns; N: at most every N ms "  \
+      "(epochs in between are written with a later one or at shutdown)")                           \
     X(join_timeout_ms, AMX_CFG_INT, "300000", 10, 86400000, NULL, 0,                               \
       "how long Join waits for the other ranks before DEADLINE_EXCEEDED")                          \
     X(reconcile_timeout_ms, AMX_CFG_INT, "600000", 10, 86400000, NULL, 0,                          \
@@ -109,6 +114,8 @@ typedef struct amx_config {
     int64_t socket_mode, max_message_bytes, max_cells, max_quantizers, max_jobs, max_world_size;
     int64_t max_request_memory, memory_budget, max_queued_bytes, job_idle_timeout_ms;
     int64_t max_connections;
+    const char *state_dir;
+    int64_t snapshot_interval_ms;
     int64_t join_timeout_ms, reconcile_timeout_ms, shutdown_grace_ms;
     int allow_remote, socket_guard;
     int64_t cluster_size, cluster_rank, peer_port, cuda_device;

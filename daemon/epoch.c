@@ -30,6 +30,7 @@
 #include "jobstate.h"
 #include "log.h"
 #include "peer.h"
+#include "snapshot.h"
 
 /* Header cells (AMX_HDR_CELLS = 32): each field as 16-bit pieces and their
  * complements, so that after an element-wise MAX max(piece) == 65535 -
@@ -79,8 +80,9 @@ struct amx_engine {
      * may keep a copy of the descriptors the last finish saw. */
     uint64_t desc_gen, fin_gen;
     int fin_had_reset;
-    int marked; /* some w_desc[].reset may be set: clean epochs skip the O(n) scans */
-    int fin_ok; /* the last finish succeeded (its descriptors may be reused) */
+    int marked;       /* some w_desc[].reset may be set: clean epochs skip the O(n) scans */
+    int fin_ok;       /* the last finish succeeded (its descriptors may be reused) */
+    uint64_t snap_ms; /* when this engine last wrote the job's snapshot (0: never) */
 };
 
 /* ---- results ---- */
@@ -399,7 +401,7 @@ static amx_status_t publish_state(amx_engine_t *e, uint64_t seq)
     void *blob;
     size_t len;
     amx_status_t st = amx_jobstate_export(j->name, e->last_reconciled, e->w_cat, e->w_desc,
-                                          j->state, &blob, &len, &err);
+                                          j->state, 0, &blob, &len, &err);
     if (st != AMX_OK)
         return fail(e, st, "job '%s': preparing the state for daemons that are behind: %s", j->name,
                     err.msg);
@@ -788,6 +790,96 @@ static amx_status_t finish(amx_engine_t *e, int from_send)
     return AMX_OK;
 }
 
+/* ---- durability ---- */
+
+/* The job section of a snapshot: every local rank's placements of the
+ * quantizers of the catalog `cat`. The loop defers Register while the job
+ * is in flight, so the ranks' tables hold still. Free with free_meta. */
+amx_status_t amx__snapshot_meta(const amx_job_t *j, const amx_catalog_t *cat, amx_snap_meta_t *m)
+{
+    memset(m, 0, sizeof(*m));
+    m->job = j->name;
+    m->world = j->world;
+    m->epochs_ok = j->epochs_ok;
+    m->epochs_failed = j->epochs_failed;
+    m->ranks = calloc(j->nlocal ? j->nlocal : 1, sizeof(*m->ranks));
+    if (m->ranks == NULL)
+        return AMX_ENOMEM;
+    m->nranks = j->nlocal;
+    for (uint32_t i = 0; i < j->nlocal; i++) {
+        const amx_lrank_t *r = &j->lr[i];
+        amx_snap_rank_t *sr = &m->ranks[i];
+        sr->rank = r->rank;
+        sr->pls = calloc(r->npls ? r->npls : 1, sizeof(*sr->pls));
+        if (sr->pls == NULL)
+            return AMX_ENOMEM;
+        for (uint32_t k = 0; k < r->npls; k++) {
+            uint32_t lid = r->pl_lid[k];
+            if (lid >= r->cap_of || r->pl_of[lid] != k + 1)
+                continue; /* superseded */
+            const char *name = j->lq[lid].spec->name;
+            if (amx_catalog_find(cat, name) < 0)
+                continue; /* not agreed (rejected, or dead) */
+            sr->pls[sr->n].name = name;
+            sr->pls[sr->n].pl = r->pls[k];
+            sr->n++;
+        }
+    }
+    return AMX_OK;
+}
+
+void amx__snapshot_meta_free(amx_snap_meta_t *m)
+{
+    for (uint32_t i = 0; m->ranks != NULL && i < m->nranks; i++)
+        free(m->ranks[i].pls);
+    free(m->ranks);
+    memset(m, 0, sizeof(*m));
+}
+
+/* Writes the epoch just finished (the back results) into the job's
+ * snapshot, before the loop answers Reconcile: with snapshot_interval_ms
+ * 0, an epoch whose Reconcile returned is on disk. Only jobs this daemon
+ * serves alone: a cluster job's daemon catches up from its peers. */
+static void write_snapshot(amx_engine_t *e)
+{
+    amx_job_t *j = e->job;
+    const amx_config_t *cfg = e->env.cfg;
+    if (cfg == NULL || cfg->state_dir == NULL || cfg->state_dir[0] == '\0' || j->mship.npart > 1)
+        return;
+    uint64_t now = amx_now_ms();
+    if (cfg->snapshot_interval_ms > 0 && e->snap_ms != 0 &&
+        now < e->snap_ms + (uint64_t)cfg->snapshot_interval_ms)
+        return; /* written with a later epoch, or at shutdown */
+    uint64_t t0 = amx_now_us();
+    amx_err_t err = {0};
+    amx_snap_meta_t m = {0};
+    void *meta = NULL, *blob = NULL;
+    size_t mlen = 0, blen = 0;
+    amx_status_t st = amx_jobstate_export(j->name, e->epoch, e->w_cat, e->w_desc, j->state, 1,
+                                          &blob, &blen, &err);
+    if (st == AMX_OK && (st = amx__snapshot_meta(j, e->w_cat, &m)) != AMX_OK)
+        amx_err_set(&err, st, "out of memory");
+    m.epochs_ok++; /* this epoch */
+    m.state_len = blen;
+    if (st == AMX_OK)
+        st = amx_snapshot_encode_meta(&m, &meta, &mlen, &err);
+    amx__snapshot_meta_free(&m);
+    if (st == AMX_OK)
+        st = amx_snapshot_write(cfg->state_dir, j->name, meta, mlen, blob, blen, &err);
+    free(meta);
+    free(blob);
+    e->res.snapshot_us = amx_now_us() - t0;
+    if (st != AMX_OK) {
+        snprintf(e->res.snapshot_err, sizeof(e->res.snapshot_err),
+                 "epoch %llu of job '%s' was reconciled but not written to its snapshot: %.380s",
+                 (unsigned long long)e->epoch, j->name, err.msg);
+        return;
+    }
+    e->snap_ms = now;
+    e->res.snapshot_ok = 1;
+    e->res.snapshot_bytes = mlen + blen;
+}
+
 /* What the other daemons say about an epoch that did not complete. */
 static void explain(amx_engine_t *e)
 {
@@ -860,6 +952,7 @@ out:
     if (e->res.reconciled) {
         e->res.st = AMX_OK;
         e->res.epoch = e->epoch;
+        write_snapshot(e);
         /* Resets sent to the coordinator were applied with everyone's. */
         e->res.resets_applied = 1;
     } else {

@@ -56,6 +56,12 @@ typedef struct amx_epoch_result {
     int resets_applied;
     uint32_t collectives;
     uint64_t total_us, collective_us, finish_us, prepare_us, header_us;
+    /* Durability (snapshot.h): the epoch was written to the job's snapshot
+     * (snapshot_ok), or writing it failed (snapshot_err); neither when
+     * snapshots are off or this epoch was not due. */
+    int snapshot_ok;
+    char snapshot_err[512];
+    uint64_t snapshot_us, snapshot_bytes;
 } amx_epoch_result_t;
 
 amx_status_t amx_engine_create(amx_job_t *job, const amx_engine_env_t *env, amx_engine_t **out,
@@ -80,6 +86,14 @@ void amx_engine_destroy(amx_engine_t *e);
 
 /* The communicator generation in use (0: none). Any thread. */
 uint64_t amx_engine_comm_gen(const amx_engine_t *e);
+
+/* The job section of a snapshot of `j` over catalog `cat` (placements of
+ * every local rank by name, borrowed from the job); engine thread while in
+ * flight, or the loop. Free with amx__snapshot_meta_free. */
+struct amx_snap_meta;
+amx_status_t amx__snapshot_meta(const amx_job_t *j, const amx_catalog_t *cat,
+                                struct amx_snap_meta *m);
+void amx__snapshot_meta_free(struct amx_snap_meta *m);
 
 /* A donor's published state for sync `seq` (see registry.h,
  * amx_registry_fetch_state). Any thread. */

@@ -107,6 +107,10 @@ typedef struct amx_job {
     uint64_t last_epoch_us, last_collective_us, last_finish_us;
     uint64_t flight_started_us, last_started_us, last_ended_us; /* CLOCK_MONOTONIC */
     uint64_t last_active_ms; /* the last call of one of its ranks (job_idle_timeout_ms) */
+    /* Durability (snapshot.h). */
+    uint64_t durable_epoch; /* the last epoch in the job's snapshot (0: none) */
+    char *snap_err;         /* why the last snapshot failed, or NULL */
+    int restored;           /* the job came from a snapshot at start */
     uint32_t last_collectives;
     struct amx_job *next;
 } amx_job_t;

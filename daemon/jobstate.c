@@ -106,7 +106,7 @@ static size_t reserve(wbuf_t *w, size_t n)
 
 amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
                                  const amx_catalog_t *cat, const amx_qdesc_t *desc, amx_state_t *st,
-                                 void **blob, size_t *len, amx_err_t *err)
+                                 int back, void **blob, size_t *len, amx_err_t *err)
 {
     wbuf_t w = {0};
     put32(&w, MAGIC);
@@ -159,7 +159,7 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
         .g_inv = (float *)(w.p + o_gi),
         .out_bytes = w.p + o_bytes,
     };
-    amx_status_t rc = st->ops->export_state(st, nc, nh, (uint32_t)nq, &a, err);
+    amx_status_t rc = st->ops->export_state(st, nc, nh, (uint32_t)nq, back, &a, err);
     if (rc != AMX_OK) {
         free(w.p);
         return rc;

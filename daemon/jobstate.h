@@ -32,12 +32,13 @@ typedef struct amx_jobstate {
 
 /*
  * Serializes the replicated state of `st` (layout of `cat` / `desc`, whose
- * hist_head fields are saved) and its published results into a malloc'd
- * blob. Engine thread of the job (it reads the state backend).
+ * hist_head fields are saved) and its published results (`back`: the back
+ * results finish just wrote) into a malloc'd blob. Engine thread of the job
+ * (it reads the state backend), or the loop while nothing is in flight.
  */
 amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
                                  const amx_catalog_t *cat, const amx_qdesc_t *desc, amx_state_t *st,
-                                 void **blob, size_t *len, amx_err_t *err);
+                                 int back, void **blob, size_t *len, amx_err_t *err);
 
 /* Parses and checks a blob; on AMX_OK `out` owns a catalog and borrows
  * arrays from `blob`, which must stay alive and 8-byte aligned. */

@@ -180,6 +180,12 @@ int main(int argc, char **argv)
         amx_peer_destroy(d.peer);
         return fail_start(&d);
     }
+    if (amx_registry_restore(d.reg, &err) != AMX_OK) {
+        AMX_ERROR("main", "%s", err.msg);
+        amx_registry_destroy(d.reg);
+        amx_peer_destroy(d.peer);
+        return fail_start(&d);
+    }
     if (d.id.size > 1)
         AMX_INFO("main",
                  "cluster: rank %u of %u (from %s), coordinator %s, this daemon %s, "

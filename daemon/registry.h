@@ -150,6 +150,9 @@ typedef struct amx_job_info {
     uint64_t last_started_us, last_ended_us;
     uint32_t last_collectives;
     const char *collective;
+    uint64_t durable_epoch;
+    const char *snapshot_error; /* NULL: none */
+    int restored;
 } amx_job_info_t;
 
 typedef struct amx_qinfo {
@@ -166,6 +169,15 @@ typedef struct amx_qinfo {
  */
 amx_status_t amx_registry_create(uv_loop_t *loop, const amx_config_t *cfg, const char *backend,
                                  amx_peer_t *peer, amx_registry_t **out, amx_err_t *err);
+
+/* Restores every job snapshotted under state_dir (creating the directory
+ * when missing); snapshots that cannot be used are moved aside with a log
+ * line. EUNAVAIL when state_dir is unusable. Before serving. */
+amx_status_t amx_registry_restore(amx_registry_t *reg, amx_err_t *err);
+
+/* Writes the epochs that snapshot_interval_ms left unwritten (shutdown,
+ * after the engines stopped: amx_registry_destroy calls it). */
+void amx_registry_flush_snapshots(amx_registry_t *reg);
 
 /* Completes every waiter with EUNAVAIL, stops every engine, frees everything. */
 void amx_registry_destroy(amx_registry_t *reg);

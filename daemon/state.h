@@ -145,10 +145,12 @@ typedef struct amx_state_ops {
     amx_status_t (*finish)(amx_state_t *st, const amx_qdesc_t *q, uint32_t nq, uint64_t ncells,
                            uint32_t npeer, uint32_t nscale, int from_send, int desc_dirty,
                            amx_err_t *err);
-    /* Engine. Copies the replicated state and the front outputs of a layout
-     * of (ncells, nhist, nq) into host arrays (a donor's state transfer). */
+    /* Engine (or the loop while no epoch is in flight). Copies the
+     * replicated state and the front outputs (`back`: the back ones, just
+     * written by finish and not yet published) of a layout of (ncells,
+     * nhist, nq) into host arrays: a donor's state transfer, a snapshot. */
     amx_status_t (*export_state)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                 const amx_state_arrays_t *dst, amx_err_t *err);
+                                 int back, const amx_state_arrays_t *dst, amx_err_t *err);
     /* Engine. Replaces the replicated state and the back outputs with host
      * arrays of a layout of (ncells, nhist, nq). */
     amx_status_t (*import_state)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,

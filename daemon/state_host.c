@@ -484,10 +484,10 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
 }
 
 static amx_status_t host_export(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                const amx_state_arrays_t *d, amx_err_t *err)
+                                int back, const amx_state_arrays_t *d, amx_err_t *err)
 {
     host_state_t *h = st->impl;
-    int f = st->front;
+    int f = st->front ^ (back != 0);
     if (ncells != st->ncells || nhist != st->nhist || nq != st->nq || ncells != st->out_cells[f] ||
         nq > st->out_nq[f])
         return amx_err_set(err, AMX_EINTERNAL,

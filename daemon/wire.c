@@ -12,11 +12,12 @@
 #define ALLOC_COST 32
 
 /* protobuf-c's first pass keeps a record of every field of a message it
- * meets: the first 16 on the stack, the others in slabs that double in size
- * (its ScannedMember, about 40 bytes: at most twice that per field), freed
- * when that message is unpacked. */
+ * meets (its ScannedMember, about 40 bytes): the first 16 on the stack, then
+ * in slabs that double in size, the first of 32 records allocated at the
+ * 17th field. Charging every field, the first 16 included, covers the slabs
+ * (96 x n >= 40 x 2(n - 16) and 96 x 17 >= 40 x 32); freed when that message
+ * is unpacked. The fuzzer checks the bound (tests/fuzz). */
 #define SCAN_COST 96
-#define SCAN_ON_STACK 16
 
 enum { WT_VARINT = 0, WT_64 = 1, WT_LEN = 2, WT_START = 3, WT_END = 4, WT_32 = 5 };
 
@@ -188,7 +189,7 @@ static amx_status_t walk_msg(walk_t *w, const ProtobufCMessageDescriptor *d, con
     if (d->n_fields > 64)
         return amx_err_set(w->err, AMX_EINTERNAL, "%s has too many fields to check", d->name);
     memset(counts, 0, sizeof(counts));
-    size_t i = 0, nfields = 0;
+    size_t i = 0;
     while (i < n) {
         size_t at = base + i;
         uint64_t tag;
@@ -226,8 +227,7 @@ static amx_status_t walk_msg(walk_t *w, const ProtobufCMessageDescriptor *d, con
         default:
             return bad(w, at, "a group or an unknown wire type");
         }
-        if (++nfields > SCAN_ON_STACK)
-            w->decoded += SCAN_COST;
+        w->decoded += SCAN_COST;
         const ProtobufCFieldDescriptor *f =
             protobuf_c_message_descriptor_get_field(d, (unsigned)num);
         if (f == NULL) {

@@ -5,6 +5,7 @@
  *   amaxctl [options] list [JOB]
  *   amaxctl [options] dump [JOB] QUANTIZER
  *   amaxctl [options] health
+ *   amaxctl [options] export [JOB] FILE
  *
  * JOB may be left out when the daemon serves exactly one job. Exit status:
  * 0 on success, 1 when the daemon answered with an error or cannot be
@@ -17,6 +18,7 @@
 #include <string.h>
 
 #include "amaxc.h"
+#include "export.h"
 
 static const char *usage =
     "Usage: amaxctl [--socket PATH | --target ADDR] [--json] [--timeout SECONDS] COMMAND\n"
@@ -25,6 +27,7 @@ static const char *usage =
     "  list [JOB]            quantizers of a job\n"
     "  dump [JOB] QUANTIZER  the reconciled amax and scales of one quantizer (whole tensor)\n"
     "  health                grpc.health.v1 Check\n"
+    "  export [JOB] FILE     the last reconciled scales as a safetensors file\n"
     "JOB may be left out when the daemon serves one job. The socket defaults to\n"
     "$AMAXD_SOCKET, then /run/amaxd/amaxd.sock.\n";
 
@@ -284,6 +287,32 @@ static int cmd_health(ctx_t *x)
     return rc;
 }
 
+static int cmd_export(ctx_t *x, const char *given, const char *path)
+{
+    char job[256], msg[1024] = "";
+    int rc = pick_job(x, given, job, sizeof(job));
+    if (rc)
+        return rc;
+    uint64_t epoch = 0;
+    size_t nq = 0;
+    if (amaxctl_export(x->c, x->timeout, job, path, &epoch, &nq, msg, sizeof(msg)) != 0) {
+        fprintf(stderr, "amaxctl: export of job %s: %s\n", job, msg);
+        return 1;
+    }
+    if (x->json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "job", job);
+        cJSON_AddStringToObject(o, "file", path);
+        cJSON_AddNumberToObject(o, "epoch", (double)epoch);
+        cJSON_AddNumberToObject(o, "quantizers", (double)nq);
+        print_json(o);
+    } else {
+        printf("job %s, epoch %llu: %zu quantizers written to %s\n", job, (unsigned long long)epoch,
+               nq, path);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     ctx_t x = {NULL, 0, 10.0};
@@ -328,6 +357,8 @@ int main(int argc, char **argv)
         rc = cmd_list(&x, nargs ? argv[i] : NULL);
     else if (!strcmp(cmd, "dump") && (nargs == 1 || nargs == 2))
         rc = cmd_dump(&x, nargs == 2 ? argv[i] : NULL, argv[argc - 1]);
+    else if (!strcmp(cmd, "export") && (nargs == 1 || nargs == 2))
+        rc = cmd_export(&x, nargs == 2 ? argv[i] : NULL, argv[argc - 1]);
     else if (!strcmp(cmd, "health") && nargs == 0)
         rc = cmd_health(&x);
     else {

@@ -247,7 +247,7 @@ START_TEST(jobstate_round_trip_and_corruption)
     st->ops->publish(st);
     void *blob;
     size_t len;
-    ck_assert_int_eq(amx_jobstate_export("job", 7, cat, d, st, &blob, &len, &err), AMX_OK);
+    ck_assert_int_eq(amx_jobstate_export("job", 7, cat, d, st, 0, &blob, &len, &err), AMX_OK);
     amx_jobstate_t js;
     ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_OK);
     ck_assert_str_eq(js.job, "job");

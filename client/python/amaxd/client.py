@@ -313,6 +313,34 @@ class Client:
             if got == 0 or start >= r.total_cells:
                 return parts, epoch
 
+    def export(self, path: str, names: Sequence[str] = ()) -> int:
+        """Writes the job's last reconciled scales (whole tensors; `names`:
+        only those) to a safetensors file (amaxd/export.py describes it);
+        returns the epoch written."""
+        from . import export as ex
+        infos = [q for q in self.list_quantizers().quantizers if q.agreed]
+        if names:
+            want = set(names)
+            infos = [q for q in infos if q.name in want]
+        if not infos:
+            jobs = self.status(self.job).jobs
+            epoch = jobs[0].reconciled_epochs if jobs else 0
+            ex.write(path, {}, ex.metadata(self.job, epoch, []))
+            return epoch
+        mmb = self.max_message_bytes
+        window = max(1, (mmb - min(mmb // 8, 1 << 20)) // 14)
+        for _ in range(8):
+            parts, epoch = self._windows([q.name for q in infos], True, window)
+            if parts is not None:
+                break
+        else:
+            raise AmaxdError(grpc.StatusCode.ABORTED,
+                             "epochs kept being reconciled while the results were read")
+        results = {n: Result.from_parts(p) for n, p in parts.items()}
+        ex.write(path, ex.tensors(results, {q.name: q.recipe.format for q in infos}),
+                 ex.metadata(self.job, epoch or 0, infos))
+        return epoch or 0
+
     def reset(self, names: Sequence[str] = (), drop_job: bool = False):
         return self._unary("Reset", pb.ResetRequest(job=self.job, names=list(names),
                                                     drop_job=drop_job), pb.ResetResponse)

@@ -1,0 +1,285 @@
+"""Snapshots (docs/OPERATING.md, "Durability"): kill -9 after epoch k, restart
+on the same state_dir, re-join, epoch k+1 equals an uninterrupted run's
+byte for byte; damaged snapshots are refused and moved aside; intervals,
+shutdown flush, drops and write failures."""
+import glob
+import os
+import shutil
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+import amaxd
+from amaxd import pb
+from amaxd import placement as P
+
+W = 2
+E = 4
+JOB = "durable"
+
+
+def quantizers(rank):
+    """A mix of everything that carries state across epochs: a delayed-scaling
+    history, running maxima, per-epoch accumulation, NVFP4 blocks with a
+    global amax, MXFP8 blocks, a peer group with a cold expert."""
+    return [
+        amaxd.Quantizer("l0.fc1.weight", [8], amaxd.Recipe.fp8_current(),
+                        P.column_parallel([8], rank, W)),
+        amaxd.Quantizer("l0.fc1.input", [], amaxd.Recipe.fp8_delayed(history_len=4),
+                        accumulation=amaxd.PER_EPOCH),
+        amaxd.Quantizer("l0.fc2.input", [4, 6], amaxd.Recipe.nvfp4(), P.shard([4, 6], 1, rank, W)),
+        amaxd.Quantizer("l0.fc2.weight", [6], amaxd.Recipe.mxfp8(), P.row_parallel([6], rank, W)),
+        amaxd.Quantizer("l0.experts.input", [E], amaxd.Recipe.fp8_current(amaxd.FP8_E5M2),
+                        P.per_expert(E, rank, W), accumulation=amaxd.PER_EPOCH,
+                        peer_group="l0.experts"),
+    ]
+
+
+def amax_of(epoch, rank):
+    rng = np.random.default_rng(1000 * epoch + rank)
+    experts = np.ma.masked_array(rng.uniform(0.5, 4, E // W).astype(np.float32),
+                                 mask=[rank == 1 and epoch % 2 == 0, False])
+    return {
+        "l0.fc1.weight": rng.uniform(0.1, 3, 8 // W).astype(np.float32),
+        "l0.fc1.input": np.float32(rng.uniform(0.5, 10)),
+        "l0.fc2.input": rng.uniform(0, 5, (4, 3)).astype(np.float32),
+        "l0.fc2.weight": rng.uniform(0, 2, 6).astype(np.float32),
+        "l0.experts.input": experts,
+    }
+
+
+def run_epochs(d, epochs, join=True, register=True):
+    """Every rank (a thread each) runs `epochs`; returns {rank: [(rejoined, results)...]}."""
+    out, errs = {}, []
+
+    def rank_main(r):
+        try:
+            with d.client(JOB, r, W) as c:
+                rejoined = c.join().rejoined if join else None
+                if register:
+                    c.register(quantizers(r))
+                got = []
+                for e in epochs:
+                    c.send(amax_of(e, r))
+                    got.append(c.reconcile())
+                out[r] = (rejoined, got, c.get_scales())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errs.append(e)
+
+    ts = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errs, errs
+    return out
+
+
+def same(a, b):
+    """Results of two runs, byte for byte."""
+    assert a.keys() == b.keys()
+    for n in a:
+        x, y = a[n], b[n]
+        for f in ("amax", "scale", "scale_inv", "block_scales"):
+            assert getattr(x, f).tobytes() == getattr(y, f).tobytes(), (n, f)
+        for f in ("global_amax", "global_scale", "global_scale_inv", "missing"):
+            assert np.float32(getattr(x, f)).tobytes() == np.float32(getattr(y, f)).tobytes(), (n, f)
+
+
+def snapshot_path(state):
+    return os.path.join(state, JOB + ".amxs")
+
+
+@pytest.mark.parametrize("register_again", [False, True])
+def test_kill9_restart_continues_byte_identical(start_daemon, tmp_path, register_again):
+    state = str(tmp_path / "state")
+    k = 3
+    ref = start_daemon()
+    want = run_epochs(ref, range(1, k + 2))
+
+    d = start_daemon(f"--state-dir={state}")
+    first = run_epochs(d, range(1, k + 1))
+    assert os.path.exists(snapshot_path(state))
+    with d.client(JOB, 0, W) as c:
+        st = c.status(JOB).jobs[0]
+        assert st.durable_epoch == k and st.snapshot_error == "" and not st.restored
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait(10)
+    d._log.close()
+    os.unlink(d.socket)  # what kill -9 leaves behind
+
+    d2 = start_daemon(f"--state-dir={state}", socket=d.socket)
+    assert f"job {JOB} restored from" in d2.log()
+    with d2.client(JOB, 0, W) as c:
+        st = c.status(JOB).jobs[0]
+        assert st.restored and st.ready and st.durable_epoch == k and st.epoch == k + 1
+        assert st.reconciled_epochs == k
+    after = run_epochs(d2, [k + 1], register=register_again)
+    for r in range(W):
+        rejoined, got, _ = after[r]
+        assert rejoined
+        # Before the crash: the same results as the reference's first k epochs.
+        for e in range(k):
+            same(first[r][1][e], want[r][1][e])
+        # After it: epoch k+1 as if nothing had happened.
+        same(got[0], want[r][1][k])
+        same(after[r][2], want[r][2])
+    with d2.client(JOB, 0, W) as c:
+        assert c.status(JOB).jobs[0].durable_epoch == k + 1
+
+
+def test_results_of_the_last_epoch_survive(start_daemon, tmp_path):
+    state = str(tmp_path / "state")
+    d = start_daemon(f"--state-dir={state}")
+    before = run_epochs(d, [1, 2])
+    d.check_clean_exit(d.stop())
+    d2 = start_daemon(f"--state-dir={state}")
+    for r in range(W):
+        with d2.client(JOB, r, W) as c:
+            assert c.join().rejoined
+            same(c.get_scales(), before[r][2])
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_state", "flip_section", "version"])
+def test_damaged_snapshot_is_moved_aside(start_daemon, tmp_path, damage):
+    state = str(tmp_path / "state")
+    d = start_daemon(f"--state-dir={state}")
+    run_epochs(d, [1])
+    d.check_clean_exit(d.stop())
+    path = snapshot_path(state)
+    data = bytearray(open(path, "rb").read())
+    if damage == "truncate":
+        data = data[:len(data) * 2 // 3]
+    elif damage == "flip_state":
+        data[-40] ^= 0x10  # inside the job state's arrays
+    elif damage == "flip_section":
+        data[30] ^= 0x01  # inside the job section
+    else:
+        data[4] = 99  # format version
+    open(path, "wb").write(bytes(data))
+    d2 = start_daemon(f"--state-dir={state}")
+    log = d2.log()
+    assert f"snapshot {path} cannot be used" in log, log[-3000:]
+    expect = {"truncate": "truncated", "flip_state": "checksum", "flip_section": "checksum",
+              "version": "snapshot format 99"}[damage]
+    line = [x for x in log.splitlines() if "cannot be used" in x][0]
+    assert expect in line, line
+    assert not os.path.exists(path)
+    assert open(path + ".corrupt", "rb").read() == bytes(data)  # set aside, unchanged
+    with d2.client(JOB, 0, W) as c:
+        assert list(c.status().jobs) == []
+        # The job starts over.
+    run_epochs(d2, [1])
+
+
+def test_interrupted_write_is_removed_and_previous_kept(start_daemon, tmp_path):
+    state = str(tmp_path / "state")
+    d = start_daemon(f"--state-dir={state}")
+    run_epochs(d, [1])
+    d.check_clean_exit(d.stop())
+    with open(snapshot_path(state) + ".tmp", "wb") as f:
+        f.write(b"AMXS half a snapshot")
+    d2 = start_daemon(f"--state-dir={state}")
+    assert "a snapshot write that did not finish" in d2.log()
+    assert not os.path.exists(snapshot_path(state) + ".tmp")
+    with d2.client(JOB, 0, W) as c:
+        assert c.status(JOB).jobs[0].restored
+
+
+def test_interval_defers_writes_and_shutdown_flushes(start_daemon, tmp_path):
+    state = str(tmp_path / "state")
+    d = start_daemon(f"--state-dir={state}", "--snapshot-interval-ms=3600000")
+    run_epochs(d, [1, 2, 3])
+    with d.client(JOB, 0, W) as c:
+        assert c.status(JOB).jobs[0].durable_epoch == 1  # the first; the next hour's wait
+    d.check_clean_exit(d.stop())
+    assert f"job {JOB}: epoch 3 written to its snapshot at shutdown" in d.log()
+    d2 = start_daemon(f"--state-dir={state}")
+    with d2.client(JOB, 0, W) as c:
+        st = c.status(JOB).jobs[0]
+        assert st.restored and st.durable_epoch == 3 and st.epoch == 4
+
+
+def test_drop_removes_the_snapshot(start_daemon, tmp_path):
+    state = str(tmp_path / "state")
+    d = start_daemon(f"--state-dir={state}")
+    run_epochs(d, [1])
+    assert os.path.exists(snapshot_path(state))
+    with d.client(JOB, 0, W) as c:
+        c.reset(drop_job=True)
+    assert not os.path.exists(snapshot_path(state))
+    d.check_clean_exit(d.stop())
+    d2 = start_daemon(f"--state-dir={state}")
+    with d2.client(JOB, 0, W) as c:
+        assert list(c.status().jobs) == []
+
+
+def test_idle_job_snapshot_is_kept_aside(start_daemon, tmp_path):
+    state = str(tmp_path / "state")
+    d = start_daemon(f"--state-dir={state}", "--job-idle-timeout-ms=300")
+    run_epochs(d, [1])
+    for _ in range(100):
+        if os.path.exists(snapshot_path(state) + ".expired"):
+            break
+        threading.Event().wait(0.05)
+    assert os.path.exists(snapshot_path(state) + ".expired")
+    assert not os.path.exists(snapshot_path(state))
+
+
+def test_write_failure_is_reported_and_reconcile_still_answers(start_daemon, tmp_path):
+    state = str(tmp_path / "state")
+    d = start_daemon(f"--state-dir={state}")
+    run_epochs(d, [1])
+    # The directory is replaced by a file: every later write fails.
+    shutil.rmtree(state)
+    open(state, "w").close()
+    out = run_epochs(d, [2], join=False, register=False)
+    assert out[0][1][0]  # results came back
+    with d.client(JOB, 0, W) as c:
+        st = c.status(JOB).jobs[0]
+        assert st.durable_epoch == 1 and st.reconciled_epochs == 2
+        assert "epoch 2 of job 'durable' was reconciled but not written" in st.snapshot_error
+    assert "was reconciled but not written to its snapshot" in d.log()
+    os.unlink(state)
+    os.mkdir(state)
+    run_epochs(d, [3], join=False, register=False)
+    with d.client(JOB, 0, W) as c:
+        st = c.status(JOB).jobs[0]
+        assert st.durable_epoch == 3 and st.snapshot_error == ""
+
+
+def test_unusable_state_dir_refuses_to_start(tmp_path):
+    import subprocess
+
+    from conftest import BIN
+    bad = tmp_path / "file"
+    bad.write_text("x")
+    p = subprocess.run([BIN, f"--socket={tmp_path / 's.sock'}", f"--state-dir={bad}"],
+                       capture_output=True, timeout=30)
+    assert p.returncode != 0
+    assert f"state_dir {bad}" in p.stderr.decode(), p.stderr.decode()[-2000:]
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_several_jobs_and_other_files_are_left_alone(start_daemon, tmp_path):
+    state = str(tmp_path / "state")
+    d = start_daemon(f"--state-dir={state}")
+    run_epochs(d, [1])
+    with d.client("solo", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("a", [3], amaxd.Recipe.fp8_current())])
+        c.send({"a": np.array([1, 2, 3], np.float32)})
+        c.reconcile()
+    d.check_clean_exit(d.stop())
+    open(os.path.join(state, "README"), "w").write("operator notes")
+    d2 = start_daemon(f"--state-dir={state}")
+    with d2.client("solo", 0, 1) as c:
+        jobs = {j.name: j for j in c.status().jobs}
+        assert set(jobs) == {JOB, "solo"} and all(j.restored for j in jobs.values())
+        assert c.join().rejoined
+        np.testing.assert_array_equal(c.get_scales()["a"].amax, [1, 2, 3])
+    assert sorted(os.listdir(state)) == sorted(["README", JOB + ".amxs", "solo.amxs"])
+    assert glob.glob(os.path.join(state, "*.corrupt*")) == []
+    assert pb  # the generated module is importable beside the client
