@@ -108,6 +108,11 @@ typedef struct amx_job {
     uint64_t flight_started_us, last_started_us, last_ended_us; /* CLOCK_MONOTONIC */
     uint64_t last_active_ms; /* the last call of one of its ranks (job_idle_timeout_ms) */
     uint32_t last_collectives;
+    /* The epoch before the last one: each quantizer's (by lid, < prev_n)
+     * global amax and global scale, for GetScales' previous_* fields. */
+    float *prev_ga, *prev_gs;
+    uint8_t *prev_ok;
+    uint32_t prev_n, prev_cap;
     struct amx_job *next;
 } amx_job_t;
 
