@@ -389,10 +389,10 @@ amx_status_t amx_metrics_render(amx_metrics_t *m, char **out, size_t *len)
             get_quantizers, 0);
     per_job(&b, m, "amaxd_job_cells", "gauge", "float32 amax cells of the job's catalog.",
             get_cells, 0);
-    per_job(&b, m, "amaxd_job_missing_cells", "gauge",
+    per_job(&b, m, "amaxd_job_last_epoch_missing_cells", "gauge",
             "Cells without data anywhere after the last epoch's peer fill (they read 0).",
             get_missing, 1);
-    per_job(&b, m, "amaxd_job_peer_filled_cells", "gauge",
+    per_job(&b, m, "amaxd_job_last_epoch_peer_filled_cells", "gauge",
             "Cells without data that took their peer group's max in the last epoch.", get_filled,
             1);
     per_job(&b, m, "amaxd_job_peer_filled_cells_total", "counter",
