@@ -14,9 +14,11 @@
 /* protobuf-c's first pass keeps a record of every field of a message it
  * meets: the first 16 on the stack, the others in slabs that double in size
  * (its ScannedMember, about 40 bytes: at most twice that per field), freed
- * when that message is unpacked. */
+ * when that message is unpacked. The 17th field allocates the first slab,
+ * room for 32 records, at once: SCAN_FIRST_SLAB, charged then. */
 #define SCAN_COST 96
 #define SCAN_ON_STACK 16
+#define SCAN_FIRST_SLAB (2 * SCAN_ON_STACK * 40 + ALLOC_COST)
 
 enum { WT_VARINT = 0, WT_64 = 1, WT_LEN = 2, WT_START = 3, WT_END = 4, WT_32 = 5 };
 
@@ -227,7 +229,7 @@ static amx_status_t walk_msg(walk_t *w, const ProtobufCMessageDescriptor *d, con
             return bad(w, at, "a group or an unknown wire type");
         }
         if (++nfields > SCAN_ON_STACK)
-            w->decoded += SCAN_COST;
+            w->decoded += SCAN_COST + (nfields == SCAN_ON_STACK + 1 ? SCAN_FIRST_SLAB : 0);
         const ProtobufCFieldDescriptor *f =
             protobuf_c_message_descriptor_get_field(d, (unsigned)num);
         if (f == NULL) {
