@@ -1221,6 +1221,7 @@ static const amx_state_ops_t cuda_ops = {
     cuda_destroy,
     NULL,
     NULL,
+    NULL, /* read_filled: which cells took their peer group's max is not reported yet */
 };
 
 extern "C" uint64_t amx__state_cuda_memory(int device)

@@ -117,6 +117,12 @@ static void apply_typed(amx_config_t *cfg, int i, int64_t iv)
     case AMX_CFG_allow_remote:
         cfg->allow_remote = (int)iv;
         break;
+    case AMX_CFG_metrics_listen:
+        cfg->metrics_listen = t;
+        break;
+    case AMX_CFG_metrics_allow_remote:
+        cfg->metrics_allow_remote = (int)iv;
+        break;
     case AMX_CFG_max_connections:
         cfg->max_connections = iv;
         break;

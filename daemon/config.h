@@ -27,6 +27,12 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
       "also listen on this TCP host:port (empty: none; loopback only unless allow_remote)")        \
     X(allow_remote, AMX_CFG_BOOL, "false", 0, 1, NULL, AMX_CFG_IMMUTABLE,                          \
       "allow a non-loopback tcp address (the API has no authentication)")                          \
+    X(metrics_listen, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                              \
+      "serve Prometheus metrics over HTTP on this host:port, e.g. 127.0.0.1:9464 (empty: off; "    \
+      "loopback only unless metrics_allow_remote)")                                                \
+    X(metrics_allow_remote, AMX_CFG_BOOL, "false", 0, 1, NULL, AMX_CFG_IMMUTABLE,                  \
+      "allow a non-loopback metrics_listen address (metrics name jobs and have no "                \
+      "authentication)")                                                                           \
     X(max_connections, AMX_CFG_INT, "1024", 16, 1048576, NULL, AMX_CFG_IMMUTABLE,                  \
       "most trainer connections on the Unix socket at once (with socket_guard); more are closed")  \
     X(socket_guard, AMX_CFG_BOOL, "true", 0, 1, NULL, AMX_CFG_IMMUTABLE,                           \
@@ -110,14 +116,14 @@ typedef struct amx_config {
     char *text[AMX_CFG_COUNT]; /* current value of every entry, as text */
     /* Typed views, kept in step with text[] by amx_config_set. */
     unsigned char set[AMX_CFG_COUNT]; /* given by a file, the environment or a flag */
-    const char *socket, *tcp, *backend, *log_level, *log_file;
+    const char *socket, *tcp, *backend, *log_level, *log_file, *metrics_listen;
     int64_t socket_mode, max_message_bytes, max_cells, max_quantizers, max_jobs, max_world_size;
     int64_t max_request_memory, memory_budget, max_queued_bytes, job_idle_timeout_ms;
     int64_t max_connections;
     const char *state_dir;
     int64_t snapshot_interval_ms;
     int64_t join_timeout_ms, reconcile_timeout_ms, shutdown_grace_ms;
-    int allow_remote, socket_guard;
+    int allow_remote, socket_guard, metrics_allow_remote;
     int64_t cluster_size, cluster_rank, peer_port, cuda_device;
     const char *coordinator, *peer_listen, *peer_advertise, *cluster_secret_file;
     const char *peer_tls_cert, *peer_tls_key, *peer_tls_ca, *collective, *gloo_host;

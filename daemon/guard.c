@@ -90,7 +90,7 @@ static void conn_closed(uv_handle_t *h)
         g->conns = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    g->nconn--;
+    __atomic_sub_fetch(&g->nconn, 1, __ATOMIC_RELAXED);
     free(c);
     /* Exiting and every connection has drained: the loop may end. */
     if (g->exiting && g->conns == NULL && !uv_is_closing((uv_handle_t *)&g->drain))
@@ -334,7 +334,7 @@ static void take(amx_guard_t *g, int fd)
     if (g->conns)
         g->conns->prev = c;
     g->conns = c;
-    g->nconn++;
+    __atomic_add_fetch(&g->nconn, 1, __ATOMIC_RELAXED);
     int bad = 0;
     if (uv_pipe_open(&c->cl, fd) != 0) /* an open handle closes its descriptor */
         close(fd), bad = 1;
@@ -591,4 +591,9 @@ void amx_guard_free(amx_guard_t *g)
     grpc_server_credentials_release(g->creds);
     pthread_mutex_destroy(&g->mu);
     free(g);
+}
+
+uint32_t amx_guard_connections(const amx_guard_t *g)
+{
+    return g != NULL ? __atomic_load_n(&g->nconn, __ATOMIC_RELAXED) : 0;
 }

@@ -36,6 +36,9 @@ amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *serve
  * once no connection can be handed to the server any more. Any thread. */
 void amx_guard_stop_listening(amx_guard_t *g);
 
+/* Connections relayed now (0 for NULL). Any thread. */
+uint32_t amx_guard_connections(const amx_guard_t *g);
+
 /* Closes every relayed connection, joins the thread, removes the socket file
  * and frees the guard. NULL is allowed. */
 void amx_guard_free(amx_guard_t *g);

@@ -112,6 +112,11 @@ typedef struct amx_job {
     char *snap_err;         /* why the last snapshot failed, or NULL */
     int restored;           /* the job came from a snapshot at start */
     uint32_t last_collectives;
+    /* The epoch before the last one: each quantizer's (by lid, < prev_n)
+     * global amax and global scale, for GetScales' previous_* fields. */
+    float *prev_ga, *prev_gs;
+    uint8_t *prev_ok;
+    uint32_t prev_n, prev_cap;
     struct amx_job *next;
 } amx_job_t;
 

@@ -16,6 +16,8 @@
 
 #include "config.h"
 #include "log.h"
+#include "metrics.h"
+#include "notify.h"
 #include "peer.h"
 #include "registry.h"
 #include "rpc.h"
@@ -31,6 +33,8 @@ typedef struct amx_daemon {
     amx_peer_t *peer;
     amx_registry_t *reg;
     amx_rpc_t *rpc;
+    amx_notify_t *notify;
+    amx_metrics_t *metrics;
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t tick;
     int stopping;
@@ -42,6 +46,24 @@ static void on_tick(uv_timer_t *t)
     uint64_t now = amx__now_ms();
     amx_registry_expire(d->reg, now);
     amx_peer_tick(d->peer, now);
+    if (d->metrics != NULL)
+        amx_metrics_set_daemon(d->metrics, amx_rpc_calls(d->rpc), amx_registry_waiting(d->reg),
+                               amx_rpc_connections(d->rpc));
+}
+
+/* The STATUS= line systemd shows (`systemctl status amaxd`). */
+static void sample_status(void *ud, amx_notify_status_t *s)
+{
+    amx_daemon_t *d = ud;
+    amx_arena_t a = {0};
+    amx_job_info_t *jobs;
+    size_t njobs = 0;
+    amx_err_t err = {0};
+    if (amx_registry_status(d->reg, "", &jobs, &njobs, &a, &err) == AMX_OK)
+        s->jobs = (uint32_t)njobs;
+    amx_arena_free(&a);
+    s->calls = amx_rpc_calls(d->rpc);
+    s->waiting = amx_registry_waiting(d->reg);
 }
 
 static void on_rpc_stopped(void *ud)
@@ -51,6 +73,8 @@ static void on_rpc_stopped(void *ud)
     uv_close((uv_handle_t *)&d->sig_term, NULL);
     uv_close((uv_handle_t *)&d->sig_int, NULL);
     uv_close((uv_handle_t *)&d->sig_hup, NULL);
+    amx_notify_close(d->notify);
+    d->notify = NULL;
 }
 
 static void on_stop_signal(uv_signal_t *s, int signum)
@@ -62,6 +86,10 @@ static void on_stop_signal(uv_signal_t *s, int signum)
     }
     d->stopping = 1;
     AMX_INFO("main", "signal %d: shutting down", signum);
+    char why[96];
+    snprintf(why, sizeof(why), "signal %d, %u call%s in progress", signum, amx_rpc_calls(d->rpc),
+             amx_rpc_calls(d->rpc) == 1 ? "" : "s");
+    amx_notify_stopping(d->notify, why);
     amx_registry_shutdown(d->reg, "amaxd is shutting down; the job's state is lost unless it was "
                                   "snapshotted: re-join after the daemon restarts");
     amx_rpc_stop(d->rpc, (uint64_t)d->cfg.shutdown_grace_ms, on_rpc_stopped, d);
@@ -79,8 +107,10 @@ static void on_hup(uv_signal_t *s, int signum)
 }
 
 /* Start-up failed after the loop was made: closes what is open on it. */
-static int fail_start(amx_daemon_t *d)
+static int fail_start(amx_daemon_t *d, const char *msg)
 {
+    amx_notify_failed(d->notify, EINVAL, msg);
+    amx_notify_close(d->notify);
     uv_close((uv_handle_t *)&d->sig_term, NULL);
     uv_close((uv_handle_t *)&d->sig_int, NULL);
     uv_close((uv_handle_t *)&d->sig_hup, NULL);
@@ -153,6 +183,7 @@ int main(int argc, char **argv)
 
     if (amx_cluster_resolve(&d.cfg, (const char *(*)(const char *))getenv, &d.id, &err) != AMX_OK) {
         AMX_ERROR("main", "%s", err.msg);
+        amx_notify_failed(NULL, EINVAL, err.msg);
         amx_log_close();
         amx_config_free(&d.cfg);
         return 1;
@@ -171,20 +202,21 @@ int main(int argc, char **argv)
     uv_signal_start(&d.sig_term, on_stop_signal, SIGTERM);
     uv_signal_start(&d.sig_int, on_stop_signal, SIGINT);
     uv_signal_start(&d.sig_hup, on_hup, SIGHUP);
+    d.notify = amx_notify_create(&d.loop, sample_status, &d);
     if (amx_peer_create(&d.loop, &d.cfg, &d.id, &d.peer, &err) != AMX_OK) {
         AMX_ERROR("main", "%s", err.msg);
-        return fail_start(&d);
+        return fail_start(&d, err.msg);
     }
     if (amx_registry_create(&d.loop, &d.cfg, backend, d.peer, &d.reg, &err) != AMX_OK) {
         AMX_ERROR("main", "state backend %s: %s", backend, err.msg);
         amx_peer_destroy(d.peer);
-        return fail_start(&d);
+        return fail_start(&d, err.msg);
     }
     if (amx_registry_restore(d.reg, &err) != AMX_OK) {
         AMX_ERROR("main", "%s", err.msg);
         amx_registry_destroy(d.reg);
         amx_peer_destroy(d.peer);
-        return fail_start(&d);
+        return fail_start(&d, err.msg);
     }
     if (d.id.size > 1)
         AMX_INFO("main",
@@ -194,24 +226,41 @@ int main(int argc, char **argv)
     AMX_INFO("main", "state backend: %s, collective: %s", backend, amx_registry_collective(d.reg));
 
     double start = (double)amx__now_ms() / 1000.0;
+    if (d.cfg.metrics_listen[0] != '\0') {
+        if (amx_metrics_start(&d.cfg, backend, amx_registry_collective(d.reg), &d.metrics, &err) !=
+            AMX_OK) {
+            AMX_ERROR("main", "%s", err.msg);
+            amx_registry_destroy(d.reg);
+            amx_peer_destroy(d.peer);
+            return fail_start(&d, err.msg);
+        }
+        amx_registry_set_metrics(d.reg, d.metrics);
+    }
     if (amx_rpc_start(&d.loop, &d.cfg, d.reg, d.peer, start, &d.rpc, &err) != AMX_OK) {
         AMX_ERROR("main", "%s", err.msg);
         amx_registry_destroy(d.reg);
         amx_peer_destroy(d.peer);
-        return fail_start(&d);
+        amx_metrics_free(d.metrics);
+        return fail_start(&d, err.msg);
     }
     amx_peer_attach(d.peer, d.reg, d.rpc);
+    amx_rpc_set_metrics(d.rpc, d.metrics);
     uv_timer_init(&d.loop, &d.tick);
     d.tick.data = &d;
     uv_timer_start(&d.tick, on_tick, 50, 50);
     AMX_INFO("main", "ready");
+    char listening[600];
+    snprintf(listening, sizeof(listening), "%s%s%s", d.cfg.socket,
+             d.cfg.tcp[0] && d.cfg.socket[0] ? " and " : "", d.cfg.tcp);
+    amx_notify_ready(d.notify, listening);
 
     uv_run(&d.loop, UV_RUN_DEFAULT);
 
     amx_registry_destroy(d.reg); /* joins the engine threads */
     uv_run(&d.loop, UV_RUN_DEFAULT);
     amx_peer_destroy(d.peer);
-    amx_rpc_free(d.rpc); /* shuts gRPC down */
+    amx_rpc_free(d.rpc);         /* shuts gRPC down */
+    amx_metrics_free(d.metrics); /* after the last writer (the loop) is done */
     if (uv_loop_close(&d.loop) != 0)
         AMX_WARN("main", "event loop closed with handles still open");
     AMX_INFO("main", "stopped");

@@ -10,6 +10,7 @@
  * the job's engine (epoch.c); its outcome comes back through epoch_done.
  */
 #include "registry.h"
+#include "metrics.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -56,9 +57,10 @@ struct amx_registry {
     amx_job_t **done_q, **done_spare;
     size_t ndone, cap_done, cap_spare;
     amx_engine_env_t env;
-    uint64_t budget;     /* memory_budget resolved: bytes of state all jobs may take */
-    char fault[512];     /* a state backend fault (sticky CUDA error): Health says NOT_SERVING */
-    char budget_src[64]; /* where it came from, for messages */
+    uint64_t budget;        /* memory_budget resolved: bytes of state all jobs may take */
+    char fault[512];        /* a state backend fault (sticky CUDA error): Health says NOT_SERVING */
+    char budget_src[64];    /* where it came from, for messages */
+    amx_metrics_t *metrics; /* NULL: not recorded */
 };
 
 typedef struct join_ctx {
@@ -262,6 +264,9 @@ static void job_free(amx_job_t *j)
     amx_membership_free(&j->mship);
     amx_state_destroy(j->state);
     free(j->snap_err);
+    free(j->prev_ga);
+    free(j->prev_gs);
+    free(j->prev_ok);
     free(j->name);
     free(j);
 }
@@ -282,6 +287,7 @@ static void job_unlink(amx_registry_t *reg, amx_job_t *j)
 static void job_remove(amx_registry_t *reg, amx_job_t *j)
 {
     job_unlink(reg, j);
+    amx_metrics_job_drop(reg->metrics, j->name);
     if (j->in_flight || j->growing) {
         j->dropped = 1;
         j->next = reg->zombies;
@@ -543,6 +549,11 @@ void amx_registry_destroy(amx_registry_t *reg)
     }
     uv_close((uv_handle_t *)&reg->done_async, on_async_closed);
     uv_close((uv_handle_t *)&reg->grow_async, on_async_closed);
+}
+
+void amx_registry_set_metrics(amx_registry_t *reg, amx_metrics_t *m)
+{
+    reg->metrics = m;
 }
 
 const char *amx_registry_backend(const amx_registry_t *reg)
@@ -1266,6 +1277,12 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
     if (mst != AMX_OK)
         return note_fault(reg, mst, err->msg);
     j->updates += req->n;
+    if (reg->metrics != NULL) {
+        uint64_t bytes = 0;
+        for (size_t u = 0; u < req->n; u++)
+            bytes += req->u[u].values_len + req->u[u].has_data_len;
+        amx_metrics_job_updates(reg->metrics, j->name, req->n, bytes);
+    }
     *accepted = req->n;
     *epoch = open;
     return AMX_OK;
@@ -1379,7 +1396,9 @@ static const amx_placement_t *result_block(const amx_job_t *j, const amx_lrank_t
  * estimate: 13 bytes a cell, the name, the block, the scalars). */
 static uint64_t result_bytes(const char *name, uint32_t ndim, uint64_t n)
 {
-    return 13 * n + strlen(name) + 12ull * ndim + 96;
+    /* 13 bytes per cell (amax, scale, scale_inv, block scale) and one for
+     * the peer-fill mark, which only quantizers with filled cells carry. */
+    return 14 * n + strlen(name) + 12ull * ndim + 112;
 }
 
 /*
@@ -1433,6 +1452,7 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
     float *scale = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
     float *inv = amx_arena_alloc(a, (total ? total : 1) * sizeof(float));
     uint8_t *bytes = amx_arena_alloc(a, total ? total : 1);
+    uint8_t *filled = j->state->ops->read_filled ? amx_arena_alloc(a, total ? total : 1) : NULL;
     if (res == NULL || amax == NULL || scale == NULL || inv == NULL || bytes == NULL ||
         stage_reserve(reg, 0, nruns) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of memory building results of %llu cells",
@@ -1480,12 +1500,23 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
         x->global_amax = have ? j->state->g_amax[f][c] : 0.0f;
         x->global_scale = have ? j->state->g_scale[f][c] : 1.0f;
         x->global_scale_inv = have ? j->state->g_inv[f][c] : 1.0f;
+        if (filled != NULL)
+            x->filled = filled + (x->amax - amax);
+        if (lid < j->prev_n && j->prev_ok[lid]) {
+            x->has_previous = 1;
+            x->previous_global_amax = j->prev_ga[lid];
+            x->previous_global_scale = j->prev_gs[lid];
+        }
     }
     if (total > 0) {
         amx_status_t rst = j->state->ops->read_results(j->state, reg->runs, g.nruns, total, amax,
                                                        scale, inv, bytes, err);
         if (rst != AMX_OK)
             return note_fault(reg, rst, err->msg);
+        amx_err_t ferr = {0};
+        if (filled != NULL &&
+            j->state->ops->read_filled(j->state, reg->runs, g.nruns, filled, &ferr) != AMX_OK)
+            filled = NULL; /* not known for these outputs: no marks in the answer */
     }
     /* Cells without data anywhere read 0 and are counted (results of
      * quantizers not agreed yet were filled by empty_result). */
@@ -1493,13 +1524,20 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
         amx_result_t *x = &res[i];
         if (x->amax < amax || x->amax >= amax + (total ? total : 1))
             continue;
-        uint32_t missing = 0;
+        uint32_t missing = 0, nfilled = 0;
         for (uint64_t c = 0; c < x->ncells; c++)
             if (x->amax[c] == -INFINITY) {
                 x->amax[c] = 0.0f;
                 missing++;
             }
         x->missing = missing;
+        if (filled == NULL) {
+            x->filled = NULL;
+            continue;
+        }
+        for (uint64_t c = 0; c < x->ncells; c++)
+            nfilled += x->filled[c];
+        x->nfilled = nfilled;
     }
     *out = res;
     *nout = k;
@@ -1737,10 +1775,47 @@ static void install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_
     (void)reg;
 }
 
+/* Keeps each quantizer's published global amax and scale (the front
+ * outputs, in the layout they were made in) as the previous epoch's,
+ * before the epoch that just ended is published. */
+static void save_previous(amx_job_t *j)
+{
+    amx_state_t *st = j->state;
+    int f = st->front;
+    if (j->nlq > j->prev_cap) {
+        uint32_t cap = j->nlq;
+        float *ga = realloc(j->prev_ga, cap * sizeof(float));
+        if (ga != NULL)
+            j->prev_ga = ga;
+        float *gs = realloc(j->prev_gs, cap * sizeof(float));
+        if (gs != NULL)
+            j->prev_gs = gs;
+        uint8_t *ok = realloc(j->prev_ok, cap);
+        if (ok != NULL)
+            j->prev_ok = ok;
+        if (ga == NULL || gs == NULL || ok == NULL) {
+            j->prev_n = 0; /* out of memory: no previous values, nothing wrong */
+            return;
+        }
+        j->prev_cap = cap;
+    }
+    for (uint32_t lid = 0; lid < j->nlq; lid++) {
+        const amx_lq_t *q = &j->lq[lid];
+        int ok = q->status == LQ_AGREED && q->cidx >= 0 && (uint32_t)q->cidx < st->out_nq[f] &&
+                 st->g_amax[f] != NULL;
+        j->prev_ok[lid] = (uint8_t)ok;
+        j->prev_ga[lid] = ok ? st->g_amax[f][q->cidx] : 0.0f;
+        j->prev_gs[lid] = ok ? st->g_scale[f][q->cidx] : 1.0f;
+    }
+    j->prev_n = j->nlq;
+}
+
 static void epoch_done(amx_registry_t *reg, amx_job_t *j)
 {
     amx_epoch_result_t *res = amx_engine_result(j->eng);
     j->in_flight = 0;
+    if (res->reconciled && !res->imported && !j->dropped && j->last_reconciled > 0)
+        save_previous(j);
     j->last_started_us = j->flight_started_us;
     j->last_ended_us = amx_now_us();
     if (res->cat != NULL)
@@ -1772,6 +1847,12 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
         j->epoch = res->epoch + 1;
         j->epochs_ok++;
         note_snapshot(j, res);
+        if (reg->metrics != NULL) {
+            amx_state_t *st = j->state;
+            amx_metrics_job_epoch(reg->metrics, j->name, 1, res->epoch, (double)res->total_us / 1e6,
+                                  st->cell_counts, st->last_missing, st->last_filled);
+            amx_metrics_job_catalog(reg->metrics, j->name, j->cat->n, j->cat->ncells);
+        }
         if (res->resets_applied) {
             for (uint32_t i = 0; i < j->nlq; i++)
                 j->lq[i].reset = 0;
@@ -1816,6 +1897,8 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
         if (res->publish)
             j->state->ops->publish(j->state);
         j->epochs_failed++;
+        amx_metrics_job_epoch(reg->metrics, j->name, 0, res->epoch, (double)res->total_us / 1e6, 0,
+                              0, 0);
         AMX_WARN("registry", "job %s: %s", j->name, res->msg);
         for (uint32_t i = 0; i < j->nlocal; i++) {
             amx_lrank_t *r = &j->lr[i];

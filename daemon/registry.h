@@ -99,6 +99,13 @@ typedef struct amx_result {
     uint8_t *bytes;
     float global_amax, global_scale, global_scale_inv;
     uint32_t missing;
+    /* One byte per cell, 1 = took its peer group's max in the last epoch;
+     * NULL when the state backend does not report it. */
+    uint8_t *filled;
+    uint32_t nfilled;
+    /* The epoch before the last one's global amax and scale. */
+    int has_previous;
+    float previous_global_amax, previous_global_scale;
 } amx_result_t;
 
 typedef struct amx_reply {
@@ -178,6 +185,12 @@ amx_status_t amx_registry_restore(amx_registry_t *reg, amx_err_t *err);
 /* Writes the epochs that snapshot_interval_ms left unwritten (shutdown,
  * after the engines stopped: amx_registry_destroy calls it). */
 void amx_registry_flush_snapshots(amx_registry_t *reg);
+typedef struct amx_metrics amx_metrics_t;
+
+/* Records into `m` (may be NULL) from now on: updates and bytes merged,
+ * epochs, latencies, missing and filled cells, dropped jobs. `m` must
+ * outlive the registry. Loop thread. */
+void amx_registry_set_metrics(amx_registry_t *reg, amx_metrics_t *m);
 
 /* Completes every waiter with EUNAVAIL, stops every engine, frees everything. */
 void amx_registry_destroy(amx_registry_t *reg);

@@ -46,6 +46,7 @@
 #include "amaxd/v1/amaxd.pb-c.h"
 #include "clock.h"
 #include "guard.h"
+#include "metrics.h"
 #include "log.h"
 #include "peer.h"
 #include "service.h"
@@ -137,7 +138,8 @@ struct amx_rpc {
     void (*on_stopped)(void *);
     void *stopped_ud;
     char unix_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-    amx_guard_t *guard; /* listens on unix_path */
+    amx_guard_t *guard;     /* listens on unix_path */
+    amx_metrics_t *metrics; /* NULL: not recorded */
 };
 
 /* ---- completion-queue threads ---- */
@@ -335,6 +337,11 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
         ops[n].data.send_message.send_message = c->send_buf;
         n++;
     }
+    /* Unknown methods are counted under one label: their paths are the
+     * client's text, and a label per path would let a client grow the
+     * metrics without bound. */
+    amx_metrics_call(rpc->metrics, c->method >= 0 ? rpc->methods[c->method]->path : "unknown",
+                     amx_status_grpc(st));
     c->status_details = grpc_slice_from_copied_string(st == AMX_OK ? "" : (msg ? msg : ""));
     ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
     ops[n].data.send_status_from_server.status = (grpc_status_code)amx_status_grpc(st);
@@ -1115,6 +1122,16 @@ void amx_rpc_free(amx_rpc_t *rpc)
     pthread_mutex_destroy(&rpc->mu);
     free(rpc);
     grpc_shutdown_blocking();
+}
+
+void amx_rpc_set_metrics(amx_rpc_t *rpc, amx_metrics_t *m)
+{
+    rpc->metrics = m;
+}
+
+uint32_t amx_rpc_connections(const amx_rpc_t *rpc)
+{
+    return amx_guard_connections(rpc->guard);
 }
 
 uint32_t amx_rpc_calls(const amx_rpc_t *rpc)

@@ -40,6 +40,16 @@ void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud
 /* Frees a stopped server. Loop thread. */
 void amx_rpc_free(amx_rpc_t *rpc);
 
+typedef struct amx_metrics amx_metrics_t;
+
+/* Counts every answered call in `m` (may be NULL) by method and status
+ * from now on; `m` must outlive the server. Loop thread. */
+void amx_rpc_set_metrics(amx_rpc_t *rpc, amx_metrics_t *m);
+
+/* Trainer connections on the Unix socket now (relayed by the socket guard;
+ * 0 without it). Any thread. */
+uint32_t amx_rpc_connections(const amx_rpc_t *rpc);
+
 /* Calls that have started and not yet ended (posted requests not counted). */
 uint32_t amx_rpc_calls(const amx_rpc_t *rpc);
 

@@ -59,6 +59,19 @@ static Amaxd__V1__QuantizerResult **results_to_pb(const amx_reply_t *rep, amx_ar
         r->global_scale_inv = x->global_scale_inv;
         r->missing = x->missing;
         r->first_cell = x->first_cell;
+        if (x->filled != NULL) {
+            r->peer_fill_known = 1;
+            r->peer_filled = x->nfilled;
+            if (x->nfilled > 0) { /* the marks only where there is something to mark */
+                r->filled.data = x->filled;
+                r->filled.len = x->ncells;
+            }
+        }
+        if (x->has_previous) {
+            r->has_previous = 1;
+            r->previous_global_amax = x->previous_global_amax;
+            r->previous_global_scale = x->previous_global_scale;
+        }
         v[i] = r;
     }
     return v;

@@ -165,6 +165,13 @@ typedef struct amx_state_ops {
     /* Any thread, while the loop keeps off the new cells: sets the cells
      * grow_pending added to -inf. */
     void (*fill_pending)(amx_state_t *st);
+
+    /* Optional (NULL: not known). Loop. Gathers, like read_results, one
+     * byte per cell of the front outputs: 1 where the cell had no data and
+     * took its peer group's max in the epoch that made them. EUNAVAIL when
+     * the front outputs were not made by a finish (a remap or an import). */
+    amx_status_t (*read_filled)(amx_state_t *st, const amx_run_t *runs, size_t nruns,
+                                uint8_t *filled, amx_err_t *err);
 } amx_state_ops_t;
 
 struct amx_state {
@@ -186,6 +193,11 @@ struct amx_state {
     void (*host_free)(struct amx_state *st, void *p);
     /* Engine timings of the last finish, microseconds (for Status). */
     uint64_t last_finish_us;
+    /* Cells of the last finish that took their peer group's max, and cells
+     * left without data after the fill; set by backends that count them
+     * (cell_counts = 1), for metrics. Written by the engine in finish. */
+    int cell_counts;
+    uint64_t last_filled, last_missing;
 };
 
 /* Creates an empty state of the named backend ("host" or "cuda") on CUDA

@@ -30,6 +30,11 @@ typedef struct host_state {
     float *prev_g;                            /* st->nq */
     float *o_amax[2], *o_scale[2], *o_inv[2]; /* st->out_cells[k] */
     uint8_t *o_bytes[2];
+    /* Per output set: 1 where finish filled the cell from its peer group;
+     * valid only when filled_ok (a remap or import leaves it unknown). */
+    uint8_t *o_filled[2];
+    uint64_t filled_cap[2];
+    int filled_ok[2];
     float *group_max; /* scratch: peer groups then scale groups */
     size_t group_cap;
 } host_state_t;
@@ -280,6 +285,17 @@ static amx_status_t host_read_results(amx_state_t *st, const amx_run_t *runs, si
     return AMX_OK;
 }
 
+static amx_status_t host_read_filled(amx_state_t *st, const amx_run_t *runs, size_t nruns,
+                                     uint8_t *filled, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    int f = st->front;
+    if (!h->filled_ok[f] || h->o_filled[f] == NULL)
+        return amx_err_set(err, AMX_EUNAVAIL, "which cells were filled is not known");
+    copy_runs(filled, h->o_filled[f], 1, runs, nruns);
+    return AMX_OK;
+}
+
 /* ---- engine thread ---- */
 
 /* Output set k sized for n cells and nq quantizers, contents undefined
@@ -357,6 +373,7 @@ static amx_status_t host_remap(amx_state_t *st, const amx_layout_change_t *lc, a
         copy_runs(gi, st->g_inv[src], sizeof(float), lc->qs, lc->nq_runs);
     }
     free(h->o_amax[back]), free(h->o_scale[back]), free(h->o_inv[back]), free(h->o_bytes[back]);
+    h->filled_ok[back] = 0; /* remapped results: which cells were filled is not known */
     free(st->g_amax[back]), free(st->g_scale[back]), free(st->g_inv[back]);
     h->o_amax[back] = na, h->o_scale[back] = ns, h->o_inv[back] = ni, h->o_bytes[back] = nb;
     st->g_amax[back] = ga, st->g_scale[back] = gs, st->g_inv[back] = gi;
@@ -450,7 +467,19 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         if (q->peer_group >= 0)
             peer_max[q->peer_group] = amx_fmaxf(peer_max[q->peer_group], m);
     }
-    /* 2. Peer fill, each quantizer's max, and scale groups' max. */
+    /* 2. Peer fill (marked and counted), each quantizer's max, and scale
+     * groups' max. */
+    h->filled_ok[back] = 0;
+    if (h->filled_cap[back] < ncells || h->o_filled[back] == NULL) {
+        uint8_t *nf = realloc(h->o_filled[back], (size_t)(ncells ? ncells : 1));
+        if (nf == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of host memory for %llu fill marks",
+                               (unsigned long long)ncells);
+        h->o_filled[back] = nf;
+        h->filled_cap[back] = ncells;
+    }
+    uint8_t *marks = h->o_filled[back];
+    uint64_t nfilled = 0, nmissing = 0;
     float *gamax = st->g_amax[back];
     for (uint32_t qi = 0; qi < nq; qi++) {
         const amx_qdesc_t *q = &qs[qi];
@@ -458,8 +487,14 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         float m = -INFINITY;
         for (uint64_t c = 0; c < q->ncells; c++) {
             float *a = &out_amax[q->base + c];
-            if (*a == -INFINITY)
+            uint8_t filled = 0;
+            if (*a == -INFINITY) {
                 *a = fill_v;
+                filled = fill_v != -INFINITY;
+                nfilled += filled;
+                nmissing += !filled;
+            }
+            marks[q->base + c] = filled;
             m = amx_fmaxf(m, *a);
         }
         gamax[qi] = m;
@@ -479,6 +514,10 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
                         &h->o_inv[back][i], &h->o_bytes[back][i]);
     }
     fill(h->pend[fl] + AMX_HDR_CELLS, h->pend_n[fl], -INFINITY);
+    h->filled_ok[back] = 1;
+    st->cell_counts = 1;
+    st->last_filled = nfilled;
+    st->last_missing = nmissing;
     st->last_finish_us = amx_now_us() - t0;
     return AMX_OK;
 }
@@ -532,6 +571,7 @@ static amx_status_t host_import(amx_state_t *st, uint64_t ncells, uint64_t nhist
     st->nhist = nhist;
     st->nq = nq;
     AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    h->filled_ok[back] = 0; /* imported results: which cells were filled is not known */
     copy_runs(h->o_amax[back], s->out_amax, sizeof(float), &all_c, 1);
     copy_runs(h->o_scale[back], s->out_scale, sizeof(float), &all_c, 1);
     copy_runs(h->o_inv[back], s->out_inv, sizeof(float), &all_c, 1);
@@ -551,6 +591,7 @@ static void host_destroy(amx_state_t *st)
         free(h->o_scale[k]);
         free(h->o_inv[k]);
         free(h->o_bytes[k]);
+        free(h->o_filled[k]);
     }
     free(h->recv);
     free(h->next_active);
@@ -581,6 +622,7 @@ static const amx_state_ops_t host_ops = {
     .destroy = host_destroy,
     .grow_pending = host_grow_pending,
     .fill_pending = host_fill_pending,
+    .read_filled = host_read_filled,
 };
 
 amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err)

@@ -10,6 +10,7 @@ cd "$root"
 pkgs=(build-essential cmake pkg-config git
       libgrpc-dev protobuf-compiler-grpc libprotobuf-c-dev protobuf-c-compiler
       libuv1-dev check libinih-dev libcjson-dev libgloo-dev libssl-dev clang
+      libsystemd-dev systemd libmicrohttpd-dev libcairo2
       python3 python3-venv python3-pip)
 missing=()
 for p in "${pkgs[@]}"; do

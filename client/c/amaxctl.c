@@ -6,19 +6,26 @@
  *   amaxctl [options] dump [JOB] QUANTIZER
  *   amaxctl [options] health
  *   amaxctl [options] export [JOB] FILE
+ *   amaxctl [options] watch [JOB] [--interval SECONDS] [--count N]
+ *   amaxctl [options] report [JOB] [-o FILE]
  *
  * JOB may be left out when the daemon serves exactly one job. Exit status:
  * 0 on success, 1 when the daemon answered with an error or cannot be
  * reached, 2 on a usage error.
  */
 #include <cjson/cJSON.h>
+#include <errno.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "amaxc.h"
 #include "export.h"
+#include "report.h"
 
 static const char *usage =
     "Usage: amaxctl [--socket PATH | --target ADDR] [--json] [--timeout SECONDS] COMMAND\n"
@@ -28,6 +35,12 @@ static const char *usage =
     "  dump [JOB] QUANTIZER  the reconciled amax and scales of one quantizer (whole tensor)\n"
     "  health                grpc.health.v1 Check\n"
     "  export [JOB] FILE     the last reconciled scales as a safetensors file\n"
+    "  watch [JOB] [--interval SECONDS] [--count N]\n"
+    "                        a live view of the jobs (or one), refreshed every SECONDS\n"
+    "                        (default 2) until Ctrl-C or N refreshes; --json: a line each\n"
+    "  report [JOB] [-o FILE] the job's calibration report, a self-contained HTML page\n"
+    "                        (per-layer and per-expert amax, cold experts, scales that\n"
+    "                        moved most); stdout without -o\n"
     "JOB may be left out when the daemon serves one job. The socket defaults to\n"
     "$AMAXD_SOCKET, then /run/amaxd/amaxd.sock.\n";
 
@@ -313,6 +326,366 @@ static int cmd_export(ctx_t *x, const char *given, const char *path)
     return 0;
 }
 
+/* ---- watch ---- */
+
+static volatile sig_atomic_t interrupted;
+
+static void on_sigint(int sig)
+{
+    (void)sig;
+    interrupted = 1;
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Sleeps `s` seconds or until Ctrl-C. */
+static void nap(double s)
+{
+    double end = mono_s() + s;
+    while (!interrupted) {
+        double left = end - mono_s();
+        if (left <= 0)
+            return;
+        struct timespec ts = {(time_t)left, (long)((left - (double)(time_t)left) * 1e9)};
+        nanosleep(&ts, NULL); /* EINTR on Ctrl-C: the loop sees the flag */
+    }
+}
+
+typedef struct seen {
+    char name[160];
+    unsigned long long updates, reconciled;
+} seen_t;
+
+static int cmd_watch(ctx_t *x, const char *job, double interval, long count)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_sigint;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL); /* no SA_RESTART: a sleep ends at once */
+    sigaction(SIGTERM, &sa, NULL);
+    int tty = isatty(1) && !x->json;
+    seen_t *prev = NULL;
+    size_t nprev = 0;
+    double prev_t = 0;
+    int rc = 0;
+    for (long k = 0; !interrupted && (count <= 0 || k < count); k++) {
+        if (k > 0)
+            nap(interval);
+        if (interrupted)
+            break;
+        Amaxd__V1__StatusRequest req = AMAXD__V1__STATUS_REQUEST__INIT;
+        req.job = (char *)(job ? job : "");
+        Amaxd__V1__StatusResponse *st = NULL;
+        char msg[1024] = "";
+        int code = amaxc_call(x->c, "/amaxd.v1.Calibration/Status", &req.base,
+                              &amaxd__v1__status_response__descriptor, (ProtobufCMessage **)&st,
+                              x->timeout, msg, sizeof(msg));
+        double now = mono_s(), dt = prev_t > 0 ? now - prev_t : 0;
+        if (tty)
+            fputs("\033[H\033[2J", stdout);
+        if (code != 0) {
+            rc = 1;
+            if (x->json)
+                printf("{\"error\":\"%s\"}\n", amaxc_code_name(code));
+            else
+                printf("amaxctl watch: %s: %s (retrying every %gs)\n", amaxc_code_name(code), msg,
+                       interval);
+            fflush(stdout);
+            continue;
+        }
+        rc = 0;
+        seen_t *cur = calloc(st->n_jobs ? st->n_jobs : 1, sizeof(*cur));
+        if (cur == NULL) {
+            protobuf_c_message_free_unpacked(&st->base, NULL);
+            fprintf(stderr, "amaxctl: out of memory\n");
+            free(prev);
+            return 1;
+        }
+        cJSON *frame = x->json ? cJSON_CreateObject() : NULL;
+        cJSON *jarr = NULL;
+        if (frame != NULL) {
+            cJSON_AddNumberToObject(frame, "refresh", (double)k);
+            cJSON_AddNumberToObject(frame, "uptime_s", st->uptime_s);
+            jarr = cJSON_AddArrayToObject(frame, "jobs");
+        } else {
+            printf("amaxd %s  pid %u  up %.0fs  backend %s  collective %s  (every %gs; Ctrl-C "
+                   "stops)\n",
+                   st->version, st->pid, st->uptime_s, st->backend, st->collective, interval);
+            printf("%-24s %5s %6s %7s %7s %6s %10s %10s %11s %9s %9s %7s\n", "JOB", "WORLD",
+                   "JOINED", "EPOCH", "DONE", "FAILED", "QUANTIZERS", "CELLS", "UPDATES", "UPD/S",
+                   "EPOCH_MS", "WAITING");
+        }
+        for (size_t i = 0; i < st->n_jobs; i++) {
+            Amaxd__V1__JobStatus *j = st->jobs[i];
+            snprintf(cur[i].name, sizeof(cur[i].name), "%s", j->name);
+            cur[i].updates = j->updates;
+            cur[i].reconciled = j->reconciled_epochs;
+            double rate = 0;
+            for (size_t p = 0; p < nprev; p++)
+                if (strcmp(prev[p].name, j->name) == 0 && dt > 0 && j->updates >= prev[p].updates)
+                    rate = (double)(j->updates - prev[p].updates) / dt;
+            if (frame != NULL) {
+                cJSON *o = cJSON_CreateObject();
+                cJSON_AddStringToObject(o, "name", j->name);
+                cJSON_AddNumberToObject(o, "world_size", j->world_size);
+                cJSON_AddNumberToObject(o, "joined", j->joined);
+                cJSON_AddNumberToObject(o, "epoch", (double)j->epoch);
+                cJSON_AddNumberToObject(o, "reconciled_epochs", (double)j->reconciled_epochs);
+                cJSON_AddNumberToObject(o, "epochs_failed", (double)j->epochs_failed);
+                cJSON_AddNumberToObject(o, "quantizers", j->quantizers);
+                cJSON_AddNumberToObject(o, "cells", (double)j->cells);
+                cJSON_AddNumberToObject(o, "updates", (double)j->updates);
+                cJSON_AddNumberToObject(o, "updates_per_s", rate);
+                cJSON_AddNumberToObject(o, "last_epoch_ms", (double)j->last_epoch_us / 1000.0);
+                cJSON_AddNumberToObject(o, "ranks_in_reconcile", j->ranks_in_reconcile);
+                cJSON_AddItemToArray(jarr, o);
+            } else {
+                printf("%-24s %5u %6u %7llu %7llu %6llu %10u %10llu %11llu %9.1f %9.2f %7u\n",
+                       j->name, j->world_size, j->joined, (unsigned long long)j->epoch,
+                       (unsigned long long)j->reconciled_epochs,
+                       (unsigned long long)j->epochs_failed, j->quantizers,
+                       (unsigned long long)j->cells, (unsigned long long)j->updates, rate,
+                       (double)j->last_epoch_us / 1000.0, j->ranks_in_reconcile);
+            }
+        }
+        if (frame != NULL) {
+            char *line = cJSON_PrintUnformatted(frame);
+            printf("%s\n", line);
+            free(line);
+            cJSON_Delete(frame);
+        } else if (st->n_jobs == 0) {
+            printf("(no jobs)\n");
+        }
+        fflush(stdout);
+        free(prev);
+        prev = cur;
+        nprev = st->n_jobs;
+        prev_t = now;
+        protobuf_c_message_free_unpacked(&st->base, NULL);
+    }
+    free(prev);
+    return rc;
+}
+
+/* ---- report ---- */
+
+/* The whole tensors of every quantizer in `list`, in its order, fetched in
+ * windows of at most 1M cells (GetScales start_cell/max_cells) and joined.
+ * The results are malloc'd (free_results). */
+static int fetch_results(ctx_t *x, const char *job, const Amaxd__V1__ListQuantizersResponse *l,
+                         Amaxd__V1__QuantizerResult ***out, unsigned long long *epoch)
+{
+    size_t n = l->n_quantizers;
+    Amaxd__V1__QuantizerResult **res = calloc(n ? n : 1, sizeof(*res));
+    char **names = calloc(n ? n : 1, sizeof(*names));
+    if (res == NULL || names == NULL) {
+        free(res), free(names);
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        const Amaxd__V1__QuantizerInfo *q = l->quantizers[i];
+        size_t cells = 1;
+        for (size_t d = 0; d < q->n_global_shape; d++)
+            cells *= q->global_shape[d];
+        names[i] = q->name;
+        res[i] = calloc(1, sizeof(*res[i]));
+        if (res[i] == NULL)
+            goto oom;
+        amaxd__v1__quantizer_result__init(res[i]);
+        res[i]->name = q->name;
+        res[i]->amax.data = calloc(cells ? cells : 1, 4);
+        res[i]->amax.len = cells * 4;
+        res[i]->filled.data = calloc(cells ? cells : 1, 1);
+        res[i]->filled.len = cells;
+        res[i]->n_shape = q->n_global_shape;
+        res[i]->shape = q->global_shape;
+        res[i]->peer_fill_known = 1;
+        if (res[i]->amax.data == NULL || res[i]->filled.data == NULL)
+            goto oom;
+    }
+    uint64_t start = 0, total = 1;
+    size_t qi = 0;
+    while (start < total) {
+        Amaxd__V1__GetScalesRequest req = AMAXD__V1__GET_SCALES_REQUEST__INIT;
+        req.job = (char *)job;
+        req.global = 1;
+        req.names = names;
+        req.n_names = n;
+        req.start_cell = start;
+        req.max_cells = 1 << 20;
+        Amaxd__V1__GetScalesResponse *r = NULL;
+        if (call(x, "/amaxd.v1.Calibration/GetScales", &req.base,
+                 &amaxd__v1__get_scales_response__descriptor, (ProtobufCMessage **)&r))
+            goto fail;
+        total = r->total_cells;
+        *epoch = r->epoch;
+        uint64_t got = 0;
+        for (size_t k = 0; k < r->n_results; k++) {
+            Amaxd__V1__QuantizerResult *p = r->results[k];
+            while (qi < n && strcmp(names[qi], p->name) != 0)
+                qi++;
+            if (qi == n) {
+                fprintf(stderr, "amaxctl: GetScales answered '%s', not asked for\n", p->name);
+                protobuf_c_message_free_unpacked(&r->base, NULL);
+                goto fail;
+            }
+            Amaxd__V1__QuantizerResult *d = res[qi];
+            size_t off = (size_t)p->first_cell, pc = p->amax.len / 4;
+            if ((off + pc) * 4 > d->amax.len) {
+                fprintf(stderr, "amaxctl: GetScales answered too many cells for '%s'\n", p->name);
+                protobuf_c_message_free_unpacked(&r->base, NULL);
+                goto fail;
+            }
+            memcpy(d->amax.data + off * 4, p->amax.data, pc * 4);
+            if (p->peer_filled > 0 && p->filled.len == pc)
+                memcpy(d->filled.data + off, p->filled.data, pc);
+            d->peer_fill_known &= p->peer_fill_known;
+            d->peer_filled += p->peer_filled;
+            d->missing += p->missing;
+            d->global_amax = p->global_amax;
+            d->global_scale = p->global_scale;
+            d->global_scale_inv = p->global_scale_inv;
+            d->has_previous = p->has_previous;
+            d->previous_global_amax = p->previous_global_amax;
+            d->previous_global_scale = p->previous_global_scale;
+            got += pc;
+        }
+        protobuf_c_message_free_unpacked(&r->base, NULL);
+        if (got == 0)
+            break; /* nothing more (an empty job) */
+        start += got;
+    }
+    free(names);
+    *out = res;
+    return 0;
+oom:
+    fprintf(stderr, "amaxctl: out of memory\n");
+fail:
+    for (size_t i = 0; i < n; i++)
+        if (res[i] != NULL) {
+            free(res[i]->amax.data);
+            free(res[i]->filled.data);
+            free(res[i]);
+        }
+    free(res), free(names);
+    return -1;
+}
+
+static void free_results(Amaxd__V1__QuantizerResult **res, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        free(res[i]->amax.data);
+        free(res[i]->filled.data);
+        free(res[i]);
+    }
+    free(res);
+}
+
+static int cmd_report(ctx_t *x, const char *given, const char *path)
+{
+    char job[256];
+    int rc = pick_job(x, given, job, sizeof(job));
+    if (rc)
+        return rc;
+    Amaxd__V1__StatusRequest sreq = AMAXD__V1__STATUS_REQUEST__INIT;
+    sreq.job = job;
+    Amaxd__V1__StatusResponse *st = NULL;
+    if (call(x, "/amaxd.v1.Calibration/Status", &sreq.base, &amaxd__v1__status_response__descriptor,
+             (ProtobufCMessage **)&st))
+        return 1;
+    Amaxd__V1__ListQuantizersRequest lreq = AMAXD__V1__LIST_QUANTIZERS_REQUEST__INIT;
+    lreq.job = job;
+    Amaxd__V1__ListQuantizersResponse *l = NULL;
+    if (call(x, "/amaxd.v1.Calibration/ListQuantizers", &lreq.base,
+             &amaxd__v1__list_quantizers_response__descriptor, (ProtobufCMessage **)&l)) {
+        protobuf_c_message_free_unpacked(&st->base, NULL);
+        return 1;
+    }
+    Amaxd__V1__QuantizerResult **res = NULL;
+    report_in_t in = {job, st, st->n_jobs ? st->jobs[0] : NULL, l, NULL, l->n_quantizers, 0};
+    if (fetch_results(x, job, l, &res, &in.epoch) != 0) {
+        rc = 1;
+        goto out;
+    }
+    in.results = res;
+    FILE *o = stdout;
+    char tmp[4096];
+    if (path != NULL && strcmp(path, "-") != 0) {
+        /* Written next to the target and renamed: a reader never sees half a page. */
+        snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid());
+        o = fopen(tmp, "w");
+        if (o == NULL) {
+            fprintf(stderr, "amaxctl: cannot write %s: %s\n", tmp, strerror(errno));
+            rc = 1;
+            goto out;
+        }
+    }
+    int wrc = report_write(o, &in);
+    if (o != stdout) {
+        if (fclose(o) != 0 || wrc != 0 || rename(tmp, path) != 0) {
+            fprintf(stderr, "amaxctl: cannot write %s: %s\n", path,
+                    wrc ? "out of memory" : strerror(errno));
+            unlink(tmp);
+            rc = 1;
+            goto out;
+        }
+        if (!x->json)
+            fprintf(stderr, "amaxctl: report of job %s (epoch %llu, %zu quantizers) in %s\n", job,
+                    in.epoch, in.nresults, path);
+    } else if (wrc != 0 || fflush(stdout) != 0) {
+        fprintf(stderr, "amaxctl: writing the report failed\n");
+        rc = 1;
+    }
+out:
+    if (res != NULL)
+        free_results(res, l->n_quantizers);
+    protobuf_c_message_free_unpacked(&l->base, NULL);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    return rc;
+}
+
+/* Splits a command's arguments into positionals and its own options. */
+static int cmd_opts(int argc, char **argv, int i, const char **pos, int *npos, double *interval,
+                    long *count, const char **out)
+{
+    *npos = 0;
+    for (; i < argc; i++) {
+        const char *a = argv[i];
+        if (interval && !strcmp(a, "--interval") && i + 1 < argc) {
+            char *end;
+            *interval = strtod(argv[++i], &end);
+            if (*end != '\0' || !(*interval > 0) || *interval > 86400) {
+                fprintf(stderr, "amaxctl: --interval needs seconds in (0, 86400]\n");
+                return 2;
+            }
+        } else if (count && !strcmp(a, "--count") && i + 1 < argc) {
+            char *end;
+            *count = strtol(argv[++i], &end, 10);
+            if (*end != '\0' || *count <= 0) {
+                fprintf(stderr, "amaxctl: --count needs a positive number\n");
+                return 2;
+            }
+        } else if (out && (!strcmp(a, "-o") || !strcmp(a, "--output")) && i + 1 < argc) {
+            *out = argv[++i];
+        } else if (a[0] == '-' && a[1] != '\0') {
+            fprintf(stderr, "amaxctl: unknown option %s\n%s", a, usage);
+            return 2;
+        } else if (*npos < 1) {
+            pos[(*npos)++] = a;
+        } else {
+            fprintf(stderr, "amaxctl: bad command line\n%s", usage);
+            return 2;
+        }
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     ctx_t x = {NULL, 0, 10.0};
@@ -361,7 +734,17 @@ int main(int argc, char **argv)
         rc = cmd_export(&x, nargs == 2 ? argv[i] : NULL, argv[argc - 1]);
     else if (!strcmp(cmd, "health") && nargs == 0)
         rc = cmd_health(&x);
-    else {
+    else if (!strcmp(cmd, "watch") || !strcmp(cmd, "report")) {
+        const char *pos[1] = {NULL}, *out = NULL;
+        int npos;
+        double interval = 2.0;
+        long count = 0;
+        int w = !strcmp(cmd, "watch");
+        rc = cmd_opts(argc, argv, i, pos, &npos, w ? &interval : NULL, w ? &count : NULL,
+                      w ? NULL : &out);
+        if (rc == 0)
+            rc = w ? cmd_watch(&x, pos[0], interval, count) : cmd_report(&x, pos[0], out);
+    } else {
         fprintf(stderr, "amaxctl: bad command line\n%s", usage);
         rc = 2;
     }

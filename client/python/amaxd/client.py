@@ -97,6 +97,14 @@ class Result:
     global_scale: float
     global_scale_inv: float
     missing: int
+    # Cells that had no data in the last epoch and took their peer group's
+    # max (cold experts), as a bool array; None when the daemon's state
+    # backend does not report it.
+    peer_filled: Optional[np.ndarray] = None
+    # The epoch before the last one's global amax and scale (None after the
+    # quantizer's first epoch).
+    previous_global_amax: Optional[float] = None
+    previous_global_scale: Optional[float] = None
 
     @staticmethod
     def from_pb(r):
@@ -122,10 +130,17 @@ class Result:
             b = b"".join(getattr(p, field) for p in parts)
             return np.frombuffer(b, dtype=dtype).reshape(shape).copy()
 
+        filled = None
+        if all(p.peer_fill_known for p in parts):
+            filled = np.concatenate([
+                np.frombuffer(p.filled, dtype=np.uint8) if p.peer_filled
+                else np.zeros(len(p.amax) // 4, dtype=np.uint8) for p in parts]).reshape(shape) != 0
         return Result(r.name, tuple(r.offset), shape, cat("amax", "<f4"), cat("scale", "<f4"),
                       cat("scale_inv", "<f4"), cat("block_scales", np.uint8),
                       r.global_amax, r.global_scale, r.global_scale_inv,
-                      sum(p.missing for p in parts))
+                      sum(p.missing for p in parts), filled,
+                      r.previous_global_amax if r.has_previous else None,
+                      r.previous_global_scale if r.has_previous else None)
 
 
 def _to_f32_bytes(values) -> bytes:
