@@ -20,7 +20,7 @@ pyv=$("$venv/bin/python" -c 'import google.protobuf as p; print(p.__version__)')
 hcv=$("$venv/bin/python" -m pip show grpcio-health-checking | awk '/^Version/{print $2}')
 "$venv/bin/python" -m pip download -q --no-deps --only-binary=:all: --python-version "$pyver" \
   --platform manylinux2014_x86_64 -d "$carry/wheels" "protobuf==$pyv" ml_dtypes "grpcio-health-checking==$hcv" \
-  safetensors prometheus_client
+  safetensors prometheus_client h2 hpack hyperframe
 "$venv/bin/python" -m pip wheel -q --no-deps --no-build-isolation -w "$carry/wheels" "$root/client/python"
 rm -rf "$root/client/python/build" "$root"/client/python/*.egg-info
 echo "bundle: $(ls "$carry/lib" | wc -l) libraries, $(ls "$carry/wheels" | wc -l) wheels, $(du -sh "$carry" | cut -f1)"
