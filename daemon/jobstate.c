@@ -1,6 +1,8 @@
 /* jobstate.c - serialization of a job's replicated state. */
 #include "jobstate.h"
 
+#include "bytebuf.h"
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,75 +33,13 @@ uint64_t amx_checksum64(const void *p, size_t n)
 
 /* ---- writing ---- */
 
-typedef struct wbuf {
-    unsigned char *p;
-    size_t len, cap;
-    int oom;
-} wbuf_t;
-
-static void put(wbuf_t *w, const void *src, size_t n)
-{
-    if (w->oom)
-        return;
-    if (w->len + n > w->cap) {
-        size_t cap = w->cap ? w->cap : 4096;
-        while (cap < w->len + n)
-            cap *= 2;
-        unsigned char *q = realloc(w->p, cap);
-        if (q == NULL) {
-            w->oom = 1;
-            return;
-        }
-        w->p = q;
-        w->cap = cap;
-    }
-    if (n > 0)
-        memcpy(w->p + w->len, src, n);
-    w->len += n;
-}
-
-static void put32(wbuf_t *w, uint32_t v)
-{
-    put(w, &v, 4);
-}
-
-static void put64(wbuf_t *w, uint64_t v)
-{
-    put(w, &v, 8);
-}
-
-static void putstr(wbuf_t *w, const char *s)
-{
-    uint32_t n = (uint32_t)strlen(s);
-    put32(w, n);
-    put(w, s, n);
-}
-
-static void align8(wbuf_t *w)
-{
-    static const unsigned char z[8] = {0};
-    put(w, z, (8 - w->len % 8) % 8);
-}
-
 /* Room for n bytes at an aligned offset; returns the offset. */
-static size_t reserve(wbuf_t *w, size_t n)
+static size_t reserve(amx_wbuf_t *w, size_t n)
 {
-    align8(w);
+    amx_put_align8(w);
     size_t off = w->len;
-    if (w->oom)
+    if (amx_wbuf_grow(w, n) != 0)
         return 0;
-    if (w->len + n > w->cap) {
-        size_t cap = w->cap;
-        while (cap < w->len + n)
-            cap *= 2;
-        unsigned char *q = realloc(w->p, cap);
-        if (q == NULL) {
-            w->oom = 1;
-            return 0;
-        }
-        w->p = q;
-        w->cap = cap;
-    }
     w->len += n;
     return off;
 }
@@ -108,40 +48,40 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
                                  const amx_catalog_t *cat, const amx_qdesc_t *desc, amx_state_t *st,
                                  int back, void **blob, size_t *len, amx_err_t *err)
 {
-    wbuf_t w = {0};
-    put32(&w, MAGIC);
-    put32(&w, AMX_JOBSTATE_VERSION);
-    putstr(&w, job);
-    put64(&w, last_reconciled);
-    put32(&w, cat->n);
+    amx_wbuf_t w = {0};
+    amx_put32(&w, MAGIC);
+    amx_put32(&w, AMX_JOBSTATE_VERSION);
+    amx_putstr(&w, job);
+    amx_put64(&w, last_reconciled);
+    amx_put32(&w, cat->n);
     for (uint32_t i = 0; i < cat->n; i++) {
         const amx_qspec_t *s = cat->q[i];
         const amx_recipe_t *r = &s->recipe;
-        putstr(&w, s->name);
-        put32(&w, s->ndim);
-        put(&w, s->shape, sizeof(s->shape));
+        amx_putstr(&w, s->name);
+        amx_put32(&w, s->ndim);
+        amx_put(&w, s->shape, sizeof(s->shape));
         unsigned char b[6] = {r->format,           r->rule,       r->history_reduce,
                               r->nvfp4_convention, r->power_of_2, s->accumulation};
-        put(&w, b, sizeof(b));
-        put32(&w, r->history_len);
-        put(&w, &r->margin, 4);
-        put(&w, &r->eps, 4);
-        put(&w, &r->scaled_max, 4);
-        putstr(&w, s->peer_group);
-        putstr(&w, s->scale_group);
-        put32(&w, desc[i].hist_head);
+        amx_put(&w, b, sizeof(b));
+        amx_put32(&w, r->history_len);
+        amx_put(&w, &r->margin, 4);
+        amx_put(&w, &r->eps, 4);
+        amx_put(&w, &r->scaled_max, 4);
+        amx_putstr(&w, s->peer_group);
+        amx_putstr(&w, s->scale_group);
+        amx_put32(&w, desc[i].hist_head);
     }
     uint64_t nc = cat->ncells, nh = cat->nhist, nq = cat->n;
-    put64(&w, nc);
-    put64(&w, nh);
+    amx_put64(&w, nc);
+    amx_put64(&w, nh);
     size_t o_accum = reserve(&w, nc * 4), o_prev = reserve(&w, nc * 4),
            o_hist = reserve(&w, nh * 4), o_prevg = reserve(&w, nq * 4),
            o_amax = reserve(&w, nc * 4), o_scale = reserve(&w, nc * 4), o_inv = reserve(&w, nc * 4),
            o_bytes = reserve(&w, nc), o_ga = reserve(&w, nq * 4), o_gs = reserve(&w, nq * 4),
            o_gi = reserve(&w, nq * 4);
-    align8(&w);
+    amx_put_align8(&w);
     size_t body = w.len;
-    put64(&w, 0); /* checksum, below */
+    amx_put64(&w, 0); /* checksum, below */
     if (w.oom) {
         free(w.p);
         return amx_err_set(err, AMX_ENOMEM, "out of memory serializing the state of job '%s'", job);
@@ -173,50 +113,15 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
 
 /* ---- reading ---- */
 
-typedef struct rbuf {
-    const unsigned char *p;
-    size_t len, off;
-    int bad;
-} rbuf_t;
-
-static const void *get(rbuf_t *r, size_t n)
-{
-    if (r->bad || n > r->len - r->off) {
-        r->bad = 1;
-        return NULL;
-    }
-    const void *q = r->p + r->off;
-    r->off += n;
-    return q;
-}
-
-static uint32_t get32(rbuf_t *r)
-{
-    uint32_t v = 0;
-    const void *q = get(r, 4);
-    if (q)
-        memcpy(&v, q, 4);
-    return v;
-}
-
-static uint64_t get64(rbuf_t *r)
-{
-    uint64_t v = 0;
-    const void *q = get(r, 8);
-    if (q)
-        memcpy(&v, q, 8);
-    return v;
-}
-
 /* A string copied into `buf` (cap bytes with the NUL). */
-static int getstr(rbuf_t *r, char *buf, size_t cap)
+static int getstr(amx_rbuf_t *r, char *buf, size_t cap)
 {
-    uint32_t n = get32(r);
+    uint32_t n = amx_get32(r);
     if (n >= cap) {
         r->bad = 1;
         return 0;
     }
-    const void *q = get(r, n);
+    const void *q = amx_get(r, n);
     if (q == NULL)
         return 0;
     if (n > 0)
@@ -225,14 +130,14 @@ static int getstr(rbuf_t *r, char *buf, size_t cap)
     return memchr(buf, '\0', n) == NULL;
 }
 
-static const void *get_array(rbuf_t *r, uint64_t n)
+static const void *get_array(amx_rbuf_t *r, uint64_t n)
 {
     r->off += (8 - r->off % 8) % 8;
     if (r->off > r->len || n > r->len - r->off) {
         r->bad = 1;
         return NULL;
     }
-    return get(r, (size_t)n);
+    return amx_get(r, (size_t)n);
 }
 
 amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *out, amx_err_t *err)
@@ -244,10 +149,10 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
     memcpy(&sum, (const unsigned char *)blob + len - 8, 8);
     if (amx_checksum64(blob, len - 8) != sum)
         return amx_err_set(err, AMX_EINVAL, "job state of %zu bytes fails its checksum", len);
-    rbuf_t r = {blob, len - 8, 0, 0};
-    if (get32(&r) != MAGIC)
+    amx_rbuf_t r = {blob, len - 8, 0, 0};
+    if (amx_get32(&r) != MAGIC)
         return amx_err_set(err, AMX_EINVAL, "not a job state (bad magic)");
-    uint32_t ver = get32(&r);
+    uint32_t ver = amx_get32(&r);
     if (ver != AMX_JOBSTATE_VERSION)
         return amx_err_set(err, AMX_EINVAL, "job state format %u is not the supported %u", ver,
                            AMX_JOBSTATE_VERSION);
@@ -258,8 +163,8 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
     amx_status_t st = AMX_EINVAL;
     if (!getstr(&r, name, sizeof(name)))
         goto bad;
-    out->last_reconciled = get64(&r);
-    n = get32(&r);
+    out->last_reconciled = amx_get64(&r);
+    n = amx_get32(&r);
     if (r.bad || (uint64_t)n * 40 > len)
         goto bad;
     specs = calloc(n ? n : 1, sizeof(*specs));
@@ -275,9 +180,9 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         if (!getstr(&r, qname, sizeof(qname)))
             goto bad;
         s.name = qname;
-        s.ndim = get32(&r);
-        const void *shape = get(&r, sizeof(s.shape));
-        const unsigned char *b = get(&r, 6);
+        s.ndim = amx_get32(&r);
+        const void *shape = amx_get(&r, sizeof(s.shape));
+        const unsigned char *b = amx_get(&r, 6);
         if (r.bad || s.ndim > AMX_MAX_DIMS)
             goto bad;
         memcpy(s.shape, shape, sizeof(s.shape));
@@ -293,8 +198,8 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         s.recipe.nvfp4_convention = b[3];
         s.recipe.power_of_2 = b[4];
         s.accumulation = b[5];
-        s.recipe.history_len = get32(&r);
-        const void *m = get(&r, 4), *e = get(&r, 4), *sm = get(&r, 4);
+        s.recipe.history_len = amx_get32(&r);
+        const void *m = amx_get(&r, 4), *e = amx_get(&r, 4), *sm = amx_get(&r, 4);
         if (r.bad)
             goto bad;
         memcpy(&s.recipe.margin, m, 4);
@@ -304,7 +209,7 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
             goto bad;
         s.peer_group = pg;
         s.scale_group = sg;
-        out->hist_head[i] = get32(&r);
+        out->hist_head[i] = amx_get32(&r);
         if (r.bad || s.recipe.format < 1 || s.recipe.format > 4 ||
             (s.accumulation != 1 && s.accumulation != 2) || s.recipe.history_len == 0 ||
             s.recipe.history_len > AMX_HISTORY_MAX ||
@@ -317,7 +222,7 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         }
         made++;
     }
-    uint64_t nc = get64(&r), nh = get64(&r);
+    uint64_t nc = amx_get64(&r), nh = amx_get64(&r);
     if (r.bad)
         goto bad;
     if (amx_catalog_build(specs, n, &out->cat, err) != AMX_OK) {

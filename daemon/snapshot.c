@@ -11,79 +11,36 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "bytebuf.h"
 #include "catalog.h"
 
 #define MAGIC 0x53584d41u /* "AMXS" */
 
 /* ---- encoding the job section ---- */
 
-typedef struct wbuf {
-    unsigned char *p;
-    size_t len, cap;
-    int oom;
-} wbuf_t;
-
-static void put(wbuf_t *w, const void *src, size_t n)
-{
-    if (w->oom)
-        return;
-    if (w->len + n > w->cap) {
-        size_t cap = w->cap ? w->cap : 1024;
-        while (cap < w->len + n)
-            cap *= 2;
-        unsigned char *q = realloc(w->p, cap);
-        if (q == NULL) {
-            w->oom = 1;
-            return;
-        }
-        w->p = q;
-        w->cap = cap;
-    }
-    if (n > 0)
-        memcpy(w->p + w->len, src, n);
-    w->len += n;
-}
-
-static void put32(wbuf_t *w, uint32_t v)
-{
-    put(w, &v, 4);
-}
-
-static void put64(wbuf_t *w, uint64_t v)
-{
-    put(w, &v, 8);
-}
-
-static void putstr(wbuf_t *w, const char *s)
-{
-    uint32_t n = (uint32_t)strlen(s);
-    put32(w, n);
-    put(w, s, n);
-}
-
 amx_status_t amx_snapshot_encode_meta(const amx_snap_meta_t *m, void **out, size_t *len,
                                       amx_err_t *err)
 {
-    wbuf_t w = {0};
-    put32(&w, MAGIC);
-    put32(&w, AMX_SNAPSHOT_VERSION);
-    put64(&w, 0); /* section length, below */
-    putstr(&w, m->job);
-    put32(&w, m->world);
-    put64(&w, m->epochs_ok);
-    put64(&w, m->epochs_failed);
-    put64(&w, m->state_len);
-    put32(&w, m->nranks);
+    amx_wbuf_t w = {0};
+    amx_put32(&w, MAGIC);
+    amx_put32(&w, AMX_SNAPSHOT_VERSION);
+    amx_put64(&w, 0); /* section length, below */
+    amx_putstr(&w, m->job);
+    amx_put32(&w, m->world);
+    amx_put64(&w, m->epochs_ok);
+    amx_put64(&w, m->epochs_failed);
+    amx_put64(&w, m->state_len);
+    amx_put32(&w, m->nranks);
     for (uint32_t i = 0; i < m->nranks; i++) {
         const amx_snap_rank_t *r = &m->ranks[i];
-        put32(&w, r->rank);
-        put32(&w, r->n);
+        amx_put32(&w, r->rank);
+        amx_put32(&w, r->n);
         for (uint32_t k = 0; k < r->n; k++) {
             const amx_placement_t *pl = &r->pls[k].pl;
-            putstr(&w, r->pls[k].name);
-            put32(&w, pl->ndim);
-            put(&w, pl->off, sizeof(pl->off));
-            put(&w, pl->shape, sizeof(pl->shape));
+            amx_putstr(&w, r->pls[k].name);
+            amx_put32(&w, pl->ndim);
+            amx_put(&w, pl->off, sizeof(pl->off));
+            amx_put(&w, pl->shape, sizeof(pl->shape));
         }
     }
     if (w.oom) {
@@ -94,9 +51,9 @@ amx_status_t amx_snapshot_encode_meta(const amx_snap_meta_t *m, void **out, size
     uint64_t body = w.len;
     memcpy(w.p + 8, &body, 8);
     uint64_t sum = amx_checksum64(w.p, body);
-    put64(&w, sum);
+    amx_put64(&w, sum);
     static const unsigned char z[8] = {0};
-    put(&w, z, (8 - w.len % 8) % 8);
+    amx_put(&w, z, (8 - w.len % 8) % 8);
     if (w.oom) {
         free(w.p);
         return amx_err_set(err, AMX_ENOMEM, "out of memory encoding the snapshot of job '%s'",
@@ -207,50 +164,15 @@ int amx_snapshot_set_aside(const char *path, char *to, size_t to_len)
 
 /* ---- reading ---- */
 
-typedef struct rbuf {
-    const unsigned char *p;
-    size_t len, off;
-    int bad;
-} rbuf_t;
-
-static const void *get(rbuf_t *r, size_t n)
-{
-    if (r->bad || n > r->len - r->off) {
-        r->bad = 1;
-        return NULL;
-    }
-    const void *q = r->p + r->off;
-    r->off += n;
-    return q;
-}
-
-static uint32_t get32(rbuf_t *r)
-{
-    uint32_t v = 0;
-    const void *q = get(r, 4);
-    if (q)
-        memcpy(&v, q, 4);
-    return v;
-}
-
-static uint64_t get64(rbuf_t *r)
-{
-    uint64_t v = 0;
-    const void *q = get(r, 8);
-    if (q)
-        memcpy(&v, q, 8);
-    return v;
-}
-
 /* A malloc'd copy of a string of at most `max` bytes without NUL bytes. */
-static char *getstr(rbuf_t *r, size_t max)
+static char *getstr(amx_rbuf_t *r, size_t max)
 {
-    uint32_t n = get32(r);
+    uint32_t n = amx_get32(r);
     if (n > max) {
         r->bad = 1;
         return NULL;
     }
-    const char *q = get(r, n);
+    const char *q = amx_get(r, n);
     if (q == NULL || memchr(q, '\0', n) != NULL) {
         r->bad = 1;
         return NULL;
@@ -318,15 +240,15 @@ amx_status_t amx_snapshot_read(const char *path, amx_snapshot_t *out, amx_err_t 
 {
     memset(out, 0, sizeof(*out));
     AMX_CHECK(read_file(path, &out->buf, &out->len, err));
-    rbuf_t r = {out->buf, out->len, 0, 0};
+    amx_rbuf_t r = {out->buf, out->len, 0, 0};
     amx_snap_meta_t *m = &out->meta;
     if (out->len < 24)
         goto truncated;
-    if (get32(&r) != MAGIC) {
+    if (amx_get32(&r) != MAGIC) {
         amx_snapshot_free(out);
         return amx_err_set(err, AMX_EINVAL, "not an amaxd snapshot (bad magic)");
     }
-    uint32_t ver = get32(&r);
+    uint32_t ver = amx_get32(&r);
     if (ver != AMX_SNAPSHOT_VERSION) {
         amx_snapshot_free(out);
         return amx_err_set(err, AMX_EINVAL,
@@ -334,7 +256,7 @@ amx_status_t amx_snapshot_read(const char *path, amx_snapshot_t *out, amx_err_t 
                            "version)",
                            ver, AMX_SNAPSHOT_VERSION);
     }
-    uint64_t body = get64(&r);
+    uint64_t body = amx_get64(&r);
     if (body < 16 || body > out->len - 8)
         goto truncated;
     uint64_t sum;
@@ -346,11 +268,11 @@ amx_status_t amx_snapshot_read(const char *path, amx_snapshot_t *out, amx_err_t 
     }
     r.len = body;
     m->job = getstr(&r, AMX_MAX_JOB_NAME);
-    m->world = get32(&r);
-    m->epochs_ok = get64(&r);
-    m->epochs_failed = get64(&r);
-    m->state_len = get64(&r);
-    m->nranks = get32(&r);
+    m->world = amx_get32(&r);
+    m->epochs_ok = amx_get64(&r);
+    m->epochs_failed = amx_get64(&r);
+    m->state_len = amx_get64(&r);
+    m->nranks = amx_get32(&r);
     if (r.bad || !amx_valid_job_name(m->job) || m->world == 0 || m->nranks > m->world ||
         (uint64_t)m->nranks * 8 > body)
         goto malformed;
@@ -359,8 +281,8 @@ amx_status_t amx_snapshot_read(const char *path, amx_snapshot_t *out, amx_err_t 
         goto malformed;
     for (uint32_t i = 0; i < m->nranks; i++) {
         amx_snap_rank_t *rk = &m->ranks[i];
-        rk->rank = get32(&r);
-        uint32_t n = get32(&r);
+        rk->rank = amx_get32(&r);
+        uint32_t n = amx_get32(&r);
         if (r.bad || rk->rank >= m->world || (uint64_t)n * 20 > body)
             goto malformed;
         rk->pls = calloc(n ? n : 1, sizeof(*rk->pls));
@@ -370,8 +292,9 @@ amx_status_t amx_snapshot_read(const char *path, amx_snapshot_t *out, amx_err_t 
             amx_snap_pl_t *p = &rk->pls[k];
             p->name = getstr(&r, AMX_MAX_NAME);
             rk->n = k + 1; /* freed from here on */
-            p->pl.ndim = get32(&r);
-            const void *off = get(&r, sizeof(p->pl.off)), *shape = get(&r, sizeof(p->pl.shape));
+            p->pl.ndim = amx_get32(&r);
+            const void *off = amx_get(&r, sizeof(p->pl.off)),
+                       *shape = amx_get(&r, sizeof(p->pl.shape));
             if (r.bad || !amx_valid_name(p->name) || p->pl.ndim > AMX_MAX_DIMS)
                 goto malformed;
             memcpy(p->pl.off, off, sizeof(p->pl.off));

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 import amaxd
-from amaxd import pb
 from amaxd import placement as P
 
 W = 2
@@ -282,4 +281,3 @@ def test_several_jobs_and_other_files_are_left_alone(start_daemon, tmp_path):
         np.testing.assert_array_equal(c.get_scales()["a"].amax, [1, 2, 3])
     assert sorted(os.listdir(state)) == sorted(["README", JOB + ".amxs", "solo.amxs"])
     assert glob.glob(os.path.join(state, "*.corrupt*")) == []
-    assert pb  # the generated module is importable beside the client
