@@ -385,8 +385,7 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, fl
         }
         float s, inv;
         uint8_t b;
-        amx_pp_cell(&q->recipe, a[k], gamax[qi], gscale[qi], gscale_inv[qi], &prev[i], &s, &inv,
-                    &b);
+        amx_pp_cell(&q->recipe, a[k], gamax[qi], gscale[qi], &prev[i], &s, &inv, &b);
         out_scale[i] = s;
         out_inv[i] = inv;
         out_bytes[i] = b;

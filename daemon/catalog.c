@@ -96,8 +96,11 @@ static amx_status_t normalize_recipe(const char *qname, const amx_recipe_in_t *i
                            qname);
     out->eps = in->eps;
     out->power_of_2 = (uint8_t)(in->power_of_2 != 0);
-    if (in->nvfp4_convention < 0 || in->nvfp4_convention > 2)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.nvfp4_convention %d is unknown",
+    if (in->nvfp4_convention < 0 || in->nvfp4_convention > 4)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.nvfp4_convention %d is unknown (use "
+                           "TRANSFORMER_ENGINE, MODELOPT, TRANSFORMER_ENGINE_LEGACY or "
+                           "MODELOPT_STATIC)",
                            qname, in->nvfp4_convention);
     if (in->nvfp4_convention != 0 && in->format != AMX_FMT_NVFP4)
         return amx_err_set(err, AMX_EINVAL,
@@ -105,6 +108,45 @@ static amx_status_t normalize_recipe(const char *qname, const amx_recipe_in_t *i
     out->nvfp4_convention =
         (uint8_t)(in->format == AMX_FMT_NVFP4
                       ? (in->nvfp4_convention == 0 ? AMX_NVFP4_TE : in->nvfp4_convention)
+                      : 0);
+    if (in->output_convention < 0 || in->output_convention > 2)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.output_convention %d is unknown (use "
+                           "OUTPUT_TRANSFORMER_ENGINE or OUTPUT_MODELOPT)",
+                           qname, in->output_convention);
+    out->output_convention =
+        (uint8_t)(in->output_convention == 0 ? AMX_OUT_TE : in->output_convention);
+    if (out->output_convention == AMX_OUT_MODELOPT &&
+        !(in->format == AMX_FMT_NVFP4 || (fp8 && out->rule == AMX_RULE_CURRENT)))
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.output_convention OUTPUT_MODELOPT applies to "
+                           "NVFP4 and FP8 CURRENT scaling only (ModelOpt has no %s)",
+                           qname, fp8 ? "delayed scaling" : "MXFP8 export factors");
+    if (in->history_convention < 0 || in->history_convention > 2)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.history_convention %d is unknown (use "
+                           "HISTORY_TRANSFORMER_ENGINE or HISTORY_TRANSFORMER_ENGINE_UNFUSED)",
+                           qname, in->history_convention);
+    if (in->history_convention != 0 && out->rule != AMX_RULE_DELAYED)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.history_convention applies to FP8 DELAYED "
+                           "scaling only",
+                           qname);
+    out->history_convention =
+        (uint8_t)(out->rule == AMX_RULE_DELAYED
+                      ? (in->history_convention == 0 ? AMX_HISTCONV_TE : in->history_convention)
+                      : 0);
+    if (in->mxfp8_convention < 0 || in->mxfp8_convention > 2)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.mxfp8_convention %d is unknown (use "
+                           "MXFP8_TRANSFORMER_ENGINE or MXFP8_OCP)",
+                           qname, in->mxfp8_convention);
+    if (in->mxfp8_convention != 0 && in->format != AMX_FMT_MXFP8)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.mxfp8_convention applies to MXFP8 only", qname);
+    out->mxfp8_convention =
+        (uint8_t)(in->format == AMX_FMT_MXFP8
+                      ? (in->mxfp8_convention == 0 ? AMX_MX_TE : in->mxfp8_convention)
                       : 0);
     out->scaled_max = fp8 ? amx_fp8_max(out->format) * powf(2.0f, -out->margin) : 0.0f;
     return AMX_OK;
@@ -114,7 +156,10 @@ static int recipe_equal(const amx_recipe_t *a, const amx_recipe_t *b)
 {
     return a->format == b->format && a->rule == b->rule && a->history_reduce == b->history_reduce &&
            a->nvfp4_convention == b->nvfp4_convention && a->power_of_2 == b->power_of_2 &&
-           a->history_len == b->history_len && a->margin == b->margin && a->eps == b->eps;
+           a->history_len == b->history_len && a->margin == b->margin && a->eps == b->eps &&
+           a->output_convention == b->output_convention &&
+           a->history_convention == b->history_convention &&
+           a->mxfp8_convention == b->mxfp8_convention;
 }
 
 /* ---- specs ---- */
@@ -217,13 +262,16 @@ void amx_qspec_diff(const amx_qspec_t *a, const amx_qspec_t *b, char *buf, size_
                  fmt_name(b->recipe.format));
     } else if (!recipe_equal(&a->recipe, &b->recipe)) {
         snprintf(buf, len,
-                 "recipe (rule %d, margin %g, history %u/%d, eps %g, pow2 %d, nvfp4 %d) vs "
-                 "(rule %d, margin %g, history %u/%d, eps %g, pow2 %d, nvfp4 %d)",
+                 "recipe (rule %d, margin %g, history %u/%d/%d, eps %g, pow2 %d, nvfp4 %d, "
+                 "output %d, mxfp8 %d) vs (rule %d, margin %g, history %u/%d/%d, eps %g, pow2 "
+                 "%d, nvfp4 %d, output %d, mxfp8 %d)",
                  a->recipe.rule, (double)a->recipe.margin, a->recipe.history_len,
-                 a->recipe.history_reduce, (double)a->recipe.eps, a->recipe.power_of_2,
-                 a->recipe.nvfp4_convention, b->recipe.rule, (double)b->recipe.margin,
-                 b->recipe.history_len, b->recipe.history_reduce, (double)b->recipe.eps,
-                 b->recipe.power_of_2, b->recipe.nvfp4_convention);
+                 a->recipe.history_reduce, a->recipe.history_convention, (double)a->recipe.eps,
+                 a->recipe.power_of_2, a->recipe.nvfp4_convention, a->recipe.output_convention,
+                 a->recipe.mxfp8_convention, b->recipe.rule, (double)b->recipe.margin,
+                 b->recipe.history_len, b->recipe.history_reduce, b->recipe.history_convention,
+                 (double)b->recipe.eps, b->recipe.power_of_2, b->recipe.nvfp4_convention,
+                 b->recipe.output_convention, b->recipe.mxfp8_convention);
     } else if (a->accumulation != b->accumulation) {
         snprintf(buf, len, "accumulation %s vs %s",
                  a->accumulation == AMX_ACC_PER_EPOCH ? "PER_EPOCH" : "RUNNING_MAX",
@@ -289,8 +337,10 @@ uint64_t amx_catalog_hash(amx_qspec_t *const *q, uint32_t n)
         h = fnv(h, s->name, strlen(s->name) + 1);
         h = fnv(h, &s->ndim, sizeof(s->ndim));
         h = fnv(h, s->shape, s->ndim * sizeof(uint32_t));
-        uint8_t b[6] = {r->format,           r->rule,       r->history_reduce,
-                        r->nvfp4_convention, r->power_of_2, s->accumulation};
+        uint8_t b[9] = {
+            r->format,          r->rule,         r->history_reduce,    r->nvfp4_convention,
+            r->power_of_2,      s->accumulation, r->output_convention, r->history_convention,
+            r->mxfp8_convention};
         h = fnv(h, b, sizeof(b));
         h = fnv(h, &r->history_len, sizeof(r->history_len));
         h = fnv(h, &r->margin, sizeof(r->margin));

@@ -44,6 +44,7 @@ typedef struct amx_qspec {
 typedef struct amx_recipe_in {
     int present;
     int format, rule, history_reduce, nvfp4_convention, power_of_2;
+    int output_convention, history_convention, mxfp8_convention;
     uint32_t history_len;
     float margin, eps;
 } amx_recipe_in_t;

@@ -60,8 +60,10 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
         amx_putstr(&w, s->name);
         amx_put32(&w, s->ndim);
         amx_put(&w, s->shape, sizeof(s->shape));
-        unsigned char b[6] = {r->format,           r->rule,       r->history_reduce,
-                              r->nvfp4_convention, r->power_of_2, s->accumulation};
+        unsigned char b[9] = {
+            r->format,          r->rule,         r->history_reduce,    r->nvfp4_convention,
+            r->power_of_2,      s->accumulation, r->output_convention, r->history_convention,
+            r->mxfp8_convention};
         amx_put(&w, b, sizeof(b));
         amx_put32(&w, r->history_len);
         amx_put(&w, &r->margin, 4);
@@ -182,7 +184,7 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         s.name = qname;
         s.ndim = amx_get32(&r);
         const void *shape = amx_get(&r, sizeof(s.shape));
-        const unsigned char *b = amx_get(&r, 6);
+        const unsigned char *b = amx_get(&r, 9);
         if (r.bad || s.ndim > AMX_MAX_DIMS)
             goto bad;
         memcpy(s.shape, shape, sizeof(s.shape));
@@ -198,6 +200,9 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         s.recipe.nvfp4_convention = b[3];
         s.recipe.power_of_2 = b[4];
         s.accumulation = b[5];
+        s.recipe.output_convention = b[6];
+        s.recipe.history_convention = b[7];
+        s.recipe.mxfp8_convention = b[8];
         s.recipe.history_len = amx_get32(&r);
         const void *m = amx_get(&r, 4), *e = amx_get(&r, 4), *sm = amx_get(&r, 4);
         if (r.bad)
@@ -210,9 +215,9 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         s.peer_group = pg;
         s.scale_group = sg;
         out->hist_head[i] = amx_get32(&r);
-        if (r.bad || s.recipe.format < 1 || s.recipe.format > 4 ||
-            (s.accumulation != 1 && s.accumulation != 2) || s.recipe.history_len == 0 ||
-            s.recipe.history_len > AMX_HISTORY_MAX ||
+        if (r.bad || s.recipe.format < 1 || s.recipe.format > 4 || b[3] > 4 || b[6] > 2 ||
+            b[7] > 2 || b[8] > 2 || (s.accumulation != 1 && s.accumulation != 2) ||
+            s.recipe.history_len == 0 || s.recipe.history_len > AMX_HISTORY_MAX ||
             out->hist_head[i] >= (s.accumulation == 2 ? s.recipe.history_len : 1) ||
             !amx_valid_name(s.name) || (i > 0 && strcmp(specs[i - 1]->name, s.name) >= 0))
             goto bad;

@@ -20,7 +20,7 @@
 #include "state.h"
 #include "status.h"
 
-#define AMX_JOBSTATE_VERSION 1
+#define AMX_JOBSTATE_VERSION 2
 
 typedef struct amx_jobstate {
     char *job;

@@ -550,6 +550,9 @@ static void spec_to_pb(const amx_qspec_t *s, Amaxd__V1__QuantizerSpec *q, Amaxd_
     r->eps = s->recipe.eps;
     r->power_of_2 = s->recipe.power_of_2;
     r->nvfp4_convention = s->recipe.nvfp4_convention;
+    r->output_convention = s->recipe.output_convention;
+    r->history_convention = s->recipe.history_convention;
+    r->mxfp8_convention = s->recipe.mxfp8_convention;
     q->recipe = r;
     q->accumulation = s->accumulation;
     q->peer_group = s->peer_group;
@@ -574,6 +577,9 @@ static amx_status_t spec_from_pb(const Amaxd__V1__QuantizerSpec *q, amx_qspec_t 
         in.recipe.eps = q->recipe->eps;
         in.recipe.power_of_2 = q->recipe->power_of_2;
         in.recipe.nvfp4_convention = q->recipe->nvfp4_convention;
+        in.recipe.output_convention = q->recipe->output_convention;
+        in.recipe.history_convention = q->recipe->history_convention;
+        in.recipe.mxfp8_convention = q->recipe->mxfp8_convention;
     }
     in.accumulation = q->accumulation;
     in.peer_group = q->peer_group;

@@ -14,11 +14,23 @@
 #define AMX_NEG_INF (-INFINITY)
 
 /*
- * Accumulation of cell `c` of quantizer `q` given this epoch's reduced value:
- * RUNNING_MAX folds it into *accum; PER_EPOCH writes it into history slot
- * hist_head of `ring` (the quantizer's H x ncells history) and reduces the
- * window (max, or the most recent). Returns the cell's raw amax (-inf = no
- * data).
+ * Accumulation of cell `c` of quantizer `q` given this epoch's reduced value
+ * (-inf = no data): RUNNING_MAX folds it into *accum. PER_EPOCH keeps the
+ * quantizer's H x ncells history `ring` (slot-major) and returns the amax
+ * the scale is computed from:
+ *
+ *   TE (default; TE common/recipe/delayed_scaling.cu kernel_bulk, the fused
+ *   update after the amax reduction that TE's PyTorch recipe runs): an
+ *   epoch whose amax is 0 (or without data) leaves the window as it is and
+ *   its amax is 0, so the scale stays the previous one. Any other epoch
+ *   shifts the window by one (slot 0 oldest, slot H-1 newest) and the amax
+ *   is the window's max, or the epoch's own (MOST_RECENT).
+ *
+ *   TE_UNFUSED (TE's per-tensor `kernel`; amaxd's rule before conventions): every
+ *   epoch writes slot hist_head, zero and "no data" included; the amax is
+ *   the max over the window, or the epoch's own.
+ *
+ * Returns the cell's raw amax (-inf = no data).
  */
 AMX_HD float amx_pp_accumulate(const amx_qdesc_t *q, float *accum, float *ring, uint64_t c,
                                float reduced)
@@ -28,38 +40,50 @@ AMX_HD float amx_pp_accumulate(const amx_qdesc_t *q, float *accum, float *ring, 
         *accum = a;
         return a;
     }
-    ring[(uint64_t)q->hist_head * q->ncells + c] = reduced;
-    if (q->recipe.history_reduce == AMX_HIST_MOST_RECENT)
-        return reduced;
-    float a = AMX_NEG_INF;
-    for (uint32_t s = 0; s < q->hist_len; s++)
-        a = amx_fmaxf(a, ring[(uint64_t)s * q->ncells + c]);
-    return a;
+    if (q->recipe.history_convention == AMX_HISTCONV_TE_UNFUSED) {
+        ring[(uint64_t)q->hist_head * q->ncells + c] = reduced;
+        if (q->recipe.history_reduce == AMX_HIST_MOST_RECENT)
+            return reduced;
+        float a = AMX_NEG_INF;
+        for (uint32_t s = 0; s < q->hist_len; s++)
+            a = amx_fmaxf(a, ring[(uint64_t)s * q->ncells + c]);
+        return a;
+    }
+    if (!(reduced > 0.0f))
+        return reduced; /* 0 or no data: the window is left alone */
+    float a = reduced;
+    uint32_t h = q->hist_len;
+    for (uint32_t s = 0; s + 1 < h; s++) {
+        float v = ring[(uint64_t)(s + 1) * q->ncells + c];
+        ring[(uint64_t)s * q->ncells + c] = v;
+        a = amx_fmaxf(a, v);
+    }
+    ring[(uint64_t)(h - 1) * q->ncells + c] = reduced;
+    return q->recipe.history_reduce == AMX_HIST_MOST_RECENT ? reduced : a;
 }
 
 /*
  * Scales of one cell with amax `a` (-inf = no data, read as 0), the
- * quantizer's (group) global amax `g`, global scale `s_enc` and its inverse
- * `s_dec` (the quantizer's global_scale_inv). `prev` is the cell's previous
- * delayed scale (updated).
+ * quantizer's (group) global amax `g` and global encode scale `s_enc`.
+ * `prev` is the cell's previous delayed scale (updated).
  */
-AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, float s_dec,
-                        float *prev, float *scale, float *inv, uint8_t *byte)
+AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, float *prev,
+                        float *scale, float *inv, uint8_t *byte)
 {
     float v = a > 0.0f ? a : 0.0f;
     uint8_t b = 0;
     float s, i;
     if (r->format == AMX_FMT_NVFP4) {
-        b = r->nvfp4_convention == AMX_NVFP4_MODELOPT ? amx_nvfp4_block_modelopt(v, g)
-                                                      : amx_nvfp4_block_te(v, s_enc);
+        b = amx_nvfp4_block(r->nvfp4_convention, v, g, s_enc);
         /* scale_inv is the E4M3 block decode scale (TE's scale_inv bytes);
-         * scale is the block encode scale a quantizer multiplies by. */
+         * scale is the block encode scale a quantizer multiplies by, TE's
+         * compute_scaling_coefficient: 1 / (S_dec_b * (1 / S_enc)). */
         i = amx_e4m3_to_float(b);
-        s = amx_nvfp4_block_encode(i, s_dec);
+        s = amx_nvfp4_block_encode(i, 1.0f / s_enc);
     } else if (r->format == AMX_FMT_MXFP8) {
         b = amx_mxfp8_e8m0(v);
-        s = amx_e8m0_encode(b);
-        i = amx_e8m0_decode(b);
+        s = amx_e8m0_encode_conv(r->mxfp8_convention, b);
+        i = amx_e8m0_decode_conv(r->mxfp8_convention, b);
     } else {
         if (r->rule == AMX_RULE_DELAYED) {
             s = amx_fp8_delayed_scale(v, r->scaled_max, *prev);
@@ -67,24 +91,25 @@ AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, fl
         } else {
             s = amx_fp8_current_scale(v, amx_fp8_max(r->format), r->power_of_2, r->eps);
         }
-        i = amx_fp8_scale_inv(s);
+        i = r->output_convention == AMX_OUT_MODELOPT
+                ? amx_fp8_scale_inv_modelopt(v, amx_fp8_max(r->format))
+                : amx_fp8_scale_inv(s);
     }
     *scale = s;
     *inv = i;
     *byte = b;
 }
 
-/* Global scale and its inverse from global amax `g` (>= 0). */
+/* Global scale and its inverse (dequantization factor) from global amax `g` (>= 0). */
 AMX_HD void amx_pp_global(const amx_recipe_t *r, float g, float *prev_g, float *gs, float *gsi)
 {
     if (r->format == AMX_FMT_NVFP4) {
-        float s = amx_nvfp4_global_encode(g);
-        *gs = s;
-        *gsi = 1.0f / s;
+        *gs = amx_nvfp4_global_encode(g);
+        *gsi = amx_nvfp4_global_decode(r->output_convention, g);
     } else if (r->format == AMX_FMT_MXFP8) {
         uint8_t e = amx_mxfp8_e8m0(g);
-        *gs = amx_e8m0_encode(e);
-        *gsi = amx_e8m0_decode(e);
+        *gs = amx_e8m0_encode_conv(r->mxfp8_convention, e);
+        *gsi = amx_e8m0_decode_conv(r->mxfp8_convention, e);
     } else {
         float s;
         if (r->rule == AMX_RULE_DELAYED) {
@@ -94,7 +119,9 @@ AMX_HD void amx_pp_global(const amx_recipe_t *r, float g, float *prev_g, float *
             s = amx_fp8_current_scale(g, amx_fp8_max(r->format), r->power_of_2, r->eps);
         }
         *gs = s;
-        *gsi = amx_fp8_scale_inv(s);
+        *gsi = r->output_convention == AMX_OUT_MODELOPT
+                   ? amx_fp8_scale_inv_modelopt(g, amx_fp8_max(r->format))
+                   : amx_fp8_scale_inv(s);
     }
 }
 

@@ -8,8 +8,9 @@
  * on both sides (+, -, *, /, comparisons, rintf, bit casts), and never
  * returns NaN or infinity for a finite input.
  *
- * Conventions follow TransformerEngine (and ModelOpt for the NVFP4 option);
- * docs/NUMERICS.md gives each formula with its edge cases.
+ * Each formula follows a peer's source (TransformerEngine main, ModelOpt
+ * 0.47), with older or other peers' rules kept as named conventions;
+ * docs/NUMERICS.md names the file and function of each and its edge cases.
  */
 #ifndef AMX_RECIPE_H
 #define AMX_RECIPE_H
@@ -29,7 +30,23 @@
 enum { AMX_FMT_FP8_E4M3 = 1, AMX_FMT_FP8_E5M2 = 2, AMX_FMT_NVFP4 = 3, AMX_FMT_MXFP8 = 4 };
 enum { AMX_RULE_CURRENT = 1, AMX_RULE_DELAYED = 2 };
 enum { AMX_HIST_MAX = 1, AMX_HIST_MOST_RECENT = 2 };
-enum { AMX_NVFP4_TE = 1, AMX_NVFP4_MODELOPT = 2 };
+/* NVFP4 block rule: current TE, ModelOpt's dynamic (fake-quant and
+ * weight-export) path, TE <= 2.13, ModelOpt's static-quantizer export. */
+enum {
+    AMX_NVFP4_TE = 1,
+    AMX_NVFP4_MODELOPT = 2,
+    AMX_NVFP4_TE_LEGACY = 3,
+    AMX_NVFP4_MODELOPT_STATIC = 4
+};
+/* Whose dequantization factors (scale_inv, global_scale_inv) an answer carries. */
+enum { AMX_OUT_TE = 1, AMX_OUT_MODELOPT = 2 };
+/* How an epoch enters a delayed-scaling history: TE's fused update after
+ * the amax reduction (the default of TE's PyTorch recipe: an epoch whose
+ * amax is 0 leaves the history alone), or TE's unfused per-tensor update
+ * (every epoch rolls the window). */
+enum { AMX_HISTCONV_TE = 1, AMX_HISTCONV_TE_UNFUSED = 2 };
+/* MXFP8 E8M0 byte 0: TE (encode 1.0, decode 0.0) or OCP MX (2^127 / 2^-127). */
+enum { AMX_MX_TE = 1, AMX_MX_OCP = 2 };
 enum { AMX_ACC_RUNNING_MAX = 1, AMX_ACC_PER_EPOCH = 2 };
 
 #define AMX_E4M3_MAX 448.0f
@@ -45,7 +62,9 @@ typedef struct amx_recipe {
     uint8_t history_reduce;
     uint8_t nvfp4_convention;
     uint8_t power_of_2;
-    uint8_t pad[3];
+    uint8_t output_convention;  /* AMX_OUT_* */
+    uint8_t history_convention; /* AMX_HISTCONV_* (FP8 delayed; else 0) */
+    uint8_t mxfp8_convention;   /* AMX_MX_* (MXFP8; else 0) */
     uint32_t history_len;
     float margin;
     float eps;
@@ -204,34 +223,107 @@ AMX_HD float amx_nvfp4_global_encode(float global_amax)
     return s;
 }
 
-/* TE: the E4M3 block decode scale e4m3(min(block_amax / 6 * S_enc, FLT_MAX)). */
+/* float(1/6) and float(1/2688), rounded once as the references' constexprs are. */
+#define AMX_RCP_6 ((float)(1.0 / 6.0))       /* 0x3e2aaaab */
+#define AMX_RCP_2688 ((float)(1.0 / 2688.0)) /* 0x39c30c31 */
+
+/*
+ * TE (current main, cast/nvfp4/core_nvfp4.cuh compute_decoding_scaling_factor):
+ * e4m3(min(block_amax * (S_enc * float(1/6)), FLT_MAX)).
+ */
 AMX_HD uint8_t amx_nvfp4_block_te(float block_amax, float s_enc)
+{
+    float k = s_enc * AMX_RCP_6;
+    float s_dec_b = block_amax * k;
+    s_dec_b = s_dec_b < FLT_MAX ? s_dec_b : FLT_MAX;
+    return amx_e4m3_from_float(s_dec_b);
+}
+
+/* TE <= 2.13 (the same function then): e4m3(min(block_amax / 6 * S_enc, FLT_MAX)). */
+AMX_HD uint8_t amx_nvfp4_block_te_legacy(float block_amax, float s_enc)
 {
     float s_dec_b = block_amax / AMX_E2M1_MAX * s_enc;
     s_dec_b = s_dec_b < FLT_MAX ? s_dec_b : FLT_MAX;
     return amx_e4m3_from_float(s_dec_b);
 }
 
+/* ModelOpt's final step (_cast_per_block_scale_to_fp8): clamp to [2^-9, 448], E4M3. */
+AMX_HD uint8_t amx_modelopt_fp8_cast(float p)
+{
+    if (!(p >= 0.001953125f))
+        p = 0.001953125f; /* 2^-9, the smallest E4M3 subnormal */
+    if (p > AMX_E4M3_MAX)
+        p = AMX_E4M3_MAX;
+    return amx_e4m3_from_float(p);
+}
+
 /*
- * ModelOpt: with wsf2 = global_amax / 2688, per_block = block_amax /
- * (6 * wsf2); a zero result becomes 1.0; then clamped to [2^-9, 448] and
- * cast to E4M3. A zero global_amax (all blocks zero) gives 1.0 for every
- * block instead of ModelOpt's 0/0.
+ * ModelOpt dynamic path (NVFP4QTensor.get_weights_scaling_factor): with
+ * wsf2 = global_amax / 2688, per_block = block_amax / (6 * wsf2); a zero
+ * result becomes 1.0; clamped to [2^-9, 448] and cast to E4M3. ModelOpt
+ * computes 0/0 = NaN for a zero block when wsf2 is 0 (global amax 0, or so
+ * small that g/2688 underflows); amaxd answers 1.0 there, as for any zero
+ * block.
  */
 AMX_HD uint8_t amx_nvfp4_block_modelopt(float block_amax, float global_amax)
 {
-    float per_block = 1.0f;
-    if (global_amax > 0.0f) {
-        float wsf2 = global_amax / AMX_NVFP4_GLOBAL;
-        per_block = block_amax / (AMX_E2M1_MAX * wsf2);
-        if (per_block == 0.0f)
-            per_block = 1.0f;
+    float wsf2 = global_amax / AMX_NVFP4_GLOBAL;
+    float per_block = block_amax / (AMX_E2M1_MAX * wsf2);
+    if (per_block == 0.0f || amx_isnan(per_block))
+        per_block = 1.0f;
+    return amx_modelopt_fp8_cast(per_block);
+}
+
+/*
+ * ModelOpt static path (get_weights_scaling_factor_from_quantizer with a
+ * global_amax): per_block = block_amax / 6, a zero becomes 1.0, then
+ * per_block * 448 / (global_amax / 6), clamped to [2^-9, 448], E4M3. A
+ * zero global amax gives inf, clamped to 448: never NaN (per_block > 0).
+ */
+AMX_HD uint8_t amx_nvfp4_block_modelopt_static(float block_amax, float global_amax)
+{
+    float max_scale = global_amax / AMX_E2M1_MAX;
+    float per_block = block_amax / AMX_E2M1_MAX;
+    if (per_block == 0.0f)
+        per_block = 1.0f;
+    return amx_modelopt_fp8_cast(per_block * AMX_E4M3_MAX / max_scale);
+}
+
+/* The E4M3 block byte of an NVFP4 cell under convention `conv`. */
+AMX_HD uint8_t amx_nvfp4_block(int conv, float block_amax, float global_amax, float s_enc)
+{
+    switch (conv) {
+    case AMX_NVFP4_MODELOPT:
+        return amx_nvfp4_block_modelopt(block_amax, global_amax);
+    case AMX_NVFP4_MODELOPT_STATIC:
+        return amx_nvfp4_block_modelopt_static(block_amax, global_amax);
+    case AMX_NVFP4_TE_LEGACY:
+        return amx_nvfp4_block_te_legacy(block_amax, s_enc);
+    default:
+        return amx_nvfp4_block_te(block_amax, s_enc);
     }
-    if (!(per_block >= 0.001953125f))
-        per_block = 0.001953125f; /* 2^-9, the smallest E4M3 subnormal */
-    if (per_block > AMX_E4M3_MAX)
-        per_block = AMX_E4M3_MAX;
-    return amx_e4m3_from_float(per_block);
+}
+
+/*
+ * NVFP4 global dequantization factor: TE's dequantize kernel
+ * (cast/nvfp4/dequantize_nvfp4.cuh) multiplies by amax * float(1/2688);
+ * ModelOpt's export writes weight_scale_2 = amax / 2688.
+ */
+AMX_HD float amx_nvfp4_global_decode(int output, float global_amax)
+{
+    return output == AMX_OUT_MODELOPT ? global_amax / AMX_NVFP4_GLOBAL : global_amax * AMX_RCP_2688;
+}
+
+/*
+ * ModelOpt's FP8 export scale (quant_utils.get_scaling_factor): export_amax
+ * (0 -> maxbound, then clamped to [FLT_MIN, FLT_MAX]) / maxbound.
+ */
+AMX_HD float amx_fp8_scale_inv_modelopt(float amax, float fp8_max)
+{
+    float a = amax == 0.0f ? fp8_max : amax;
+    a = a < FLT_MIN ? FLT_MIN : a;
+    a = a > FLT_MAX ? FLT_MAX : a;
+    return a / fp8_max;
 }
 
 /*
@@ -251,16 +343,37 @@ AMX_HD uint8_t amx_mxfp8_e8m0(float amax)
     return amx_e8m0_from_float(amax * (float)(1.0 / 448.0));
 }
 
-/* MXFP8 encode scale from the E8M0 exponent (TE exp2f_rcp): 2^(127-e), 1 for e=0. */
-AMX_HD float amx_e8m0_encode(uint8_t e)
+/*
+ * MXFP8 encode scale from the E8M0 exponent: 2^(127-e). TE (util/ptx.cuh
+ * exp2f_rcp) answers 1 for e = 0; OCP MX (`ocp`) 2^127. e = 254 gives 0.0
+ * in TE (the bit pattern 0) and 2^-127 in OCP.
+ */
+AMX_HD float amx_e8m0_encode_conv(int conv, uint8_t e)
 {
+    if (conv == AMX_MX_OCP)
+        return e == 254 ? amx_u2f(0x00400000u) : amx_u2f((uint32_t)(254u - e) << 23);
     return e == 0 ? 1.0f : amx_u2f((uint32_t)(254u - e) << 23);
 }
 
-/* MXFP8 decode scale 2^(e-127) as TE builds it (e=0 reads as 0.0: all-zero block). */
+/*
+ * MXFP8 decode scale 2^(e-127): TE (util/ptx.cuh exp2f, the bit pattern
+ * e << 23) reads e = 0 as 0.0; OCP MX as 2^-127.
+ */
+AMX_HD float amx_e8m0_decode_conv(int conv, uint8_t e)
+{
+    if (conv == AMX_MX_OCP && e == 0)
+        return amx_u2f(0x00400000u);
+    return amx_u2f((uint32_t)e << 23);
+}
+
+AMX_HD float amx_e8m0_encode(uint8_t e)
+{
+    return amx_e8m0_encode_conv(AMX_MX_TE, e);
+}
+
 AMX_HD float amx_e8m0_decode(uint8_t e)
 {
-    return amx_u2f((uint32_t)e << 23);
+    return amx_e8m0_decode_conv(AMX_MX_TE, e);
 }
 
 #endif

@@ -180,6 +180,9 @@ static void recipe_in(const Amaxd__V1__Recipe *r, amx_recipe_in_t *out)
     out->eps = r->eps;
     out->power_of_2 = r->power_of_2;
     out->nvfp4_convention = r->nvfp4_convention;
+    out->output_convention = r->output_convention;
+    out->history_convention = r->history_convention;
+    out->mxfp8_convention = r->mxfp8_convention;
 }
 
 static void h_register(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
@@ -433,6 +436,9 @@ static void h_list(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         rc->eps = s->recipe.eps;
         rc->power_of_2 = s->recipe.power_of_2;
         rc->nvfp4_convention = s->recipe.nvfp4_convention;
+        rc->output_convention = s->recipe.output_convention;
+        rc->history_convention = s->recipe.history_convention;
+        rc->mxfp8_convention = s->recipe.mxfp8_convention;
         info->recipe = rc;
         info->accumulation = s->accumulation;
         info->peer_group = s->peer_group;

@@ -508,9 +508,9 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         g = g > 0.0f ? g : 0.0f;
         gamax[qi] = g;
         amx_pp_global(&q->recipe, g, &h->prev_g[qi], &st->g_scale[back][qi], &st->g_inv[back][qi]);
-        float s_enc = st->g_scale[back][qi], s_dec = st->g_inv[back][qi];
+        float s_enc = st->g_scale[back][qi];
         for (uint64_t i = q->base; i < q->base + q->ncells; i++)
-            amx_pp_cell(&q->recipe, out_amax[i], g, s_enc, s_dec, &h->prev[i], &h->o_scale[back][i],
+            amx_pp_cell(&q->recipe, out_amax[i], g, s_enc, &h->prev[i], &h->o_scale[back][i],
                         &h->o_inv[back][i], &h->o_bytes[back][i]);
     }
     fill(h->pend[fl] + AMX_HDR_CELLS, h->pend_n[fl], -INFINITY);

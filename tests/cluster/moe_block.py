@@ -58,7 +58,7 @@ Quantizers and what each exercises
       amax (held by expert 3) must be reduced over TP and EP.
   mlp.experts.fc2.weight         NVFP4 [E, H, F/16], EP dim 0, TP dim 2;
       global amax held by token-less expert 6.
-  mlp.experts.fc1.input          FP8 E4M3 delayed, PER_EPOCH, history 2
+  mlp.experts.fc1.input          FP8 E4M3 delayed, PER_EPOCH, history 2 (TE unfused rule)
       (max), [E] per expert, no peer group: experts 6/7 stay missing with
       scale 1 (expert 0 too in epoch 1), expert 2 falls out of the window in
       epoch 3 and keeps its previous scale; the 2-slot ring wraps.
@@ -170,7 +170,7 @@ SPECS = [
          "replicated", PER_EPOCH),
     Spec(L + "mlp.experts.fc1.weight_quantizer", (E, F, H // 16), NVFP4_TE, "expert_column"),
     Spec(L + "mlp.experts.fc2.weight_quantizer", (E, H, F // 16), NVFP4_TE, "expert_row"),
-    Spec(L + "mlp.experts.fc1.input_quantizer", (E,), amaxd.Recipe.fp8_delayed(history_len=2),
+    Spec(L + "mlp.experts.fc1.input_quantizer", (E,), amaxd.Recipe.fp8_delayed(history_len=2, history="te_unfused"),
          "expert", PER_EPOCH),
     Spec(L + "mlp.experts.fc2.input_quantizer", (E,), amaxd.Recipe.fp8_current(amaxd.FP8_E5M2),
          "expert", peer_group=FC2_INPUT_PEERS),
@@ -447,10 +447,7 @@ def _scales(spec, amax, g, prev, prev_g):
     here from reference.py's pieces, following the NUMERICS.md table."""
     r = spec.recipe
     if r.format == amaxd.NVFP4 and r.nvfp4_convention == pb.MODELOPT:
-        s_enc = ref.nvfp4_global(g)
-        b = ref.nvfp4_modelopt(amax, g)
-        dec = ref.e4m3_value(b)
-        return ref.nvfp4_block_encode(dec, s_enc), dec, b, s_enc, np.float32(1) / s_enc, prev, prev_g
+        return (*ref.scales("nvfp4", amax, g, nvfp4="modelopt"), prev, prev_g)
     if r.format == amaxd.NVFP4:
         return (*ref.scales("nvfp4", amax, g), prev, prev_g)
     if r.format == amaxd.MXFP8:
@@ -481,9 +478,13 @@ def _history():
         acc = {}
         for s in SPECS:
             if s.accumulation == PER_EPOCH:
-                window[s.name] = (window[s.name] + [raw[s.name]])[-max(s.recipe.history_len, 1):]
-                hist = window[s.name]
-                acc[s.name] = hist[-1] if s.recipe.history_reduce == pb.MOST_RECENT else np.max(hist, axis=0)
+                # The spec's history convention (reference.delayed_history).
+                window[s.name].append(np.where(np.isinf(raw[s.name]), np.nan, raw[s.name]))
+                reduce = "most_recent" if s.recipe.history_reduce == pb.MOST_RECENT else "max"
+                conv = ("te_unfused" if s.recipe.history_convention == pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED
+                        else "te")
+                acc[s.name] = ref.delayed_history(window[s.name], max(s.recipe.history_len, 1),
+                                                  reduce, conv)[-1]
             else:
                 running[s.name] = np.maximum(running[s.name], raw[s.name])
                 acc[s.name] = running[s.name]

@@ -60,6 +60,32 @@ def fp8_delayed(amax, prev, fp8_max=448.0, margin=0.0):
     return np.where(np.isinf(s), FLT_MAX, s).astype(np.float32)
 
 
+def delayed_history(epochs, history_len, reduce="max", conv="te"):
+    """The raw amax (-inf = no data) of each epoch of a delayed-scaling cell
+    tensor, `epochs` a list of arrays (nan = no data). conv "te": TE's fused
+    update (common/recipe/delayed_scaling.cu kernel_bulk) rolls the history
+    only when the epoch's amax is non-zero, and a zero epoch's amax is 0;
+    "te_unfused" (its per-tensor `kernel`): the window is the last H epochs."""
+    out = []
+    shape = np.shape(epochs[0])
+    windows = [[] for _ in range(int(np.prod(shape, dtype=np.int64)))]
+    for k, ep in enumerate(epochs):
+        v = np.where(np.isnan(ep), -np.inf, ep).astype(np.float32).reshape(-1)
+        raw = np.empty_like(v)
+        for i, x in enumerate(v):
+            if conv == "te_unfused":
+                win = [np.float32(e.reshape(-1)[i]) for e in epochs[max(0, k + 1 - history_len):k + 1]]
+                win = [-np.inf if np.isnan(w) else w for w in win]
+                raw[i] = win[-1] if reduce == "most_recent" else max(win)
+            elif x > 0:
+                windows[i] = (windows[i] + [x])[-history_len:]
+                raw[i] = x if reduce == "most_recent" else max(windows[i])
+            else:
+                raw[i] = x
+        out.append(raw.reshape(shape))
+    return out
+
+
 def nvfp4_global(g):
     g = f32(g)
     with np.errstate(divide="ignore", over="ignore"):
@@ -68,21 +94,73 @@ def nvfp4_global(g):
     return np.where((g == 0) | (s == 0), F32(1.0), s).astype(np.float32)
 
 
+# TransformerEngine main, transformer_engine/common/cast/nvfp4/core_nvfp4.cuh,
+# compute_decoding_scaling_factor: block_amax * (S_enc * fp4_max_inv) with the
+# constexpr float fp4_max_inv = 1.0f / 6.0f, clamped to FLT_MAX, cast to E4M3.
+RCP_6 = F32(1.0) / F32(6.0)
+# TE dequantize_nvfp4.cuh: constexpr float factor_inv = 1.0 / (6.0 * 448.0).
+RCP_2688 = F32(1.0 / (6.0 * 448.0))
+
+
 def nvfp4_te(block_amax, s_enc):
+    with np.errstate(over="ignore"):
+        v = f32(block_amax) * (f32(s_enc) * RCP_6)
+    return e4m3_bits(np.minimum(v, FLT_MAX))
+
+
+def nvfp4_te_legacy(block_amax, s_enc):
+    """TE <= 2.13, the same function: block_amax / fp4_max * S_enc."""
     with np.errstate(over="ignore"):
         v = f32(block_amax) / F32(6.0) * f32(s_enc)
     return e4m3_bits(np.minimum(v, FLT_MAX))
 
 
+def _modelopt_cast(p):
+    """ModelOpt 0.47 qtensor/nvfp4_tensor.py _cast_per_block_scale_to_fp8:
+    clamp(min=2**-9, max=448) then .to(float8_e4m3fn). NaN (0/0) is amaxd's
+    documented 1.0, not ModelOpt's."""
+    p = np.where(np.isnan(p), F32(1.0), p)
+    return e4m3_bits(np.clip(p, F32(2.0 ** -9), F32(448.0)).astype(np.float32))
+
+
 def nvfp4_modelopt(block_amax, g):
+    """ModelOpt 0.47 NVFP4QTensor.get_weights_scaling_factor (dynamic path):
+    wsf2 = amax / (6 * 448); per_block_amax / (6 * wsf2); == 0 -> 1.0."""
     b, g = f32(block_amax), f32(g)
     with np.errstate(divide="ignore", invalid="ignore"):
-        wsf2 = g / F32(2688.0)
+        wsf2 = g / F32(6.0 * 448.0)
         pb = b / (F32(6.0) * wsf2)
     pb = np.where(pb == 0, F32(1.0), pb)
-    pb = np.where(g > 0, pb, F32(1.0))
-    pb = np.clip(pb, F32(2.0 ** -9), F32(448.0)).astype(np.float32)
-    return e4m3_bits(pb)
+    return _modelopt_cast(pb)
+
+
+def nvfp4_modelopt_static(block_amax, g):
+    """ModelOpt 0.47 NVFP4QTensor.get_weights_scaling_factor_from_quantizer,
+    static path: per_block_scale_max = global_amax / 6; per_block_scale =
+    per_block_amax / 6, == 0 -> 1.0; per_block_scale * 448 / per_block_scale_max."""
+    b, g = f32(block_amax), f32(g)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        mx = g / F32(6.0)
+        pb = b / F32(6.0)
+        pb = np.where(pb == 0, F32(1.0), pb).astype(np.float32)
+        v = (pb * F32(448.0)) / mx
+    return _modelopt_cast(v.astype(np.float32))
+
+
+def nvfp4_global_inv(g, output="te"):
+    """TE: amax * factor_inv (dequantize_nvfp4.cuh); ModelOpt:
+    weight_scale_2 = amax / (6 * 448) (get_weights_scaling_factor_2)."""
+    g = f32(g)
+    return (g / F32(2688.0) if output == "modelopt" else g * RCP_2688).astype(np.float32)
+
+
+def fp8_inv_modelopt(amax, fp8_max=448.0):
+    """ModelOpt 0.47 export: get_scaling_factor = export_amax() / maxbound,
+    export_amax replacing 0 by maxbound and clamping to [tiny, max]."""
+    a = f32(amax)
+    a = np.where(a == 0, F32(fp8_max), a)
+    a = np.clip(a, np.finfo(np.float32).tiny, FLT_MAX).astype(np.float32)
+    return (a / F32(fp8_max)).astype(np.float32)
 
 
 def nvfp4_block_encode(s_dec_b, s_enc):
@@ -95,16 +173,31 @@ def mxfp8(amax):
     return e8m0(f32(amax) * F32(1.0 / 448.0))
 
 
-def e8m0_encode(e):
-    e = np.asarray(e, dtype=np.uint32)
-    return np.where(e == 0, F32(1.0), ((254 - e) << 23).astype(np.uint32).view(np.float32)).astype(np.float32)
+def e8m0_encode(e, conv="te"):
+    """2^(127-e). TE util/ptx.cuh exp2f_rcp: e == 0 -> 1; OCP: 2^127."""
+    e = np.asarray(e, dtype=np.int64)
+    p = np.power(np.float64(2.0), (127 - e).astype(np.float64)).astype(np.float32)
+    if conv == "ocp":
+        return p
+    return np.where(e == 0, F32(1.0), np.where(e == 254, F32(0.0), p)).astype(np.float32)
 
 
-def e8m0_decode(e):
-    return (np.asarray(e, dtype=np.uint32) << 23).astype(np.uint32).view(np.float32)
+def e8m0_decode(e, conv="te"):
+    """2^(e-127). TE util/ptx.cuh exp2f: the bit pattern e << 23 (0.0 for
+    e == 0); OCP: 2^-127."""
+    e = np.asarray(e, dtype=np.int64)
+    p = np.power(np.float64(2.0), (e - 127).astype(np.float64)).astype(np.float32)
+    if conv == "ocp":
+        return p
+    return np.where(e == 0, F32(0.0), p).astype(np.float32)
 
 
-def scales(fmt, amax, g, rule="current"):
+NVFP4_BLOCK = {"te": lambda a, g, s: nvfp4_te(a, s), "te_legacy": lambda a, g, s: nvfp4_te_legacy(a, s),
+               "modelopt": lambda a, g, s: nvfp4_modelopt(a, g),
+               "modelopt_static": lambda a, g, s: nvfp4_modelopt_static(a, g)}
+
+
+def scales(fmt, amax, g, rule="current", nvfp4="te", output="te", mxfp8_conv="te"):
     """(scale, scale_inv, block_bytes, global_scale, global_scale_inv) for
     reconciled amax cells `amax` and (group) global amax `g`, first epoch."""
     amax, g = f32(amax), F32(g)
@@ -114,14 +207,17 @@ def scales(fmt, amax, g, rule="current"):
             s, gs = fp8_delayed(amax, 1.0, m), fp8_delayed(g, 1.0, m)
         else:
             s, gs = fp8_current(amax, m), fp8_current(g, m)
+        if output == "modelopt":
+            return s, fp8_inv_modelopt(amax, m), np.zeros(amax.shape, np.uint8), gs, fp8_inv_modelopt(g, m)
         return s, F32(1.0) / s, np.zeros(amax.shape, np.uint8), gs, F32(1.0) / gs
     if fmt == "nvfp4":
         s_enc = nvfp4_global(g)
-        b = nvfp4_te(amax, s_enc)
+        b = NVFP4_BLOCK[nvfp4](amax, g, s_enc)
         dec = e4m3_value(b)
-        return nvfp4_block_encode(dec, s_enc), dec, b, s_enc, F32(1.0) / s_enc
+        return nvfp4_block_encode(dec, s_enc), dec, b, s_enc, nvfp4_global_inv(g, output)
     if fmt == "mxfp8":
         e = mxfp8(amax)
         ge = mxfp8(g)
-        return e8m0_encode(e), e8m0_decode(e), e, e8m0_encode(ge), e8m0_decode(ge)
+        return (e8m0_encode(e, mxfp8_conv), e8m0_decode(e, mxfp8_conv), e,
+                e8m0_encode(ge, mxfp8_conv), e8m0_decode(ge, mxfp8_conv))
     raise ValueError(fmt)

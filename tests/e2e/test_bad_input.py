@@ -101,6 +101,35 @@ CASES = [
     ("recipe-field-mismatch", "RegisterQuantizers",
      pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.MXFP8, margin=1))]),
      C.INVALID_ARGUMENT, "margin applies"),
+    ("nvfp4-convention-unknown", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.NVFP4, nvfp4_convention=9))]),
+     C.INVALID_ARGUMENT, "quantizer 'p': recipe.nvfp4_convention 9 is unknown (use TRANSFORMER_ENGINE, MODELOPT, "
+                         "TRANSFORMER_ENGINE_LEGACY or MODELOPT_STATIC)"),
+    ("output-convention-unknown", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.NVFP4, output_convention=3))]),
+     C.INVALID_ARGUMENT, "quantizer 'p': recipe.output_convention 3 is unknown"),
+    ("output-modelopt-delayed", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(
+         format=pb.FP8_E4M3, rule=pb.DELAYED, output_convention=pb.OUTPUT_MODELOPT))]),
+     C.INVALID_ARGUMENT, "OUTPUT_MODELOPT applies to NVFP4 and FP8 CURRENT scaling only (ModelOpt has no delayed scaling)"),
+    ("output-modelopt-mxfp8", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(
+         format=pb.MXFP8, output_convention=pb.OUTPUT_MODELOPT))]),
+     C.INVALID_ARGUMENT, "(ModelOpt has no MXFP8 export factors)"),
+    ("history-convention-unknown", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(
+         format=pb.FP8_E4M3, rule=pb.DELAYED, history_convention=7))]),
+     C.INVALID_ARGUMENT, "recipe.history_convention 7 is unknown"),
+    ("history-convention-current", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(
+         format=pb.FP8_E4M3, history_convention=pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED))]),
+     C.INVALID_ARGUMENT, "recipe.history_convention applies to FP8 DELAYED scaling only"),
+    ("mxfp8-convention-unknown", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.MXFP8, mxfp8_convention=5))]),
+     C.INVALID_ARGUMENT, "recipe.mxfp8_convention 5 is unknown (use MXFP8_TRANSFORMER_ENGINE or MXFP8_OCP)"),
+    ("mxfp8-convention-on-nvfp4", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.NVFP4, mxfp8_convention=pb.MXFP8_OCP))]),
+     C.INVALID_ARGUMENT, "recipe.mxfp8_convention applies to MXFP8 only"),
     ("join-world-zero", "Join", pb.JoinRequest(job="x", rank=0, world_size=0), C.INVALID_ARGUMENT, "world_size 0"),
     ("join-world-conflict", "Join", pb.JoinRequest(job="bad", rank=0, world_size=3), C.FAILED_PRECONDITION, "world size 1, not 3"),
     ("join-rank-range", "Join", pb.JoinRequest(job="x", rank=2, world_size=2), C.INVALID_ARGUMENT, "rank 2 is out of range"),
@@ -195,3 +224,13 @@ def test_send_before_job_ready(start_daemon):
     # The rank that gave up no longer counts: the job is gone.
     code, _ = call(d, "Status", pb.StatusRequest(job="half"))
     assert code == C.NOT_FOUND
+
+
+def test_unknown_convention_names_in_the_client():
+    """The Python client refuses a convention name it does not know, naming the choices."""
+    with pytest.raises(ValueError, match="unknown NVFP4 convention 'trt': use one of"):
+        amaxd.Recipe.nvfp4("trt")
+    with pytest.raises(ValueError, match=r"\['ocp', 'te'\]"):
+        amaxd.Recipe.mxfp8("ieee")
+    with pytest.raises(ValueError, match="unknown history convention"):
+        amaxd.Recipe.fp8_delayed(history="legacy")

@@ -12,8 +12,18 @@ from amaxd import pb
 from amaxd import placement as P
 
 SHAPE = (4, 8)  # e.g. NVFP4 16x16 tiles of a 64 x 128 weight, or 1x16 blocks of a 4 x 128 one
+# Every convention of docs/NUMERICS.md; the expected values come from
+# reference.py, written from the peers' sources (TE main, ModelOpt 0.47).
 RECIPES = {
     "fp8_current": (amaxd.Recipe.fp8_current(), amaxd.RUNNING_MAX),
+    "fp8_current_modelopt_out": (amaxd.Recipe.fp8_current(output="modelopt"), amaxd.RUNNING_MAX),
+    "fp8_delayed_h3_unfused": (amaxd.Recipe.fp8_delayed(history_len=3, history="te_unfused"),
+                               amaxd.PER_EPOCH),
+    "nvfp4_te_legacy": (amaxd.Recipe.nvfp4("te_legacy"), amaxd.RUNNING_MAX),
+    "nvfp4_modelopt_static": (amaxd.Recipe.nvfp4("modelopt_static", output="modelopt"),
+                              amaxd.RUNNING_MAX),
+    "nvfp4_te_modelopt_out": (amaxd.Recipe.nvfp4(output="modelopt"), amaxd.PER_EPOCH),
+    "mxfp8_ocp": (amaxd.Recipe.mxfp8("ocp"), amaxd.RUNNING_MAX),
     "fp8_current_e5m2_pow2": (amaxd.Recipe.fp8_current(amaxd.FP8_E5M2, eps=1e-3, power_of_2=True),
                               amaxd.RUNNING_MAX),
     "fp8_delayed_h3": (amaxd.Recipe.fp8_delayed(margin=1, history_len=3), amaxd.PER_EPOCH),
@@ -44,11 +54,9 @@ def expected(name, history):
     if acc == amaxd.RUNNING_MAX:
         raw = np.nanmax(np.where(np.isnan(stack), -np.inf, stack), axis=0)
     else:
-        window = stack[-max(recipe.history_len, 1):]
-        if recipe.history_reduce == pb.MOST_RECENT:
-            raw = np.where(np.isnan(window[-1]), -np.inf, window[-1])
-        else:
-            raw = np.max(np.where(np.isnan(window), -np.inf, window), axis=0)
+        conv = "te_unfused" if recipe.history_convention == pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED else "te"
+        reduce = "most_recent" if recipe.history_reduce == pb.MOST_RECENT else "max"
+        raw = ref.delayed_history(list(stack), max(recipe.history_len, 1), reduce, conv)[-1]
     amax = np.where(np.isinf(raw), 0, raw).astype(np.float32)
     g = np.float32(amax.max())
     return raw, amax, g
@@ -92,13 +100,16 @@ def test_all_recipes_over_epochs(daemon):
                 s = ref.fp8_current(amax, m, recipe.power_of_2, recipe.eps)
                 gs = ref.fp8_current(g, m, recipe.power_of_2, recipe.eps)
                 b, si, gsi = np.zeros(SHAPE, np.uint8), np.float32(1) / s, np.float32(1) / gs
+                if recipe.output_convention == pb.OUTPUT_MODELOPT:
+                    si, gsi = ref.fp8_inv_modelopt(amax, m), ref.fp8_inv_modelopt(g, m)
             elif recipe.format == amaxd.NVFP4:
-                gs = ref.nvfp4_global(g)
-                b = ref.nvfp4_modelopt(amax, g) if recipe.nvfp4_convention == pb.MODELOPT else ref.nvfp4_te(amax, gs)
-                si = ref.e4m3_value(b)
-                s, gsi = ref.nvfp4_block_encode(si, gs), np.float32(1) / gs
+                conv = {pb.MODELOPT: "modelopt", pb.TRANSFORMER_ENGINE_LEGACY: "te_legacy",
+                        pb.MODELOPT_STATIC: "modelopt_static"}.get(recipe.nvfp4_convention, "te")
+                out = "modelopt" if recipe.output_convention == pb.OUTPUT_MODELOPT else "te"
+                s, si, b, gs, gsi = ref.scales("nvfp4", amax, g, nvfp4=conv, output=out)
             else:
-                s, si, b, gs, gsi = ref.scales("mxfp8", amax, g)
+                conv = "ocp" if recipe.mxfp8_convention == pb.MXFP8_OCP else "te"
+                s, si, b, gs, gsi = ref.scales("mxfp8", amax, g, mxfp8_conv=conv)
             assert got.block_scales.tobytes() == np.asarray(b, np.uint8).tobytes(), f"epoch {e} {n} bytes"
             assert got.scale.tobytes() == np.asarray(s, np.float32).tobytes(), f"epoch {e} {n} scale"
             assert got.scale_inv.tobytes() == np.asarray(si, np.float32).tobytes(), f"epoch {e} {n} scale_inv"

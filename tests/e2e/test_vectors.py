@@ -40,6 +40,15 @@ EVAL = {
     "nvfp4_global": lambda x, p: bits(ref.nvfp4_global(x)),
     "nvfp4_te": lambda x, p: int(ref.nvfp4_te(x, p)),
     "nvfp4_modelopt": lambda x, p: int(ref.nvfp4_modelopt(x, p)),
+    "nvfp4_te_legacy": lambda x, p: int(ref.nvfp4_te_legacy(x, p)),
+    "nvfp4_modelopt_static": lambda x, p: int(ref.nvfp4_modelopt_static(x, p)),
+    "nvfp4_gsi_te": lambda x, p: bits(ref.nvfp4_global_inv(x, "te")),
+    "nvfp4_gsi_modelopt": lambda x, p: bits(ref.nvfp4_global_inv(x, "modelopt")),
+    "fp8_inv_modelopt": lambda x, p: bits(ref.fp8_inv_modelopt(x)),
+    "e8m0_enc_te": lambda x, p: bits(ref.e8m0_encode(bits(x), "te")),
+    "e8m0_dec_te": lambda x, p: bits(ref.e8m0_decode(bits(x), "te")),
+    "e8m0_enc_ocp": lambda x, p: bits(ref.e8m0_encode(bits(x), "ocp")),
+    "e8m0_dec_ocp": lambda x, p: bits(ref.e8m0_decode(bits(x), "ocp")),
     "mxfp8": lambda x, p: int(ref.mxfp8(x)),
 }
 

@@ -21,7 +21,28 @@
 #include "postproc.h"
 #include "state.h"
 
-enum { K_E4M3, K_E8M0, K_CUR, K_CUR_P2, K_CUR_E5, K_DEL, K_DEL_M1, K_NVG, K_NVTE, K_NVMO, K_MX };
+enum {
+    K_E4M3,
+    K_E8M0,
+    K_CUR,
+    K_CUR_P2,
+    K_CUR_E5,
+    K_DEL,
+    K_DEL_M1,
+    K_NVG,
+    K_NVTE,
+    K_NVMO,
+    K_MX,
+    K_NVTE_LEG,
+    K_NVMO_ST,
+    K_GSI_TE,
+    K_GSI_MO,
+    K_INV_MO,
+    K_ENC_TE,
+    K_DEC_TE,
+    K_ENC_OCP,
+    K_DEC_OCP
+};
 static const char *kinds[] = {"e4m3",
                               "e8m0",
                               "fp8_current",
@@ -32,7 +53,16 @@ static const char *kinds[] = {"e4m3",
                               "nvfp4_global",
                               "nvfp4_te",
                               "nvfp4_modelopt",
-                              "mxfp8"};
+                              "mxfp8",
+                              "nvfp4_te_legacy",
+                              "nvfp4_modelopt_static",
+                              "nvfp4_gsi_te",
+                              "nvfp4_gsi_modelopt",
+                              "fp8_inv_modelopt",
+                              "e8m0_enc_te",
+                              "e8m0_dec_te",
+                              "e8m0_enc_ocp",
+                              "e8m0_dec_ocp"};
 
 __global__ void k_vectors(const int *kind, const float *x, const float *p, uint32_t *out, int n,
                           float scaled_max_m1)
@@ -75,6 +105,33 @@ __global__ void k_vectors(const int *kind, const float *x, const float *p, uint3
         break;
     case K_MX:
         r = amx_mxfp8_e8m0(a);
+        break;
+    case K_NVTE_LEG:
+        r = amx_nvfp4_block_te_legacy(a, q);
+        break;
+    case K_NVMO_ST:
+        r = amx_nvfp4_block_modelopt_static(a, q);
+        break;
+    case K_GSI_TE:
+        r = amx_f2u(amx_nvfp4_global_decode(AMX_OUT_TE, a));
+        break;
+    case K_GSI_MO:
+        r = amx_f2u(amx_nvfp4_global_decode(AMX_OUT_MODELOPT, a));
+        break;
+    case K_INV_MO:
+        r = amx_f2u(amx_fp8_scale_inv_modelopt(a, AMX_E4M3_MAX));
+        break;
+    case K_ENC_TE:
+        r = amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE, (uint8_t)amx_f2u(a)));
+        break;
+    case K_DEC_TE:
+        r = amx_f2u(amx_e8m0_decode_conv(AMX_MX_TE, (uint8_t)amx_f2u(a)));
+        break;
+    case K_ENC_OCP:
+        r = amx_f2u(amx_e8m0_encode_conv(AMX_MX_OCP, (uint8_t)amx_f2u(a)));
+        break;
+    case K_DEC_OCP:
+        r = amx_f2u(amx_e8m0_decode_conv(AMX_MX_OCP, (uint8_t)amx_f2u(a)));
         break;
     }
     out[i] = r;
@@ -336,6 +393,12 @@ static void init_recipe(amx_recipe_t *r)
     r->history_len = r->history_len ? r->history_len : 1;
     r->history_reduce = r->history_reduce ? r->history_reduce : AMX_HIST_MAX;
     r->scaled_max = r->format <= 2 ? amx_fp8_max(r->format) * powf(2.0f, -r->margin) : 0.0f;
+    /* Defaults as the catalog resolves them (catalog.c normalize_recipe). */
+    r->output_convention = r->output_convention ? r->output_convention : AMX_OUT_TE;
+    if (r->rule == AMX_RULE_DELAYED && r->history_convention == 0)
+        r->history_convention = AMX_HISTCONV_TE;
+    if (r->format == AMX_FMT_MXFP8 && r->mxfp8_convention == 0)
+        r->mxfp8_convention = AMX_MX_TE;
 }
 
 /* Appends quantizer i of `ncells` cells with recipe r to q. */
@@ -356,11 +419,13 @@ static void add_q(amx_qdesc_t *q, uint32_t i, const amx_recipe_t *r, uint64_t n,
     *ncells += n;
 }
 
-/* The 8-recipe catalog: the delayed quantizers see nothing in epoch 4,
- * quantizer 0 is reset in epoch 3. */
+/* The recipe catalog: the delayed quantizers see nothing in epoch 4 (and
+ * two of them in epoch 5 too, so that TE's history rule keeps the window
+ * over two empty epochs), quantizer 0 is reset in epoch 3. */
 static int silent8(uint32_t i, int epoch)
 {
-    return epoch == 4 && (i == 2 || i == 3);
+    return (epoch == 4 && (i == 2 || i == 3 || i == 8 || i == 14 || i == 15)) ||
+           (epoch == 5 && (i == 8 || i == 15));
 }
 
 static int reset8(uint32_t i, int epoch)
@@ -387,8 +452,9 @@ int main(int argc, char **argv)
     uint64_t per = argc > 2 ? strtoull(argv[2], NULL, 10) : 10000000ull;
     int bad = run_vectors(vec);
 
-    /* One quantizer per recipe. */
-    amx_recipe_t rec[8];
+    /* One quantizer per recipe and convention. */
+    enum { NREC = 16 };
+    amx_recipe_t rec[NREC];
     memset(rec, 0, sizeof(rec));
     rec[0].format = AMX_FMT_FP8_E4M3, rec[0].rule = AMX_RULE_CURRENT;
     rec[1].format = AMX_FMT_FP8_E5M2, rec[1].rule = AMX_RULE_CURRENT, rec[1].power_of_2 = 1,
@@ -402,30 +468,55 @@ int main(int argc, char **argv)
     rec[6].format = AMX_FMT_MXFP8;
     rec[7].format = AMX_FMT_FP8_E5M2, rec[7].rule = AMX_RULE_DELAYED, rec[7].history_len = 2,
     rec[7].history_reduce = AMX_HIST_MAX;
-    const char *names[8] = {"fp8-e4m3-current",
-                            "fp8-e5m2-current-pow2-eps",
-                            "fp8-delayed-H4-m1",
-                            "fp8-delayed-most-recent",
-                            "nvfp4-te",
-                            "nvfp4-modelopt",
-                            "mxfp8",
-                            "fp8-e5m2-delayed-H2"};
-    for (int i = 0; i < 8; i++)
+    /* The conventions of docs/NUMERICS.md beyond the defaults above. */
+    rec[8].format = AMX_FMT_FP8_E4M3, rec[8].rule = AMX_RULE_DELAYED, rec[8].history_len = 4,
+    rec[8].history_reduce = AMX_HIST_MAX, rec[8].history_convention = AMX_HISTCONV_TE_UNFUSED;
+    rec[9].format = AMX_FMT_NVFP4, rec[9].nvfp4_convention = AMX_NVFP4_TE_LEGACY;
+    rec[10].format = AMX_FMT_NVFP4, rec[10].nvfp4_convention = AMX_NVFP4_MODELOPT_STATIC,
+    rec[10].output_convention = AMX_OUT_MODELOPT;
+    rec[11].format = AMX_FMT_NVFP4, rec[11].nvfp4_convention = AMX_NVFP4_MODELOPT,
+    rec[11].output_convention = AMX_OUT_MODELOPT;
+    rec[12].format = AMX_FMT_FP8_E4M3, rec[12].rule = AMX_RULE_CURRENT,
+    rec[12].output_convention = AMX_OUT_MODELOPT;
+    rec[13].format = AMX_FMT_MXFP8, rec[13].mxfp8_convention = AMX_MX_OCP;
+    rec[14].format = AMX_FMT_FP8_E4M3, rec[14].rule = AMX_RULE_DELAYED, rec[14].history_len = 3,
+    rec[14].history_reduce = AMX_HIST_MOST_RECENT;
+    rec[15].format = AMX_FMT_FP8_E4M3, rec[15].rule = AMX_RULE_DELAYED, rec[15].history_len = 16,
+    rec[15].history_reduce = AMX_HIST_MAX;
+    const char *names[NREC] = {"fp8-e4m3-current",
+                               "fp8-e5m2-current-pow2-eps",
+                               "fp8-delayed-H4-m1",
+                               "fp8-delayed-most-recent",
+                               "nvfp4-te",
+                               "nvfp4-modelopt",
+                               "mxfp8",
+                               "fp8-e5m2-delayed-H2",
+                               "fp8-delayed-H4-te-unfused",
+                               "nvfp4-te-legacy",
+                               "nvfp4-modelopt-static-out-mo",
+                               "nvfp4-modelopt-out-mo",
+                               "fp8-current-out-modelopt",
+                               "mxfp8-ocp",
+                               "fp8-delayed-H3-most-recent",
+                               "fp8-delayed-H16"};
+    for (int i = 0; i < NREC; i++)
         init_recipe(&rec[i]);
     {
-        uint32_t nq = 8;
-        amx_qdesc_t q[8];
+        uint32_t nq = NREC;
+        amx_qdesc_t q[NREC];
         uint64_t ncells = 0, nhist = 0;
         for (uint32_t i = 0; i < nq; i++)
-            add_q(q, i, &rec[i], per, &ncells, &nhist, (i == 4 || i == 5 || i == 6) ? 0 : -1,
-                  (i == 0 || i == 1)   ? 0
-                  : (i == 2 || i == 3) ? 1
-                                       : -1);
+            add_q(q, i, &rec[i], per, &ncells, &nhist,
+                  (i == 4 || i == 5 || i == 6 || i == 10 || i == 13) ? 0 : -1,
+                  (i == 0 || i == 1 || i == 12) ? 0
+                  : (i == 2 || i == 3)          ? 1
+                  : (i == 9 || i == 11)         ? 2
+                                                : -1);
         pair_t p;
         if (setup(&p, ncells, nhist, nq))
             return 2;
-        plan_t plan = {"8 recipes", 4, silent8, reset8};
-        bad |= run_catalog(&plan, q, nq, ncells, nhist, 1, 2, &p);
+        plan_t plan = {"16 recipes", 6, silent8, reset8};
+        bad |= run_catalog(&plan, q, nq, ncells, nhist, 1, 3, &p);
         for (uint32_t i = 0; i < nq; i++)
             printf("  %-28s global_amax %-14.7g global_scale %-14.7g\n", names[i],
                    p.c->g_amax[p.c->front][i], p.c->g_scale[p.c->front][i]);

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "recipe.h"
+#include "postproc.h"
 
 static float bits(uint32_t u)
 {
@@ -36,6 +36,24 @@ static int eval_row(const char *kind, float x, float p, uint32_t *out)
         *out = amx_nvfp4_block_te(x, p);
     else if (!strcmp(kind, "nvfp4_modelopt"))
         *out = amx_nvfp4_block_modelopt(x, p);
+    else if (!strcmp(kind, "nvfp4_te_legacy"))
+        *out = amx_nvfp4_block_te_legacy(x, p);
+    else if (!strcmp(kind, "nvfp4_modelopt_static"))
+        *out = amx_nvfp4_block_modelopt_static(x, p);
+    else if (!strcmp(kind, "nvfp4_gsi_te"))
+        *out = amx_f2u(amx_nvfp4_global_decode(AMX_OUT_TE, x));
+    else if (!strcmp(kind, "nvfp4_gsi_modelopt"))
+        *out = amx_f2u(amx_nvfp4_global_decode(AMX_OUT_MODELOPT, x));
+    else if (!strcmp(kind, "fp8_inv_modelopt"))
+        *out = amx_f2u(amx_fp8_scale_inv_modelopt(x, AMX_E4M3_MAX));
+    else if (!strcmp(kind, "e8m0_enc_te"))
+        *out = amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE, (uint8_t)amx_f2u(x)));
+    else if (!strcmp(kind, "e8m0_dec_te"))
+        *out = amx_f2u(amx_e8m0_decode_conv(AMX_MX_TE, (uint8_t)amx_f2u(x)));
+    else if (!strcmp(kind, "e8m0_enc_ocp"))
+        *out = amx_f2u(amx_e8m0_encode_conv(AMX_MX_OCP, (uint8_t)amx_f2u(x)));
+    else if (!strcmp(kind, "e8m0_dec_ocp"))
+        *out = amx_f2u(amx_e8m0_decode_conv(AMX_MX_OCP, (uint8_t)amx_f2u(x)));
     else if (!strcmp(kind, "mxfp8"))
         *out = amx_mxfp8_e8m0(x);
     else
@@ -114,9 +132,17 @@ START_TEST(no_recipe_returns_nonfinite)
         ck_assert(!isnan(amx_e4m3_to_float(b)));
         ck_assert(isfinite(amx_nvfp4_block_encode(amx_e4m3_to_float(b), 1.0f / s_enc)));
         ck_assert(!isnan(amx_e4m3_to_float(amx_nvfp4_block_modelopt(a, g))));
+        ck_assert(!isnan(amx_e4m3_to_float(amx_nvfp4_block_modelopt(a, bits(u & 0x0000ffffu)))));
+        ck_assert(!isnan(amx_e4m3_to_float(amx_nvfp4_block_modelopt_static(a, g))));
+        ck_assert(!isnan(amx_e4m3_to_float(amx_nvfp4_block_te_legacy(a, s_enc))));
+        ck_assert(isfinite(amx_nvfp4_global_decode(AMX_OUT_TE, g)));
+        ck_assert(isfinite(amx_nvfp4_global_decode(AMX_OUT_MODELOPT, g)));
+        ck_assert(isfinite(amx_fp8_scale_inv_modelopt(a, AMX_E4M3_MAX)));
         uint8_t e = amx_mxfp8_e8m0(a);
         ck_assert_uint_lt(e, 0xfe);
         ck_assert(isfinite(amx_e8m0_encode(e)) && isfinite(amx_e8m0_decode(e)));
+        ck_assert(amx_e8m0_encode_conv(AMX_MX_OCP, e) > 0 &&
+                  amx_e8m0_decode_conv(AMX_MX_OCP, e) > 0);
     }
 }
 END_TEST
@@ -137,6 +163,44 @@ START_TEST(modelopt_zero_global_is_one)
 }
 END_TEST
 
+/*
+ * One delayed-scaling cell (H = 3, MAX) through amx_pp_accumulate, epochs
+ * 2, 0, 4, no data, 1, 1, 1. TE's fused update (delayed_scaling.cu
+ * kernel_bulk: `if (last_amax != 0.0f)` around the roll) skips the zero and
+ * the empty epoch: windows {2} {2} {2,4} {2,4} {2,4,1} {4,1,1} {1,1,1}.
+ * The unfused rule rolls every epoch: {2} {2,0} {2,0,4} {0,4,-} {4,-,1}
+ * {-,1,1} {1,1,1}. Scales are 448/amax, or the previous one for 0.
+ */
+START_TEST(delayed_history_conventions)
+{
+    static const float in[7] = {2, 0, 4, -INFINITY, 1, 1, 1};
+    static const float want_te[7] = {224, 224, 112, 112, 112, 112, 448};
+    static const float want_unfused[7] = {224, 224, 112, 112, 112, 448, 448};
+    for (int conv = AMX_HISTCONV_TE; conv <= AMX_HISTCONV_TE_UNFUSED; conv++) {
+        amx_qdesc_t q;
+        memset(&q, 0, sizeof(q));
+        q.ncells = 1;
+        q.hist_len = 3;
+        q.accumulation = AMX_ACC_PER_EPOCH;
+        q.recipe.format = AMX_FMT_FP8_E4M3;
+        q.recipe.rule = AMX_RULE_DELAYED;
+        q.recipe.history_reduce = AMX_HIST_MAX;
+        q.recipe.history_convention = (uint8_t)conv;
+        q.recipe.history_len = 3;
+        float ring[3] = {-INFINITY, -INFINITY, -INFINITY}, accum = -INFINITY, prev = 1.0f;
+        for (int e = 0; e < 7; e++) {
+            q.hist_head = (uint32_t)(e % 3);
+            float a = amx_pp_accumulate(&q, &accum, ring, 0, in[e]);
+            float v = a > 0.0f ? a : 0.0f;
+            prev = amx_fp8_delayed_scale(v, AMX_E4M3_MAX, prev);
+            float want = conv == AMX_HISTCONV_TE ? want_te[e] : want_unfused[e];
+            ck_assert_msg(prev == want, "convention %d epoch %d: scale %g, expected %g", conv, e,
+                          (double)prev, (double)want);
+        }
+    }
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("recipe");
@@ -148,6 +212,7 @@ int main(void)
     tcase_add_test(tc, no_recipe_returns_nonfinite);
     tcase_add_test(tc, delayed_keeps_previous_for_nonfinite);
     tcase_add_test(tc, modelopt_zero_global_is_one);
+    tcase_add_test(tc, delayed_history_conventions);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

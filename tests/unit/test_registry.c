@@ -478,11 +478,12 @@ START_TEST(running_max_and_per_epoch_history)
         ck_assert_float_eq(find(r, "hist")->amax[0], expect_hist[e]);
         ck_assert_float_eq(find(r, "hist")->scale[0], 448.0f / expect_hist[e]);
     }
-    /* An epoch without data: delayed scaling keeps the previous scale once
-     * the history window holds no data. */
+    /* Epochs without data: TE's history rule (the default) leaves the
+     * window alone and keeps the previous scale, 448/2 of the last epoch
+     * (docs/NUMERICS.md; the unfused rule is tested in test_recipe.c). */
     reconcile_all("j", 1, 0);
     amx_reply_t *r = reconcile_all("j", 1, 0);
-    ck_assert_float_eq(find(r, "hist")->scale[0], 448.0f / 1.0f);
+    ck_assert_float_eq(find(r, "hist")->scale[0], 448.0f / 2.0f);
     ck_assert_uint_eq(find(r, "hist")->missing, 1);
     /* Reset takes effect at the next reconciliation: the running max
      * restarts from what this epoch brings, sent before or after the

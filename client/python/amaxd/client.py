@@ -21,9 +21,24 @@ RUNNING_MAX = pb.RUNNING_MAX
 PER_EPOCH = pb.PER_EPOCH
 
 
+_NVFP4_CONV = {"te": pb.TRANSFORMER_ENGINE, "modelopt": pb.MODELOPT,
+               "te_legacy": pb.TRANSFORMER_ENGINE_LEGACY, "modelopt_static": pb.MODELOPT_STATIC}
+_OUTPUT_CONV = {"te": pb.OUTPUT_TRANSFORMER_ENGINE, "modelopt": pb.OUTPUT_MODELOPT}
+_HISTORY_CONV = {"te": pb.HISTORY_TRANSFORMER_ENGINE,
+                 "te_unfused": pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED}
+_MXFP8_CONV = {"te": pb.MXFP8_TRANSFORMER_ENGINE, "ocp": pb.MXFP8_OCP}
+
+
+def _conv(table, what, name):
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown {what} convention {name!r}: use one of {sorted(table)}") from None
+
+
 @dataclass(frozen=True)
 class Recipe:
-    """A scale recipe (see docs/NUMERICS.md)."""
+    """A scale recipe (see docs/NUMERICS.md for every convention and its source)."""
 
     format: int = FP8_E4M3
     rule: int = 0  # pb.CURRENT / pb.DELAYED for FP8
@@ -32,32 +47,46 @@ class Recipe:
     history_reduce: int = 0  # pb.HISTORY_MAX / pb.MOST_RECENT
     eps: float = 0.0
     power_of_2: bool = False
-    nvfp4_convention: int = 0  # pb.TRANSFORMER_ENGINE / pb.MODELOPT
+    nvfp4_convention: int = 0  # pb.Nvfp4Convention
+    output_convention: int = 0  # pb.OutputConvention
+    history_convention: int = 0  # pb.HistoryConvention
+    mxfp8_convention: int = 0  # pb.Mxfp8Convention
 
     @staticmethod
-    def fp8_current(fmt=FP8_E4M3, eps=0.0, power_of_2=False):
-        return Recipe(format=fmt, rule=pb.CURRENT, eps=eps, power_of_2=power_of_2)
+    def fp8_current(fmt=FP8_E4M3, eps=0.0, power_of_2=False, output="te"):
+        """output: "te" (scale_inv = 1/scale) or "modelopt" (amax / fp8_max, ModelOpt's export)."""
+        return Recipe(format=fmt, rule=pb.CURRENT, eps=eps, power_of_2=power_of_2,
+                      output_convention=_conv(_OUTPUT_CONV, "output", output))
 
     @staticmethod
-    def fp8_delayed(fmt=FP8_E4M3, margin=0.0, history_len=1, reduce="max"):
+    def fp8_delayed(fmt=FP8_E4M3, margin=0.0, history_len=1, reduce="max", history="te"):
+        """history: "te" (TE's fused update: a zero epoch leaves the history alone) or
+        "te_unfused" (every epoch rolls the window)."""
         r = pb.MOST_RECENT if reduce == "most_recent" else pb.HISTORY_MAX
         return Recipe(format=fmt, rule=pb.DELAYED, margin=margin, history_len=history_len,
-                      history_reduce=r)
+                      history_reduce=r,
+                      history_convention=_conv(_HISTORY_CONV, "history", history))
 
     @staticmethod
-    def nvfp4(convention="te"):
-        c = pb.MODELOPT if convention == "modelopt" else pb.TRANSFORMER_ENGINE
-        return Recipe(format=NVFP4, nvfp4_convention=c)
+    def nvfp4(convention="te", output="te"):
+        """convention: "te" (current TE), "te_legacy" (TE <= 2.13), "modelopt" (dynamic),
+        "modelopt_static" (static export); output: "te" or "modelopt" (global_scale_inv)."""
+        return Recipe(format=NVFP4, nvfp4_convention=_conv(_NVFP4_CONV, "NVFP4", convention),
+                      output_convention=_conv(_OUTPUT_CONV, "output", output))
 
     @staticmethod
-    def mxfp8():
-        return Recipe(format=MXFP8)
+    def mxfp8(convention="te"):
+        """convention: "te" (byte 0: encode 1, decode 0) or "ocp" (2^127 / 2^-127)."""
+        return Recipe(format=MXFP8, mxfp8_convention=_conv(_MXFP8_CONV, "MXFP8", convention))
 
     def to_pb(self):
         return pb.Recipe(format=self.format, rule=self.rule, margin=self.margin,
                          history_len=self.history_len, history_reduce=self.history_reduce,
                          eps=self.eps, power_of_2=self.power_of_2,
-                         nvfp4_convention=self.nvfp4_convention)
+                         nvfp4_convention=self.nvfp4_convention,
+                         output_convention=self.output_convention,
+                         history_convention=self.history_convention,
+                         mxfp8_convention=self.mxfp8_convention)
 
 
 @dataclass(frozen=True)
