@@ -233,6 +233,18 @@ static float random_amax(void)
     }
 }
 
+/* The catalog being compared, to name a mismatching cell's quantizer. */
+static const amx_qdesc_t *cur_q;
+static uint32_t cur_nq;
+
+static uint32_t q_of(size_t cell)
+{
+    uint32_t i = 0;
+    while (i + 1 < cur_nq && cur_q[i + 1].base <= cell)
+        i++;
+    return i;
+}
+
 static int compare(const char *what, const void *a, const void *b, size_t n, size_t elem, int epoch)
 {
     if (memcmp(a, b, n * elem) == 0)
@@ -246,7 +258,10 @@ static int compare(const char *what, const void *a, const void *b, size_t n, siz
             uint32_t x = 0, y = 0;
             memcpy(&x, (const char *)a + i * elem, elem);
             memcpy(&y, (const char *)b + i * elem, elem);
-            fprintf(stderr, "epoch %d %s[%zu]: host 0x%x, cuda 0x%x\n", epoch, what, i, x, y);
+            int cellwise = cur_q != NULL && n == (size_t)(cur_q[cur_nq - 1].base + cur_q[cur_nq - 1].ncells);
+            uint32_t qi = cellwise ? q_of(i) : (uint32_t)i;
+            fprintf(stderr, "epoch %d %s[%zu] (quantizer %u, cell %zu): host 0x%x, cuda 0x%x\n",
+                    epoch, what, i, qi, cellwise ? i - (size_t)cur_q[qi].base : 0, x, y);
         }
     }
     fprintf(stderr, "epoch %d %s: %zu of %zu differ\n", epoch, what, diff, n);
@@ -312,6 +327,7 @@ static int run_catalog(const plan_t *plan, amx_qdesc_t *q, uint32_t nq, uint64_t
         ri[k] = (float *)malloc(ncells * 4), rb[k] = (uint8_t *)malloc(ncells);
     }
     amx_run_t all = {0, 0, ncells};
+    cur_q = q, cur_nq = nq;
     int had_reset = 0;
     for (int epoch = 1; epoch <= plan->epochs; epoch++) {
         for (uint32_t i = 0; i < nq; i++) {
