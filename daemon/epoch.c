@@ -546,9 +546,12 @@ static amx_status_t agree(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
     const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
-    int full = e->coord_inc != 0 && e->coord_inc != j->mship.coord_inc;
-    /* Proposals: this daemon's, or (after the coordinator restarted) the
-     * whole agreed catalog as well. */
+    /* A job restored from a snapshot brings its catalog to its first
+     * agreement as a coordinator that restarted asks for it. */
+    int full = (e->coord_inc != 0 && e->coord_inc != j->mship.coord_inc) ||
+               (e->coord_inc == 0 && j->restored && e->w_cat->n > 0);
+    /* Proposals: this daemon's, or (after the coordinator restarted, or
+     * restored from a snapshot) the whole agreed catalog as well. */
     uint32_t cap = j->nprop + (full ? e->w_cat->n : 0);
     amx_qspec_t **prop = calloc(cap ? cap : 1, sizeof(*prop));
     char **resets = calloc(j->nlq ? j->nlq : 1, sizeof(char *));
@@ -838,13 +841,14 @@ void amx__snapshot_meta_free(amx_snap_meta_t *m)
 
 /* Writes the epoch just finished (the back results) into the job's
  * snapshot, before the loop answers Reconcile: with snapshot_interval_ms
- * 0, an epoch whose Reconcile returned is on disk. Only jobs this daemon
- * serves alone: a cluster job's daemon catches up from its peers. */
+ * 0, an epoch whose Reconcile returned is on disk. Every daemon of a
+ * cluster job writes its own (the replicated state is the same on each;
+ * the placements are its own ranks'). */
 static void write_snapshot(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
     const amx_config_t *cfg = e->env.cfg;
-    if (cfg == NULL || cfg->state_dir == NULL || cfg->state_dir[0] == '\0' || j->mship.npart > 1)
+    if (cfg == NULL || cfg->state_dir == NULL || cfg->state_dir[0] == '\0')
         return;
     uint64_t now = amx_now_ms();
     if (cfg->snapshot_interval_ms > 0 && e->snap_ms != 0 &&

@@ -42,6 +42,7 @@ typedef struct amx_lrank {
     uint32_t rank;
     uint8_t joined;       /* Join returned (or is waiting) */
     uint8_t in_reconcile; /* waiting in Reconcile for the open epoch */
+    uint8_t restored;     /* from a snapshot of a cluster job, not re-joined yet */
     amx_waiter_t *join_w, *rec_w;
     void *cjoin;     /* the coordinator join in progress (peer.c handle) */
     void *jctx;      /* its callback context, freed when it is cancelled */

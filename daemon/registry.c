@@ -607,6 +607,32 @@ static amx_status_t install_membership(amx_registry_t *reg, amx_job_t *j, const 
     return AMX_OK;
 }
 
+/* A job restored from a cluster snapshot, now that its membership is
+ * known: a rank the membership puts on another daemon (its trainer moved)
+ * goes, with its placements. */
+static void forget_moved_ranks(amx_job_t *j)
+{
+    const amx_part_t *mine = j->me >= 0 ? &j->mship.part[j->me] : NULL;
+    for (uint32_t i = j->nlocal; i-- > 0;) {
+        amx_lrank_t *r = &j->lr[i];
+        int here = 0;
+        for (uint32_t k = 0; mine != NULL && k < mine->nranks; k++)
+            here |= mine->ranks[k] == r->rank;
+        if (here)
+            continue;
+        AMX_WARN("registry",
+                 "job %s: rank %u, restored from the snapshot, re-joined another daemon; its "
+                 "placements here are forgotten",
+                 j->name, r->rank);
+        for (uint32_t k = 0; k < r->npls; k++) {
+            uint32_t lid = r->pl_lid[k];
+            if (lid < r->cap_of && r->pl_of[lid] == k + 1 && j->lq[lid].nplacements > 0)
+                j->lq[lid].nplacements--;
+        }
+        remove_local_rank(j, r->rank);
+    }
+}
+
 static void on_join_answer(void *ud, amx_status_t st, const char *msg, const amx_membership_t *m)
 {
     join_ctx_t *ctx = ud;
@@ -632,7 +658,7 @@ static void on_join_answer(void *ud, amx_status_t st, const char *msg, const amx
     if (st != AMX_OK) {
         AMX_WARN("registry", "job %s: Join of rank %u failed: %s", j->name, rank, msg);
         r = local_rank(j, rank);
-        if (!j->ready) {
+        if (!j->ready && !r->restored) {
             remove_local_rank(j, rank);
         } else {
             r->joined = 0;
@@ -644,8 +670,12 @@ static void on_join_answer(void *ud, amx_status_t st, const char *msg, const amx
         }
         return;
     }
+    r = local_rank(j, rank);
+    int was_restored = r->restored;
     if (!j->ready) {
         j->ready = 1;
+        if (j->restored)
+            forget_moved_ranks(j);
         AMX_INFO("registry",
                  "job %s: all %u ranks joined; this daemon hosts %u of them, %u "
                  "daemon(s) take part",
@@ -653,7 +683,8 @@ static void on_join_answer(void *ud, amx_status_t st, const char *msg, const amx
     }
     r = local_rank(j, rank);
     r->joined = 1;
-    complete_join(reg, j, w, m->rejoined);
+    r->restored = 0;
+    complete_join(reg, j, w, m->rejoined || was_restored);
 }
 
 amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, amx_waiter_t *w,
@@ -708,7 +739,7 @@ amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, a
     join_ctx_t *ctx = malloc(sizeof(*ctx));
     if (r == NULL || ctx == NULL) {
         free(ctx);
-        if (r != NULL && !j->ready)
+        if (r != NULL && !j->ready && !r->restored)
             remove_local_rank(j, req->rank);
         if (created) {
             job_unlink(reg, j);
@@ -734,7 +765,7 @@ amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, a
         r->join_w = NULL;
         w->job = NULL;
         reg->nwaiting--;
-        if (!j->ready)
+        if (!j->ready && !r->restored)
             remove_local_rank(j, req->rank);
         if (created && j->nlocal == 0) {
             job_unlink(reg, j);
@@ -2284,7 +2315,7 @@ amx_status_t amx_registry_fetch_state(amx_registry_t *reg, const char *job, uint
  * unwritten; the loop, nothing in flight (shutdown). */
 static void flush_snapshot(amx_registry_t *reg, amx_job_t *j)
 {
-    if (!snapshots_on(reg) || !j->ready || j->mship.npart > 1 || j->in_flight ||
+    if (!snapshots_on(reg) || !j->ready || j->in_flight ||
         j->last_reconciled == 0 || j->durable_epoch >= j->last_reconciled)
         return;
     amx_err_t err = {0};
@@ -2329,11 +2360,14 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
     if (m->world > (uint64_t)reg->cfg->max_world_size)
         return amx_err_set(err, AMX_ENOMEM, "its world size %u is above max_world_size=%lld",
                            m->world, (long long)reg->cfg->max_world_size);
-    if (m->nranks != m->world)
-        return amx_err_set(err, AMX_EINVAL,
-                           "it lists %u of the job's %u ranks (a snapshot is of a job served by "
-                           "one daemon)",
+    if (m->nranks == 0 || m->nranks > m->world)
+        return amx_err_set(err, AMX_EINVAL, "it lists %u ranks of a job of world size %u",
                            m->nranks, m->world);
+    /* A daemon that served every rank serves the job again at once; one
+     * that served some ranks of a cluster job waits for them to re-join
+     * (membership is the coordinator's), then takes part with the state it
+     * restored, or catches up from a daemon further ahead. */
+    int alone = m->nranks == m->world;
     if (cat->n > (uint64_t)reg->cfg->max_quantizers ||
         cat->ncells + cat->nhist > (uint64_t)reg->cfg->max_cells)
         return amx_err_set(err, AMX_ENOMEM,
@@ -2355,28 +2389,43 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
     amx_status_t st = AMX_ENOMEM;
     amx_epoch_result_t res;
     memset(&res, 0, sizeof(res));
-    /* Membership: this daemon hosts every rank. */
-    const amx_cluster_id_t *id = reg->peer != NULL ? amx_peer_id(reg->peer) : NULL;
-    j->mship.world = m->world;
-    j->mship.part = calloc(1, sizeof(amx_part_t));
-    if (j->mship.part == NULL)
-        goto nomem;
-    j->mship.npart = 1;
-    amx_part_t *p = &j->mship.part[0];
-    p->daemon = id ? id->rank : 0;
-    p->incarnation = id ? id->incarnation : 0;
-    snprintf(p->addr, sizeof(p->addr), "%s", id ? id->advertise : "");
-    p->ranks = malloc((size_t)m->world * sizeof(uint32_t));
-    if (p->ranks == NULL)
-        goto nomem;
-    p->nranks = m->world;
-    for (uint32_t r = 0; r < m->world; r++) {
-        p->ranks[r] = r;
-        if (add_local_rank(j, r) == NULL)
+    if (alone) {
+        /* Membership: this daemon hosts every rank. */
+        const amx_cluster_id_t *id = reg->peer != NULL ? amx_peer_id(reg->peer) : NULL;
+        j->mship.world = m->world;
+        j->mship.part = calloc(1, sizeof(amx_part_t));
+        if (j->mship.part == NULL)
             goto nomem;
+        j->mship.npart = 1;
+        amx_part_t *p = &j->mship.part[0];
+        p->daemon = id ? id->rank : 0;
+        p->incarnation = id ? id->incarnation : 0;
+        snprintf(p->addr, sizeof(p->addr), "%s", id ? id->advertise : "");
+        p->ranks = malloc((size_t)m->world * sizeof(uint32_t));
+        if (p->ranks == NULL)
+            goto nomem;
+        p->nranks = m->world;
+        for (uint32_t r = 0; r < m->world; r++) {
+            p->ranks[r] = r;
+            if (add_local_rank(j, r) == NULL)
+                goto nomem;
+        }
+        j->me = 0;
+        j->ready = 1;
+    } else {
+        for (uint32_t i = 0; i < m->nranks; i++) {
+            if (m->ranks[i].rank >= m->world || local_rank(j, m->ranks[i].rank) != NULL) {
+                amx_err_set(err, AMX_EINVAL, "it lists rank %u %s", m->ranks[i].rank,
+                            m->ranks[i].rank >= m->world ? "out of range" : "twice");
+                st = AMX_EINVAL;
+                goto fail;
+            }
+            amx_lrank_t *r = add_local_rank(j, m->ranks[i].rank);
+            if (r == NULL)
+                goto nomem;
+            r->restored = 1;
+        }
     }
-    j->me = 0;
-    j->ready = 1;
     /* State: both pending buffers sized, the replicated state and the last
      * results imported and published. */
     if (j->state->ops->reserve_pending(j->state, cat->ncells, err) != AMX_OK)

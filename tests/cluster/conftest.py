@@ -42,8 +42,11 @@ def free_ports(n):
 class Cluster:
     """n daemons; daemon i listens for peers on 127.0.0.1:ports[i]."""
 
-    def __init__(self, root, n, *args, secret=b"0123456789abcdef-cluster-secret", env=None):
+    def __init__(self, root, n, *args, secret=b"0123456789abcdef-cluster-secret", env=None,
+                 state=False):
+        """state: each daemon snapshots its jobs under state_dir(i)."""
         self.root = root
+        self.state = state
         self.n = n
         self.args = list(args)
         self.env = env
@@ -66,7 +69,13 @@ class Cluster:
                 f"--peer-advertise=127.0.0.1:{self.ports[i]}",
                 f"--cluster-secret-file={self.secret_path}",
                 "--gloo-host=127.0.0.1", f"--collective={COLLECTIVE}", f"--backend={BACKEND}",
-                *([f"--cuda-device={i % GPUS}"] if GPUS else []), *self.args]
+                *([f"--cuda-device={i % GPUS}"] if GPUS else []),
+                *([f"--state-dir={self.state_dir(i)}"] if self.state else []), *self.args]
+
+    def state_dir(self, i):
+        d = os.path.join(self.dirs[i], "state")
+        os.makedirs(d, exist_ok=True)
+        return d
 
     def start(self, i, extra=()):
         d = Daemon(self.dirs[i], *self.flags(i), *extra, env=self.env,

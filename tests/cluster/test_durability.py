@@ -1,0 +1,159 @@
+"""Snapshots of a cluster job (docs/OPERATING.md "Durability"): every daemon
+writes its own after each epoch; killed and restarted, the daemons restore
+the job, wait for its trainers to re-join, and the next epoch equals an
+uninterrupted run's byte for byte. A daemon whose snapshot is gone, or
+older than its peers', catches up from a daemon further ahead."""
+import os
+
+import numpy as np
+
+import amaxd
+from conftest import max_daemons
+from test_basic import run_threads
+
+WORLD = 4
+REC_DELAYED = amaxd.Recipe.fp8_delayed(history_len=3)
+
+
+def quantizers(r):
+    """Rank r of 4, two ranks per daemon: a TP=2 weight, a per-tensor input,
+    a delayed-scaling quantizer with a history, an NVFP4 block tensor."""
+    tp = r % 2
+    return [
+        amaxd.Quantizer("w", [4], amaxd.Recipe.fp8_current(),
+                        placement=amaxd.placement.shard([4], 0, tp, 2)),
+        amaxd.Quantizer("x", [], amaxd.Recipe.fp8_current()),
+        amaxd.Quantizer("h", [], REC_DELAYED, accumulation=amaxd.PER_EPOCH),
+        amaxd.Quantizer("n", [2, 2], amaxd.Recipe.nvfp4(),
+                        placement=amaxd.placement.shard([2, 2], 0, tp, 2)),
+    ]
+
+
+def values(r, e):
+    rng = np.random.default_rng(1000 * e + r)
+    return {"w": rng.uniform(0.01, 100, 2).astype(np.float32),
+            "x": np.float32(rng.uniform(0, 9)),
+            "n": rng.uniform(0.01, 100, (1, 2)).astype(np.float32),
+            # A zero epoch in the history (TE's rule leaves the window alone).
+            "h": np.float32(0.0 if e == 2 else rng.uniform(1, 50))}
+
+
+def daemon_of(r, n):
+    return r * n // WORLD
+
+
+def clients_for(c, n):
+    return [amaxd.Client("dur", r, WORLD, socket=c.socket(daemon_of(r, n)), timeout=30)
+            for r in range(WORLD)]
+
+
+def epochs(clients, first, last, join=False, register=False):
+    """Runs epochs first..last on every rank; returns each rank's results of
+    the last one as bytes."""
+    def rank(r):
+        cl = clients[r]
+        rejoined = None
+        if join:
+            rejoined = cl.join().rejoined
+        if register:
+            cl.register(quantizers(r))
+        for e in range(first, last + 1):
+            cl.send(values(r, e))
+            res = cl.reconcile()
+        return rejoined, {k: (v.amax.tobytes(), v.scale.tobytes(), v.scale_inv.tobytes(),
+                              v.block_scales.tobytes(), np.float32(v.global_scale).tobytes())
+                          for k, v in res.items()}
+    out, errs = run_threads({r: (lambda r=r: rank(r)) for r in range(WORLD)})
+    assert not errs, errs
+    return {r: out[r][1] for r in range(WORLD)}, {r: out[r][0] for r in range(WORLD)}
+
+
+def reference(make_cluster, n, upto):
+    c = make_cluster(n)
+    cls = clients_for(c, n)
+    epochs(cls, 1, 1, join=True, register=True)
+    got, _ = epochs(cls, 2, upto)
+    for cl in cls:
+        cl.close()
+    return got
+
+
+def restart_all(c, n, drop=()):
+    for i in range(n):
+        c.kill(i)
+    for i in drop:
+        for f in os.listdir(c.state_dir(i)):
+            os.remove(os.path.join(c.state_dir(i), f))
+    for i in range(n):
+        c.start(i)
+
+
+def test_cluster_killed_and_restarted_equals_uninterrupted(make_cluster):
+    n = max_daemons(2)
+    want = reference(make_cluster, n, 4)
+    c = make_cluster(n, state=True)
+    cls = clients_for(c, n)
+    epochs(cls, 1, 1, join=True, register=True)
+    epochs(cls, 2, 3)
+    for i in range(n):
+        assert os.path.exists(os.path.join(c.state_dir(i), "dur.amxs")), c.logs()
+        st = amaxd.Client("dur", 0, WORLD, socket=c.socket(i)).status("dur").jobs[0]
+        assert st.durable_epoch == 3 and st.participants == n, st
+    for cl in cls:
+        cl.close()
+    restart_all(c, n)
+    for i in range(n):
+        assert "restored from" in c[i].log(), c.logs()
+        st = amaxd.Client("dur", 0, WORLD, socket=c.socket(i)).status("dur").jobs[0]
+        assert st.restored and not st.ready and st.reconciled_epochs == 3, st
+    cls = clients_for(c, n)
+    got, rejoined = epochs(cls, 4, 4, join=True)  # no Register: placements came back
+    assert all(rejoined.values()), rejoined
+    assert got == want, c.logs()
+    for i in range(n):
+        assert "caught up" not in c[i].log()
+    for cl in cls:
+        cl.close()
+
+
+def test_daemon_without_snapshot_catches_up(make_cluster):
+    n = max_daemons(2)
+    want = reference(make_cluster, n, 5)
+    c = make_cluster(n, state=True)
+    cls = clients_for(c, n)
+    epochs(cls, 1, 1, join=True, register=True)
+    epochs(cls, 2, 4)
+    for cl in cls:
+        cl.close()
+    # The last daemon's disk is gone: it starts empty, its trainers register
+    # again, and it takes the state from a daemon that restored epoch 4.
+    restart_all(c, n, drop=[n - 1])
+    cls = clients_for(c, n)
+    got, _ = epochs(cls, 5, 5, join=True, register=True)
+    assert got == want, c.logs()
+    assert "caught up with daemon" in c[n - 1].log(), c.logs()
+    for cl in cls:
+        cl.close()
+
+
+def test_one_daemon_restarted_from_its_snapshot(make_cluster):
+    n = max_daemons(2)
+    want = reference(make_cluster, n, 4)
+    c = make_cluster(n, state=True)
+    cls = clients_for(c, n)
+    epochs(cls, 1, 1, join=True, register=True)
+    epochs(cls, 2, 3)
+    # Only the last daemon dies and comes back; the coordinator kept the
+    # job's membership.
+    last = n - 1
+    c.kill(last)
+    c.start(last)
+    mine = [r for r in range(WORLD) if daemon_of(r, n) == last]
+    for r in mine:
+        cls[r].close()
+        cls[r] = amaxd.Client("dur", r, WORLD, socket=c.socket(last), timeout=30)
+        assert cls[r].join().rejoined
+    got, _ = epochs(cls, 4, 4)
+    assert got == want, c.logs()
+    for cl in cls:
+        cl.close()
