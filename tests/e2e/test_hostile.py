@@ -18,6 +18,9 @@ from amaxd_proc import BIN
 from h2raw import RawConn
 from test_bad_input import SVC, call, f32, raw, send, snapshot, spec
 
+# The state backend the daemons of this run use (tests/gpu/run.sh: cuda).
+BACKEND = os.environ.get("AMAXD_BACKEND", "host")
+
 C = grpc.StatusCode
 
 
@@ -356,11 +359,13 @@ def test_idle_jobs_expire(start_daemon):
 def test_memory_budget_across_jobs(start_daemon):
     # 1 MiB of state = 21845 cells at 48 bytes a cell.
     d = start_daemon("--memory-budget=1048576")
-    peak0 = rss_peak_mb(d.proc.pid)
     with d.client("a", 0, 1) as a, d.client("b", 0, 1) as b:
         a.join()
         b.join()
         a.register([amaxd.Quantizer("w", [12000], amaxd.Recipe.fp8_current())])
+        # After the first job's state exists: the CUDA backend's context
+        # (host memory of the CUDA runtime, not job state) is made by then.
+        peak0 = rss_peak_mb(d.proc.pid)
         with HealthProber(d) as p:
             # 22 bytes on the wire asking for 2^27 cells (6 GiB of state).
             req = pb.RegisterRequest(job="b", quantizers=[spec("huge", [134217728])])
@@ -380,6 +385,7 @@ def test_memory_budget_across_jobs(start_daemon):
 
 # ---- 9: a failed state backend is reported by Health ----
 
+@pytest.mark.skipif(BACKEND != "host", reason="the fault is simulated in the host backend only")
 def test_device_fault_makes_health_not_serving(start_daemon):
     """AMAXD_TEST_DEVICE_FAULT makes the host backend fail every finish the
     way a sticky CUDA error fails the CUDA backend."""
@@ -446,15 +452,18 @@ def test_large_registration_does_not_stall(start_daemon):
             st = c.status("big").jobs[0]
             assert st.cells == cells + 4
     p.check()
-    # The growth ran on its own thread (the loop would have spent ~0.3 s
-    # filling 2 x 128 MiB here); the latency bound only catches a gross
-    # stall on a loaded 2-core CI machine; the precise figures are
-    # measured in docs/SECURITY.md (35 ms at 128M cells, 1.2 s before).
-    assert "pending buffers grown to" in d.log()
+    # The host backend grows on its own thread (the loop would have spent
+    # ~0.3 s filling 2 x 128 MiB here); the CUDA backend allocates and
+    # fills device memory from the loop, which takes milliseconds. The
+    # latency bound only catches a gross stall on a loaded 2-core CI
+    # machine; the precise figures are measured in docs/SECURITY.md (35 ms
+    # at 128M cells, 1.2 s before).
+    if BACKEND == "host":
+        assert "growing pending buffers to" in d.log()
+        assert "pending buffers grown to" in d.log()
     assert max(p.lat) < 1.0, f"Health took {max(p.lat):.3f} s"
     grown = rss_peak_mb(d.proc.pid) - rss0
     assert grown < cells * 48 / 2**20, f"peak RSS grew by {grown:.0f} MB"
-    assert "growing pending buffers to" in d.log()
 
 
 def test_drop_while_growing(start_daemon):
