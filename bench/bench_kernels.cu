@@ -29,6 +29,7 @@ extern "C" amx_status_t amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t
                                                 const float *gscale, const float *gscale_inv,
                                                 float *prev, float *out_scale, float *out_inv,
                                                 uint8_t *out_bytes, const uint32_t *chunkq,
+                                                uint8_t *out_filled, unsigned long long *counts,
                                                 cudaStream_t stream, amx_err_t *err);
 
 #define CK(call)                                                                                   \
@@ -138,7 +139,7 @@ int main(int argc, char **argv)
     float t_nv = median_ms(
         [&] {
             amx__cuda_scales_launch(dq, 1, n, amax, NULL, gamax, gscale, gscale_inv, prev, scale,
-                                    inv, bytes, NULL, 0, &err);
+                                    inv, bytes, NULL, NULL, NULL, 0, &err);
         },
         reps);
     CK(cudaGetLastError());

@@ -39,6 +39,14 @@ typedef struct cuda_state {
     float *accum, *prev, *hist, *prev_g;
     float *o_amax[2], *o_scale[2], *o_inv[2];
     uint8_t *o_bytes[2];
+    /* Per output set: 1 where a cell without data took its peer group's
+     * max; valid only when filled_ok (a remap or import leaves it unknown). */
+    uint8_t *o_filled[2];
+    uint64_t filled_cap[2];
+    int filled_ok[2];
+    /* Cells filled and cells left without data by the last finish: device
+     * counters, and their pinned copy. */
+    unsigned long long *d_counts, *h_counts;
     float *o_gamax[2], *o_gscale[2], *o_ginv[2];
     float *groups;
     size_t cap_groups;
@@ -357,12 +365,16 @@ __global__ void k_global(const amx_qdesc_t *qs, uint32_t nq, const float *scale_
 }
 
 /* Per-cell scales; a cell without data takes its peer group's max here
- * (written back, it is the cell's reported amax). */
+ * (written back, it is the cell's reported amax), marked in out_filled and
+ * counted in counts[0] (filled) and counts[1] (still without data) when
+ * those are given. */
 __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, float *out_amax,
                          const float *peer_max, const float *gamax, const float *gscale,
                          const float *gscale_inv, float *prev, float *out_scale, float *out_inv,
-                         uint8_t *out_bytes, const uint32_t *chunkq)
+                         uint8_t *out_bytes, const uint32_t *chunkq, uint8_t *out_filled,
+                         unsigned long long *counts)
 {
+    unsigned long long nfill = 0, nmiss = 0;
     uint32_t qi = chunk_q(qs, nq, chunkq);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
     float a[ITEMS];
@@ -379,16 +391,35 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, fl
             break;
         qi = seek_q(qs, nq, qi, i);
         const amx_qdesc_t *q = &qs[qi];
-        if (a[k] == AMX_NEG_INF && q->peer_group >= 0) {
-            a[k] = peer_max[q->peer_group];
-            out_amax[i] = a[k];
+        uint8_t filled = 0;
+        if (a[k] == AMX_NEG_INF) {
+            if (q->peer_group >= 0) {
+                a[k] = peer_max[q->peer_group];
+                out_amax[i] = a[k];
+            }
+            filled = a[k] != AMX_NEG_INF;
+            nfill += filled;
+            nmiss += !filled;
         }
+        if (out_filled != NULL)
+            out_filled[i] = filled;
         float s, inv;
         uint8_t b;
         amx_pp_cell(&q->recipe, a[k], gamax[qi], gscale[qi], &prev[i], &s, &inv, &b);
         out_scale[i] = s;
         out_inv[i] = inv;
         out_bytes[i] = b;
+    }
+    /* Every lane gets here (no lane returned early): one atomic per warp. */
+    if (counts != NULL) {
+        for (int off = 16; off > 0; off /= 2) {
+            nfill += __shfl_xor_sync(0xffffffffu, nfill, off);
+            nmiss += __shfl_xor_sync(0xffffffffu, nmiss, off);
+        }
+        if ((threadIdx.x & 31) == 0 && (nfill | nmiss) != 0) {
+            atomicAdd(&counts[0], nfill);
+            atomicAdd(&counts[1], nmiss);
+        }
     }
 }
 
@@ -410,13 +441,15 @@ extern "C" amx_status_t amx__cuda_merge_launch(float *pending, const float *d_va
 extern "C" amx_status_t amx__cuda_scales_launch(
     const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, float *out_amax, const float *peer_max,
     const float *gamax, const float *gscale, const float *gscale_inv, float *prev, float *out_scale,
-    float *out_inv, uint8_t *out_bytes, const uint32_t *chunkq, cudaStream_t stream, amx_err_t *err)
+    float *out_inv, uint8_t *out_bytes, const uint32_t *chunkq, uint8_t *out_filled,
+    unsigned long long *counts, cudaStream_t stream, amx_err_t *err)
 {
     if (ncells == 0)
         return AMX_OK;
     k_scales<<<chunks_for(ncells), THREADS, 0, stream>>>(d_q, nq, ncells, out_amax, peer_max, gamax,
                                                          gscale, gscale_inv, prev, out_scale,
-                                                         out_inv, out_bytes, chunkq);
+                                                         out_inv, out_bytes, chunkq, out_filled,
+                                                         counts);
     CU(cudaGetLastError(), "scale kernel launch");
     return AMX_OK;
 }
@@ -735,6 +768,39 @@ static amx_status_t cuda_read_results(amx_state_t *st, const amx_run_t *runs, si
     return AMX_OK;
 }
 
+/* Gathers the fill marks of the front outputs, like read_results. */
+static amx_status_t cuda_read_filled(amx_state_t *st, const amx_run_t *runs, size_t nruns,
+                                     uint8_t *filled, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    int f = st->front;
+    if (!c->filled_ok[f] || c->o_filled[f] == NULL)
+        return amx_err_set(err, AMX_EUNAVAIL, "which cells were filled is not known");
+    uint64_t total = 0;
+    for (size_t i = 0; i < nruns; i++)
+        total += runs[i].len;
+    if (total == 0)
+        return AMX_OK;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    uint64_t cr = c->cap_runs;
+    AMX_CHECK(grow_pinned(c, (void **)&c->h_stage, (void **)&c->d_stage, &c->cap_stage,
+                          (total + 3) / 4, sizeof(float), err));
+    AMX_CHECK(grow_pinned(c, (void **)&c->h_runs, (void **)&c->d_runs, &cr, nruns,
+                          sizeof(amx_run_t), err));
+    c->cap_runs = (size_t)cr;
+    memcpy(c->h_runs, runs, nruns * sizeof(amx_run_t));
+    CU(cudaMemcpyAsync(c->d_runs, c->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
+                       c->sl),
+       "cudaMemcpyAsync (runs)");
+    AMX_CHECK(copy_runs<uint8_t>((uint8_t *)c->d_stage, c->o_filled[f], c->d_runs, nruns, c->sl,
+                                 err));
+    CU(cudaMemcpyAsync(c->h_stage, c->d_stage, total, cudaMemcpyDeviceToHost, c->sl),
+       "cudaMemcpyAsync (fill marks)");
+    CU(cudaStreamSynchronize(c->sl), "fill marks");
+    memcpy(filled, c->h_stage, total);
+    return AMX_OK;
+}
+
 /* ---- engine thread ---- */
 
 /* Output set k sized for n cells and nq quantizers (device), contents
@@ -764,6 +830,29 @@ static amx_status_t size_outputs(amx_state_t *st, int k, uint64_t n, uint32_t nq
     }
     AMX_CHECK(amx__state_grow_globals(st, k, nq, err));
     st->out_nq[k] = nq;
+    return AMX_OK;
+}
+
+/* Fill marks of output set k for n cells (contents undefined, marked not
+ * known until a finish writes them) and the cell counters, zeroed. */
+static amx_status_t size_filled(cuda_state_t *c, int k, uint64_t n, amx_err_t *err)
+{
+    cudaStream_t s = c->se;
+    c->filled_ok[k] = 0;
+    if (c->filled_cap[k] < n || c->o_filled[k] == NULL) {
+        dfree(c->o_filled[k], s);
+        c->o_filled[k] = NULL;
+        c->filled_cap[k] = 0;
+        AMX_CHECK(dalloc((void **)&c->o_filled[k], n, s, err));
+        c->filled_cap[k] = n;
+    }
+    if (c->d_counts == NULL)
+        AMX_CHECK(dalloc((void **)&c->d_counts, 2 * sizeof(unsigned long long), s, err));
+    if (c->h_counts == NULL)
+        CU(cudaHostAlloc((void **)&c->h_counts, 2 * sizeof(unsigned long long),
+                         cudaHostAllocDefault),
+           "cudaHostAlloc (cell counts)");
+    CU(cudaMemsetAsync(c->d_counts, 0, 2 * sizeof(unsigned long long), s), "cudaMemsetAsync");
     return AMX_OK;
 }
 
@@ -831,6 +920,7 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     dfree(c->o_bytes[back], s), dfree(c->o_gamax[back], s), dfree(c->o_gscale[back], s);
     dfree(c->o_ginv[back], s);
     c->o_amax[back] = na, c->o_scale[back] = ns, c->o_inv[back] = ni, c->o_bytes[back] = nb;
+    c->filled_ok[back] = 0; /* remapped results: which cells were filled is not known */
     c->o_gamax[back] = ga, c->o_gscale[back] = gs, c->o_ginv[back] = gi;
     st->out_cells[back] = lc->ncells;
     AMX_CHECK(amx__state_grow_globals(st, back, lc->nq, err));
@@ -972,6 +1062,7 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
     AMX_CHECK(engine_pin(c, dbytes, err));
     char *pin_d = (char *)c->e_pin;
     AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    AMX_CHECK(size_filled(c, back, ncells, err));
     uint64_t n = ncells;
     const float *red = (from_send ? c->pend[fl] : c->recv) + AMX_HDR_CELLS;
     uint64_t t_setup = amx_now_us();
@@ -1020,8 +1111,11 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
         AMX_CHECK(amx__cuda_scales_launch(c->dq, nq, n, c->o_amax[back], peer_max, c->o_gamax[back],
                                           c->o_gscale[back], c->o_ginv[back], c->prev,
                                           c->o_scale[back], c->o_inv[back], c->o_bytes[back],
-                                          c->chunkq, s, err));
+                                          c->chunkq, c->o_filled[back], c->d_counts, s, err));
         MARK(P_SCALES);
+        CU(cudaMemcpyAsync(c->h_counts, c->d_counts, 2 * sizeof(unsigned long long),
+                           cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (cell counts)");
         /* Straight into the (pinned) host results. */
         CU(cudaMemcpyAsync(st->g_amax[back], c->o_gamax[back], gbytes, cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (globals)");
@@ -1037,6 +1131,10 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
     uint64_t t_launched = amx_now_us();
     CU(cudaStreamSynchronize(s), "epoch kernels");
     uint64_t t_synced = amx_now_us();
+    st->cell_counts = 1;
+    st->last_filled = nq > 0 ? c->h_counts[0] : 0;
+    st->last_missing = nq > 0 ? c->h_counts[1] : 0;
+    c->filled_ok[back] = 1;
     st->last_finish_us = amx_now_us() - t0;
     if (prof) {
         static const char *names[P_N] = {"",       "upload", "reset", "accumulate", "fill",
@@ -1129,6 +1227,7 @@ static amx_status_t cuda_import(amx_state_t *st, uint64_t ncells, uint64_t nhist
     st->nhist = nhist;
     st->nq = nq;
     AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    c->filled_ok[back] = 0; /* imported results: which cells were filled is not known */
     struct {
         void *dst;
         const void *src;
@@ -1168,7 +1267,8 @@ static void cuda_destroy(amx_state_t *st)
                    c->o_scale[1], c->o_inv[0],   c->o_inv[1],    c->o_bytes[0],  c->o_bytes[1],
                    c->o_gamax[0], c->o_gamax[1], c->o_gscale[0], c->o_gscale[1], c->o_ginv[0],
                    c->o_ginv[1],  c->groups,     c->dq,          c->d_stage,     c->d_runs,
-                   c->e_runs,     c->empty,      c->chunkq};
+                   c->e_runs,     c->empty,      c->chunkq,      c->o_filled[0], c->o_filled[1],
+                   c->d_counts};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         if (dev[i] != NULL)
             cudaFreeAsync(dev[i], c->se);
@@ -1176,6 +1276,7 @@ static void cuda_destroy(amx_state_t *st)
     cudaFreeHost(c->h_stage);
     cudaFreeHost(c->h_runs);
     cudaFreeHost(c->e_pin);
+    cudaFreeHost(c->h_counts);
     for (size_t i = 0; i < c->nretired; i++)
         cudaFreeHost(c->retired[i]);
     free(c->retired);
@@ -1220,7 +1321,7 @@ static const amx_state_ops_t cuda_ops = {
     cuda_destroy,
     NULL,
     NULL,
-    NULL, /* read_filled: which cells took their peer group's max is not reported yet */
+    cuda_read_filled,
 };
 
 extern "C" uint64_t amx__state_cuda_memory(int device)

@@ -255,12 +255,13 @@ static int compare(const char *what, const void *a, const void *b, size_t n, siz
             continue;
         diff++;
         if (shown++ < 5) {
-            uint32_t x = 0, y = 0;
+            unsigned long long x = 0, y = 0; /* elem <= 8 */
             memcpy(&x, (const char *)a + i * elem, elem);
             memcpy(&y, (const char *)b + i * elem, elem);
-            int cellwise = cur_q != NULL && n == (size_t)(cur_q[cur_nq - 1].base + cur_q[cur_nq - 1].ncells);
+            int cellwise = cur_q != NULL &&
+                           n == (size_t)(cur_q[cur_nq - 1].base + cur_q[cur_nq - 1].ncells);
             uint32_t qi = cellwise ? q_of(i) : (uint32_t)i;
-            fprintf(stderr, "epoch %d %s[%zu] (quantizer %u, cell %zu): host 0x%x, cuda 0x%x\n",
+            fprintf(stderr, "epoch %d %s[%zu] (quantizer %u, cell %zu): host 0x%llx, cuda 0x%llx\n",
                     epoch, what, i, qi, cellwise ? i - (size_t)cur_q[qi].base : 0, x, y);
         }
     }
@@ -321,10 +322,11 @@ static int run_catalog(const plan_t *plan, amx_qdesc_t *q, uint32_t nq, uint64_t
     float *vals = (float *)malloc(vcap * sizeof(float));
     amx_run_t *runs = (amx_run_t *)malloc((nq + 1024) * sizeof(amx_run_t));
     float *ra[2], *rs[2], *ri[2];
-    uint8_t *rb[2];
+    uint8_t *rb[2], *rf[2];
     for (int k = 0; k < 2; k++) {
         ra[k] = (float *)malloc(ncells * 4), rs[k] = (float *)malloc(ncells * 4);
         ri[k] = (float *)malloc(ncells * 4), rb[k] = (uint8_t *)malloc(ncells);
+        rf[k] = (uint8_t *)malloc(ncells);
     }
     amx_run_t all = {0, 0, ncells};
     cur_q = q, cur_nq = nq;
@@ -376,8 +378,11 @@ static int run_catalog(const plan_t *plan, amx_qdesc_t *q, uint32_t nq, uint64_t
         amx_state_t *st[2] = {h, c};
         for (int k = 0; k < 2; k++)
             if (st[k]->ops->read_results(st[k], &all, 1, ncells, ra[k], rs[k], ri[k], rb[k],
-                                         &err)) {
-                fprintf(stderr, "read_results: %s\n", err.msg);
+                                         &err) ||
+                st[k]->ops->read_filled == NULL ||
+                st[k]->ops->read_filled(st[k], &all, 1, rf[k], &err)) {
+                fprintf(stderr, "read_results / read_filled: %s\n",
+                        st[k]->ops->read_filled ? err.msg : "read_filled missing");
                 return 2;
             }
         int e = 0, hf = h->front, cf = c->front;
@@ -385,6 +390,9 @@ static int run_catalog(const plan_t *plan, amx_qdesc_t *q, uint32_t nq, uint64_t
         e |= compare("scale", rs[0], rs[1], ncells, 4, epoch);
         e |= compare("scale_inv", ri[0], ri[1], ncells, 4, epoch);
         e |= compare("bytes", rb[0], rb[1], ncells, 1, epoch);
+        e |= compare("filled", rf[0], rf[1], ncells, 1, epoch);
+        uint64_t counts[2][2] = {{h->last_filled, h->last_missing}, {c->last_filled, c->last_missing}};
+        e |= compare("filled/missing counts", counts[0], counts[1], 2, 8, epoch);
         e |= compare("global_amax", h->g_amax[hf], c->g_amax[cf], nq, 4, epoch);
         e |= compare("global_scale", h->g_scale[hf], c->g_scale[cf], nq, 4, epoch);
         e |= compare("global_scale_inv", h->g_inv[hf], c->g_inv[cf], nq, 4, epoch);
@@ -392,15 +400,16 @@ static int run_catalog(const plan_t *plan, amx_qdesc_t *q, uint32_t nq, uint64_t
         for (uint64_t i = 0; i < ncells; i++)
             nonfinite += !isfinite(rs[1][i]) || !isfinite(ri[1][i]);
         printf("%s, epoch %d (%s descriptors, %d resets): %llu cells of %u quantizers compared: "
-               "%s; non-finite scales: %llu\n",
+               "%s; non-finite scales: %llu; filled %llu, missing %llu\n",
                plan->label, epoch, dirty ? "new" : "same", resets, (unsigned long long)ncells, nq,
-               e ? "MISMATCH" : "identical", (unsigned long long)nonfinite);
+               e ? "MISMATCH" : "identical", (unsigned long long)nonfinite,
+               (unsigned long long)c->last_filled, (unsigned long long)c->last_missing);
         bad |= e | (nonfinite != 0);
     }
     free(vals);
     free(runs);
     for (int k = 0; k < 2; k++)
-        free(ra[k]), free(rs[k]), free(ri[k]), free(rb[k]);
+        free(ra[k]), free(rs[k]), free(ri[k]), free(rb[k]), free(rf[k]);
     return bad;
 }
 
