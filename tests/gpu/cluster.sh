@@ -50,7 +50,7 @@ export AMAXD_BIN="$build/amaxd" AMAXCTL_BIN="$build/amaxctl"
 
 if step 3; then
   echo "== 3. end-to-end suite, one daemon on the CUDA backend"
-  AMAXD_BACKEND=cuda python3 -m pytest -q -p no:cacheprovider tests/e2e 2>&1 \
+  AMAXD_BACKEND=cuda AMAXD_BUILD_DIR="$build" python3 -m pytest -q -p no:cacheprovider tests/e2e 2>&1 \
     | tee "$out/e2e.txt" | tail -3 || rc=1
 fi
 if step 4; then

@@ -33,7 +33,7 @@ echo "== 3. end-to-end suite, daemon on the CUDA backend"
 py=$(mktemp -d)
 python3 -m pip install -q --no-deps --no-index --target "$py" "$carry"/wheels/*.whl || rc=1
 export PYTHONPATH="$py:$root/tests/e2e"
-export AMAXD_BIN="$build/amaxd" AMAXCTL_BIN="$build/amaxctl" AMAXD_BACKEND=cuda
+export AMAXD_BIN="$build/amaxd" AMAXCTL_BIN="$build/amaxctl" AMAXD_BACKEND=cuda AMAXD_BUILD_DIR="$build"
 python3 -m pytest -q -p no:cacheprovider tests/e2e 2>&1 | tee "$out/e2e.txt" | tail -5 || rc=1
 
 echo "== 4. kernel benchmark"
