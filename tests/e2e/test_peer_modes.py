@@ -346,3 +346,39 @@ def test_bad_global_axes_change_nothing(daemon, spec, what):
         assert (after.quantizers, after.cells, after.proposals) == \
             (before.quantizers, before.cells, before.proposals)
         assert [q.name for q in c.list_quantizers().quantizers] == ["keep"]
+
+
+def test_slices_survive_a_catalog_change(daemon):
+    # Delayed FP8 with per-expert globals: each slice keeps its own previous
+    # scale. In epoch 2 a quantizer that sorts first is added (the layout
+    # moves every slice) and expert 1 sends nothing: its slice's global
+    # scale must stay epoch 1's.
+    import json
+    import os
+    import subprocess
+    q = amaxd.Quantizer("w", [3, 2], amaxd.Recipe.fp8_delayed(history_len=2),
+                        accumulation=amaxd.PER_EPOCH, global_axes=1)
+    with daemon.client("move", 0, 1) as c:
+        c.join()
+        c.register([q])
+        c.send({"w": np.array([[1, 2], [4, 8], [3, 0]], F32)})
+        r1 = c.reconcile()["w"]
+        assert r1.global_amaxes.tolist() == [2, 8, 3]
+        assert r1.global_scales.tolist() == [224, 56, np.float32(448 / 3)]
+        # Sliced too: w's slices move behind a.first's 5.
+        c.register([amaxd.Quantizer("a.first", [5, 2], amaxd.Recipe.fp8_current(),
+                                    global_axes=1)])
+        c.send({"w": np.ma.masked_array(np.array([[16, 1], [0, 0], [1, 1]], F32),
+                                        mask=[[0, 0], [1, 1], [0, 0]])})
+        r2 = c.reconcile()["w"]
+        # History window of 2: expert 0 max(2, 16) = 16, expert 2 max(3, 1) = 3.
+        assert r2.global_amaxes.tolist() == [16, 0, 3]
+        assert r2.global_scales.tolist() == [28, 56, np.float32(448 / 3)]
+        assert F32(r2.global_amax) == 16
+    ctl = os.environ.get("AMAXCTL_BIN", os.path.join(os.path.dirname(__file__), "..", "..",
+                                                     "build", "amaxctl"))
+    p = subprocess.run([ctl, "--socket", daemon.socket, "--json", "list", "move"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    got = {q["name"]: q for q in json.loads(p.stdout)}
+    assert got["w"]["global_axes"] == 1 and got["w"]["peer_mode"] == ""

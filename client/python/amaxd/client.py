@@ -147,9 +147,10 @@ class Result:
     global_scale: float
     global_scale_inv: float
     missing: int
-    # Cells that had no data in the last epoch and took their peer group's
-    # max (cold experts), as a bool array; None when the daemon's state
-    # backend does not report it.
+    # Cells their peer group raised in the last epoch, as a bool array: cells
+    # without data that took the group's max (cold experts), and with
+    # peer_mode "share" also cells whose own amax was below it; None when the
+    # daemon's state backend does not report it.
     peer_filled: Optional[np.ndarray] = None
     # The epoch before the last one's global amax and scale (None after the
     # quantizer's first epoch).
