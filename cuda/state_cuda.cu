@@ -453,8 +453,6 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, fl
             g = samax[sl];
             s_enc = sscale[sl];
         }
-        if (out_filled != NULL)
-            out_filled[i] = filled;
         float s, inv;
         uint8_t b;
         amx_pp_cell(&q->recipe, a[k], g, s_enc, &prev[i], &s, &inv, &b);
