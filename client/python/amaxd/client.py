@@ -30,6 +30,9 @@ _HISTORY_CONV = {"te": pb.HISTORY_TRANSFORMER_ENGINE,
 _MXFP8_CONV = {"te": pb.MXFP8_TRANSFORMER_ENGINE, "ocp": pb.MXFP8_OCP}
 
 
+_F4 = np.dtype("<f4")
+
+
 def _conv(table, what, name):
     try:
         return table[name]
@@ -138,7 +141,26 @@ class Result:
 
     @staticmethod
     def from_pb(r):
-        return Result.from_parts([r])
+        """One whole result: read-only numpy views of the message's bytes."""
+        if r.first_cell:
+            return Result.from_parts([r])
+        shape = tuple(r.shape)
+        fb = np.frombuffer
+        amax = fb(r.amax, _F4)
+        n = amax.size
+        if (shape and n != int(np.prod(shape))) or (not shape and n != 1):
+            return Result.from_parts([r])  # says what is wrong
+        filled = None
+        if r.peer_fill_known:
+            filled = (fb(r.filled, np.bool_) if r.peer_filled
+                      else np.zeros(n, dtype=np.bool_)).reshape(shape)
+        prev = r.has_previous
+        return Result(r.name, tuple(r.offset), shape, amax.reshape(shape),
+                      fb(r.scale, _F4).reshape(shape), fb(r.scale_inv, _F4).reshape(shape),
+                      fb(r.block_scales, np.uint8).reshape(shape), r.global_amax,
+                      r.global_scale, r.global_scale_inv, r.missing, filled,
+                      r.previous_global_amax if prev else None,
+                      r.previous_global_scale if prev else None)
 
     @staticmethod
     def from_parts(parts):
