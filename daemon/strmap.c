@@ -127,7 +127,7 @@ int amx_strmap_get(const amx_strmap_t *m, const char *key, uint32_t *val)
     for (size_t i = hash(key, n) & (m->cap - 1);; i = (i + 1) & (m->cap - 1)) {
         if (m->keys[i] == NULL)
             return 0;
-        if (memcmp(m->keys[i], key, n + 1) == 0) {
+        if (strcmp(m->keys[i], key) == 0) {
             *val = m->vals[i];
             return 1;
         }
