@@ -38,6 +38,23 @@ typedef struct amx_lq {
     uint32_t nplacements;
 } amx_lq_t;
 
+/* A rank's slab layout (the packed form): its live placements in catalog
+ * order (names in byte order), where each lies in the rank's flat buffer,
+ * and the runs that move cells between that buffer and the job's. Built
+ * on demand, rebuilt when job->layout_gen moved on. */
+typedef struct amx_slab {
+    uint64_t gen;     /* job->layout_gen it was built for */
+    uint64_t id;      /* layout id: a hash of the content */
+    uint32_t n;       /* quantizers */
+    uint32_t *lid;    /* n, layout order */
+    uint64_t *off;    /* n + 1: first slab cell of each; off[n] = total */
+    amx_run_t *merge; /* pending cell (dst) <- slab cell (src), coalesced */
+    size_t nmerge;
+    amx_run_t *gather; /* output cell (src) -> slab cell (dst), agreed only, coalesced */
+    size_t ngather;
+    uint64_t gather_cells;
+} amx_slab_t;
+
 /* A trainer rank hosted by this daemon. */
 typedef struct amx_lrank {
     uint32_t rank;
@@ -52,6 +69,7 @@ typedef struct amx_lrank {
     amx_placement_t *pls;
     uint32_t *pl_lid; /* lid of pls[i] */
     uint32_t npls, cap_pls;
+    amx_slab_t *slab; /* NULL until the packed form is used */
 } amx_lrank_t;
 
 /* A request that waits until the epoch in flight has ended. */
@@ -95,6 +113,7 @@ typedef struct amx_job {
     uint32_t nreset;     /* quantizers with lq.reset set */
     uint64_t reset_seq;  /* Reset calls made here (cluster jobs: sent with proposals) */
     uint32_t batch;      /* SendAmax batch counter for lq.stamp */
+    uint64_t layout_gen; /* moves on whenever a placement, a base or a status changes */
     amx_state_t *state;
     /* Epochs. */
     uint64_t epoch;           /* open epoch, from 1 */

@@ -1019,16 +1019,22 @@ static void h_drop(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 }
 
 const amx_method_t amx__peer_methods[] = {
-    {SVC "Join", &amaxd__peer__v1__join_request__descriptor, h_join, 0, AMX_SERVER_PEER},
-    {SVC "Sync", &amaxd__peer__v1__sync_request__descriptor, h_sync, 0, AMX_SERVER_PEER},
-    {SVC "KvSet", &amaxd__peer__v1__kv_set_request__descriptor, h_kvset, 0, AMX_SERVER_PEER},
-    {SVC "KvGet", &amaxd__peer__v1__kv_get_request__descriptor, h_kvget, 0, AMX_SERVER_PEER},
+    {SVC "Join", &amaxd__peer__v1__join_request__descriptor, h_join, 0, AMX_SERVER_PEER, NULL,
+     NULL},
+    {SVC "Sync", &amaxd__peer__v1__sync_request__descriptor, h_sync, 0, AMX_SERVER_PEER, NULL,
+     NULL},
+    {SVC "KvSet", &amaxd__peer__v1__kv_set_request__descriptor, h_kvset, 0, AMX_SERVER_PEER, NULL,
+     NULL},
+    {SVC "KvGet", &amaxd__peer__v1__kv_get_request__descriptor, h_kvget, 0, AMX_SERVER_PEER, NULL,
+     NULL},
     {SVC "FetchState", &amaxd__peer__v1__fetch_state_request__descriptor, h_fetch, 0,
-     AMX_SERVER_PEER},
-    {SVC "Abort", &amaxd__peer__v1__abort_request__descriptor, h_abort, 0, AMX_SERVER_PEER},
-    {SVC "Progress", &amaxd__peer__v1__progress_request__descriptor, h_progress, 0,
-     AMX_SERVER_PEER},
-    {SVC "Drop", &amaxd__peer__v1__drop_request__descriptor, h_drop, 0, AMX_SERVER_PEER},
+     AMX_SERVER_PEER, NULL, NULL},
+    {SVC "Abort", &amaxd__peer__v1__abort_request__descriptor, h_abort, 0, AMX_SERVER_PEER, NULL,
+     NULL},
+    {SVC "Progress", &amaxd__peer__v1__progress_request__descriptor, h_progress, 0, AMX_SERVER_PEER,
+     NULL, NULL},
+    {SVC "Drop", &amaxd__peer__v1__drop_request__descriptor, h_drop, 0, AMX_SERVER_PEER, NULL,
+     NULL},
 };
 const size_t amx__n_peer_methods = sizeof(amx__peer_methods) / sizeof(amx__peer_methods[0]);
 

@@ -14,6 +14,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -48,6 +49,8 @@ struct amx_registry {
     uint64_t stage_cap;
     amx_run_t *runs;
     size_t runs_cap;
+    uint32_t *lids; /* SendAmax: each update's lid, found once */
+    size_t lids_cap;
     /* Growths of pending buffers that ended (job.h growing). */
     uv_async_t grow_async;
     int open_asyncs; /* the registry is freed when both asyncs are closed */
@@ -192,8 +195,21 @@ static void finish_waiter(amx_registry_t *reg, amx_waiter_t *w, amx_status_t st,
     w->done(w, st, msg, reply);
 }
 
+static void slab_free(amx_slab_t *sl)
+{
+    if (sl == NULL)
+        return;
+    free(sl->lid);
+    free(sl->off);
+    free(sl->merge);
+    free(sl->gather);
+    free(sl);
+}
+
 static void lrank_free(amx_lrank_t *r)
 {
+    slab_free(r->slab);
+    r->slab = NULL;
     free(r->pl_of);
     free(r->pls);
     free(r->pl_lid);
@@ -526,6 +542,7 @@ static void on_async_closed(uv_handle_t *h)
     pthread_mutex_destroy(&reg->done_mu);
     free(reg->stage);
     free(reg->runs);
+    free(reg->lids);
     free(reg);
 }
 
@@ -1165,6 +1182,8 @@ static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_reg
             j->lq[lid].nplacements++;
         }
     }
+    if (created > 0 || new_pls > 0)
+        j->layout_gen++;
     rep->created = created;
     rep->existing = existing;
     rep->catalog_size = j->cat->n + j->nprop;
@@ -1306,6 +1325,16 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
             j->lq[i].stamp = 0;
         j->batch = 1;
     }
+    if (req->n > reg->lids_cap) {
+        size_t cap = reg->lids_cap ? reg->lids_cap : 1024;
+        while (cap < req->n)
+            cap *= 2;
+        uint32_t *p = realloc(reg->lids, cap * sizeof(uint32_t));
+        if (p == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu updates", req->n);
+        reg->lids = p;
+        reg->lids_cap = cap;
+    }
     for (size_t u = 0; u < req->n; u++) {
         const amx_update_in_t *up = &req->u[u];
         uint32_t lid;
@@ -1336,6 +1365,7 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
                                (unsigned long long)pl->ncells);
         nvals += pl->ncells;
         nruns += amx_placement_nrows(pl);
+        reg->lids[u] = lid;
     }
     if (stage_reserve(reg, nvals, nruns) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of memory staging %llu amax values",
@@ -1344,8 +1374,7 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
     stage_ctx_t ctx = {reg, 0, 0};
     for (size_t u = 0; u < req->n; u++) {
         const amx_update_in_t *up = &req->u[u];
-        uint32_t lid;
-        amx_strmap_get(&j->lqmap, up->name, &lid);
+        uint32_t lid = reg->lids[u]; /* found in pass 1: one lookup per update */
         const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
         float *dst = reg->stage + ctx.src_base;
         if (up->values_len > 0) /* float32 LE on an LE host */
@@ -1380,6 +1409,343 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
     }
     *accepted = req->n;
     *epoch = open;
+    return AMX_OK;
+}
+
+/* ---- the packed form: slab layouts ---- */
+
+typedef struct slab_ent {
+    const char *name;
+    uint32_t lid;
+} slab_ent_t;
+
+static int ent_cmp(const void *a, const void *b)
+{
+    return strcmp(((const slab_ent_t *)a)->name, ((const slab_ent_t *)b)->name);
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+typedef struct slab_build {
+    amx_slab_t *sl;
+    uint64_t slab_base;
+    int agreed;
+} slab_build_t;
+
+/* One row of a block: merge run (pending <- slab), and for an agreed
+ * quantizer the gather run (slab <- outputs); each joined to the run
+ * before it when both sides continue it. */
+static void slab_row(void *ud, uint64_t flat, uint64_t boff, uint64_t len)
+{
+    slab_build_t *b = ud;
+    amx_slab_t *sl = b->sl;
+    uint64_t cell = b->slab_base + boff;
+    amx_run_t *m = sl->nmerge ? &sl->merge[sl->nmerge - 1] : NULL;
+    if (m != NULL && m->dst + m->len == flat && m->src + m->len == cell)
+        m->len += len;
+    else
+        sl->merge[sl->nmerge++] = (amx_run_t){flat, cell, len};
+    if (!b->agreed)
+        return;
+    amx_run_t *g = sl->ngather ? &sl->gather[sl->ngather - 1] : NULL;
+    if (g != NULL && g->src + g->len == flat && g->dst + g->len == cell)
+        g->len += len;
+    else
+        sl->gather[sl->ngather++] = (amx_run_t){cell, flat, len};
+    sl->gather_cells += len;
+}
+
+/* The rank's slab layout, rebuilt when the job's layout moved on. */
+static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx_err_t *err)
+{
+    if (r->slab != NULL && r->slab->gen == j->layout_gen) {
+        *out = r->slab;
+        return AMX_OK;
+    }
+    uint32_t n = 0;
+    uint64_t nrows = 0;
+    for (uint32_t i = 0; i < r->npls; i++) {
+        uint32_t lid = r->pl_lid[i];
+        if (r->pl_of[lid] == i + 1 && lq_live(&j->lq[lid])) {
+            n++;
+            nrows += amx_placement_nrows(&r->pls[i]);
+        }
+    }
+    amx_slab_t *sl = calloc(1, sizeof(*sl));
+    slab_ent_t *e = malloc((n ? n : 1) * sizeof(*e));
+    if (sl != NULL) {
+        sl->lid = malloc((n ? n : 1) * sizeof(uint32_t));
+        sl->off = malloc((n + 1) * sizeof(uint64_t));
+        sl->merge = malloc((nrows ? nrows : 1) * sizeof(amx_run_t));
+        sl->gather = malloc((nrows ? nrows : 1) * sizeof(amx_run_t));
+    }
+    if (sl == NULL || e == NULL || sl->lid == NULL || sl->off == NULL || sl->merge == NULL ||
+        sl->gather == NULL) {
+        free(e);
+        slab_free(sl);
+        return amx_err_set(err, AMX_ENOMEM, "out of memory building the slab layout of rank %u",
+                           r->rank);
+    }
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < r->npls; i++) {
+        uint32_t lid = r->pl_lid[i];
+        if (r->pl_of[lid] == i + 1 && lq_live(&j->lq[lid]))
+            e[k++] = (slab_ent_t){j->lq[lid].spec->name, lid};
+    }
+    qsort(e, n, sizeof(*e), ent_cmp);
+    uint64_t h = 1469598103934665603ull, cell = 0;
+    slab_build_t b = {sl, 0, 0};
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t lid = e[i].lid;
+        const amx_lq_t *q = &j->lq[lid];
+        const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
+        sl->lid[i] = lid;
+        sl->off[i] = cell;
+        h = fnv(h, q->spec->name, strlen(q->spec->name) + 1);
+        h = fnv(h, q->spec->shape, q->spec->ndim * sizeof(uint32_t));
+        h = fnv(h, &pl->ndim, sizeof(pl->ndim));
+        h = fnv(h, pl->off, pl->ndim * sizeof(uint32_t));
+        h = fnv(h, pl->shape, pl->ndim * sizeof(uint32_t));
+        h = fnv(h, &q->spec->recipe.format, sizeof(q->spec->recipe.format));
+        b.slab_base = cell;
+        b.agreed = q->status == LQ_AGREED;
+        amx_placement_rows(pl, q->spec->shape, q->base, slab_row, &b);
+        cell += pl->ncells;
+    }
+    sl->off[n] = cell;
+    sl->n = n;
+    sl->gen = j->layout_gen;
+    sl->id = fnv(h, &n, sizeof(n));
+    free(e);
+    slab_free(r->slab);
+    r->slab = sl;
+    *out = sl;
+    return AMX_OK;
+}
+
+static amx_status_t check_layout_id(const amx_job_t *j, const amx_lrank_t *r, const amx_slab_t *sl,
+                                    uint64_t id, const char *what, amx_err_t *err)
+{
+    if (id == sl->id)
+        return AMX_OK;
+    return amx_err_set(err, AMX_EPRECOND,
+                       "%s of rank %u, job '%s': layout id %016llx is stale (the rank's "
+                       "quantizers or placements changed since it was fetched; the layout is now "
+                       "%016llx with %u quantizers, %llu cells): fetch the layout again "
+                       "(GetLayout) and pack the values by it",
+                       what, r->rank, j->name, (unsigned long long)id, (unsigned long long)sl->id,
+                       sl->n, (unsigned long long)sl->off[sl->n]);
+}
+
+amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t rank,
+                                 amx_layout_t *out, amx_arena_t *a, amx_err_t *err)
+{
+    amx_job_t *j;
+    AMX_CHECK(ready_job(reg, job, rank, 1, &j, err));
+    amx_lrank_t *r = local_rank(j, rank);
+    amx_slab_t *sl;
+    AMX_CHECK(slab_get(j, r, &sl, err));
+    uint32_t n = sl->n;
+    size_t nd = 0;
+    for (uint32_t i = 0; i < n; i++)
+        nd += r->pls[r->pl_of[sl->lid[i]] - 1].ndim;
+    memset(out, 0, sizeof(*out));
+    out->id = sl->id;
+    out->total_cells = sl->off[n];
+    out->n = n;
+    out->ndims = nd;
+    size_t m = n ? n : 1, md = nd ? nd : 1;
+    out->names = amx_arena_alloc(a, m * sizeof(char *));
+    out->slab_offset = amx_arena_alloc(a, m * sizeof(uint64_t));
+    out->ncells = amx_arena_alloc(a, m * sizeof(uint64_t));
+    out->ndim = amx_arena_alloc(a, m * sizeof(uint32_t));
+    out->format = amx_arena_alloc(a, m * sizeof(int));
+    out->block_offset = amx_arena_alloc(a, md * sizeof(uint32_t));
+    out->block_shape = amx_arena_alloc(a, md * sizeof(uint32_t));
+    out->global_shape = amx_arena_alloc(a, md * sizeof(uint32_t));
+    if (out->names == NULL || out->slab_offset == NULL || out->ncells == NULL ||
+        out->ndim == NULL || out->format == NULL || out->block_offset == NULL ||
+        out->block_shape == NULL || out->global_shape == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory describing a layout of %u quantizers",
+                           n);
+    size_t d = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const amx_lq_t *q = &j->lq[sl->lid[i]];
+        const amx_placement_t *pl = &r->pls[r->pl_of[sl->lid[i]] - 1];
+        out->names[i] = q->spec->name;
+        out->slab_offset[i] = sl->off[i];
+        out->ncells[i] = pl->ncells;
+        out->ndim[i] = pl->ndim;
+        out->format[i] = q->spec->recipe.format;
+        for (uint32_t k = 0; k < pl->ndim; k++, d++) {
+            out->block_offset[d] = pl->off[k];
+            out->block_shape[d] = pl->shape[k];
+            out->global_shape[d] = q->spec->shape[k];
+        }
+    }
+    return AMX_OK;
+}
+
+/* The layout index of slab cell c (binary search over the offsets). */
+static uint32_t slab_index(const amx_slab_t *sl, uint64_t c)
+{
+    uint32_t lo = 0, hi = sl->n;
+    while (hi - lo > 1) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (sl->off[mid] <= c)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed_req_t *req,
+                                      uint64_t *accepted, uint64_t *epoch, amx_err_t *err)
+{
+    amx_job_t *j;
+    AMX_CHECK(ready_job(reg, req->job, req->rank, 1, &j, err));
+    uint64_t open = send_epoch(j);
+    AMX_CHECK(check_epoch(j, open, req->epoch, req->rank, "SendPacked", err));
+    amx_lrank_t *r = local_rank(j, req->rank);
+    if (r->in_reconcile && !j->in_flight)
+        return amx_err_set(err, AMX_EPRECOND,
+                           "rank %u of job '%s' already entered Reconcile for epoch %llu; send "
+                           "amax before calling Reconcile (this update belongs to the next epoch)",
+                           req->rank, j->name, (unsigned long long)j->epoch);
+    amx_slab_t *sl;
+    AMX_CHECK(slab_get(j, r, &sl, err));
+    AMX_CHECK(check_layout_id(j, r, sl, req->layout_id, "SendPacked", err));
+    uint64_t total = sl->off[sl->n];
+    if (req->values_len != total * sizeof(float))
+        return amx_err_set(err, AMX_EINVAL,
+                           "SendPacked of rank %u, job '%s': %zu bytes of values; the layout "
+                           "%016llx has %llu float32 cells = %llu bytes",
+                           req->rank, j->name, req->values_len, (unsigned long long)sl->id,
+                           (unsigned long long)total, (unsigned long long)total * 4);
+    if (req->has_data_len != 0 && req->has_data_len != total)
+        return amx_err_set(err, AMX_EINVAL,
+                           "SendPacked of rank %u, job '%s': has_data has %zu bytes; it needs one "
+                           "per cell of the layout (%llu) or none",
+                           req->rank, j->name, req->has_data_len, (unsigned long long)total);
+    /* Validate and normalize in place (the request's own buffer): no state
+     * changes before every value passed. */
+    float *v = req->values;
+    const uint8_t *mask = req->has_data_len ? req->has_data : NULL;
+    int ok = 1;
+    if (mask == NULL) {
+        for (uint64_t c = 0; c < total; c++) {
+            float x = v[c];
+            ok &= x >= 0.0f && x <= FLT_MAX;
+            v[c] = x + 0.0f; /* -0.0 becomes +0.0 */
+        }
+    } else {
+        for (uint64_t c = 0; c < total; c++) {
+            float x = v[c];
+            int has = mask[c] != 0;
+            ok &= !has || (x >= 0.0f && x <= FLT_MAX);
+            v[c] = has ? x + 0.0f : -INFINITY;
+        }
+    }
+    if (!ok) {
+        uint64_t c;
+        for (c = 0; c < total; c++)
+            if (!(v[c] >= 0.0f && v[c] <= FLT_MAX) && !(mask != NULL && mask[c] == 0))
+                break;
+        uint32_t qi = slab_index(sl, c);
+        return amx_err_set(err, AMX_EINVAL,
+                           "SendPacked of rank %u, job '%s': cell %llu (quantizer '%s', its "
+                           "value[%llu]) = %g; amax values must be finite and >= 0 (nothing of "
+                           "this request was applied)",
+                           req->rank, j->name, (unsigned long long)c, j->lq[sl->lid[qi]].spec->name,
+                           (unsigned long long)(c - sl->off[qi]), (double)v[c]);
+    }
+    amx_status_t mst = j->state->ops->merge(j->state, v, total, sl->merge, sl->nmerge, 0, err);
+    if (mst != AMX_OK)
+        return note_fault(reg, mst, err->msg);
+    j->updates += sl->n;
+    if (reg->metrics != NULL)
+        amx_metrics_job_updates(reg->metrics, j->name, sl->n, req->values_len + req->has_data_len);
+    *accepted = sl->n;
+    *epoch = open;
+    return AMX_OK;
+}
+
+/* The packed answer of rank r: arrays from the waiter's owner, filled
+ * from the published outputs in slab order. */
+static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, amx_waiter_t *w,
+                                 amx_packed_t *p, amx_err_t *err)
+{
+    amx_slab_t *sl;
+    AMX_CHECK(slab_get(j, r, &sl, err));
+    memset(p, 0, sizeof(*p));
+    p->layout_id = sl->id;
+    p->ncells = sl->off[sl->n];
+    p->nq = sl->n;
+    if (w->alloc_packed(w, p) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory building a packed answer of %llu cells",
+                           (unsigned long long)p->ncells);
+    amx_state_t *st = j->state;
+    int f = st->front;
+    if (sl->ngather > 0) {
+        amx_status_t rst =
+            st->ops->read_results(st, sl->gather, sl->ngather, sl->gather_cells, p->amax, p->scale,
+                                  p->scale_inv, p->block_scales, err);
+        if (rst != AMX_OK)
+            return note_fault(reg, rst, err->msg);
+    }
+    int known = 0;
+    if (p->filled != NULL && st->ops->read_filled != NULL) {
+        amx_err_t ferr = {0};
+        known = sl->ngather == 0 ||
+                st->ops->read_filled(st, sl->gather, sl->ngather, p->filled, &ferr) == AMX_OK;
+    }
+    p->peer_fill_known = known;
+    uint64_t nfilled = 0;
+    for (uint32_t i = 0; i < sl->n; i++) {
+        uint32_t lid = sl->lid[i];
+        const amx_lq_t *q = &j->lq[lid];
+        uint64_t c0 = sl->off[i], c1 = sl->off[i + 1];
+        uint32_t missing = 0;
+        if (q->status != LQ_AGREED) { /* not agreed yet: no data */
+            for (uint64_t c = c0; c < c1; c++) {
+                p->amax[c] = 0.0f;
+                p->scale[c] = p->scale_inv[c] = 1.0f;
+                p->block_scales[c] = 0;
+            }
+            if (known)
+                memset(p->filled + c0, 0, c1 - c0);
+            missing = (uint32_t)(c1 - c0);
+            p->g_amax[i] = 0.0f;
+            p->g_scale[i] = p->g_inv[i] = 1.0f;
+        } else {
+            for (uint64_t c = c0; c < c1; c++)
+                if (p->amax[c] == -INFINITY) {
+                    p->amax[c] = 0.0f;
+                    missing++;
+                }
+            if (known)
+                for (uint64_t c = c0; c < c1; c++)
+                    nfilled += p->filled[c];
+            uint32_t ci = (uint32_t)q->cidx;
+            int have = ci < st->out_nq[f];
+            p->g_amax[i] = have ? st->g_amax[f][ci] : 0.0f;
+            p->g_scale[i] = have ? st->g_scale[f][ci] : 1.0f;
+            p->g_inv[i] = have ? st->g_inv[f][ci] : 1.0f;
+        }
+        p->missing[i] = missing;
+        int prev = lid < j->prev_n && j->prev_ok[lid];
+        p->has_previous[i] = (uint8_t)prev;
+        p->prev_amax[i] = prev ? j->prev_ga[lid] : 0.0f;
+        p->prev_scale[i] = prev ? j->prev_gs[lid] : 0.0f;
+    }
+    p->nfilled = nfilled;
     return AMX_OK;
 }
 
@@ -1831,6 +2197,25 @@ static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *er
     return AMX_OK;
 }
 
+/* ReconcilePacked: the layout id is current and the answer fits. */
+static amx_status_t packed_answer_fits(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r,
+                                       uint64_t id, amx_err_t *err)
+{
+    amx_slab_t *sl;
+    AMX_CHECK(slab_get(j, r, &sl, err));
+    AMX_CHECK(check_layout_id(j, r, sl, id, "ReconcilePacked", err));
+    uint64_t cells = sl->off[sl->n];
+    uint64_t answer = 14 * cells + 26ull * sl->n + 16 * 20 + 64;
+    if (answer > (uint64_t)reg->cfg->max_message_bytes)
+        return amx_err_set(err, AMX_ENOMEM,
+                           "the packed answer to this Reconcile (%u quantizers, %llu cells) would "
+                           "take %llu bytes, more than max_message_bytes=%lld: use Reconcile with "
+                           "fewer names and GetScales windows, or raise max_message_bytes",
+                           sl->n, (unsigned long long)cells, (unsigned long long)answer,
+                           (long long)reg->cfg->max_message_bytes);
+    return AMX_OK;
+}
+
 amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req_t *req,
                                     amx_waiter_t *w, uint64_t now_ms, amx_err_t *err)
 {
@@ -1841,7 +2226,10 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
         (req->epoch == 0 || req->epoch == j->epoch)) {
         /* Its earlier call went away while the epoch was in flight: this
          * call takes its place and gets the epoch's answer. */
-        AMX_CHECK(reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
+        if (req->packed)
+            AMX_CHECK(packed_answer_fits(reg, j, r, req->layout_id, err));
+        else
+            AMX_CHECK(reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
         w->job = j;
         w->rank = req->rank;
         w->kind = WAIT_RECONCILE;
@@ -1858,7 +2246,10 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
                            "another call",
                            req->rank, j->name, (unsigned long long)j->epoch);
     AMX_CHECK(check_epoch(j, j->epoch, req->epoch, req->rank, "Reconcile", err));
-    AMX_CHECK(reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
+    if (req->packed)
+        AMX_CHECK(packed_answer_fits(reg, j, r, req->layout_id, err));
+    else
+        AMX_CHECK(reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
     w->job = j;
     w->rank = req->rank;
     w->kind = WAIT_RECONCILE;
@@ -1922,6 +2313,7 @@ static void install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_
                     j->lr[s].pl_of[lid] = 0;
         }
     }
+    j->layout_gen++; /* bases, statuses and placements may have moved */
     amx_catalog_free(j->cat);
     free(j->desc);
     j->cat = nc;
@@ -2044,8 +2436,13 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
             memset(&rep, 0, sizeof(rep));
             rep.epoch = res->epoch;
             rep.next_epoch = j->epoch;
-            amx_status_t st = build_results(reg, j, r->rank, w->names, w->n_names, 0, 0,
-                                            &rep.results, &rep.nresults, NULL, &a, &e2);
+            amx_packed_t pk;
+            amx_status_t st = w->alloc_packed != NULL
+                                  ? build_packed(reg, j, r, w, &pk, &e2)
+                                  : build_results(reg, j, r->rank, w->names, w->n_names, 0, 0,
+                                                  &rep.results, &rep.nresults, NULL, &a, &e2);
+            if (w->alloc_packed != NULL)
+                rep.packed = &pk;
             if (st == AMX_OK)
                 finish_waiter(reg, w, AMX_OK, NULL, &rep);
             else
@@ -2616,6 +3013,7 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
     j->epochs_failed = m->epochs_failed;
     j->durable_epoch = js->last_reconciled;
     j->restored = 1;
+    j->layout_gen++;
     j->last_active_ms = amx_now_ms();
     return AMX_OK;
 nomem:

@@ -64,7 +64,53 @@ typedef struct amx_reconcile_req {
     uint64_t epoch;
     char **names;
     size_t n_names;
+    /* The packed form: the answer is the rank's slab (the waiter's
+     * alloc_packed), which must still have this layout id. */
+    int packed;
+    uint64_t layout_id;
 } amx_reconcile_req_t;
+
+/* SendPacked: one slab of values. `values` is writable and 4-byte aligned:
+ * the registry normalizes it in place (no-data cells -> -inf, -0 -> +0). */
+typedef struct amx_send_packed_req {
+    const char *job;
+    uint32_t rank;
+    uint64_t epoch;
+    uint64_t layout_id;
+    float *values;
+    size_t values_len;       /* bytes */
+    const uint8_t *has_data; /* one byte per cell, or NULL */
+    size_t has_data_len;
+} amx_send_packed_req_t;
+
+/* A rank's slab layout (GetLayout), arrays in the arena. */
+typedef struct amx_layout {
+    uint64_t id, total_cells;
+    uint32_t n;
+    const char **names;
+    uint64_t *slab_offset, *ncells;
+    uint32_t *ndim;
+    uint32_t *block_offset, *block_shape, *global_shape; /* ndim[i] entries each, in order */
+    size_t ndims;                                        /* entries of those three */
+    int *format;
+} amx_layout_t;
+
+/* The packed answer of a ReconcilePacked: the registry sets layout_id,
+ * ncells and nq, asks the waiter's owner for the arrays (alloc_packed),
+ * fills them, then calls done with reply->packed pointing here. */
+typedef struct amx_packed {
+    uint64_t layout_id, ncells;
+    uint32_t nq;
+    float *amax, *scale, *scale_inv; /* ncells each */
+    uint8_t *block_scales;           /* ncells */
+    float *g_amax, *g_scale, *g_inv; /* nq each */
+    uint32_t *missing;               /* nq */
+    uint8_t *has_previous;           /* nq */
+    float *prev_amax, *prev_scale;   /* nq */
+    uint8_t *filled;                 /* ncells; NULL: not wanted */
+    int peer_fill_known;             /* set by the registry */
+    uint64_t nfilled;                /* cells marked in `filled` */
+} amx_packed_t;
 
 typedef struct amx_scales_req {
     const char *job;
@@ -127,6 +173,8 @@ typedef struct amx_reply {
     uint32_t created, existing, catalog_size;
     /* Reset */
     uint32_t reset;
+    /* ReconcilePacked */
+    const amx_packed_t *packed;
 } amx_reply_t;
 
 /*
@@ -150,6 +198,11 @@ struct amx_waiter {
     void (*on_cancel)(amx_waiter_t *w);
     void *ext;
     uint64_t aux;
+    /* ReconcilePacked (set by the owner): gives the arrays of a packed
+     * answer of p->ncells cells and p->nq quantizers; AMX_ENOMEM when it
+     * cannot. Called once, on the loop thread, just before `done`. */
+    amx_status_t (*alloc_packed)(amx_waiter_t *w, amx_packed_t *p);
+    uint64_t layout_id;
 };
 
 /* Daemon-wide status for Status. */
@@ -217,6 +270,13 @@ amx_status_t amx_registry_register(amx_registry_t *reg, const amx_register_req_t
                                    amx_waiter_t *w, amx_err_t *err);
 amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, uint64_t *accepted,
                                uint64_t *epoch, amx_err_t *err);
+/* The slab layout of a rank (the packed form); arrays in the arena. */
+amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t rank,
+                                 amx_layout_t *out, amx_arena_t *arena, amx_err_t *err);
+/* Merges a slab into the open epoch; atomic. A layout id that is not the
+ * rank's current one is FAILED_PRECONDITION. */
+amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed_req_t *req,
+                                      uint64_t *accepted, uint64_t *epoch, amx_err_t *err);
 amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req_t *req,
                                     amx_waiter_t *w, uint64_t now_ms, amx_err_t *err);
 amx_status_t amx_registry_get_scales(amx_registry_t *reg, const amx_scales_req_t *req,

@@ -286,26 +286,33 @@ static int reply_is_owed(const amx_call_t *c)
            (n >= 5 && strcmp(p + n - 5, "/Join") == 0);
 }
 
-void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const ProtobufCMessage *resp)
+/* Sends the status, and the answer `buf` of `len` bytes when st is OK and
+ * buf is not NULL (buf: malloc'd when `owned`, handed to gRPC without a
+ * copy; else packed from `resp`). */
+static void send_reply(amx_call_t *c, amx_status_t st, const char *msg,
+                       const ProtobufCMessage *resp, uint8_t *buf, size_t len)
 {
     if (c->replied || c->closed) {
         /* Answered already, or the client is gone: nobody to answer. */
+        free(buf);
         return;
     }
     amx_rpc_t *rpc = c->rpc;
     char why[400];
-    if (st == AMX_OK && resp != NULL) {
+    int have = st == AMX_OK && (resp != NULL || buf != NULL);
+    if (have) {
         /* Answers are bounded (the registry sizes them beforehand; this is
          * the last guard), and so are the bytes held for clients that do
          * not read their answers: gRPC keeps a message until the client's
          * flow-control window lets it go. */
-        size_t len = protobuf_c_message_get_packed_size(resp);
+        if (buf == NULL)
+            len = protobuf_c_message_get_packed_size(resp);
         if ((int64_t)len > rpc->cfg->max_message_bytes) {
             snprintf(why, sizeof(why),
                      "%s: the answer of %zu bytes exceeds max_message_bytes=%lld; ask for less "
                      "at a time",
                      amx__call_method(c), len, (long long)rpc->cfg->max_message_bytes);
-            st = AMX_ENOMEM, msg = why, resp = NULL;
+            st = AMX_ENOMEM, msg = why, have = 0;
         } else if (len > QUEUE_EXEMPT_BYTES && !reply_is_owed(c) &&
                    rpc->queued + len > (uint64_t)rpc->cfg->max_queued_bytes) {
             snprintf(why, sizeof(why),
@@ -314,12 +321,12 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
                      "read answers before asking for more",
                      amx__call_method(c), (unsigned long long)rpc->queued,
                      (long long)rpc->cfg->max_queued_bytes, len);
-            st = AMX_ENOMEM, msg = why, resp = NULL;
+            st = AMX_ENOMEM, msg = why, have = 0;
         } else {
             rpc->queued += len;
             c->queued = len;
         }
-        if (resp == NULL)
+        if (!have)
             AMX_WARN("rpc", "%s", why);
     }
     grpc_op ops[3];
@@ -327,16 +334,22 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
     memset(ops, 0, sizeof(ops));
     ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
     n++;
-    if (st == AMX_OK && resp != NULL) {
-        size_t len = c->queued;
-        grpc_slice s = grpc_slice_malloc(len);
-        protobuf_c_message_pack(resp, GRPC_SLICE_START_PTR(s));
+    if (have) {
+        grpc_slice s;
+        if (buf != NULL) {
+            s = grpc_slice_new(buf, len, free); /* no copy: gRPC frees it */
+            buf = NULL;
+        } else {
+            s = grpc_slice_malloc(len);
+            protobuf_c_message_pack(resp, GRPC_SLICE_START_PTR(s));
+        }
         c->send_buf = grpc_raw_byte_buffer_create(&s, 1);
         grpc_slice_unref(s);
         ops[n].op = GRPC_OP_SEND_MESSAGE;
         ops[n].data.send_message.send_message = c->send_buf;
         n++;
     }
+    free(buf);
     /* Unknown methods are counted under one label: their paths are the
      * client's text, and a label per path would let a client grow the
      * metrics without bound. */
@@ -354,6 +367,16 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
         AMX_ERROR("rpc", "sending a status failed: grpc_call_error %d", (int)e);
         c->send_pending = 0;
     }
+}
+
+void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const ProtobufCMessage *resp)
+{
+    send_reply(c, st, msg, resp, NULL, 0);
+}
+
+void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len)
+{
+    send_reply(c, AMX_OK, NULL, NULL, buf, len);
 }
 
 amx_waiter_t *amx__call_waiter(amx_call_t *c)
@@ -410,34 +433,46 @@ static amx_wire_limits_t wire_limits(const amx_config_t *cfg)
     return l;
 }
 
+/* The bytes of a request (one contiguous copy, ours to change), checked
+ * against max_message_bytes and by amx_wire_check; AMX_OK or a sentence. */
+static amx_status_t read_checked(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
+                                 int64_t max_bytes, const amx_wire_limits_t *lim, grpc_slice *out,
+                                 amx_err_t *err)
+{
+    size_t len = grpc_byte_buffer_length(bb);
+    if ((int64_t)len > max_bytes)
+        return amx_err_set(err, AMX_ENOMEM,
+                           "a %s message of %zu bytes exceeds max_message_bytes=%lld; split it "
+                           "into smaller batches (or stream them)",
+                           desc->name, len, (long long)max_bytes);
+    grpc_byte_buffer_reader r;
+    if (!grpc_byte_buffer_reader_init(&r, bb))
+        return amx_err_set(err, AMX_EINVAL, "request payload could not be read (compressed?)");
+    grpc_slice s = grpc_byte_buffer_reader_readall(&r);
+    grpc_byte_buffer_reader_destroy(&r);
+    /* Checked before protobuf-c allocates anything (wire.h). */
+    amx_status_t st =
+        amx_wire_check(desc, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), lim, NULL, err);
+    if (st != AMX_OK) {
+        grpc_slice_unref(s);
+        return st;
+    }
+    *out = s;
+    return AMX_OK;
+}
+
 /* Unpacks a byte buffer into a message; NULL and a sentence when it is not one. */
 static ProtobufCMessage *unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
                                 int64_t max_bytes, const amx_wire_limits_t *lim, amx_err_t *err)
 {
-    size_t len = grpc_byte_buffer_length(bb);
-    if ((int64_t)len > max_bytes) {
-        amx_err_set(err, AMX_ENOMEM,
-                    "a %s message of %zu bytes exceeds max_message_bytes=%lld; split it into "
-                    "smaller batches (or stream them)",
-                    desc->name, len, (long long)max_bytes);
+    grpc_slice s;
+    if (read_checked(bb, desc, max_bytes, lim, &s, err) != AMX_OK)
         return NULL;
-    }
-    grpc_byte_buffer_reader r;
-    if (!grpc_byte_buffer_reader_init(&r, bb)) {
-        amx_err_set(err, AMX_EINVAL, "request payload could not be read (compressed?)");
-        return NULL;
-    }
-    grpc_slice s = grpc_byte_buffer_reader_readall(&r);
-    grpc_byte_buffer_reader_destroy(&r);
-    /* Checked before protobuf-c allocates anything (wire.h). */
-    ProtobufCMessage *m = NULL;
-    if (amx_wire_check(desc, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), lim, NULL, err) ==
-        AMX_OK) {
-        m = protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
-        if (m == NULL)
-            amx_err_set(err, AMX_EINVAL, "request is not a valid %s message (%zu bytes)",
-                        desc->name, (size_t)GRPC_SLICE_LENGTH(s));
-    }
+    ProtobufCMessage *m =
+        protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
+    if (m == NULL)
+        amx_err_set(err, AMX_EINVAL, "request is not a valid %s message (%zu bytes)", desc->name,
+                    (size_t)GRPC_SLICE_LENGTH(s));
     grpc_slice_unref(s);
     return m;
 }
@@ -491,6 +526,22 @@ static void on_new(amx_call_t *c, int ok)
         return;
     }
     amx_err_t err = {0};
+    if (c->payload != NULL && m->raw != NULL) {
+        amx_wire_limits_t lim = wire_limits(rpc->cfg);
+        grpc_slice s;
+        amx_status_t st =
+            read_checked(c->payload, m->request, rpc->cfg->max_message_bytes, &lim, &s, &err);
+        grpc_byte_buffer_destroy(c->payload);
+        c->payload = NULL;
+        if (st != AMX_OK) {
+            AMX_WARN("rpc", "%s rejected: %s", m->path, err.msg);
+            amx__call_reply(c, err.code, err.msg, NULL);
+            return;
+        }
+        m->raw(&rpc->svc, c, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s));
+        grpc_slice_unref(s);
+        return;
+    }
     if (c->payload == NULL) {
         amx_err_set(&err, AMX_EINVAL, "%s: the call carried no request message", m->path);
     } else {
@@ -531,6 +582,28 @@ static void on_recv(amx_call_t *c, int ok)
     }
     amx_err_t err = {0};
     amx_wire_limits_t lim = wire_limits(rpc->cfg);
+    const amx_method_t *meth = rpc->methods[c->method];
+    if (meth->raw_stream != NULL) {
+        grpc_slice s;
+        amx_status_t st =
+            read_checked(c->recv_buf, meth->request, rpc->cfg->max_message_bytes, &lim, &s, &err);
+        grpc_byte_buffer_destroy(c->recv_buf);
+        c->recv_buf = NULL;
+        if (st == AMX_OK) {
+            st = meth->raw_stream(&rpc->svc, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s),
+                                  &c->stream_accepted, &c->stream_epoch, &err);
+            grpc_slice_unref(s);
+        } else {
+            AMX_WARN("rpc", "%s rejected after %llu accepted updates: %s", meth->path,
+                     (unsigned long long)c->stream_accepted, err.msg);
+        }
+        if (st != AMX_OK) {
+            amx__call_reply(c, st, err.msg, NULL);
+            return;
+        }
+        post_recv(c);
+        return;
+    }
     ProtobufCMessage *m = unpack(c->recv_buf, rpc->methods[c->method]->request,
                                  rpc->cfg->max_message_bytes, &lim, &err);
     grpc_byte_buffer_destroy(c->recv_buf);

@@ -5,6 +5,7 @@
  */
 #include "service.h"
 
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -167,7 +168,7 @@ static void h_join(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 static void h_reconcile(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__ReconcileRequest *req = (const void *)m;
-    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, req->names, req->n_names};
+    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, req->names, req->n_names, 0, 0};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
     w->done = reconcile_done;
@@ -469,6 +470,301 @@ static void h_list(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     amx_arena_free(&a);
 }
 
+/* ---- the packed form ---- */
+
+static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
+{
+    const Amaxd__V1__GetLayoutRequest *req = (const void *)m;
+    amx_err_t err = {0};
+    amx_arena_t a = {0};
+    amx_layout_t l;
+    if (amx_registry_layout(svc->reg, req->job, req->rank, &l, &a, &err) != AMX_OK) {
+        reply_err(c, "GetLayout", &err);
+        amx_arena_free(&a);
+        return;
+    }
+    Amaxd__V1__GetLayoutResponse r = AMAXD__V1__GET_LAYOUT_RESPONSE__INIT;
+    r.layout_id = l.id;
+    r.total_cells = l.total_cells;
+    r.n_names = r.n_slab_offset = r.n_ncells = r.n_ndim = r.n_format = l.n;
+    r.names = (char **)l.names;
+    r.slab_offset = l.slab_offset;
+    r.ncells = l.ncells;
+    r.ndim = l.ndim;
+    r.format = (Amaxd__V1__Format *)l.format; /* an enum is an int in protobuf-c */
+    r.n_block_offset = r.n_block_shape = r.n_global_shape = l.ndims;
+    r.block_offset = l.block_offset;
+    r.block_shape = l.block_shape;
+    r.global_shape = l.global_shape;
+    amx__call_reply(c, AMX_OK, NULL, &r.base);
+    amx_arena_free(&a);
+}
+
+/* ---- writing a ReconcilePackedResponse in place ---- */
+
+#define F_ALIGN 31 /* ReconcilePackedResponse.align */
+#define ALIGN_TO 16
+
+static size_t varint_len(uint64_t v)
+{
+    size_t n = 1;
+    while (v >= 0x80) {
+        v >>= 7;
+        n++;
+    }
+    return n;
+}
+
+static size_t put_varint(uint8_t *p, uint64_t v)
+{
+    size_t n = 0;
+    while (v >= 0x80) {
+        p[n++] = (uint8_t)(v | 0x80);
+        v >>= 7;
+    }
+    p[n++] = (uint8_t)v;
+    return n;
+}
+
+/* Room an array field of n bytes may take, padding included. */
+static size_t array_room(size_t n)
+{
+    return 3 + ALIGN_TO + 2 + 10 + n;
+}
+
+/* Writes the header of bytes field `field` of n bytes at *pos, after a
+ * padding field when needed so that the data starts ALIGN_TO-aligned in
+ * memory; returns where the data goes. */
+static uint8_t *put_array(uint8_t *buf, size_t *pos, uint32_t field, size_t n)
+{
+    uint64_t tag = ((uint64_t)field << 3) | 2;
+    size_t h = varint_len(tag) + varint_len(n);
+    size_t mis = (uintptr_t)(buf + *pos + h) % ALIGN_TO;
+    if (mis != 0 && n > 0) {
+        size_t t = ALIGN_TO - mis; /* total bytes of the padding field, >= 3 */
+        while (t < 3)
+            t += ALIGN_TO;
+        size_t k = *pos;
+        k += put_varint(buf + k, ((uint64_t)F_ALIGN << 3) | 2); /* 2 bytes */
+        buf[k++] = (uint8_t)(t - 3);
+        memset(buf + k, 0, t - 3);
+        *pos = k + t - 3;
+    }
+    *pos += put_varint(buf + *pos, tag);
+    *pos += put_varint(buf + *pos, n);
+    uint8_t *d = buf + *pos;
+    *pos += n;
+    return d;
+}
+
+typedef struct packed_out {
+    uint8_t *buf;
+    size_t cap, pos; /* bytes written before the filled field */
+    size_t end;      /* ... and after it */
+} packed_out_t;
+
+static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
+{
+    packed_out_t *o = w->ext;
+    size_t n = (size_t)p->ncells, q = p->nq;
+    o->cap = 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) + 64;
+    o->buf = malloc(o->cap);
+    if (o->buf == NULL)
+        return AMX_ENOMEM;
+    size_t pos = 0;
+    p->amax = (float *)(void *)put_array(o->buf, &pos, 4, 4 * n);
+    p->scale = (float *)(void *)put_array(o->buf, &pos, 5, 4 * n);
+    p->scale_inv = (float *)(void *)put_array(o->buf, &pos, 6, 4 * n);
+    p->g_amax = (float *)(void *)put_array(o->buf, &pos, 8, 4 * q);
+    p->g_scale = (float *)(void *)put_array(o->buf, &pos, 9, 4 * q);
+    p->g_inv = (float *)(void *)put_array(o->buf, &pos, 10, 4 * q);
+    p->missing = (uint32_t *)(void *)put_array(o->buf, &pos, 11, 4 * q);
+    p->prev_amax = (float *)(void *)put_array(o->buf, &pos, 13, 4 * q);
+    p->prev_scale = (float *)(void *)put_array(o->buf, &pos, 14, 4 * q);
+    p->block_scales = put_array(o->buf, &pos, 7, n);
+    p->has_previous = put_array(o->buf, &pos, 12, q);
+    o->pos = pos;
+    p->filled = put_array(o->buf, &pos, 16, n);
+    o->end = pos;
+    return AMX_OK;
+}
+
+static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *msg,
+                                  const amx_reply_t *rep)
+{
+    amx_call_t *c = amx__waiter_call(w);
+    packed_out_t *o = w->ext;
+    if (st != AMX_OK) {
+        free(o->buf);
+        o->buf = NULL;
+        amx__call_reply(c, st, msg, NULL);
+        return;
+    }
+    const amx_packed_t *p = rep->packed;
+    /* The fill marks only when a cell was filled; the scalars after. */
+    size_t pos = p->peer_fill_known && p->nfilled > 0 ? o->end : o->pos;
+    uint8_t *b = o->buf;
+    b[pos++] = (1 << 3) | 0;
+    pos += put_varint(b + pos, rep->epoch);
+    b[pos++] = (2 << 3) | 0;
+    pos += put_varint(b + pos, rep->next_epoch);
+    b[pos++] = (3 << 3) | 1;
+    memcpy(b + pos, &p->layout_id, 8); /* fixed64, little-endian host */
+    pos += 8;
+    if (p->peer_fill_known) {
+        b[pos++] = (15 << 3) | 0;
+        b[pos++] = 1;
+    }
+    o->buf = NULL;
+    amx__call_reply_raw(c, b, pos);
+}
+
+static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
+{
+    const Amaxd__V1__ReconcilePackedRequest *req = (const void *)m;
+    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, NULL, 0, 1, req->layout_id};
+    amx_err_t err = {0};
+    amx_waiter_t *w = amx__call_waiter(c);
+    packed_out_t *o = amx_arena_alloc(amx__call_arena(c), sizeof(*o));
+    if (o == NULL) {
+        amx_err_set(&err, AMX_ENOMEM, "out of memory");
+        reply_err(c, "ReconcilePacked", &err);
+        return;
+    }
+    w->done = reconcile_packed_done;
+    w->alloc_packed = alloc_packed;
+    w->ext = o;
+    if (amx_registry_reconcile(svc->reg, &q, w, amx__now_ms(), &err) != AMX_OK)
+        reply_err(c, "ReconcilePacked", &err);
+}
+
+/* ---- reading a SendPackedRequest in place ---- */
+
+typedef struct packed_in {
+    char job[AMX_MAX_JOB_NAME + 2];
+    uint32_t rank;
+    uint64_t epoch, layout_id;
+    uint8_t *values, *has_data;
+    size_t values_len, has_data_len;
+} packed_in_t;
+
+static uint64_t get_varint(const uint8_t *p, size_t n, size_t *i)
+{
+    uint64_t v = 0;
+    for (int shift = 0; *i < n && shift < 64; shift += 7) {
+        uint8_t b = p[(*i)++];
+        v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80))
+            break;
+    }
+    return v;
+}
+
+/* The fields of a SendPackedRequest that amx_wire_check accepted (so every
+ * tag, length and wire type is sound); the last of a repeated scalar
+ * wins, as in protobuf. */
+static amx_status_t packed_parse(uint8_t *d, size_t n, packed_in_t *in, amx_err_t *err)
+{
+    memset(in, 0, sizeof(*in));
+    size_t i = 0;
+    while (i < n) {
+        uint64_t tag = get_varint(d, n, &i);
+        uint32_t f = (uint32_t)(tag >> 3);
+        switch (tag & 7) {
+        case 0: {
+            uint64_t v = get_varint(d, n, &i);
+            if (f == 2)
+                in->rank = (uint32_t)v;
+            else if (f == 3)
+                in->epoch = v;
+            break;
+        }
+        case 1:
+            if (f == 4)
+                memcpy(&in->layout_id, d + i, 8);
+            i += 8;
+            break;
+        case 5:
+            i += 4;
+            break;
+        case 2: {
+            size_t len = (size_t)get_varint(d, n, &i);
+            uint8_t *v = d + i;
+            i += len;
+            if (f == 1) {
+                if (len > AMX_MAX_JOB_NAME)
+                    return amx_err_set(err, AMX_EINVAL,
+                                       "SendPacked: a job name of %zu bytes; job names have 1..%d "
+                                       "characters",
+                                       len, AMX_MAX_JOB_NAME);
+                memcpy(in->job, v, len);
+                in->job[len] = '\0';
+            } else if (f == 5) {
+                in->values = v;
+                in->values_len = len;
+            } else if (f == 6) {
+                in->has_data = v;
+                in->has_data_len = len;
+            }
+            break;
+        }
+        default:
+            return amx_err_set(err, AMX_EINVAL, "SendPacked: a field of wire type %d",
+                               (int)(tag & 7));
+        }
+    }
+    return AMX_OK;
+}
+
+static amx_status_t send_packed(amx_svc_t *svc, uint8_t *data, size_t len, uint64_t *accepted,
+                                uint64_t *epoch, amx_err_t *err)
+{
+    packed_in_t in;
+    AMX_CHECK(packed_parse(data, len, &in, err));
+    float *vals = (float *)(void *)in.values;
+    void *copy = NULL;
+    if (((uintptr_t)in.values & 3) != 0 && in.values_len > 0) {
+        /* A client that did not align the values (SendPackedRequest.align):
+         * one copy. */
+        copy = malloc(in.values_len);
+        if (copy == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu bytes of values",
+                               in.values_len);
+        memcpy(copy, in.values, in.values_len);
+        vals = copy;
+    }
+    amx_send_packed_req_t q = {in.job, in.rank,       in.epoch,    in.layout_id,
+                               vals,   in.values_len, in.has_data, in.has_data_len};
+    amx_status_t st = amx_registry_send_packed(svc->reg, &q, accepted, epoch, err);
+    free(copy);
+    return st;
+}
+
+static void h_send_packed(amx_svc_t *svc, amx_call_t *c, uint8_t *data, size_t len)
+{
+    Amaxd__V1__SendAmaxResponse resp = AMAXD__V1__SEND_AMAX_RESPONSE__INIT;
+    amx_err_t err = {0};
+    if (send_packed(svc, data, len, &resp.accepted, &resp.epoch, &err) != AMX_OK)
+        reply_err(c, "SendPacked", &err);
+    else
+        amx__call_reply(c, AMX_OK, NULL, &resp.base);
+}
+
+static amx_status_t stream_packed(amx_svc_t *svc, uint8_t *data, size_t len, uint64_t *accepted,
+                                  uint64_t *epoch, amx_err_t *err)
+{
+    uint64_t n = 0, e = 0;
+    amx_status_t st = send_packed(svc, data, len, &n, &e, err);
+    if (st != AMX_OK) {
+        AMX_WARN("rpc", "StreamPacked message rejected after %llu accepted updates (%s): %s",
+                 (unsigned long long)*accepted, amx_strerror(st), err->msg);
+        return st;
+    }
+    *accepted += n;
+    *epoch = e;
+    return AMX_OK;
+}
+
 /* grpc.health.v1.Health/Check: "" and "amaxd.v1.Calibration" are served. */
 static void h_health(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
@@ -490,21 +786,33 @@ static void h_health(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 
 #define T AMX_SERVER_TRAINER
 const amx_method_t amx__methods[] = {
-    {"/amaxd.v1.Calibration/Join", &amaxd__v1__join_request__descriptor, h_join, 0, T},
+    {"/amaxd.v1.Calibration/Join", &amaxd__v1__join_request__descriptor, h_join, 0, T, NULL, NULL},
     {"/amaxd.v1.Calibration/RegisterQuantizers", &amaxd__v1__register_request__descriptor,
-     h_register, 0, T},
-    {"/amaxd.v1.Calibration/SendAmax", &amaxd__v1__send_amax_request__descriptor, h_send, 0, T},
-    {"/amaxd.v1.Calibration/StreamAmax", &amaxd__v1__send_amax_request__descriptor, NULL, 1, T},
+     h_register, 0, T, NULL, NULL},
+    {"/amaxd.v1.Calibration/SendAmax", &amaxd__v1__send_amax_request__descriptor, h_send, 0, T,
+     NULL, NULL},
+    {"/amaxd.v1.Calibration/StreamAmax", &amaxd__v1__send_amax_request__descriptor, NULL, 1, T,
+     NULL, NULL},
     {"/amaxd.v1.Calibration/Reconcile", &amaxd__v1__reconcile_request__descriptor, h_reconcile, 0,
-     T},
+     T, NULL, NULL},
     {"/amaxd.v1.Calibration/GetScales", &amaxd__v1__get_scales_request__descriptor, h_get_scales, 0,
-     T},
-    {"/amaxd.v1.Calibration/Reset", &amaxd__v1__reset_request__descriptor, h_reset, 0, T},
-    {"/amaxd.v1.Calibration/Status", &amaxd__v1__status_request__descriptor, h_status, 0, T},
+     T, NULL, NULL},
+    {"/amaxd.v1.Calibration/Reset", &amaxd__v1__reset_request__descriptor, h_reset, 0, T, NULL,
+     NULL},
+    {"/amaxd.v1.Calibration/Status", &amaxd__v1__status_request__descriptor, h_status, 0, T, NULL,
+     NULL},
     {"/amaxd.v1.Calibration/ListQuantizers", &amaxd__v1__list_quantizers_request__descriptor,
-     h_list, 0, T},
+     h_list, 0, T, NULL, NULL},
     {"/grpc.health.v1.Health/Check", &grpc__health__v1__health_check_request__descriptor, h_health,
-     0, T},
+     0, T, NULL, NULL},
+    {"/amaxd.v1.Calibration/GetLayout", &amaxd__v1__get_layout_request__descriptor, h_get_layout, 0,
+     T, NULL, NULL},
+    {"/amaxd.v1.Calibration/SendPacked", &amaxd__v1__send_packed_request__descriptor, NULL, 0, T,
+     h_send_packed, NULL},
+    {"/amaxd.v1.Calibration/StreamPacked", &amaxd__v1__send_packed_request__descriptor, NULL, 1, T,
+     NULL, stream_packed},
+    {"/amaxd.v1.Calibration/ReconcilePacked", &amaxd__v1__reconcile_packed_request__descriptor,
+     h_reconcile_packed, 0, T, NULL, NULL},
 };
 #undef T
 const size_t amx__n_methods = sizeof(amx__methods) / sizeof(amx__methods[0]);

@@ -56,14 +56,32 @@ uint64_t amx__now_ms(void);
 
 typedef void (*amx_handler_fn)(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *req);
 
+/* A method read without protobuf-c (the packed form): `data` is the whole
+ * serialized request, already checked by amx_wire_check against the
+ * method's descriptor, writable, and valid during the call only. */
+typedef void (*amx_raw_fn)(amx_svc_t *svc, amx_call_t *c, uint8_t *data, size_t len);
+
+/* One message of a raw client stream; an error ends the stream. */
+typedef amx_status_t (*amx_raw_stream_fn)(amx_svc_t *svc, uint8_t *data, size_t len,
+                                          uint64_t *accepted, uint64_t *epoch, amx_err_t *err);
+
+/*
+ * Answers a call with an already serialized message of `len` bytes in
+ * `buf` (malloc'd; ownership passes to the call, which frees it once sent,
+ * whatever happens). Provided by rpc.c.
+ */
+void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len);
+
 enum { AMX_SERVER_TRAINER = 0, AMX_SERVER_PEER = 1 };
 
 typedef struct amx_method {
     const char *path; /* "/package.Service/Method" */
     const ProtobufCMessageDescriptor *request;
-    amx_handler_fn handler; /* unary methods */
-    int client_streaming;   /* StreamAmax: see amx__service_stream_* */
-    int server;             /* AMX_SERVER_* */
+    amx_handler_fn handler;       /* unary methods */
+    int client_streaming;         /* StreamAmax: see amx__service_stream_* */
+    int server;                   /* AMX_SERVER_* */
+    amx_raw_fn raw;               /* unary, read without protobuf-c (handler NULL) */
+    amx_raw_stream_fn raw_stream; /* client stream, read without protobuf-c */
 } amx_method_t;
 
 extern const amx_method_t amx__methods[];

@@ -26,6 +26,7 @@
 #include <string.h>
 #include <uv.h>
 
+#include "amaxd/v1/amaxd.pb-c.h"
 #include "clock.h"
 #include "config.h"
 #include "log.h"
@@ -65,6 +66,23 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
             abort();
         free(buf);
     }
+}
+
+void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len)
+{
+    if (c->replied)
+        abort(); /* answered twice */
+    c->replied = 1;
+    c->st = AMX_OK;
+    if ((int64_t)len > g_cfg->max_message_bytes)
+        abort(); /* the registry sizes answers before building them */
+    /* A packed answer must be a valid message of the protobuf. */
+    ProtobufCMessage *m = protobuf_c_message_unpack(
+        &amaxd__v1__reconcile_packed_response__descriptor, NULL, len, buf);
+    if (m == NULL)
+        abort();
+    protobuf_c_message_free_unpacked(m, NULL);
+    free(buf);
 }
 
 amx_waiter_t *amx__call_waiter(amx_call_t *c)
@@ -245,7 +263,22 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     {
         amx_call_t c;
         memset(&c, 0, sizeof(c));
-        if (e->m->client_streaming) {
+        if (e->m->raw != NULL || e->m->raw_stream != NULL) {
+            /* Read without protobuf-c, in place: a writable copy. */
+            uint8_t *copy = malloc(n ? n : 1);
+            if (copy == NULL)
+                abort();
+            memcpy(copy, p, n);
+            uint64_t accepted = 0, epoch = 0;
+            if (e->m->raw != NULL) {
+                e->m->raw(&g_svc, &c, copy, n);
+                if (!c.replied)
+                    abort(); /* a unary raw method answers at once */
+            } else {
+                e->m->raw_stream(&g_svc, copy, n, &accepted, &epoch, &err);
+            }
+            free(copy);
+        } else if (e->m->client_streaming) {
             uint64_t accepted = 0, epoch = 0;
             amx__service_stream_msg(&g_svc, m, &accepted, &epoch, &err);
         } else {

@@ -8,6 +8,7 @@ import numpy as np
 
 from ._gen import amaxd_pb2 as pb
 from .errors import AmaxdError, FailedPrecondition, ResourceExhausted, from_rpc_error
+from .packed import Layout, PackedResult, as_f32, as_mask, encode_send_packed, varint as _varint
 from .placement import Placement
 
 DEFAULT_SOCKET = "/run/amaxd/amaxd.sock"
@@ -28,6 +29,9 @@ _HISTORY_CONV = {"te": pb.HISTORY_TRANSFORMER_ENGINE,
                  "te_unfused": pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED}
 _MXFP8_CONV = {"te": pb.MXFP8_TRANSFORMER_ENGINE, "ocp": pb.MXFP8_OCP}
 _PEER_MODE = {"fill": pb.PEER_FILL, "share": pb.PEER_SHARE}
+
+
+_F4 = np.dtype("<f4")
 
 
 def _conv(table, what, name):
@@ -166,7 +170,26 @@ class Result:
 
     @staticmethod
     def from_pb(r):
-        return Result.from_parts([r])
+        """One whole result: read-only numpy views of the message's bytes."""
+        if r.first_cell:
+            return Result.from_parts([r])
+        shape = tuple(r.shape)
+        fb = np.frombuffer
+        amax = fb(r.amax, _F4)
+        n = amax.size
+        if (shape and n != int(np.prod(shape))) or (not shape and n != 1):
+            return Result.from_parts([r])  # says what is wrong
+        filled = None
+        if r.peer_fill_known:
+            filled = (fb(r.filled, np.bool_) if r.peer_filled
+                      else np.zeros(n, dtype=np.bool_)).reshape(shape)
+        prev = r.has_previous
+        return Result(r.name, tuple(r.offset), shape, amax.reshape(shape),
+                      fb(r.scale, _F4).reshape(shape), fb(r.scale_inv, _F4).reshape(shape),
+                      fb(r.block_scales, np.uint8).reshape(shape), r.global_amax,
+                      r.global_scale, r.global_scale_inv, r.missing, filled,
+                      r.previous_global_amax if prev else None,
+                      r.previous_global_scale if prev else None)
 
     @staticmethod
     def from_parts(parts):
@@ -184,9 +207,13 @@ class Result:
         if pos != ncells:
             raise AmaxdError(grpc.StatusCode.INTERNAL, f"{r.name}: {pos} of {ncells} cells returned")
 
+        # One window (the usual case): read-only views of the message's
+        # bytes, no copy; several: one concatenation each.
         def cat(field, dtype):
+            if len(parts) == 1:
+                return np.frombuffer(getattr(r, field), dtype=dtype).reshape(shape)
             b = b"".join(getattr(p, field) for p in parts)
-            return np.frombuffer(b, dtype=dtype).reshape(shape).copy()
+            return np.frombuffer(b, dtype=dtype).reshape(shape)
 
         slices = [None, None, None]
         k = r.global_axes
@@ -202,15 +229,58 @@ class Result:
                 slices[i] = out.reshape(shape[:k])
         filled = None
         if all(p.peer_fill_known for p in parts):
-            filled = np.concatenate([
-                np.frombuffer(p.filled, dtype=np.uint8) if p.peer_filled
-                else np.zeros(len(p.amax) // 4, dtype=np.uint8) for p in parts]).reshape(shape) != 0
+            if len(parts) == 1 and not r.peer_filled:
+                filled = np.zeros(shape, dtype=np.bool_)
+            elif len(parts) == 1:
+                filled = np.frombuffer(r.filled, dtype=np.bool_).reshape(shape)
+            else:
+                filled = np.concatenate([
+                    np.frombuffer(p.filled, dtype=np.uint8) if p.peer_filled
+                    else np.zeros(len(p.amax) // 4, dtype=np.uint8)
+                    for p in parts]).reshape(shape) != 0
         return Result(r.name, tuple(r.offset), shape, cat("amax", "<f4"), cat("scale", "<f4"),
                       cat("scale_inv", "<f4"), cat("block_scales", np.uint8),
                       r.global_amax, r.global_scale, r.global_scale_inv,
                       sum(p.missing for p in parts), filled,
                       r.previous_global_amax if r.has_previous else None,
                       r.previous_global_scale if r.has_previous else None, *slices)
+
+
+def _str_field(num: int, v: str) -> bytes:
+    b = v.encode()
+    return bytes([(num << 3) | 2]) + _varint(len(b)) + b
+
+
+def _packed_u32(num: int, vals) -> bytes:
+    body = b"".join(_varint(int(x)) for x in vals)
+    return bytes([(num << 3) | 2]) + _varint(len(body)) + body
+
+
+def _spec_bytes(q: "Quantizer", cache) -> bytes:
+    """RegisterRequest.quantizers field (3) holding q's QuantizerSpec, as
+    protobuf would serialize it (defaults left out)."""
+    rb = cache.get(q.recipe)
+    if rb is None:
+        rb = q.recipe.to_pb().SerializeToString()
+        rb = b"\x1a" + _varint(len(rb)) + rb
+        cache[q.recipe] = rb
+    parts = [_str_field(1, q.name)]
+    if len(q.global_shape):
+        parts.append(_packed_u32(2, q.global_shape))
+    parts.append(rb)
+    if q.accumulation:
+        parts.append(b"\x20" + _varint(int(q.accumulation)))
+    if q.peer_group:
+        parts.append(_str_field(5, q.peer_group))
+    if q.scale_group:
+        parts.append(_str_field(6, q.scale_group))
+    if q.placement is not None:
+        if len(q.placement.offset):
+            parts.append(_packed_u32(7, q.placement.offset))
+        if len(q.placement.local_shape):
+            parts.append(_packed_u32(8, q.placement.local_shape))
+    body = b"".join(parts)
+    return b"\x1a" + _varint(len(body)) + body
 
 
 def _to_f32_bytes(values) -> bytes:
@@ -255,6 +325,7 @@ class Client:
                 ("grpc.max_receive_message_length", -1)]
         self._channel = grpc.insecure_channel(_target(socket, address), options=opts)
         self._calls = {}
+        self._layout: Optional[Layout] = None
         self.epoch = 0
 
     def __enter__(self):
@@ -277,6 +348,20 @@ class Client:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
+    def _raw(self, method, data: bytes, parse, timeout=None):
+        """A unary call with a request serialized already; parse(bytes) or
+        the raw answer when parse is None."""
+        key = (method, "raw")
+        fn = self._calls.get(key)
+        if fn is None:
+            fn = self._channel.unary_unary(_SVC + method)
+            self._calls[key] = fn
+        try:
+            out = fn(data, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return parse(out) if parse is not None else out
+
     # -- the API --
 
     def join(self, timeout=None):
@@ -291,11 +376,15 @@ class Client:
         whole by the daemon, within its max_request_memory). Each request
         is atomic; the answer sums created and existing over all of them,
         with the catalog size after the last."""
-        qs = [q.to_pb() for q in quantizers]
+        # Encoded by hand (_spec_bytes): building protobuf objects for
+        # 100k quantizers costs seconds; this costs ~1 us each.
+        cache: Dict[Recipe, bytes] = {}
+        qs = [_spec_bytes(q, cache) for q in quantizers]
+        head = _str_field(1, self.job) + (b"\x10" + _varint(self.rank) if self.rank else b"")
         total = pb.RegisterResponse()
         for i in range(0, max(len(qs), 1), batch):
-            req = pb.RegisterRequest(job=self.job, rank=self.rank, quantizers=qs[i:i + batch])
-            r = self._unary("RegisterQuantizers", req, pb.RegisterResponse)
+            req = head + b"".join(qs[i:i + batch])
+            r = self._raw("RegisterQuantizers", req, pb.RegisterResponse.FromString)
             total.created += r.created
             total.existing += r.existing
             total.catalog_size = r.catalog_size
@@ -356,6 +445,67 @@ class Client:
                                                      timeout))
         self.epoch = r.next_epoch
         return {q.name: Result.from_pb(q) for q in r.results}
+
+    # -- the packed form (amaxd/packed.py) --
+
+    def layout(self, refresh: bool = False) -> Layout:
+        """This rank's slab layout (fetched once after register(); again
+        with refresh=True, or when the daemon says it changed)."""
+        if self._layout is None or refresh:
+            r = self._unary("GetLayout", pb.GetLayoutRequest(job=self.job, rank=self.rank),
+                            pb.GetLayoutResponse)
+            self._layout = Layout.from_pb(r)
+        return self._layout
+
+    def _packed_req(self, values, has_data, epoch):
+        L = self.layout()
+        v = as_f32(values)
+        if v.size != L.total_cells:
+            raise ValueError(f"send_packed: {v.size} values, the layout has {L.total_cells} cells")
+        m = None
+        if has_data is not None:
+            m = as_mask(has_data)
+            if m.size != L.total_cells:
+                raise ValueError(f"send_packed: has_data has {m.size} entries, the layout has "
+                                 f"{L.total_cells} cells")
+        return encode_send_packed(self.job, self.rank, self._epoch(epoch), L.id, v, m)
+
+    def send_packed(self, values, has_data=None, epoch: Optional[int] = None):
+        """Merges one slab (float32 per cell of layout(), numpy or torch, CPU
+        or CUDA; copied once) into the epoch; has_data: optional per-cell
+        mask (bool/uint8; 0 = no data). A stale layout raises
+        FailedPrecondition: call layout(refresh=True) and repack."""
+        data = self._packed_req(values, has_data, epoch)
+        return self._tracked(epoch, lambda: self._raw("SendPacked", data,
+                                                      pb.SendAmaxResponse.FromString))
+
+    def stream_packed(self, slabs: Iterable, epoch: Optional[int] = None):
+        """Sends slabs (values, or (values, has_data)) on one stream."""
+        def gen():
+            for s in slabs:
+                v, m = s if isinstance(s, tuple) else (s, None)
+                yield self._packed_req(v, m, epoch)
+        fn = self._channel.stream_unary(_SVC + "StreamPacked",
+                                        response_deserializer=pb.SendAmaxResponse.FromString)
+        try:
+            return fn(gen(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def reconcile_packed(self, epoch: Optional[int] = None, timeout=None) -> PackedResult:
+        """Reconcile with the answer packed in layout order (PackedResult:
+        numpy views of the answer, no per-quantizer copies). When the
+        daemon answers in a newer layout (a quantizer of this rank was
+        refused by agreement during the epoch), the layout is re-fetched."""
+        L = self.layout()
+        req = pb.ReconcilePackedRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
+                                        layout_id=L.id).SerializeToString()
+        raw = self._tracked(epoch, lambda: self._raw("ReconcilePacked", req, None, timeout))
+        res = PackedResult(raw, L)
+        if res.layout_id != L.id:
+            res = PackedResult(raw, self.layout(refresh=True))
+        self.epoch = res.next_epoch
+        return res
 
     def get_scales(self, names: Sequence[str] = (), whole: bool = False,
                    window_cells: Optional[int] = None) -> Dict[str, Result]:
@@ -461,5 +611,6 @@ class Client:
                                                                                        "UNKNOWN")
 
 
-__all__ = ["Client", "Quantizer", "Recipe", "Result", "AmaxdError", "Placement", "pb",
+__all__ = ["Client", "Quantizer", "Recipe", "Result", "Layout", "PackedResult", "AmaxdError",
+           "Placement", "pb",
            "FP8_E4M3", "FP8_E5M2", "NVFP4", "MXFP8", "RUNNING_MAX", "PER_EPOCH"]
