@@ -171,8 +171,8 @@ class Result:
     @staticmethod
     def from_pb(r):
         """One whole result: read-only numpy views of the message's bytes."""
-        if r.first_cell:
-            return Result.from_parts([r])
+        if r.first_cell or r.global_axes:
+            return Result.from_parts([r])  # windows, or global slices to reshape
         shape = tuple(r.shape)
         fb = np.frombuffer
         amax = fb(r.amax, _F4)
@@ -279,6 +279,10 @@ def _spec_bytes(q: "Quantizer", cache) -> bytes:
             parts.append(_packed_u32(7, q.placement.offset))
         if len(q.placement.local_shape):
             parts.append(_packed_u32(8, q.placement.local_shape))
+    if q.peer_mode is not None and _peer_mode(q.peer_mode):
+        parts.append(b"\x48" + _varint(_peer_mode(q.peer_mode)))
+    if q.global_axes:
+        parts.append(b"\x50" + _varint(int(q.global_axes)))
     body = b"".join(parts)
     return b"\x1a" + _varint(len(body)) + body
 
