@@ -849,7 +849,40 @@ void amx__snapshot_meta_free(amx_snap_meta_t *m)
     for (uint32_t i = 0; m->ranks != NULL && i < m->nranks; i++)
         free(m->ranks[i].pls);
     free(m->ranks);
+    free(m->prev_ok);
+    free(m->prev_ga);
+    free(m->prev_gs);
     memset(m, 0, sizeof(*m));
+}
+
+/* The epoch before the one being written: the published (front) globals,
+ * in the layout of the job's installed catalog, for the catalog `cat` the
+ * epoch ran with (a quantizer new this epoch has none). Engine thread,
+ * while the loop keeps to reading the front. */
+static amx_status_t snapshot_previous(const amx_job_t *j, const amx_catalog_t *cat,
+                                      amx_snap_meta_t *m)
+{
+    const amx_state_t *st = j->state;
+    int f = st->front;
+    if (cat->n == 0)
+        return AMX_OK;
+    m->prev_ok = calloc(cat->n, 1);
+    m->prev_ga = calloc(cat->n, 4);
+    m->prev_gs = calloc(cat->n, 4);
+    if (m->prev_ok == NULL || m->prev_ga == NULL || m->prev_gs == NULL)
+        return AMX_ENOMEM;
+    m->nprev = cat->n;
+    if (j->last_reconciled == 0 || st->g_amax[f] == NULL || j->cat == NULL)
+        return AMX_OK;
+    for (uint32_t i = 0; i < cat->n; i++) {
+        int64_t old = cat == j->cat ? (int64_t)i : amx_catalog_find(j->cat, cat->q[i]->name);
+        if (old < 0 || (uint64_t)old >= st->out_nq[f])
+            continue;
+        m->prev_ok[i] = 1;
+        m->prev_ga[i] = st->g_amax[f][old];
+        m->prev_gs[i] = st->g_scale[f][old];
+    }
+    return AMX_OK;
 }
 
 /* Writes the epoch just finished (the back results) into the job's
@@ -875,6 +908,8 @@ static void write_snapshot(amx_engine_t *e)
     amx_status_t st = amx_jobstate_export(j->name, e->epoch, e->w_cat, e->w_desc, j->state, 1,
                                           &blob, &blen, &err);
     if (st == AMX_OK && (st = amx__snapshot_meta(j, e->w_cat, &m)) != AMX_OK)
+        amx_err_set(&err, st, "out of memory");
+    if (st == AMX_OK && (st = snapshot_previous(j, e->w_cat, &m)) != AMX_OK)
         amx_err_set(&err, st, "out of memory");
     m.epochs_ok++; /* this epoch */
     m.state_len = blen;

@@ -2840,6 +2840,31 @@ amx_status_t amx_registry_fetch_state(amx_registry_t *reg, const char *job, uint
 
 /* ---- snapshots (snapshot.h, docs/OPERATING.md "Durability") ---- */
 
+/* The job's previous-epoch globals (by lid) in catalog order, for its
+ * snapshot. */
+static amx_status_t previous_by_catalog(const amx_job_t *j, amx_snap_meta_t *m)
+{
+    uint32_t n = j->cat->n;
+    if (n == 0)
+        return AMX_OK;
+    m->prev_ok = calloc(n, 1);
+    m->prev_ga = calloc(n, 4);
+    m->prev_gs = calloc(n, 4);
+    if (m->prev_ok == NULL || m->prev_ga == NULL || m->prev_gs == NULL)
+        return AMX_ENOMEM;
+    m->nprev = n;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t lid;
+        if (!amx_strmap_get(&j->lqmap, j->cat->q[i]->name, &lid) || lid >= j->prev_n ||
+            !j->prev_ok[lid])
+            continue;
+        m->prev_ok[i] = 1;
+        m->prev_ga[i] = j->prev_ga[lid];
+        m->prev_gs[i] = j->prev_gs[lid];
+    }
+    return AMX_OK;
+}
+
 /* Writes the last reconciled epoch of a job that snapshot_interval_ms left
  * unwritten; the loop, nothing in flight (shutdown). */
 static void flush_snapshot(amx_registry_t *reg, amx_job_t *j)
@@ -2854,6 +2879,8 @@ static void flush_snapshot(amx_registry_t *reg, amx_job_t *j)
     amx_status_t st = amx_jobstate_export(j->name, j->last_reconciled, j->cat, j->desc, j->state, 0,
                                           &blob, &blen, &err);
     if (st == AMX_OK && (st = amx__snapshot_meta(j, j->cat, &m)) != AMX_OK)
+        amx_err_set(&err, st, "out of memory");
+    if (st == AMX_OK && (st = previous_by_catalog(j, &m)) != AMX_OK)
         amx_err_set(&err, st, "out of memory");
     m.state_len = blen;
     if (st == AMX_OK)
@@ -3005,6 +3032,23 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
             r->pl_lid[r->npls] = lid;
             r->pl_of[lid] = ++r->npls;
             j->lq[lid].nplacements++;
+        }
+    }
+    /* The epoch before the snapshotted one (for has_previous). */
+    if (m->nprev == cat->n && cat->n > 0 && j->nlq > 0) {
+        j->prev_ga = calloc(j->nlq, sizeof(float));
+        j->prev_gs = calloc(j->nlq, sizeof(float));
+        j->prev_ok = calloc(j->nlq, 1);
+        if (j->prev_ga == NULL || j->prev_gs == NULL || j->prev_ok == NULL)
+            goto nomem;
+        j->prev_cap = j->prev_n = j->nlq;
+        for (uint32_t i = 0; i < cat->n; i++) {
+            uint32_t lid;
+            if (!m->prev_ok[i] || !amx_strmap_get(&j->lqmap, cat->q[i]->name, &lid))
+                continue;
+            j->prev_ok[lid] = 1;
+            j->prev_ga[lid] = m->prev_ga[i];
+            j->prev_gs[lid] = m->prev_gs[i];
         }
     }
     j->last_reconciled = js->last_reconciled;

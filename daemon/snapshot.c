@@ -43,6 +43,12 @@ amx_status_t amx_snapshot_encode_meta(const amx_snap_meta_t *m, void **out, size
             amx_put(&w, pl->shape, sizeof(pl->shape));
         }
     }
+    amx_put32(&w, m->nprev);
+    if (m->nprev > 0) {
+        amx_put(&w, m->prev_ok, m->nprev);
+        amx_put(&w, m->prev_ga, (size_t)m->nprev * 4);
+        amx_put(&w, m->prev_gs, (size_t)m->nprev * 4);
+    }
     if (w.oom) {
         free(w.p);
         return amx_err_set(err, AMX_ENOMEM, "out of memory encoding the snapshot of job '%s'",
@@ -196,6 +202,9 @@ static void meta_free(amx_snap_meta_t *m)
     }
     free(m->ranks);
     free((char *)m->job);
+    free(m->prev_ok);
+    free(m->prev_ga);
+    free(m->prev_gs);
     memset(m, 0, sizeof(*m));
 }
 
@@ -303,6 +312,21 @@ amx_status_t amx_snapshot_read(const char *path, amx_snapshot_t *out, amx_err_t 
             for (uint32_t d = 0; d < p->pl.ndim; d++)
                 p->pl.ncells *= p->pl.shape[d];
         }
+    }
+    m->nprev = amx_get32(&r);
+    if (r.bad || (uint64_t)m->nprev * 9 > body)
+        goto malformed;
+    if (m->nprev > 0) {
+        const void *ok = amx_get(&r, m->nprev), *ga = amx_get(&r, (size_t)m->nprev * 4),
+                   *gs = amx_get(&r, (size_t)m->nprev * 4);
+        m->prev_ok = malloc(m->nprev);
+        m->prev_ga = malloc((size_t)m->nprev * 4);
+        m->prev_gs = malloc((size_t)m->nprev * 4);
+        if (r.bad || m->prev_ok == NULL || m->prev_ga == NULL || m->prev_gs == NULL)
+            goto malformed;
+        memcpy(m->prev_ok, ok, m->nprev);
+        memcpy(m->prev_ga, ga, (size_t)m->nprev * 4);
+        memcpy(m->prev_gs, gs, (size_t)m->nprev * 4);
     }
     if (r.off != body)
         goto malformed;

@@ -6,8 +6,9 @@
  *
  *   "AMXS", format version, length of the job section
  *   job section: the job's name and world size, epochs reconciled and
- *     failed, the length of the job state, then each local rank's
- *     placements by quantizer name
+ *     failed, the length of the job state, each local rank's placements by
+ *     quantizer name, then (format 2) each quantizer's global amax and
+ *     scale of the epoch before the snapshotted one, in catalog order
  *   checksum of everything above (64 bits), padding to 8 bytes
  *   the job-state blob (jobstate.h: catalog, history heads, replicated
  *     state, last results; it carries its own checksum)
@@ -26,7 +27,7 @@
 #include "placement.h"
 #include "status.h"
 
-#define AMX_SNAPSHOT_VERSION 1
+#define AMX_SNAPSHOT_VERSION 2
 #define AMX_SNAPSHOT_SUFFIX ".amxs"
 
 /* One placement of a local rank. */
@@ -49,6 +50,11 @@ typedef struct amx_snap_meta {
     amx_snap_rank_t *ranks;
     uint32_t nranks;
     uint64_t state_len; /* bytes of the job-state blob that follows */
+    /* The epoch before: per quantizer of the catalog (nprev is 0 or its
+     * size), whether it had one, its global amax and scale (malloc'd). */
+    uint32_t nprev;
+    uint8_t *prev_ok;
+    float *prev_ga, *prev_gs;
 } amx_snap_meta_t;
 
 /* Encodes the job section (with its checksum and padding) into a malloc'd

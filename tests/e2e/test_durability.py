@@ -98,6 +98,11 @@ def same(a, b):
         for f in ("global_amaxes", "global_scales", "global_scale_invs"):
             u, v = getattr(x, f), getattr(y, f)
             assert (u is None) == (v is None) and (u is None or u.tobytes() == v.tobytes()), (n, f)
+        # The epoch before (has_previous): in the snapshot too.
+        for f in ("previous_global_amax", "previous_global_scale"):
+            u, v = getattr(x, f), getattr(y, f)
+            assert (u is None) == (v is None), (n, f, u, v)
+            assert u is None or np.float32(u).tobytes() == np.float32(v).tobytes(), (n, f)
 
 
 def snapshot_path(state):
@@ -151,7 +156,9 @@ def test_results_of_the_last_epoch_survive(start_daemon, tmp_path):
     for r in range(W):
         with d2.client(JOB, r, W) as c:
             assert c.join().rejoined
-            same(c.get_scales(), before[r][2])
+            got = c.get_scales()
+            same(got, before[r][2])
+            assert all(v.previous_global_amax is not None for v in got.values())
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip_state", "flip_section", "version"])
@@ -203,7 +210,7 @@ def test_interrupted_write_is_removed_and_previous_kept(start_daemon, tmp_path):
 def test_interval_defers_writes_and_shutdown_flushes(start_daemon, tmp_path):
     state = str(tmp_path / "state")
     d = start_daemon(f"--state-dir={state}", "--snapshot-interval-ms=3600000")
-    run_epochs(d, [1, 2, 3])
+    before = run_epochs(d, [1, 2, 3])
     with d.client(JOB, 0, W) as c:
         assert c.status(JOB).jobs[0].durable_epoch == 1  # the first; the next hour's wait
     d.check_clean_exit(d.stop())
@@ -212,6 +219,9 @@ def test_interval_defers_writes_and_shutdown_flushes(start_daemon, tmp_path):
     with d2.client(JOB, 0, W) as c:
         st = c.status(JOB).jobs[0]
         assert st.restored and st.durable_epoch == 3 and st.epoch == 4
+        got = c.get_scales()
+        same(got, before[0][2])
+        assert all(v.previous_global_amax is not None for v in got.values())
 
 
 def test_drop_removes_the_snapshot(start_daemon, tmp_path):
