@@ -23,13 +23,12 @@
 extern "C" amx_status_t amx__cuda_merge_launch(float *pending, const float *d_vals, uint64_t nvals,
                                                const amx_run_t *d_runs, uint32_t nruns, int overlap,
                                                cudaStream_t stream, amx_err_t *err);
-extern "C" amx_status_t amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq,
-                                                uint64_t ncells, float *out_amax,
-                                                const float *peer_max, const float *gamax,
-                                                const float *gscale, const float *gscale_inv,
-                                                float *prev, float *out_scale, float *out_inv,
-                                                uint8_t *out_bytes, const uint32_t *chunkq,
-                                                cudaStream_t stream, amx_err_t *err);
+extern "C" amx_status_t
+amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, float *out_amax,
+                        const float *peer_max, const float *gamax, const float *gscale,
+                        const float *gscale_inv, const float *samax, const float *sscale,
+                        float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes,
+                        const uint32_t *chunkq, cudaStream_t stream, amx_err_t *err);
 
 #define CK(call)                                                                                   \
     do {                                                                                           \
@@ -137,8 +136,8 @@ int main(int argc, char **argv)
         [&] { amx__cuda_merge_launch(pending, vals, n, runs4k, 4096, 1, 0, &err); }, reps);
     float t_nv = median_ms(
         [&] {
-            amx__cuda_scales_launch(dq, 1, n, amax, NULL, gamax, gscale, gscale_inv, prev, scale,
-                                    inv, bytes, NULL, 0, &err);
+            amx__cuda_scales_launch(dq, 1, n, amax, NULL, gamax, gscale, gscale_inv, NULL, NULL,
+                                    prev, scale, inv, bytes, NULL, 0, &err);
         },
         reps);
     CK(cudaGetLastError());

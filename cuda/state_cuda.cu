@@ -36,10 +36,11 @@ typedef struct cuda_state {
     int active;
     float *recv; /* AMX_HDR_CELLS + recv_n */
     uint64_t recv_n;
-    float *accum, *prev, *hist, *prev_g;
+    float *accum, *prev, *hist, *prev_g, *prev_gs;
     float *o_amax[2], *o_scale[2], *o_inv[2];
     uint8_t *o_bytes[2];
     float *o_gamax[2], *o_gscale[2], *o_ginv[2];
+    float *o_samax[2], *o_sscale[2], *o_sinv[2]; /* per global slice */
     float *groups;
     size_t cap_groups;
     amx_qdesc_t *dq;
@@ -312,8 +313,9 @@ __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells
 }
 
 /*
- * Per quantizer: cells without data take their peer group's max (so the
- * quantizer's max includes it), then scale groups collect their members'.
+ * Per quantizer: cells without data take their peer group's max, or (peer
+ * mode SHARE) every cell does, so the quantizer's max includes it; then
+ * scale groups collect their members'.
  */
 __global__ void k_quantizer_max(const amx_qdesc_t *qs, uint32_t nq, const float *peer_max,
                                 const uint8_t *empty, float *gamax, float *scale_max)
@@ -321,7 +323,7 @@ __global__ void k_quantizer_max(const amx_qdesc_t *qs, uint32_t nq, const float 
     for (uint32_t qi = blockIdx.x * blockDim.x + threadIdx.x; qi < nq;
          qi += gridDim.x * blockDim.x) {
         float g = gamax[qi];
-        if (empty[qi] && qs[qi].peer_group >= 0) {
+        if ((empty[qi] || qs[qi].peer_mode == AMX_PEER_SHARE) && qs[qi].peer_group >= 0) {
             g = amx_fmaxf(g, peer_max[qs[qi].peer_group]);
             gamax[qi] = g;
         }
@@ -356,12 +358,56 @@ __global__ void k_global(const amx_qdesc_t *qs, uint32_t nq, const float *scale_
     }
 }
 
-/* Per-cell scales; a cell without data takes its peer group's max here
- * (written back, it is the cell's reported amax). */
+/*
+ * Global slices (quantizers with global_axes > 0), one block per slice
+ * (grid-stride): the max over the slice's cells after the peer stage
+ * (amx_pp_peer, as k_scales applies it), then its global scales. The
+ * slice's quantizer is the last one whose gbase is <= the slice (gbase
+ * never decreases, and a quantizer without slices shares its gbase with
+ * the next one). max is exact: the order of the reduction does not matter.
+ */
+__global__ void k_slices(const amx_qdesc_t *qs, uint32_t nq, uint64_t nslices,
+                         const float *out_amax, const float *peer_max, float *prev_gs, float *samax,
+                         float *sscale, float *sinv)
+{
+    __shared__ float warp_max[THREADS / 32];
+    for (uint64_t sl = blockIdx.x; sl < nslices; sl += gridDim.x) {
+        uint32_t qi = last_le(qs, nq, &amx_qdesc_t::gbase, sl);
+        const amx_qdesc_t *q = &qs[qi];
+        float pm = q->peer_group >= 0 ? peer_max[q->peer_group] : AMX_NEG_INF;
+        const float *cells = out_amax + q->base + (sl - q->gbase) * q->slice_cells;
+        float m = AMX_NEG_INF;
+        for (uint64_t c = threadIdx.x; c < q->slice_cells; c += blockDim.x) {
+            float a = cells[c];
+            uint8_t raised;
+            if (q->peer_group >= 0)
+                a = amx_pp_peer(q->peer_mode, a, pm, &raised);
+            m = amx_fmaxf(m, a);
+        }
+        for (int off = 16; off > 0; off /= 2)
+            m = amx_fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        if ((threadIdx.x & 31) == 0)
+            warp_max[threadIdx.x / 32] = m;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < THREADS / 32; w++)
+                m = amx_fmaxf(m, warp_max[w]);
+            float g = m > 0.0f ? m : 0.0f;
+            samax[sl] = g;
+            amx_pp_global(&q->recipe, g, &prev_gs[sl], &sscale[sl], &sinv[sl]);
+        }
+        __syncthreads();
+    }
+}
+
+/* Per-cell scales; the peer stage (fill or share) is applied here (written
+ * back, it is the cell's reported amax). A cell of a quantizer with global
+ * slices uses its slice's global amax and scale. */
 __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, float *out_amax,
                          const float *peer_max, const float *gamax, const float *gscale,
-                         const float *gscale_inv, float *prev, float *out_scale, float *out_inv,
-                         uint8_t *out_bytes, const uint32_t *chunkq)
+                         const float *gscale_inv, const float *samax, const float *sscale,
+                         float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes,
+                         const uint32_t *chunkq)
 {
     uint32_t qi = chunk_q(qs, nq, chunkq);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
@@ -379,13 +425,21 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, fl
             break;
         qi = seek_q(qs, nq, qi, i);
         const amx_qdesc_t *q = &qs[qi];
-        if (a[k] == AMX_NEG_INF && q->peer_group >= 0) {
-            a[k] = peer_max[q->peer_group];
-            out_amax[i] = a[k];
+        if (q->peer_group >= 0) {
+            uint8_t raised;
+            a[k] = amx_pp_peer(q->peer_mode, a[k], peer_max[q->peer_group], &raised);
+            if (raised)
+                out_amax[i] = a[k];
+        }
+        float g = gamax[qi], s_enc = gscale[qi];
+        if (q->nslices > 0) {
+            uint64_t sl = amx_pp_slice(q, i - q->base);
+            g = samax[sl];
+            s_enc = sscale[sl];
         }
         float s, inv;
         uint8_t b;
-        amx_pp_cell(&q->recipe, a[k], gamax[qi], gscale[qi], &prev[i], &s, &inv, &b);
+        amx_pp_cell(&q->recipe, a[k], g, s_enc, &prev[i], &s, &inv, &b);
         out_scale[i] = s;
         out_inv[i] = inv;
         out_bytes[i] = b;
@@ -407,16 +461,18 @@ extern "C" amx_status_t amx__cuda_merge_launch(float *pending, const float *d_va
 }
 
 /* Launches the per-cell scale kernel (also used by the benchmark). */
-extern "C" amx_status_t amx__cuda_scales_launch(
-    const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, float *out_amax, const float *peer_max,
-    const float *gamax, const float *gscale, const float *gscale_inv, float *prev, float *out_scale,
-    float *out_inv, uint8_t *out_bytes, const uint32_t *chunkq, cudaStream_t stream, amx_err_t *err)
+extern "C" amx_status_t
+amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, float *out_amax,
+                        const float *peer_max, const float *gamax, const float *gscale,
+                        const float *gscale_inv, const float *samax, const float *sscale,
+                        float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes,
+                        const uint32_t *chunkq, cudaStream_t stream, amx_err_t *err)
 {
     if (ncells == 0)
         return AMX_OK;
     k_scales<<<chunks_for(ncells), THREADS, 0, stream>>>(d_q, nq, ncells, out_amax, peer_max, gamax,
-                                                         gscale, gscale_inv, prev, out_scale,
-                                                         out_inv, out_bytes, chunkq);
+                                                         gscale, gscale_inv, samax, sscale, prev,
+                                                         out_scale, out_inv, out_bytes, chunkq);
     CU(cudaGetLastError(), "scale kernel launch");
     return AMX_OK;
 }
@@ -439,7 +495,7 @@ __global__ void k_max_into(float *a, const float *b, uint64_t n)
 
 /* Quantizers flagged `reset` lose their accumulated state (one block each). */
 __global__ void k_reset_flagged(const amx_qdesc_t *qs, uint32_t nq, float *accum, float *prev,
-                                float *hist, float *prev_g)
+                                float *hist, float *prev_g, float *prev_gs)
 {
     for (uint32_t k = blockIdx.x; k < nq; k += gridDim.x) {
         const amx_qdesc_t *q = &qs[k];
@@ -452,6 +508,8 @@ __global__ void k_reset_flagged(const amx_qdesc_t *qs, uint32_t nq, float *accum
         if (q->accumulation == AMX_ACC_PER_EPOCH)
             for (uint64_t c = threadIdx.x; c < (uint64_t)q->hist_len * q->ncells; c += blockDim.x)
                 hist[q->hist_base + c] = AMX_NEG_INF;
+        for (uint64_t c = threadIdx.x; c < q->nslices; c += blockDim.x)
+            prev_gs[q->gbase + c] = 1.0f;
         if (threadIdx.x == 0)
             prev_g[k] = 1.0f;
     }
@@ -739,7 +797,8 @@ static amx_status_t cuda_read_results(amx_state_t *st, const amx_run_t *runs, si
 
 /* Output set k sized for n cells and nq quantizers (device), contents
  * undefined; host globals grown. */
-static amx_status_t size_outputs(amx_state_t *st, int k, uint64_t n, uint32_t nq, amx_err_t *err)
+static amx_status_t size_outputs(amx_state_t *st, int k, uint64_t n, uint32_t nq, uint64_t ns,
+                                 amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     cudaStream_t s = c->se;
@@ -764,6 +823,14 @@ static amx_status_t size_outputs(amx_state_t *st, int k, uint64_t n, uint32_t nq
     }
     AMX_CHECK(amx__state_grow_globals(st, k, nq, err));
     st->out_nq[k] = nq;
+    if (ns != st->out_ns[k] || c->o_samax[k] == NULL) {
+        dfree(c->o_samax[k], s), dfree(c->o_sscale[k], s), dfree(c->o_sinv[k], s);
+        c->o_samax[k] = c->o_sscale[k] = c->o_sinv[k] = NULL;
+        AMX_CHECK(dalloc((void **)&c->o_samax[k], ns * 4, s, err));
+        AMX_CHECK(dalloc((void **)&c->o_sscale[k], ns * 4, s, err));
+        AMX_CHECK(dalloc((void **)&c->o_sinv[k], ns * 4, s, err));
+    }
+    AMX_CHECK(amx__state_size_slices(st, k, ns, err));
     return AMX_OK;
 }
 
@@ -774,32 +841,37 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     int fl = c->active ^ 1, back = st->front ^ 1;
     int src = lc->outputs_from_back ? back : st->front;
-    /* All run lists in one upload: cells, hist, qs, pend. */
-    size_t n = lc->ncell_runs + lc->nhist_runs + lc->nq_runs + lc->npend_runs;
+    /* All run lists in one upload: cells, hist, qs, pend, slices. */
+    size_t n = lc->ncell_runs + lc->nhist_runs + lc->nq_runs + lc->npend_runs + lc->nslice_runs;
     amx_run_t *all = (amx_run_t *)malloc((n ? n : 1) * sizeof(amx_run_t));
     if (all == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of host memory");
-    size_t o_c = 0, o_h = lc->ncell_runs, o_q = o_h + lc->nhist_runs, o_p = o_q + lc->nq_runs;
+    size_t o_c = 0, o_h = lc->ncell_runs, o_q = o_h + lc->nhist_runs, o_p = o_q + lc->nq_runs,
+           o_s = o_p + lc->npend_runs;
     memcpy(all + o_c, lc->cells, lc->ncell_runs * sizeof(amx_run_t));
     memcpy(all + o_h, lc->hist, lc->nhist_runs * sizeof(amx_run_t));
     memcpy(all + o_q, lc->qs, lc->nq_runs * sizeof(amx_run_t));
     memcpy(all + o_p, lc->pend, lc->npend_runs * sizeof(amx_run_t));
+    if (lc->nslice_runs > 0)
+        memcpy(all + o_s, lc->slices, lc->nslice_runs * sizeof(amx_run_t));
     amx_status_t rc = upload_runs(&c->e_runs, &c->cap_e_runs, all, n, s, err);
     CU(cudaStreamSynchronize(s), "runs upload");
     free(all);
     AMX_CHECK(rc);
     const amx_run_t *rc_ = c->e_runs + o_c, *rh = c->e_runs + o_h, *rq = c->e_runs + o_q,
-                    *rp = c->e_runs + o_p;
+                    *rp = c->e_runs + o_p, *rs = c->e_runs + o_s;
     AMX_CHECK(remap_pend(c, fl, lc, rp, s, err));
     AMX_CHECK(remap_f(&c->accum, lc->ncells, -INFINITY, rc_, lc->ncell_runs, s, err));
     AMX_CHECK(remap_f(&c->prev, lc->ncells, 1.0f, rc_, lc->ncell_runs, s, err));
     AMX_CHECK(remap_f(&c->hist, lc->nhist, -INFINITY, rh, lc->nhist_runs, s, err));
     AMX_CHECK(remap_f(&c->prev_g, lc->nq, 1.0f, rq, lc->nq_runs, s, err));
+    AMX_CHECK(remap_f(&c->prev_gs, lc->nslices, 1.0f, rs, lc->nslice_runs, s, err));
     st->ncells = lc->ncells;
     st->nhist = lc->nhist;
     st->nq = lc->nq;
+    st->nslices = lc->nslices;
     /* Results in the new layout, from the published (or imported) ones. */
-    float *na, *ns, *ni, *ga, *gs, *gi;
+    float *na, *ns, *ni, *ga, *gs, *gi, *sa, *ss, *si;
     uint8_t *nb;
     AMX_CHECK(dalloc((void **)&na, lc->ncells * 4, s, err));
     AMX_CHECK(dalloc((void **)&ns, lc->ncells * 4, s, err));
@@ -808,6 +880,9 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     AMX_CHECK(dalloc((void **)&ga, (size_t)lc->nq * 4, s, err));
     AMX_CHECK(dalloc((void **)&gs, (size_t)lc->nq * 4, s, err));
     AMX_CHECK(dalloc((void **)&gi, (size_t)lc->nq * 4, s, err));
+    AMX_CHECK(dalloc((void **)&sa, lc->nslices * 4, s, err));
+    AMX_CHECK(dalloc((void **)&ss, lc->nslices * 4, s, err));
+    AMX_CHECK(dalloc((void **)&si, lc->nslices * 4, s, err));
     AMX_CHECK(fill_f(na, lc->ncells, -INFINITY, s, err));
     AMX_CHECK(fill_f(ns, lc->ncells, 1.0f, s, err));
     AMX_CHECK(fill_f(ni, lc->ncells, 1.0f, s, err));
@@ -816,6 +891,9 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     AMX_CHECK(fill_f(ga, lc->nq, 0.0f, s, err));
     AMX_CHECK(fill_f(gs, lc->nq, 1.0f, s, err));
     AMX_CHECK(fill_f(gi, lc->nq, 1.0f, s, err));
+    AMX_CHECK(fill_f(sa, lc->nslices, 0.0f, s, err));
+    AMX_CHECK(fill_f(ss, lc->nslices, 1.0f, s, err));
+    AMX_CHECK(fill_f(si, lc->nslices, 1.0f, s, err));
     if (c->o_amax[src] != NULL) {
         AMX_CHECK(copy_runs<float>(na, c->o_amax[src], rc_, lc->ncell_runs, s, err));
         AMX_CHECK(copy_runs<float>(ns, c->o_scale[src], rc_, lc->ncell_runs, s, err));
@@ -827,6 +905,13 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
         AMX_CHECK(copy_runs<float>(gs, c->o_gscale[src], rq, lc->nq_runs, s, err));
         AMX_CHECK(copy_runs<float>(gi, c->o_ginv[src], rq, lc->nq_runs, s, err));
     }
+    if (c->o_samax[src] != NULL) {
+        AMX_CHECK(copy_runs<float>(sa, c->o_samax[src], rs, lc->nslice_runs, s, err));
+        AMX_CHECK(copy_runs<float>(ss, c->o_sscale[src], rs, lc->nslice_runs, s, err));
+        AMX_CHECK(copy_runs<float>(si, c->o_sinv[src], rs, lc->nslice_runs, s, err));
+    }
+    dfree(c->o_samax[back], s), dfree(c->o_sscale[back], s), dfree(c->o_sinv[back], s);
+    c->o_samax[back] = sa, c->o_sscale[back] = ss, c->o_sinv[back] = si;
     dfree(c->o_amax[back], s), dfree(c->o_scale[back], s), dfree(c->o_inv[back], s);
     dfree(c->o_bytes[back], s), dfree(c->o_gamax[back], s), dfree(c->o_gscale[back], s);
     dfree(c->o_ginv[back], s);
@@ -842,6 +927,18 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
            "cudaMemcpyAsync (globals)");
         CU(cudaMemcpyAsync(st->g_inv[back], gi, (size_t)lc->nq * 4, cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (globals)");
+    }
+    /* The host slice arrays are sized afresh (contents as copied below). */
+    st->out_ns[back] = 0;
+    AMX_CHECK(amx__state_size_slices(st, back, lc->nslices, err));
+    if (lc->nslices > 0) {
+        size_t sb = (size_t)lc->nslices * 4;
+        CU(cudaMemcpyAsync(st->s_amax[back], sa, sb, cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (slices)");
+        CU(cudaMemcpyAsync(st->s_scale[back], ss, sb, cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (slices)");
+        CU(cudaMemcpyAsync(st->s_inv[back], si, sb, cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (slices)");
     }
     CU(cudaStreamSynchronize(s), "remap");
     return AMX_OK;
@@ -971,7 +1068,12 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
     size_t dbytes = (size_t)nq * sizeof(amx_qdesc_t), gbytes = (size_t)nq * 4;
     AMX_CHECK(engine_pin(c, dbytes, err));
     char *pin_d = (char *)c->e_pin;
-    AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    uint64_t nsl = amx_qdesc_slices(qs, nq);
+    if (nsl != st->nslices)
+        return amx_err_set(err, AMX_EINTERNAL,
+                           "finish over %llu global slices, the state holds %llu",
+                           (unsigned long long)nsl, (unsigned long long)st->nslices);
+    AMX_CHECK(size_outputs(st, back, ncells, nq, nsl, err));
     uint64_t n = ncells;
     const float *red = (from_send ? c->pend[fl] : c->recv) + AMX_HDR_CELLS;
     uint64_t t_setup = amx_now_us();
@@ -994,8 +1096,8 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
         /* Reset flags only ever come with new descriptors. */
         if (desc_dirty) {
             unsigned nb = nq < 4096 ? nq : 4096;
-            k_reset_flagged<<<nb, THREADS, 0, s>>>(c->dq, nq, c->accum, c->prev, c->hist,
-                                                   c->prev_g);
+            k_reset_flagged<<<nb, THREADS, 0, s>>>(c->dq, nq, c->accum, c->prev, c->hist, c->prev_g,
+                                                   c->prev_gs);
         }
         size_t m = ngroups > nq ? ngroups : nq;
         k_epoch_init<<<blocks_for(m), THREADS, 0, s>>>(c->groups, ngroups, c->o_gamax[back],
@@ -1015,12 +1117,17 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
         MARK(P_FILL);
         k_global<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, scale_max, c->o_gamax[back],
                                                     c->prev_g, c->o_gscale[back], c->o_ginv[back]);
+        if (nsl > 0) {
+            unsigned sb = nsl < 65535u * 16u ? (unsigned)nsl : 65535u * 16u;
+            k_slices<<<sb, THREADS, 0, s>>>(c->dq, nq, nsl, c->o_amax[back], peer_max, c->prev_gs,
+                                            c->o_samax[back], c->o_sscale[back], c->o_sinv[back]);
+        }
         CU(cudaGetLastError(), "epoch kernels launch");
         MARK(P_GLOBAL);
         AMX_CHECK(amx__cuda_scales_launch(c->dq, nq, n, c->o_amax[back], peer_max, c->o_gamax[back],
-                                          c->o_gscale[back], c->o_ginv[back], c->prev,
-                                          c->o_scale[back], c->o_inv[back], c->o_bytes[back],
-                                          c->chunkq, s, err));
+                                          c->o_gscale[back], c->o_ginv[back], c->o_samax[back],
+                                          c->o_sscale[back], c->prev, c->o_scale[back],
+                                          c->o_inv[back], c->o_bytes[back], c->chunkq, s, err));
         MARK(P_SCALES);
         /* Straight into the (pinned) host results. */
         CU(cudaMemcpyAsync(st->g_amax[back], c->o_gamax[back], gbytes, cudaMemcpyDeviceToHost, s),
@@ -1029,6 +1136,15 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
            "cudaMemcpyAsync (globals)");
         CU(cudaMemcpyAsync(st->g_inv[back], c->o_ginv[back], gbytes, cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (globals)");
+        if (nsl > 0) {
+            size_t sb = (size_t)nsl * 4;
+            CU(cudaMemcpyAsync(st->s_amax[back], c->o_samax[back], sb, cudaMemcpyDeviceToHost, s),
+               "cudaMemcpyAsync (slices)");
+            CU(cudaMemcpyAsync(st->s_scale[back], c->o_sscale[back], sb, cudaMemcpyDeviceToHost, s),
+               "cudaMemcpyAsync (slices)");
+            CU(cudaMemcpyAsync(st->s_inv[back], c->o_sinv[back], sb, cudaMemcpyDeviceToHost, s),
+               "cudaMemcpyAsync (slices)");
+        }
     }
     MARK(P_D2H);
     if (!cleared)
@@ -1080,14 +1196,15 @@ static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
 }
 
 static amx_status_t cuda_export(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                int back, const amx_state_arrays_t *d, amx_err_t *err)
+                                uint64_t nslices, int back, const amx_state_arrays_t *d,
+                                amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     cudaStream_t s = c->se;
     int f = st->front ^ (back != 0);
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     if (ncells != st->ncells || nhist != st->nhist || nq != st->nq || ncells != st->out_cells[f] ||
-        nq > st->out_nq[f])
+        nq > st->out_nq[f] || nslices != st->nslices || nslices != st->out_ns[f])
         return amx_err_set(err, AMX_EINTERNAL,
                            "state export of %llu cells / %u quantizers, the state holds %llu / %u",
                            (unsigned long long)ncells, nq, (unsigned long long)st->ncells, st->nq);
@@ -1098,7 +1215,8 @@ static amx_status_t cuda_export(amx_state_t *st, uint64_t ncells, uint64_t nhist
     } cp[] = {{d->accum, c->accum, ncells * 4},        {d->prev, c->prev, ncells * 4},
               {d->hist, c->hist, nhist * 4},           {d->prev_g, c->prev_g, (size_t)nq * 4},
               {d->out_amax, c->o_amax[f], ncells * 4}, {d->out_scale, c->o_scale[f], ncells * 4},
-              {d->out_inv, c->o_inv[f], ncells * 4},   {d->out_bytes, c->o_bytes[f], ncells}};
+              {d->out_inv, c->o_inv[f], ncells * 4},   {d->out_bytes, c->o_bytes[f], ncells},
+              {d->prev_gs, c->prev_gs, nslices * 4}};
     for (size_t k = 0; k < sizeof(cp) / sizeof(cp[0]); k++)
         if (cp[k].bytes)
             CU(cudaMemcpyAsync(cp[k].dst, cp[k].src, cp[k].bytes, cudaMemcpyDeviceToHost, s),
@@ -1109,26 +1227,34 @@ static amx_status_t cuda_export(amx_state_t *st, uint64_t ncells, uint64_t nhist
         memcpy(d->g_scale, st->g_scale[f], nq * sizeof(float));
         memcpy(d->g_inv, st->g_inv[f], nq * sizeof(float));
     }
+    if (nslices) {
+        memcpy(d->s_amax, st->s_amax[f], nslices * sizeof(float));
+        memcpy(d->s_scale, st->s_scale[f], nslices * sizeof(float));
+        memcpy(d->s_inv, st->s_inv[f], nslices * sizeof(float));
+    }
     return AMX_OK;
 }
 
 static amx_status_t cuda_import(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                const amx_state_arrays_t *src, amx_err_t *err)
+                                uint64_t nslices, const amx_state_arrays_t *src, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     cudaStream_t s = c->se;
     int back = st->front ^ 1;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     dfree(c->accum, s), dfree(c->prev, s), dfree(c->hist, s), dfree(c->prev_g, s);
-    c->accum = c->prev = c->hist = c->prev_g = NULL;
+    dfree(c->prev_gs, s);
+    c->accum = c->prev = c->hist = c->prev_g = c->prev_gs = NULL;
     AMX_CHECK(dalloc((void **)&c->accum, ncells * 4, s, err));
     AMX_CHECK(dalloc((void **)&c->prev, ncells * 4, s, err));
     AMX_CHECK(dalloc((void **)&c->hist, nhist * 4, s, err));
     AMX_CHECK(dalloc((void **)&c->prev_g, (size_t)nq * 4, s, err));
+    AMX_CHECK(dalloc((void **)&c->prev_gs, nslices * 4, s, err));
     st->ncells = ncells;
     st->nhist = nhist;
     st->nq = nq;
-    AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    st->nslices = nslices;
+    AMX_CHECK(size_outputs(st, back, ncells, nq, nslices, err));
     struct {
         void *dst;
         const void *src;
@@ -1143,7 +1269,11 @@ static amx_status_t cuda_import(amx_state_t *st, uint64_t ncells, uint64_t nhist
               {c->o_bytes[back], src->out_bytes, ncells},
               {c->o_gamax[back], src->g_amax, (size_t)nq * 4},
               {c->o_gscale[back], src->g_scale, (size_t)nq * 4},
-              {c->o_ginv[back], src->g_inv, (size_t)nq * 4}};
+              {c->o_ginv[back], src->g_inv, (size_t)nq * 4},
+              {c->prev_gs, src->prev_gs, nslices * 4},
+              {c->o_samax[back], src->s_amax, nslices * 4},
+              {c->o_sscale[back], src->s_scale, nslices * 4},
+              {c->o_sinv[back], src->s_inv, nslices * 4}};
     for (size_t k = 0; k < sizeof(cp) / sizeof(cp[0]); k++)
         if (cp[k].bytes)
             CU(cudaMemcpyAsync(cp[k].dst, cp[k].src, cp[k].bytes, cudaMemcpyHostToDevice, s),
@@ -1154,6 +1284,11 @@ static amx_status_t cuda_import(amx_state_t *st, uint64_t ncells, uint64_t nhist
         memcpy(st->g_scale[back], src->g_scale, nq * sizeof(float));
         memcpy(st->g_inv[back], src->g_inv, nq * sizeof(float));
     }
+    if (nslices) {
+        memcpy(st->s_amax[back], src->s_amax, nslices * sizeof(float));
+        memcpy(st->s_scale[back], src->s_scale, nslices * sizeof(float));
+        memcpy(st->s_inv[back], src->s_inv, nslices * sizeof(float));
+    }
     return AMX_OK;
 }
 
@@ -1163,12 +1298,13 @@ static void cuda_destroy(amx_state_t *st)
     cudaSetDevice(c->device);
     cudaStreamSynchronize(c->sl);
     cudaStreamSynchronize(c->se);
-    void *dev[] = {c->pend[0],    c->pend[1],    c->recv,        c->accum,       c->prev,
-                   c->hist,       c->prev_g,     c->o_amax[0],   c->o_amax[1],   c->o_scale[0],
-                   c->o_scale[1], c->o_inv[0],   c->o_inv[1],    c->o_bytes[0],  c->o_bytes[1],
-                   c->o_gamax[0], c->o_gamax[1], c->o_gscale[0], c->o_gscale[1], c->o_ginv[0],
-                   c->o_ginv[1],  c->groups,     c->dq,          c->d_stage,     c->d_runs,
-                   c->e_runs,     c->empty,      c->chunkq};
+    void *dev[] = {c->pend[0],    c->pend[1],     c->recv,        c->accum,       c->prev,
+                   c->hist,       c->prev_g,      c->o_amax[0],   c->o_amax[1],   c->o_scale[0],
+                   c->o_scale[1], c->o_inv[0],    c->o_inv[1],    c->o_bytes[0],  c->o_bytes[1],
+                   c->o_gamax[0], c->o_gamax[1],  c->o_gscale[0], c->o_gscale[1], c->o_ginv[0],
+                   c->o_ginv[1],  c->groups,      c->dq,          c->d_stage,     c->d_runs,
+                   c->e_runs,     c->empty,       c->chunkq,      c->prev_gs,     c->o_samax[0],
+                   c->o_samax[1], c->o_sscale[0], c->o_sscale[1], c->o_sinv[0],   c->o_sinv[1]};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         if (dev[i] != NULL)
             cudaFreeAsync(dev[i], c->se);

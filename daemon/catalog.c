@@ -205,7 +205,46 @@ amx_status_t amx_qspec_parse(const amx_qspec_in_t *in, uint64_t max_cells, amx_q
         return amx_err_set(err, AMX_EINVAL, "quantizer '%s': scale_group name is invalid", name);
     out->peer_group = (char *)pg;
     out->scale_group = (char *)sg;
+    if (in->peer_mode < 0 || in->peer_mode > 2)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': peer_mode %d is unknown (use PEER_FILL or PEER_SHARE)",
+                           name, in->peer_mode);
+    if (in->peer_mode != 0 && pg[0] == '\0')
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': peer_mode %s needs a peer_group (the mode is the "
+                           "group's)",
+                           name, amx_peer_mode_name(in->peer_mode));
+    out->peer_mode = (uint8_t)(pg[0] == '\0'        ? 0
+                               : in->peer_mode == 0 ? AMX_PEER_FILL
+                                                    : in->peer_mode);
+    if (in->global_axes != 0 && in->global_axes >= out->ndim)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': global_axes %u must be less than the %u dimensions "
+                           "of global_shape (0: one global amax; k: one per index of the first "
+                           "k axes)",
+                           name, in->global_axes, out->ndim);
+    if (in->global_axes != 0 && sg[0] != '\0')
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': global_axes %u cannot be combined with scale_group "
+                           "'%s' (a scale group shares one global amax); use one or the other",
+                           name, in->global_axes, sg);
+    out->global_axes = (uint8_t)in->global_axes;
     return AMX_OK;
+}
+
+const char *amx_peer_mode_name(int mode)
+{
+    return mode == AMX_PEER_SHARE ? "PEER_SHARE" : mode == AMX_PEER_FILL ? "PEER_FILL" : "none";
+}
+
+uint64_t amx_qspec_slices(const amx_qspec_t *s)
+{
+    if (s->global_axes == 0)
+        return 0;
+    uint64_t n = 1;
+    for (uint32_t d = 0; d < s->global_axes && d < s->ndim; d++)
+        n *= s->shape[d];
+    return n;
 }
 
 int amx_qspec_equal(const amx_qspec_t *a, const amx_qspec_t *b)
@@ -213,7 +252,9 @@ int amx_qspec_equal(const amx_qspec_t *a, const amx_qspec_t *b)
     return strcmp(a->name, b->name) == 0 && a->ndim == b->ndim &&
            memcmp(a->shape, b->shape, a->ndim * sizeof(uint32_t)) == 0 &&
            recipe_equal(&a->recipe, &b->recipe) && a->accumulation == b->accumulation &&
-           strcmp(a->peer_group, b->peer_group) == 0 && strcmp(a->scale_group, b->scale_group) == 0;
+           strcmp(a->peer_group, b->peer_group) == 0 &&
+           strcmp(a->scale_group, b->scale_group) == 0 && a->peer_mode == b->peer_mode &&
+           a->global_axes == b->global_axes;
 }
 
 amx_qspec_t *amx_qspec_dup(const amx_qspec_t *s)
@@ -280,6 +321,11 @@ void amx_qspec_diff(const amx_qspec_t *a, const amx_qspec_t *b, char *buf, size_
         snprintf(buf, len, "peer_group '%s' vs '%s'", a->peer_group, b->peer_group);
     } else if (strcmp(a->scale_group, b->scale_group) != 0) {
         snprintf(buf, len, "scale_group '%s' vs '%s'", a->scale_group, b->scale_group);
+    } else if (a->peer_mode != b->peer_mode) {
+        snprintf(buf, len, "peer_mode %s vs %s", amx_peer_mode_name(a->peer_mode),
+                 amx_peer_mode_name(b->peer_mode));
+    } else if (a->global_axes != b->global_axes) {
+        snprintf(buf, len, "global_axes %u vs %u", a->global_axes, b->global_axes);
     } else {
         snprintf(buf, len, "no difference");
     }
@@ -347,6 +393,8 @@ uint64_t amx_catalog_hash(amx_qspec_t *const *q, uint32_t n)
         h = fnv(h, &r->eps, sizeof(r->eps));
         h = fnv(h, s->peer_group, strlen(s->peer_group) + 1);
         h = fnv(h, s->scale_group, strlen(s->scale_group) + 1);
+        uint8_t g[2] = {s->peer_mode, s->global_axes};
+        h = fnv(h, g, sizeof(g));
     }
     return h;
 }
@@ -378,6 +426,7 @@ amx_status_t amx_catalog_build(amx_qspec_t **specs, uint32_t n, amx_catalog_t **
         amx_strmap_put(&c->map, c->q[i]->name, i); /* reserved: cannot fail */
         c->ncells += c->q[i]->ncells;
         c->nhist += amx_qspec_hist_cells(c->q[i]);
+        c->nslices += amx_qspec_slices(c->q[i]);
     }
     c->n = n;
     c->hash = amx_catalog_hash(c->q, n);
@@ -433,7 +482,7 @@ static int32_t group_index(char **g, uint32_t n, const char *name)
 
 void amx_catalog_layout(const amx_catalog_t *c, amx_qdesc_t *desc)
 {
-    uint64_t base = 0, hist = 0;
+    uint64_t base = 0, hist = 0, slices = 0;
     for (uint32_t i = 0; i < c->n; i++) {
         const amx_qspec_t *s = c->q[i];
         amx_qdesc_t *d = &desc[i];
@@ -445,9 +494,14 @@ void amx_catalog_layout(const amx_catalog_t *c, amx_qdesc_t *desc)
         d->hist_head = 0;
         d->peer_group = group_index(c->peer, c->npeer, s->peer_group);
         d->scale_group = group_index(c->scale, c->nscale, s->scale_group);
+        d->peer_mode = s->peer_mode;
+        d->gbase = slices;
+        d->nslices = amx_qspec_slices(s);
+        d->slice_cells = d->nslices ? s->ncells / d->nslices : 0;
         d->accumulation = s->accumulation;
         d->recipe = s->recipe;
         base += s->ncells;
         hist += amx_qspec_hist_cells(s);
+        slices += d->nslices;
     }
 }

@@ -38,6 +38,8 @@ typedef struct amx_qspec {
     uint8_t accumulation; /* AMX_ACC_* */
     char *peer_group;     /* "" = none */
     char *scale_group;    /* "" = none */
+    uint8_t peer_mode;    /* AMX_PEER_FILL / AMX_PEER_SHARE with a peer group, else 0 */
+    uint8_t global_axes;  /* 0, or the leading axes that index separate globals (< ndim) */
 } amx_qspec_t;
 
 /* A recipe as it came off the wire, before defaults are resolved. */
@@ -59,6 +61,8 @@ typedef struct amx_qspec_in {
     const char *peer_group, *scale_group;
     const uint32_t *offset, *local_shape;
     size_t n_offset, n_local_shape;
+    int peer_mode;
+    uint32_t global_axes;
 } amx_qspec_in_t;
 
 /* Whether `s` is a valid job name: 1..128 characters of [A-Za-z0-9._-]. */
@@ -95,6 +99,13 @@ void amx_qspec_diff(const amx_qspec_t *a, const amx_qspec_t *b, char *buf, size_
 /* History cells a spec needs: ncells * H for PER_EPOCH, else 0. */
 uint64_t amx_qspec_hist_cells(const amx_qspec_t *s);
 
+/* Global slices a spec has: prod(shape[:global_axes]) when global_axes > 0,
+ * else 0 (the quantizer's one global lives in the per-quantizer arrays). */
+uint64_t amx_qspec_slices(const amx_qspec_t *s);
+
+/* "PEER_FILL" / "PEER_SHARE" (or "none" without a group). */
+const char *amx_peer_mode_name(int mode);
+
 /* The agreed catalog of a job: specs sorted by name, owned. */
 typedef struct amx_catalog {
     amx_qspec_t **q;
@@ -102,6 +113,7 @@ typedef struct amx_catalog {
     char **peer, **scale; /* sorted unique group names (borrowed from the specs) */
     uint32_t npeer, nscale;
     uint64_t ncells, nhist;
+    uint64_t nslices; /* global slices of all quantizers (amx_qspec_slices) */
     uint64_t hash;
     amx_strmap_t map; /* name -> index in q */
 } amx_catalog_t;
@@ -125,8 +137,8 @@ int64_t amx_catalog_find(const amx_catalog_t *c, const char *name);
 
 /*
  * The layout: desc[i] for quantizer i of c (base, ncells, history base and
- * length, group indices, accumulation, recipe; hist_head 0). `desc` has
- * room for c->n entries.
+ * length, global slices, group indices and peer mode, accumulation, recipe;
+ * hist_head 0). `desc` has room for c->n entries.
  */
 void amx_catalog_layout(const amx_catalog_t *c, amx_qdesc_t *desc);
 

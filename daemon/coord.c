@@ -607,6 +607,60 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
             }
         }
     }
+    /* 1b. A peer group's mode is the group's: a proposal whose group
+     * already has another mode (in the master, or in an earlier proposal)
+     * is a conflict too. */
+    {
+        amx_strmap_t gm = {0}; /* group -> index: < n0 master, else n0 + add */
+        uint32_t n0 = master ? master->n : 0;
+        if (amx_strmap_reserve(&gm, n0 + nadd) != 0) {
+            oom = "out of memory checking peer groups";
+            goto fail;
+        }
+        for (uint32_t i = 0; i < n0; i++)
+            if (master->q[i]->peer_group[0] != '\0')
+                amx_strmap_put(&gm, master->q[i]->peer_group, i);
+        for (size_t a = 0; a < nadd; a++) {
+            const amx_qspec_t *s = adds[a].spec;
+            uint32_t k, dummy;
+            if (s->peer_group[0] == '\0' || amx_strmap_get(&rej_idx, s->name, &dummy))
+                continue;
+            if (!amx_strmap_get(&gm, s->peer_group, &k)) {
+                amx_strmap_put(&gm, s->peer_group, n0 + (uint32_t)a);
+                continue;
+            }
+            const amx_qspec_t *o = k < n0 ? master->q[k] : adds[k - n0].spec;
+            if (o->peer_mode == s->peer_mode)
+                continue;
+            char **q = realloc(rej, (nrej + 1) * sizeof(char *));
+            if (q == NULL || (q[nrej] = strdup(s->name)) == NULL ||
+                amx_strmap_put(&rej_idx, q[nrej], (uint32_t)nrej) != 0) {
+                if (q != NULL && q[nrej] != NULL)
+                    free(q[nrej]);
+                rej = q ? q : rej;
+                amx_strmap_free(&gm);
+                oom = "out of memory";
+                goto fail;
+            }
+            rej = q;
+            nrej++;
+            if (nconf++ == 0) {
+                char d1[200], d2[200];
+                if (k < n0)
+                    snprintf(d1, sizeof(d1), "the agreed catalog");
+                else
+                    daemon_ranks(j, adds[k - n0].origin, d1, sizeof(d1));
+                daemon_ranks(j, adds[a].origin, d2, sizeof(d2));
+                snprintf(conflict, sizeof(conflict),
+                         "the catalog of job '%s' cannot be agreed: peer group '%s' has peer_mode "
+                         "%s (quantizer '%s', %s) and %s (quantizer '%s', %s); every member of a "
+                         "peer group must declare the same peer_mode",
+                         j->name, s->peer_group, amx_peer_mode_name(o->peer_mode), o->name, d1,
+                         amx_peer_mode_name(s->peer_mode), s->name, d2);
+            }
+        }
+        amx_strmap_free(&gm);
+    }
     if (nconf > 0) {
         size_t n = strlen(conflict);
         if (nrej > 1)

@@ -169,17 +169,23 @@ static void drop_comm(amx_engine_t *e)
 
 /* ---- layout changes ---- */
 
-/* Runs for moving a state laid out as `from` (desc `fdesc`) to `to`. */
+/* Runs for moving a state laid out as `from` (desc `fdesc`) to `to`
+ * (`sl`: per-slice runs; NULL when the caller needs none). */
 static amx_status_t state_runs(const amx_catalog_t *from, const amx_qdesc_t *fdesc,
                                const amx_catalog_t *to, amx_qdesc_t *tdesc, amx_run_t **cells,
-                               size_t *nc, amx_run_t **hist, size_t *nh, amx_run_t **qs, size_t *nq)
+                               size_t *nc, amx_run_t **hist, size_t *nh, amx_run_t **qs, size_t *nq,
+                               amx_run_t **sl, size_t *ns)
 {
     *cells = malloc((to->n ? to->n : 1) * sizeof(amx_run_t));
     *hist = malloc((to->n ? to->n : 1) * sizeof(amx_run_t));
     *qs = malloc((to->n ? to->n : 1) * sizeof(amx_run_t));
-    if (*cells == NULL || *hist == NULL || *qs == NULL)
+    if (sl != NULL)
+        *sl = malloc((to->n ? to->n : 1) * sizeof(amx_run_t));
+    if (*cells == NULL || *hist == NULL || *qs == NULL || (sl != NULL && *sl == NULL))
         return AMX_ENOMEM;
     *nc = *nh = *nq = 0;
+    if (ns != NULL)
+        *ns = 0;
     for (uint32_t i = 0; i < to->n; i++) {
         int64_t k = from ? amx_catalog_find(from, to->q[i]->name) : -1;
         if (k < 0)
@@ -191,6 +197,8 @@ static amx_status_t state_runs(const amx_catalog_t *from, const amx_qdesc_t *fde
             (*hist)[(*nh)++] =
                 (amx_run_t){t->hist_base, f->hist_base, (uint64_t)t->hist_len * t->ncells};
         (*qs)[(*nq)++] = (amx_run_t){i, (uint64_t)k, 1};
+        if (sl != NULL && t->nslices > 0)
+            (*sl)[(*ns)++] = (amx_run_t){t->gbase, f->gbase, t->nslices};
         t->hist_head = f->hist_head;
     }
     return AMX_OK;
@@ -228,15 +236,15 @@ static amx_status_t change_layout(amx_engine_t *e, amx_catalog_t *to)
     amx_job_t *j = e->job;
     amx_err_t err = {0};
     amx_qdesc_t *tdesc = malloc((to->n ? to->n : 1) * sizeof(amx_qdesc_t));
-    amx_run_t *cells = NULL, *hist = NULL, *qs = NULL, *pend = NULL, *pend_loop = NULL;
-    size_t nc = 0, nh = 0, nq = 0, np = 0, npl = 0;
+    amx_run_t *cells = NULL, *hist = NULL, *qs = NULL, *sl = NULL, *pend = NULL, *pend_loop = NULL;
+    size_t nc = 0, nh = 0, nq = 0, ns = 0, np = 0, npl = 0;
     amx_status_t st = AMX_ENOMEM;
     if (tdesc == NULL)
         goto out;
     amx_catalog_layout(to, tdesc);
     const amx_catalog_t *scat = e->imp_cat ? e->imp_cat : e->w_cat;
     const amx_qdesc_t *sdesc = e->imp_cat ? e->imp_desc : e->w_desc;
-    if (state_runs(scat, sdesc, to, tdesc, &cells, &nc, &hist, &nh, &qs, &nq) != AMX_OK)
+    if (state_runs(scat, sdesc, to, tdesc, &cells, &nc, &hist, &nh, &qs, &nq, &sl, &ns) != AMX_OK)
         goto out;
     if (pend_runs_original(j, to, tdesc, &pend_loop, &npl) != AMX_OK)
         goto out;
@@ -251,7 +259,7 @@ static amx_status_t change_layout(amx_engine_t *e, amx_catalog_t *to)
         if (scratch == NULL)
             goto out;
         memcpy(scratch, tdesc, (to->n ? to->n : 1) * sizeof(amx_qdesc_t));
-        st = state_runs(e->w_cat, e->w_desc, to, scratch, &c2, &a, &h2, &b, &q2, &c);
+        st = state_runs(e->w_cat, e->w_desc, to, scratch, &c2, &a, &h2, &b, &q2, &c, NULL, NULL);
         free(scratch);
         free(h2);
         free(q2);
@@ -274,6 +282,9 @@ static amx_status_t change_layout(amx_engine_t *e, amx_catalog_t *to)
         .nq_runs = nq,
         .pend = pend,
         .npend_runs = np,
+        .nslices = to->nslices,
+        .slices = sl,
+        .nslice_runs = ns,
         .outputs_from_back = e->imp_cat != NULL || e->w_owned,
     };
     st = j->state->ops->remap(j->state, &lc, &err);
@@ -290,6 +301,7 @@ static amx_status_t change_layout(amx_engine_t *e, amx_catalog_t *to)
     pend_loop = NULL;
     e->res.pend_change = (amx_layout_change_t){.ncells = to->ncells,
                                                .nhist = to->nhist,
+                                               .nslices = to->nslices,
                                                .nq = to->n,
                                                .pend = e->res.pend_runs,
                                                .npend_runs = npl};
@@ -320,6 +332,7 @@ out:
     free(cells);
     free(hist);
     free(qs);
+    free(sl);
     free(tdesc);
     return st;
 }
@@ -440,8 +453,8 @@ static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
     if (st == AMX_OK && strcmp(js.job, j->name) != 0)
         st = amx_err_set(&err, AMX_EINVAL, "it is the state of job '%s'", js.job);
     if (st == AMX_OK)
-        st = j->state->ops->import_state(j->state, js.cat->ncells, js.cat->nhist, js.cat->n, &js.a,
-                                         &err);
+        st = j->state->ops->import_state(j->state, js.cat->ncells, js.cat->nhist, js.cat->n,
+                                         js.cat->nslices, &js.a, &err);
     if (st != AMX_OK) {
         amx_jobstate_free(&js);
         free(blob);

@@ -33,6 +33,7 @@ typedef struct amx_lq {
     uint8_t status;
     uint8_t reset;  /* a Reset of it waits for the next epoch */
     uint64_t base;  /* first cell in pending: agreed layout, or provisional */
+    uint64_t gbase; /* AGREED with global slices: its first entry of the per-slice results */
     uint32_t stamp; /* the last SendAmax batch that named it */
     uint32_t nplacements;
 } amx_lq_t;

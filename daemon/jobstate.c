@@ -60,10 +60,10 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
         amx_putstr(&w, s->name);
         amx_put32(&w, s->ndim);
         amx_put(&w, s->shape, sizeof(s->shape));
-        unsigned char b[9] = {
-            r->format,          r->rule,         r->history_reduce,    r->nvfp4_convention,
-            r->power_of_2,      s->accumulation, r->output_convention, r->history_convention,
-            r->mxfp8_convention};
+        unsigned char b[11] = {
+            r->format,           r->rule,         r->history_reduce,    r->nvfp4_convention,
+            r->power_of_2,       s->accumulation, r->output_convention, r->history_convention,
+            r->mxfp8_convention, s->peer_mode,    s->global_axes};
         amx_put(&w, b, sizeof(b));
         amx_put32(&w, r->history_len);
         amx_put(&w, &r->margin, 4);
@@ -73,14 +73,16 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
         amx_putstr(&w, s->scale_group);
         amx_put32(&w, desc[i].hist_head);
     }
-    uint64_t nc = cat->ncells, nh = cat->nhist, nq = cat->n;
+    uint64_t nc = cat->ncells, nh = cat->nhist, nq = cat->n, ns = cat->nslices;
     amx_put64(&w, nc);
     amx_put64(&w, nh);
+    amx_put64(&w, ns);
     size_t o_accum = reserve(&w, nc * 4), o_prev = reserve(&w, nc * 4),
            o_hist = reserve(&w, nh * 4), o_prevg = reserve(&w, nq * 4),
            o_amax = reserve(&w, nc * 4), o_scale = reserve(&w, nc * 4), o_inv = reserve(&w, nc * 4),
            o_bytes = reserve(&w, nc), o_ga = reserve(&w, nq * 4), o_gs = reserve(&w, nq * 4),
-           o_gi = reserve(&w, nq * 4);
+           o_gi = reserve(&w, nq * 4), o_pgs = reserve(&w, ns * 4), o_sa = reserve(&w, ns * 4),
+           o_ss = reserve(&w, ns * 4), o_si = reserve(&w, ns * 4);
     amx_put_align8(&w);
     size_t body = w.len;
     amx_put64(&w, 0); /* checksum, below */
@@ -100,8 +102,12 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
         .g_scale = (float *)(w.p + o_gs),
         .g_inv = (float *)(w.p + o_gi),
         .out_bytes = w.p + o_bytes,
+        .prev_gs = (float *)(w.p + o_pgs),
+        .s_amax = (float *)(w.p + o_sa),
+        .s_scale = (float *)(w.p + o_ss),
+        .s_inv = (float *)(w.p + o_si),
     };
-    amx_status_t rc = st->ops->export_state(st, nc, nh, (uint32_t)nq, back, &a, err);
+    amx_status_t rc = st->ops->export_state(st, nc, nh, (uint32_t)nq, ns, back, &a, err);
     if (rc != AMX_OK) {
         free(w.p);
         return rc;
@@ -184,7 +190,7 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         s.name = qname;
         s.ndim = amx_get32(&r);
         const void *shape = amx_get(&r, sizeof(s.shape));
-        const unsigned char *b = amx_get(&r, 9);
+        const unsigned char *b = amx_get(&r, 11);
         if (r.bad || s.ndim > AMX_MAX_DIMS)
             goto bad;
         memcpy(s.shape, shape, sizeof(s.shape));
@@ -203,6 +209,8 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         s.recipe.output_convention = b[6];
         s.recipe.history_convention = b[7];
         s.recipe.mxfp8_convention = b[8];
+        s.peer_mode = b[9];
+        s.global_axes = b[10];
         s.recipe.history_len = amx_get32(&r);
         const void *m = amx_get(&r, 4), *e = amx_get(&r, 4), *sm = amx_get(&r, 4);
         if (r.bad)
@@ -216,8 +224,10 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         s.scale_group = sg;
         out->hist_head[i] = amx_get32(&r);
         if (r.bad || s.recipe.format < 1 || s.recipe.format > 4 || b[3] > 4 || b[6] > 2 ||
-            b[7] > 2 || b[8] > 2 || (s.accumulation != 1 && s.accumulation != 2) ||
-            s.recipe.history_len == 0 || s.recipe.history_len > AMX_HISTORY_MAX ||
+            b[7] > 2 || b[8] > 2 || b[9] > 2 || (b[9] != 0) != (s.peer_group[0] != '\0') ||
+            (b[10] != 0 && (b[10] >= s.ndim || sg[0] != '\0')) ||
+            (s.accumulation != 1 && s.accumulation != 2) || s.recipe.history_len == 0 ||
+            s.recipe.history_len > AMX_HISTORY_MAX ||
             out->hist_head[i] >= (s.accumulation == 2 ? s.recipe.history_len : 1) ||
             !amx_valid_name(s.name) || (i > 0 && strcmp(specs[i - 1]->name, s.name) >= 0))
             goto bad;
@@ -227,7 +237,7 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         }
         made++;
     }
-    uint64_t nc = amx_get64(&r), nh = amx_get64(&r);
+    uint64_t nc = amx_get64(&r), nh = amx_get64(&r), ns = amx_get64(&r);
     if (r.bad)
         goto bad;
     if (amx_catalog_build(specs, n, &out->cat, err) != AMX_OK) {
@@ -235,7 +245,7 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         goto fail;
     }
     made = 0; /* the catalog owns the specs now */
-    if (out->cat->ncells != nc || out->cat->nhist != nh)
+    if (out->cat->ncells != nc || out->cat->nhist != nh || out->cat->nslices != ns)
         goto bad;
     out->a.accum = (float *)get_array(&r, nc * 4);
     out->a.prev = (float *)get_array(&r, nc * 4);
@@ -248,6 +258,10 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
     out->a.g_amax = (float *)get_array(&r, (uint64_t)n * 4);
     out->a.g_scale = (float *)get_array(&r, (uint64_t)n * 4);
     out->a.g_inv = (float *)get_array(&r, (uint64_t)n * 4);
+    out->a.prev_gs = (float *)get_array(&r, ns * 4);
+    out->a.s_amax = (float *)get_array(&r, ns * 4);
+    out->a.s_scale = (float *)get_array(&r, ns * 4);
+    out->a.s_inv = (float *)get_array(&r, ns * 4);
     r.off += (8 - r.off % 8) % 8;
     if (r.bad || r.off != r.len)
         goto bad;

@@ -20,7 +20,10 @@
 #include "state.h"
 #include "status.h"
 
-#define AMX_JOBSTATE_VERSION 2
+/* 3: each spec carries its peer mode and global axes, and the state its
+ * per-slice arrays (previous delayed global scales; global amax, scale and
+ * inverse of the published results). */
+#define AMX_JOBSTATE_VERSION 3
 
 typedef struct amx_jobstate {
     char *job;

@@ -557,6 +557,8 @@ static void spec_to_pb(const amx_qspec_t *s, Amaxd__V1__QuantizerSpec *q, Amaxd_
     q->accumulation = s->accumulation;
     q->peer_group = s->peer_group;
     q->scale_group = s->scale_group;
+    q->peer_mode = (Amaxd__V1__PeerMode)s->peer_mode;
+    q->global_axes = s->global_axes;
 }
 
 /* A spec from a peer, validated like a trainer's (borrowed strings). */
@@ -584,6 +586,8 @@ static amx_status_t spec_from_pb(const Amaxd__V1__QuantizerSpec *q, amx_qspec_t 
     in.accumulation = q->accumulation;
     in.peer_group = q->peer_group;
     in.scale_group = q->scale_group;
+    in.peer_mode = q->peer_mode;
+    in.global_axes = q->global_axes;
     return amx_qspec_parse(&in, UINT64_MAX, s, err);
 }
 

@@ -63,6 +63,28 @@ AMX_HD float amx_pp_accumulate(const amx_qdesc_t *q, float *accum, float *ring, 
 }
 
 /*
+ * The peer group stage of one cell: `a` is its amax after accumulation
+ * (-inf = no data), `m` its group's max over every cell of every member
+ * that has data (-inf when none has). PEER_FILL: a cell without data takes
+ * m, the others keep a. PEER_SHARE: every cell takes m (ModelOpt's MoE
+ * rule). *raised is 1 when the group raised the cell's value: a cell
+ * without data that got m, or (SHARE) a cell whose own amax was below m.
+ * max is exact, so both backends agree bit for bit.
+ */
+AMX_HD float amx_pp_peer(int mode, float a, float m, uint8_t *raised)
+{
+    float v = (mode == AMX_PEER_SHARE || a == AMX_NEG_INF) ? amx_fmaxf(a, m) : a;
+    *raised = (uint8_t)(v > a);
+    return v;
+}
+
+/* The per-slice entry of cell `c` (of quantizer `q`, which has slices). */
+AMX_HD uint64_t amx_pp_slice(const amx_qdesc_t *q, uint64_t c)
+{
+    return q->gbase + c / q->slice_cells;
+}
+
+/*
  * Scales of one cell with amax `a` (-inf = no data, read as 0), the
  * quantizer's (group) global amax `g` and global encode scale `s_enc`.
  * `prev` is the cell's previous delayed scale (updated).

@@ -48,6 +48,9 @@ enum { AMX_HISTCONV_TE = 1, AMX_HISTCONV_TE_UNFUSED = 2 };
 /* MXFP8 E8M0 byte 0: TE (encode 1.0, decode 0.0) or OCP MX (2^127 / 2^-127). */
 enum { AMX_MX_TE = 1, AMX_MX_OCP = 2 };
 enum { AMX_ACC_RUNNING_MAX = 1, AMX_ACC_PER_EPOCH = 2 };
+/* Peer group modes: fill cells without data with the group's max, or give
+ * every cell the group's max (ModelOpt's MoE rule). */
+enum { AMX_PEER_FILL = 1, AMX_PEER_SHARE = 2 };
 
 #define AMX_E4M3_MAX 448.0f
 #define AMX_E5M2_MAX 57344.0f

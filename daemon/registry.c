@@ -796,6 +796,13 @@ static amx_status_t validate_item(amx_registry_t *reg, amx_job_t *j, amx_lrank_t
                                "scale_group '%s', rank %u declares '%s' and '%s'",
                                q->name, j->name, q->peer_group, q->scale_group, r->rank,
                                it->spec.peer_group, it->spec.scale_group);
+        if (q->peer_mode != it->spec.peer_mode || q->global_axes != it->spec.global_axes)
+            return amx_err_set(err, AMX_EPRECOND,
+                               "quantizer '%s' of job '%s' is registered with peer_mode %s and "
+                               "global_axes %u, rank %u declares %s and %u",
+                               q->name, j->name, amx_peer_mode_name(q->peer_mode), q->global_axes,
+                               r->rank, amx_peer_mode_name(it->spec.peer_mode),
+                               it->spec.global_axes);
         return amx_err_set(err, AMX_EPRECOND,
                            "quantizer '%s' of job '%s' is registered with another recipe or "
                            "accumulation than rank %u declares; reset the job or use a new name",
@@ -932,6 +939,62 @@ static amx_status_t grow_async(amx_registry_t *reg, amx_job_t *j, uint64_t cells
     return AMX_OK;
 }
 
+/*
+ * The peer mode belongs to the group: every member of a peer group (in this
+ * request, and among the job's agreed and proposed quantizers) must declare
+ * the same one. INVALID_ARGUMENT naming the group, two members and their
+ * modes otherwise. One pass over the request and one over the job.
+ */
+static amx_status_t check_peer_modes(amx_job_t *j, const reg_item_t *items, size_t n,
+                                     amx_err_t *err)
+{
+    amx_strmap_t groups = {0}; /* group -> index of its first item in the request */
+    amx_status_t st = AMX_OK;
+    if (amx_strmap_reserve(&groups, n) != 0)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory checking peer groups");
+    for (size_t i = 0; i < n; i++) {
+        const amx_qspec_t *s = &items[i].spec;
+        uint32_t k;
+        if (s->peer_group[0] == '\0')
+            continue;
+        if (!amx_strmap_get(&groups, s->peer_group, &k)) {
+            amx_strmap_put(&groups, s->peer_group, (uint32_t)i); /* reserved: cannot fail */
+            continue;
+        }
+        const amx_qspec_t *o = &items[k].spec;
+        if (o->peer_mode != s->peer_mode) {
+            st = amx_err_set(err, AMX_EINVAL,
+                             "peer group '%s' of job '%s': quantizer '%s' declares peer_mode %s "
+                             "and quantizer '%s' %s in the same request; every member of a peer "
+                             "group must declare the same peer_mode",
+                             s->peer_group, j->name, o->name, amx_peer_mode_name(o->peer_mode),
+                             s->name, amx_peer_mode_name(s->peer_mode));
+            goto out;
+        }
+    }
+    for (uint32_t lid = 0; groups.len > 0 && lid < j->nlq; lid++) {
+        const amx_lq_t *q = &j->lq[lid];
+        uint32_t k;
+        if (!lq_live(q) || q->spec->peer_group[0] == '\0' ||
+            !amx_strmap_get(&groups, q->spec->peer_group, &k))
+            continue;
+        const amx_qspec_t *s = &items[k].spec;
+        if (q->spec->peer_mode != s->peer_mode) {
+            st = amx_err_set(err, AMX_EINVAL,
+                             "peer group '%s' of job '%s' has peer_mode %s (quantizer '%s' is "
+                             "%s), quantizer '%s' declares %s; every member of a peer group must "
+                             "declare the same peer_mode",
+                             s->peer_group, j->name, amx_peer_mode_name(q->spec->peer_mode),
+                             q->spec->name, q->status == LQ_AGREED ? "agreed" : "registered",
+                             s->name, amx_peer_mode_name(s->peer_mode));
+            goto out;
+        }
+    }
+out:
+    amx_strmap_free(&groups);
+    return st;
+}
+
 static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_register_req_t *req,
                                 amx_reply_t *rep, int *deferred, amx_err_t *err)
 {
@@ -971,6 +1034,7 @@ static amx_status_t do_register(amx_registry_t *reg, amx_job_t *j, const amx_reg
         if (!it->same_placement)
             new_pls++;
     }
+    AMX_CHECK_GOTO(check_peer_modes(j, items, n, err), st, out);
     uint64_t have = view_cells(j);
     if (have + new_cells + new_hist > (uint64_t)reg->cfg->max_cells) {
         st = amx_err_set(err, AMX_ENOMEM,
@@ -1392,13 +1456,71 @@ static const amx_placement_t *result_block(const amx_job_t *j, const amx_lrank_t
     return &r->pls[r->pl_of[lid] - 1];
 }
 
-/* Bytes of a QuantizerResult of n cells, framing included (an upper
- * estimate: 13 bytes a cell, the name, the block, the scalars). */
-static uint64_t result_bytes(const char *name, uint32_t ndim, uint64_t n)
+/*
+ * The global slices that cells [w0, w1) of block `pl` (w0 < w1) of a
+ * quantizer with global_axes k > 0 lie in: block slices [*j0, *j0 + return)
+ * (a block slice is one index of the block's first k axes, row-major).
+ */
+static uint64_t window_slices(const amx_placement_t *pl, uint32_t k, uint64_t w0, uint64_t w1,
+                              uint64_t *j0)
+{
+    uint64_t bs = 1;
+    for (uint32_t d = k; d < pl->ndim; d++)
+        bs *= pl->shape[d];
+    *j0 = w0 / bs;
+    return (w1 - 1) / bs - *j0 + 1;
+}
+
+/* The global slice index (row-major over global_shape[:k]) of block slice j. */
+static uint64_t global_slice(const amx_placement_t *pl, const uint32_t *gshape, uint32_t k,
+                             uint64_t j)
+{
+    uint64_t idx[AMX_MAX_DIMS], g = 0;
+    for (uint32_t d = k; d-- > 0;) {
+        idx[d] = j % pl->shape[d] + pl->off[d];
+        j /= pl->shape[d];
+    }
+    for (uint32_t d = 0; d < k; d++)
+        g = g * gshape[d] + idx[d];
+    return g;
+}
+
+/* The global slices of result `x` (cells of block `pl` of quantizer `q`)
+ * from output set `f` (-1: none yet, they read 0, 1, 1), into the arena. */
+static amx_status_t result_slices(amx_result_t *x, const amx_state_t *st, const amx_lq_t *q,
+                                  const amx_placement_t *pl, int f, amx_arena_t *a)
+{
+    uint32_t k = q->spec->global_axes;
+    if (k == 0 || x->ncells == 0)
+        return AMX_OK;
+    uint64_t j0, ns = window_slices(pl, k, x->first_cell, x->first_cell + x->ncells, &j0);
+    x->s_amax = amx_arena_alloc(a, 3 * ns * sizeof(float));
+    if (x->s_amax == NULL)
+        return AMX_ENOMEM;
+    x->s_scale = x->s_amax + ns;
+    x->s_inv = x->s_scale + ns;
+    x->nslices = ns;
+    x->global_axes = k;
+    int have =
+        f >= 0 && st->s_amax[f] != NULL && q->gbase + amx_qspec_slices(q->spec) <= st->out_ns[f];
+    for (uint64_t i = 0; i < ns; i++) {
+        uint64_t g = q->gbase + global_slice(pl, q->spec->shape, k, j0 + i);
+        x->s_amax[i] = have ? st->s_amax[f][g] : 0.0f;
+        x->s_scale[i] = have ? st->s_scale[f][g] : 1.0f;
+        x->s_inv[i] = have ? st->s_inv[f][g] : 1.0f;
+    }
+    return AMX_OK;
+}
+
+/* Bytes of a QuantizerResult of n cells and ns global slices, framing
+ * included (an upper estimate: 13 bytes a cell, the name, the block, the
+ * scalars). */
+static uint64_t result_bytes(const char *name, uint32_t ndim, uint64_t n, uint64_t ns)
 {
     /* 13 bytes per cell (amax, scale, scale_inv, block scale) and one for
-     * the peer-fill mark, which only quantizers with filled cells carry. */
-    return 14 * n + strlen(name) + 12ull * ndim + 112;
+     * the peer-fill mark, which only quantizers with filled cells carry;
+     * 12 per global slice. */
+    return 14 * n + 12 * ns + strlen(name) + 12ull * ndim + 112;
 }
 
 /*
@@ -1431,7 +1553,11 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
         if (lo >= hi)
             continue;
         nres++;
-        answer += result_bytes(j->lq[lid].spec->name, pl->ndim, hi - lo);
+        uint64_t j0, ns = 0;
+        if (j->lq[lid].spec->global_axes > 0)
+            ns = window_slices(pl, j->lq[lid].spec->global_axes, lo - (all - pl->ncells),
+                               hi - (all - pl->ncells), &j0);
+        answer += result_bytes(j->lq[lid].spec->name, pl->ndim, hi - lo, ns);
         if (j->lq[lid].status == LQ_AGREED) {
             total += hi - lo;
             nruns += amx_placement_nrows(pl);
@@ -1483,7 +1609,7 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
         x->first_cell = lo - b0;
         x->ncells = hi - lo;
         if (q->status != LQ_AGREED) {
-            if (empty_result(x, a) != AMX_OK)
+            if (empty_result(x, a) != AMX_OK || result_slices(x, j->state, q, pl, -1, a) != AMX_OK)
                 return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
             continue;
         }
@@ -1500,6 +1626,8 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
         x->global_amax = have ? j->state->g_amax[f][c] : 0.0f;
         x->global_scale = have ? j->state->g_scale[f][c] : 1.0f;
         x->global_scale_inv = have ? j->state->g_inv[f][c] : 1.0f;
+        if (result_slices(x, j->state, q, pl, f, a) != AMX_OK)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
         if (filled != NULL)
             x->filled = filled + (x->amax - amax);
         if (lid < j->prev_n && j->prev_ok[lid]) {
@@ -1558,7 +1686,10 @@ static amx_status_t reconcile_answer_fits(amx_registry_t *reg, amx_job_t *j, uin
         uint32_t lid = result_lid(j, r, names, n, i, &cursor);
         amx_placement_t whole;
         const amx_placement_t *pl = result_block(j, r, lid, &whole);
-        answer += result_bytes(j->lq[lid].spec->name, pl->ndim, pl->ncells);
+        uint64_t j0, ns = 0;
+        if (j->lq[lid].spec->global_axes > 0 && pl->ncells > 0)
+            ns = window_slices(pl, j->lq[lid].spec->global_axes, 0, pl->ncells, &j0);
+        answer += result_bytes(j->lq[lid].spec->name, pl->ndim, pl->ncells, ns);
         cells += pl->ncells;
     }
     if (answer > (uint64_t)reg->cfg->max_message_bytes)
@@ -1746,6 +1877,7 @@ static void install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_
         q->status = LQ_AGREED;
         q->cidx = (int32_t)i;
         q->base = res->desc[i].base;
+        q->gbase = res->desc[i].gbase;
         amx_strmap_put(&j->lqmap, q->spec->name, lid); /* replaces the key: cannot fail */
         amx_qspec_free(own);
     }
@@ -2381,8 +2513,8 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
      * results imported and published. */
     if (j->state->ops->reserve_pending(j->state, cat->ncells, err) != AMX_OK)
         goto fail;
-    if (j->state->ops->import_state(j->state, cat->ncells, cat->nhist, cat->n, &js->a, err) !=
-        AMX_OK)
+    if (j->state->ops->import_state(j->state, cat->ncells, cat->nhist, cat->n, cat->nslices, &js->a,
+                                    err) != AMX_OK)
         goto fail;
     j->state->ops->publish(j->state);
     /* Catalog and layout, as an epoch installs them. */
@@ -2396,6 +2528,7 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
     js->cat = NULL;
     res.pend_change.ncells = cat->ncells;
     res.pend_change.nhist = cat->nhist;
+    res.pend_change.nslices = cat->nslices;
     res.pend_change.nq = cat->n;
     install_catalog(reg, j, &res);
     /* Placements. */

@@ -98,6 +98,11 @@ typedef struct amx_result {
     float *amax, *scale, *scale_inv;
     uint8_t *bytes;
     float global_amax, global_scale, global_scale_inv;
+    /* Quantizers with global_axes > 0: the global slices the result's cells
+     * lie in, in order (arena). */
+    uint32_t global_axes;
+    uint64_t nslices;
+    float *s_amax, *s_scale, *s_inv;
     uint32_t missing;
     /* One byte per cell, 1 = took its peer group's max in the last epoch;
      * NULL when the state backend does not report it. */

@@ -59,6 +59,15 @@ static Amaxd__V1__QuantizerResult **results_to_pb(const amx_reply_t *rep, amx_ar
         r->global_scale_inv = x->global_scale_inv;
         r->missing = x->missing;
         r->first_cell = x->first_cell;
+        r->global_axes = x->global_axes;
+        if (x->nslices > 0) {
+            r->global_amaxes.data = (uint8_t *)x->s_amax;
+            r->global_amaxes.len = x->nslices * sizeof(float);
+            r->global_scales.data = (uint8_t *)x->s_scale;
+            r->global_scales.len = x->nslices * sizeof(float);
+            r->global_scale_invs.data = (uint8_t *)x->s_inv;
+            r->global_scale_invs.len = x->nslices * sizeof(float);
+        }
         if (x->filled != NULL) {
             r->peer_fill_known = 1;
             r->peer_filled = x->nfilled;
@@ -209,6 +218,8 @@ static void h_register(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         in[i].accumulation = s->accumulation;
         in[i].peer_group = s->peer_group;
         in[i].scale_group = s->scale_group;
+        in[i].peer_mode = s->peer_mode;
+        in[i].global_axes = s->global_axes;
         in[i].offset = s->offset;
         in[i].n_offset = s->n_offset;
         in[i].local_shape = s->local_shape;
@@ -443,6 +454,8 @@ static void h_list(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         info->accumulation = s->accumulation;
         info->peer_group = s->peer_group;
         info->scale_group = s->scale_group;
+        info->peer_mode = (Amaxd__V1__PeerMode)s->peer_mode;
+        info->global_axes = s->global_axes;
         info->placements = q[i].placements;
         info->agreed = q[i].agreed;
         resp.quantizers[resp.n_quantizers++] = info;

@@ -56,8 +56,17 @@ typedef struct amx_qdesc {
     int32_t peer_group; /* index, or -1 */
     int32_t scale_group;
     uint8_t accumulation;
-    uint8_t reset; /* finish: clear accumulated state before this epoch's values */
-    uint8_t pad[6];
+    uint8_t reset;     /* finish: clear accumulated state before this epoch's values */
+    uint8_t peer_mode; /* AMX_PEER_FILL / AMX_PEER_SHARE (with a peer group) */
+    uint8_t pad[5];
+    /* Global slices (global_axes > 0): nslices globals, entries
+     * [gbase, gbase + nslices) of the per-slice arrays; cell c (of this
+     * quantizer) belongs to slice c / slice_cells. nslices 0: the one
+     * global of the per-quantizer arrays; gbase is then the slices of the
+     * quantizers before this one (so gbase never decreases). */
+    uint64_t gbase;
+    uint64_t nslices;
+    uint64_t slice_cells;
     amx_recipe_t recipe;
 } amx_qdesc_t;
 
@@ -70,10 +79,11 @@ typedef struct amx_run {
 } amx_run_t;
 
 /* A layout change: the new sizes and, for each quantizer kept, where its
- * cells, history and per-quantizer entries move. Cells not covered by a run
- * start fresh (-inf, or 1 for previous scales). */
+ * cells, history, per-quantizer and per-slice entries move. Cells not
+ * covered by a run start fresh (-inf, or 1 for previous scales). */
 typedef struct amx_layout_change {
     uint64_t ncells, nhist; /* the new layout's agreed cells and history cells */
+    uint64_t nslices;       /* the new layout's global slices */
     uint32_t nq;
     const amx_run_t *cells; /* replicated state and outputs: old cell -> new cell */
     size_t ncell_runs;
@@ -83,6 +93,8 @@ typedef struct amx_layout_change {
     size_t nq_runs;
     const amx_run_t *pend; /* pending (agreed and provisional) -> new agreed cells */
     size_t npend_runs;
+    const amx_run_t *slices; /* per-slice arrays */
+    size_t nslice_runs;
     int outputs_from_back; /* remap the back outputs (after an import) instead of the front */
 } amx_layout_change_t;
 
@@ -91,7 +103,15 @@ typedef struct amx_state_arrays {
     float *accum, *prev, *hist, *prev_g;                              /* replicated state */
     float *out_amax, *out_scale, *out_inv, *g_amax, *g_scale, *g_inv; /* outputs */
     uint8_t *out_bytes;
+    float *prev_gs;                  /* per slice: previous delayed global scale (replicated) */
+    float *s_amax, *s_scale, *s_inv; /* per slice: global amax, scale, inverse (outputs) */
 } amx_state_arrays_t;
+
+/* The global slices of a layout: the last quantizer's gbase + nslices. */
+static inline uint64_t amx_qdesc_slices(const struct amx_qdesc *q, uint32_t nq)
+{
+    return nq ? q[nq - 1].gbase + q[nq - 1].nslices : 0;
+}
 
 typedef struct amx_state amx_state_t;
 
@@ -135,10 +155,12 @@ typedef struct amx_state_ops {
     /* Engine. Copies the reduced header out of recv. */
     amx_status_t (*read_header)(amx_state_t *st, float *hdr, amx_err_t *err);
     /* Engine. Finishes an epoch over the `nq` quantizers of `q` (the current
-     * layout, `ncells` cells): quantizers with q[i].reset set lose their
-     * accumulated state first; then accumulation of the reduced values (recv,
-     * or the in-flight buffer itself when `from_send`: one participant),
-     * peer fill, global amax, scale groups and scales into the back outputs;
+     * layout, `ncells` cells, amx_qdesc_slices(q, nq) slices): quantizers
+     * with q[i].reset set lose their accumulated state first; then
+     * accumulation of the reduced values (recv, or the in-flight buffer
+     * itself when `from_send`: one participant), peer fill or share, global
+     * amax (per quantizer and per slice), scale groups and scales into the
+     * back outputs;
      * the in-flight buffer is cleared. `desc_dirty`: q differs from the last
      * finish's (a device copy may be reused otherwise). On error the replicated state may be
      * partly updated: the caller treats the job's device as broken. */
@@ -148,13 +170,15 @@ typedef struct amx_state_ops {
     /* Engine (or the loop while no epoch is in flight). Copies the
      * replicated state and the front outputs (`back`: the back ones, just
      * written by finish and not yet published) of a layout of (ncells,
-     * nhist, nq) into host arrays: a donor's state transfer, a snapshot. */
+     * nhist, nq, nslices) into host arrays: a donor's state transfer, a
+     * snapshot. */
     amx_status_t (*export_state)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                 int back, const amx_state_arrays_t *dst, amx_err_t *err);
+                                 uint64_t nslices, int back, const amx_state_arrays_t *dst,
+                                 amx_err_t *err);
     /* Engine. Replaces the replicated state and the back outputs with host
-     * arrays of a layout of (ncells, nhist, nq). */
+     * arrays of a layout of (ncells, nhist, nq, nslices). */
     amx_status_t (*import_state)(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                 const amx_state_arrays_t *src, amx_err_t *err);
+                                 uint64_t nslices, const amx_state_arrays_t *src, amx_err_t *err);
     void (*destroy)(amx_state_t *st);
 
     /* Optional (NULL: reserve_pending does it all). Loop. Like
@@ -181,12 +205,17 @@ struct amx_state {
     uint64_t pend_cells;    /* data cells of each pending buffer */
     uint64_t ncells, nhist; /* replicated state */
     uint32_t nq;
+    uint64_t nslices;
     uint64_t out_cells[2]; /* per output set */
     uint32_t out_nq[2];
     int front; /* index of the published output set */
     /* Per-quantizer results of both output sets, host memory. */
     float *g_amax[2], *g_scale[2], *g_inv[2];
     uint32_t g_cap[2]; /* entries allocated in each of them */
+    /* Per-slice results (global_axes > 0) of both output sets, host memory
+     * allocated like the per-quantizer ones: out_ns[k] entries valid. */
+    float *s_amax[2], *s_scale[2], *s_inv[2];
+    uint64_t s_cap[2], out_ns[2];
     /* How those arrays are allocated and freed; NULL: malloc and free. The
      * CUDA backend pins them so that finish copies results straight in. */
     void *(*host_alloc)(struct amx_state *st, size_t bytes);
@@ -228,6 +257,11 @@ int amx__state_cuda_probe(void);
 /* For backends: grows output set `k`'s host per-quantizer arrays to `nq`
  * (new entries: 0, 1, 1). ENOMEM leaves them unchanged. */
 amx_status_t amx__state_grow_globals(amx_state_t *st, int k, uint32_t nq, amx_err_t *err);
+
+/* For backends: sizes output set `k`'s host per-slice arrays for `ns`
+ * slices (kept entries unchanged, new ones 0, 1, 1). ENOMEM leaves them
+ * unchanged. */
+amx_status_t amx__state_size_slices(amx_state_t *st, int k, uint64_t ns, amx_err_t *err);
 
 #ifdef __cplusplus
 }

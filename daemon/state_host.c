@@ -28,6 +28,7 @@ typedef struct host_state {
     float *accum, *prev;                      /* st->ncells */
     float *hist;                              /* st->nhist */
     float *prev_g;                            /* st->nq */
+    float *prev_gs;                           /* st->nslices */
     float *o_amax[2], *o_scale[2], *o_inv[2]; /* st->out_cells[k] */
     uint8_t *o_bytes[2];
     /* Per output set: 1 where finish filled the cell from its peer group;
@@ -125,6 +126,39 @@ amx_status_t amx__state_grow_globals(amx_state_t *st, int k, uint32_t nq, amx_er
         for (uint32_t q = st->out_nq[k]; q < nq; q++)
             (*arr[a])[q] = init[a];
     st->out_nq[k] = nq;
+    return AMX_OK;
+}
+
+amx_status_t amx__state_size_slices(amx_state_t *st, int k, uint64_t ns, amx_err_t *err)
+{
+    float **arr[3] = {&st->s_amax[k], &st->s_scale[k], &st->s_inv[k]};
+    static const float init[3] = {0.0f, 1.0f, 1.0f};
+    if (ns > st->s_cap[k] || st->s_amax[k] == NULL) {
+        uint64_t cap = ns > 2 * st->s_cap[k] ? ns : 2 * st->s_cap[k];
+        float *grown[3];
+        for (int a = 0; a < 3; a++) {
+            grown[a] = globals_alloc(st, (size_t)(cap ? cap : 1) * sizeof(float));
+            if (grown[a] == NULL) {
+                while (a-- > 0)
+                    globals_free(st, grown[a]);
+                return amx_err_set(err, AMX_ENOMEM,
+                                   "out of host memory for %llu global slice results",
+                                   (unsigned long long)ns);
+            }
+        }
+        for (int a = 0; a < 3; a++) {
+            uint64_t keep = st->out_ns[k] < ns ? st->out_ns[k] : ns;
+            if (*arr[a] != NULL && keep > 0)
+                memcpy(grown[a], *arr[a], (size_t)keep * sizeof(float));
+            globals_free(st, *arr[a]);
+            *arr[a] = grown[a];
+        }
+        st->s_cap[k] = cap;
+    }
+    for (int a = 0; a < 3; a++)
+        for (uint64_t i = st->out_ns[k]; i < ns; i++)
+            (*arr[a])[i] = init[a];
+    st->out_ns[k] = ns;
     return AMX_OK;
 }
 
@@ -300,7 +334,8 @@ static amx_status_t host_read_filled(amx_state_t *st, const amx_run_t *runs, siz
 
 /* Output set k sized for n cells and nq quantizers, contents undefined
  * (cells) / kept (globals). */
-static amx_status_t size_outputs(amx_state_t *st, int k, uint64_t n, uint32_t nq, amx_err_t *err)
+static amx_status_t size_outputs(amx_state_t *st, int k, uint64_t n, uint32_t nq, uint64_t ns,
+                                 amx_err_t *err)
 {
     host_state_t *h = st->impl;
     if (n != st->out_cells[k] || h->o_amax[k] == NULL) {
@@ -323,6 +358,7 @@ static amx_status_t size_outputs(amx_state_t *st, int k, uint64_t n, uint32_t nq
     }
     AMX_CHECK(amx__state_grow_globals(st, k, nq, err));
     st->out_nq[k] = nq;
+    AMX_CHECK(amx__state_size_slices(st, k, ns, err));
     return AMX_OK;
 }
 
@@ -335,11 +371,13 @@ static amx_status_t host_remap(amx_state_t *st, const amx_layout_change_t *lc, a
         remap_floats(&h->accum, lc->ncells, -INFINITY, lc->cells, lc->ncell_runs) != AMX_OK ||
         remap_floats(&h->prev, lc->ncells, 1.0f, lc->cells, lc->ncell_runs) != AMX_OK ||
         remap_floats(&h->hist, lc->nhist, -INFINITY, lc->hist, lc->nhist_runs) != AMX_OK ||
-        remap_floats(&h->prev_g, lc->nq, 1.0f, lc->qs, lc->nq_runs) != AMX_OK)
+        remap_floats(&h->prev_g, lc->nq, 1.0f, lc->qs, lc->nq_runs) != AMX_OK ||
+        remap_floats(&h->prev_gs, lc->nslices, 1.0f, lc->slices, lc->nslice_runs) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping the amax state");
     st->ncells = lc->ncells;
     st->nhist = lc->nhist;
     st->nq = lc->nq;
+    st->nslices = lc->nslices;
     /* The loop's active buffer in the new layout, made here so that the
      * loop's remap_active only copies (without it, it does it all). */
     free(h->next_active);
@@ -356,9 +394,12 @@ static amx_status_t host_remap(amx_state_t *st, const amx_layout_change_t *lc, a
           *ni = fresh(lc->ncells, 1.0f);
     uint8_t *nb = calloc(lc->ncells ? lc->ncells : 1, 1);
     float *ga = fresh(lc->nq, 0.0f), *gs = fresh(lc->nq, 1.0f), *gi = fresh(lc->nq, 1.0f);
+    float *sa = fresh(lc->nslices, 0.0f), *ss = fresh(lc->nslices, 1.0f),
+          *si = fresh(lc->nslices, 1.0f);
     if (na == NULL || ns == NULL || ni == NULL || nb == NULL || ga == NULL || gs == NULL ||
-        gi == NULL) {
+        gi == NULL || sa == NULL || ss == NULL || si == NULL) {
         free(na), free(ns), free(ni), free(nb), free(ga), free(gs), free(gi);
+        free(sa), free(ss), free(si);
         return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping results");
     }
     if (h->o_amax[src] != NULL) {
@@ -372,6 +413,14 @@ static amx_status_t host_remap(amx_state_t *st, const amx_layout_change_t *lc, a
         copy_runs(gs, st->g_scale[src], sizeof(float), lc->qs, lc->nq_runs);
         copy_runs(gi, st->g_inv[src], sizeof(float), lc->qs, lc->nq_runs);
     }
+    if (st->s_amax[src] != NULL) {
+        copy_runs(sa, st->s_amax[src], sizeof(float), lc->slices, lc->nslice_runs);
+        copy_runs(ss, st->s_scale[src], sizeof(float), lc->slices, lc->nslice_runs);
+        copy_runs(si, st->s_inv[src], sizeof(float), lc->slices, lc->nslice_runs);
+    }
+    free(st->s_amax[back]), free(st->s_scale[back]), free(st->s_inv[back]);
+    st->s_amax[back] = sa, st->s_scale[back] = ss, st->s_inv[back] = si;
+    st->s_cap[back] = st->out_ns[back] = lc->nslices;
     free(h->o_amax[back]), free(h->o_scale[back]), free(h->o_inv[back]), free(h->o_bytes[back]);
     h->filled_ok[back] = 0; /* remapped results: which cells were filled is not known */
     free(st->g_amax[back]), free(st->g_scale[back]), free(st->g_inv[back]);
@@ -436,7 +485,12 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         h->group_max = g;
         h->group_cap = ngroups;
     }
-    AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    uint64_t nsl = amx_qdesc_slices(qs, nq);
+    if (nsl != st->nslices)
+        return amx_err_set(err, AMX_EINTERNAL,
+                           "finish over %llu global slices, the state holds %llu",
+                           (unsigned long long)nsl, (unsigned long long)st->nslices);
+    AMX_CHECK(size_outputs(st, back, ncells, nq, nsl, err));
     const float *red = (from_send ? h->pend[fl] : h->recv) + AMX_HDR_CELLS;
     float *out_amax = h->o_amax[back];
     float *peer_max = h->group_max;
@@ -453,6 +507,8 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         if (q->accumulation == AMX_ACC_PER_EPOCH)
             fill(h->hist + q->hist_base, (uint64_t)q->hist_len * q->ncells, -INFINITY);
         h->prev_g[qi] = 1.0f;
+        if (q->nslices > 0)
+            fill(h->prev_gs + q->gbase, q->nslices, 1.0f);
     }
     /* 1. Accumulate, and collect each peer group's max. */
     for (uint32_t qi = 0; qi < nq; qi++) {
@@ -467,8 +523,8 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         if (q->peer_group >= 0)
             peer_max[q->peer_group] = amx_fmaxf(peer_max[q->peer_group], m);
     }
-    /* 2. Peer fill (marked and counted), each quantizer's max, and scale
-     * groups' max. */
+    /* 2. Peer fill or share (marked and counted), each quantizer's and
+     * each slice's max, and scale groups' max. */
     h->filled_ok[back] = 0;
     if (h->filled_cap[back] < ncells || h->o_filled[back] == NULL) {
         uint8_t *nf = realloc(h->o_filled[back], (size_t)(ncells ? ncells : 1));
@@ -480,38 +536,55 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
     }
     uint8_t *marks = h->o_filled[back];
     uint64_t nfilled = 0, nmissing = 0;
-    float *gamax = st->g_amax[back];
+    float *gamax = st->g_amax[back], *samax = st->s_amax[back];
+    for (uint64_t i = 0; i < nsl; i++)
+        samax[i] = -INFINITY;
     for (uint32_t qi = 0; qi < nq; qi++) {
         const amx_qdesc_t *q = &qs[qi];
-        float fill_v = q->peer_group >= 0 ? peer_max[q->peer_group] : -INFINITY;
+        float gm = q->peer_group >= 0 ? peer_max[q->peer_group] : -INFINITY;
         float m = -INFINITY;
         for (uint64_t c = 0; c < q->ncells; c++) {
             float *a = &out_amax[q->base + c];
-            uint8_t filled = 0;
-            if (*a == -INFINITY) {
-                *a = fill_v;
-                filled = fill_v != -INFINITY;
-                nfilled += filled;
-                nmissing += !filled;
-            }
-            marks[q->base + c] = filled;
+            uint8_t raised = 0;
+            if (q->peer_group >= 0)
+                *a = amx_pp_peer(q->peer_mode, *a, gm, &raised);
+            nfilled += raised;
+            nmissing += *a == -INFINITY;
+            marks[q->base + c] = raised;
             m = amx_fmaxf(m, *a);
+            if (q->nslices > 0) {
+                float *sm = &samax[amx_pp_slice(q, c)];
+                *sm = amx_fmaxf(*sm, *a);
+            }
         }
         gamax[qi] = m;
         if (q->scale_group >= 0)
             scale_max[q->scale_group] = amx_fmaxf(scale_max[q->scale_group], m);
     }
-    /* 3. Global amax and scales. */
+    /* 3. Global amax and scales: per quantizer (or scale group), per slice,
+     * then per cell with its slice's global when it has slices. */
     for (uint32_t qi = 0; qi < nq; qi++) {
         const amx_qdesc_t *q = &qs[qi];
         float g = q->scale_group >= 0 ? scale_max[q->scale_group] : gamax[qi];
         g = g > 0.0f ? g : 0.0f;
         gamax[qi] = g;
         amx_pp_global(&q->recipe, g, &h->prev_g[qi], &st->g_scale[back][qi], &st->g_inv[back][qi]);
+        for (uint64_t k = q->gbase; k < q->gbase + q->nslices; k++) {
+            samax[k] = samax[k] > 0.0f ? samax[k] : 0.0f;
+            amx_pp_global(&q->recipe, samax[k], &h->prev_gs[k], &st->s_scale[back][k],
+                          &st->s_inv[back][k]);
+        }
         float s_enc = st->g_scale[back][qi];
-        for (uint64_t i = q->base; i < q->base + q->ncells; i++)
+        for (uint64_t c = 0; c < q->ncells; c++) {
+            uint64_t i = q->base + c;
+            if (q->nslices > 0) {
+                uint64_t k = amx_pp_slice(q, c);
+                g = samax[k];
+                s_enc = st->s_scale[back][k];
+            }
             amx_pp_cell(&q->recipe, out_amax[i], g, s_enc, &h->prev[i], &h->o_scale[back][i],
                         &h->o_inv[back][i], &h->o_bytes[back][i]);
+        }
     }
     fill(h->pend[fl] + AMX_HDR_CELLS, h->pend_n[fl], -INFINITY);
     h->filled_ok[back] = 1;
@@ -523,12 +596,13 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
 }
 
 static amx_status_t host_export(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                int back, const amx_state_arrays_t *d, amx_err_t *err)
+                                uint64_t nslices, int back, const amx_state_arrays_t *d,
+                                amx_err_t *err)
 {
     host_state_t *h = st->impl;
     int f = st->front ^ (back != 0);
     if (ncells != st->ncells || nhist != st->nhist || nq != st->nq || ncells != st->out_cells[f] ||
-        nq > st->out_nq[f])
+        nq > st->out_nq[f] || nslices != st->nslices || nslices != st->out_ns[f])
         return amx_err_set(err, AMX_EINTERNAL,
                            "state export of %llu cells / %u quantizers, the state holds %llu / %u",
                            (unsigned long long)ncells, nq, (unsigned long long)st->ncells, st->nq);
@@ -548,29 +622,39 @@ static amx_status_t host_export(amx_state_t *st, uint64_t ncells, uint64_t nhist
         memcpy(d->g_scale, st->g_scale[f], nq * sizeof(float));
         memcpy(d->g_inv, st->g_inv[f], nq * sizeof(float));
     }
+    if (nslices) {
+        memcpy(d->prev_gs, h->prev_gs, nslices * sizeof(float));
+        memcpy(d->s_amax, st->s_amax[f], nslices * sizeof(float));
+        memcpy(d->s_scale, st->s_scale[f], nslices * sizeof(float));
+        memcpy(d->s_inv, st->s_inv[f], nslices * sizeof(float));
+    }
     return AMX_OK;
 }
 
 static amx_status_t host_import(amx_state_t *st, uint64_t ncells, uint64_t nhist, uint32_t nq,
-                                const amx_state_arrays_t *s, amx_err_t *err)
+                                uint64_t nslices, const amx_state_arrays_t *s, amx_err_t *err)
 {
     host_state_t *h = st->impl;
     int back = st->front ^ 1;
-    amx_run_t all_c = {0, 0, ncells}, all_h = {0, 0, nhist}, all_q = {0, 0, nq};
+    amx_run_t all_c = {0, 0, ncells}, all_h = {0, 0, nhist}, all_q = {0, 0, nq},
+              all_s = {0, 0, nslices};
     /* Fresh arrays of the new sizes, then the imported values. */
     if (remap_floats(&h->accum, ncells, 0.0f, NULL, 0) != AMX_OK ||
         remap_floats(&h->prev, ncells, 0.0f, NULL, 0) != AMX_OK ||
         remap_floats(&h->hist, nhist, 0.0f, NULL, 0) != AMX_OK ||
-        remap_floats(&h->prev_g, nq, 0.0f, NULL, 0) != AMX_OK)
+        remap_floats(&h->prev_g, nq, 0.0f, NULL, 0) != AMX_OK ||
+        remap_floats(&h->prev_gs, nslices, 0.0f, NULL, 0) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of host memory importing a job's state");
     copy_runs(h->accum, s->accum, sizeof(float), &all_c, 1);
     copy_runs(h->prev, s->prev, sizeof(float), &all_c, 1);
     copy_runs(h->hist, s->hist, sizeof(float), &all_h, 1);
     copy_runs(h->prev_g, s->prev_g, sizeof(float), &all_q, 1);
+    copy_runs(h->prev_gs, s->prev_gs, sizeof(float), &all_s, 1);
     st->ncells = ncells;
     st->nhist = nhist;
     st->nq = nq;
-    AMX_CHECK(size_outputs(st, back, ncells, nq, err));
+    st->nslices = nslices;
+    AMX_CHECK(size_outputs(st, back, ncells, nq, nslices, err));
     h->filled_ok[back] = 0; /* imported results: which cells were filled is not known */
     copy_runs(h->o_amax[back], s->out_amax, sizeof(float), &all_c, 1);
     copy_runs(h->o_scale[back], s->out_scale, sizeof(float), &all_c, 1);
@@ -579,6 +663,9 @@ static amx_status_t host_import(amx_state_t *st, uint64_t ncells, uint64_t nhist
     copy_runs(st->g_amax[back], s->g_amax, sizeof(float), &all_q, 1);
     copy_runs(st->g_scale[back], s->g_scale, sizeof(float), &all_q, 1);
     copy_runs(st->g_inv[back], s->g_inv, sizeof(float), &all_q, 1);
+    copy_runs(st->s_amax[back], s->s_amax, sizeof(float), &all_s, 1);
+    copy_runs(st->s_scale[back], s->s_scale, sizeof(float), &all_s, 1);
+    copy_runs(st->s_inv[back], s->s_inv, sizeof(float), &all_s, 1);
     return AMX_OK;
 }
 
@@ -599,6 +686,7 @@ static void host_destroy(amx_state_t *st)
     free(h->prev);
     free(h->hist);
     free(h->prev_g);
+    free(h->prev_gs);
     free(h->group_max);
     free(h);
 }
@@ -696,6 +784,9 @@ void amx_state_destroy(amx_state_t *st)
         globals_free(st, st->g_amax[k]);
         globals_free(st, st->g_scale[k]);
         globals_free(st, st->g_inv[k]);
+        globals_free(st, st->s_amax[k]);
+        globals_free(st, st->s_scale[k]);
+        globals_free(st, st->s_inv[k]);
     }
     st->ops->destroy(st);
     free(st);

@@ -199,12 +199,19 @@ static int cmd_list(ctx_t *x, const char *given)
             cJSON_AddStringToObject(o, "rule", rule);
             cJSON_AddStringToObject(o, "accumulation", acc);
             cJSON_AddStringToObject(o, "peer_group", q->peer_group);
+            cJSON_AddStringToObject(o, "peer_mode",
+                                    q->peer_mode == AMAXD__V1__PEER_MODE__PEER_SHARE  ? "share"
+                                    : q->peer_mode == AMAXD__V1__PEER_MODE__PEER_FILL ? "fill"
+                                                                                      : "");
             cJSON_AddStringToObject(o, "scale_group", q->scale_group);
+            cJSON_AddNumberToObject(o, "global_axes", q->global_axes);
             cJSON_AddNumberToObject(o, "placements", q->placements);
             cJSON_AddItemToArray(arr, o);
         } else {
-            printf("%-60s %-14s %-9s %-8s %-11s %s%s%s\n", q->name, shape, fmt, rule, acc,
-                   q->peer_group, q->scale_group[0] ? " / " : "", q->scale_group);
+            printf("%-60s %-14s %-9s %-8s %-11s %s%s%s%s\n", q->name, shape, fmt, rule, acc,
+                   q->peer_group,
+                   q->peer_mode == AMAXD__V1__PEER_MODE__PEER_SHARE ? " (share)" : "",
+                   q->scale_group[0] ? " / " : "", q->scale_group);
         }
     }
     if (x->json)

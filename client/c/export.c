@@ -21,6 +21,10 @@ typedef struct q {
     float *amax, *scale, *inv;
     uint8_t *bytes;
     float g[3];
+    /* global_axes k > 0: one global per slice (global_shape[:k]), cells of
+     * one slice at a time (prod(global_shape[k:])). */
+    uint64_t nslices, slice_cells;
+    float *sg[3];
 } q_t;
 
 /* amaxc_call; on an error the message starts with the status code's name. */
@@ -49,6 +53,8 @@ static void free_qs(q_t *qs, size_t n)
         free(qs[i].scale);
         free(qs[i].inv);
         free(qs[i].bytes);
+        for (int k = 0; k < 3; k++)
+            free(qs[i].sg[k]);
     }
     free(qs);
 }
@@ -115,6 +121,19 @@ static int fetch(amaxc_t *c, double timeout, const char *job, char **names, q_t 
             q->g[0] = x->global_amax;
             q->g[1] = x->global_scale;
             q->g[2] = x->global_scale_inv;
+            if (q->nslices > 0 && m > 0) {
+                /* The window's slices, from block slice first_cell / slice_cells. */
+                uint64_t j0 = x->first_cell / q->slice_cells, ns = x->global_amaxes.len / 4;
+                if (j0 + ns > q->nslices || x->global_scales.len != ns * 4 ||
+                    x->global_scale_invs.len != ns * 4) {
+                    snprintf(msg, len, "the global slices for '%s' do not fit its shape", x->name);
+                    protobuf_c_message_free_unpacked(&r->base, NULL);
+                    return -1;
+                }
+                memcpy(q->sg[0] + j0, x->global_amaxes.data, ns * 4);
+                memcpy(q->sg[1] + j0, x->global_scales.data, ns * 4);
+                memcpy(q->sg[2] + j0, x->global_scale_invs.data, ns * 4);
+            }
             got += m;
         }
         uint64_t total = r->total_cells;
@@ -132,8 +151,10 @@ static int fetch(amaxc_t *c, double timeout, const char *job, char **names, q_t 
     return 0;
 }
 
+/* A tensor of the header: the first `ndims` dimensions of the quantizer's
+ * global shape (0: a scalar). */
 static void add_tensor(cJSON *h, const char *qname, const char *suffix, const char *dtype,
-                       const Amaxd__V1__QuantizerInfo *info, int scalar, uint64_t *off,
+                       const Amaxd__V1__QuantizerInfo *info, size_t ndims, uint64_t *off,
                        uint64_t bytes)
 {
     char key[1200];
@@ -141,7 +162,7 @@ static void add_tensor(cJSON *h, const char *qname, const char *suffix, const ch
     cJSON *t = cJSON_AddObjectToObject(h, key);
     cJSON_AddStringToObject(t, "dtype", dtype);
     cJSON *sh = cJSON_AddArrayToObject(t, "shape");
-    for (size_t d = 0; !scalar && d < info->n_global_shape; d++)
+    for (size_t d = 0; d < ndims && d < info->n_global_shape; d++)
         cJSON_AddItemToArray(sh, cJSON_CreateNumber(info->global_shape[d]));
     cJSON *o = cJSON_AddArrayToObject(t, "data_offsets");
     cJSON_AddItemToArray(o, cJSON_CreateNumber((double)*off));
@@ -163,6 +184,8 @@ static int write_file(const char *path, const char *job, uint64_t epoch, q_t *qs
             cJSON_AddItemToArray(sh, cJSON_CreateNumber(in->global_shape[d]));
         cJSON_AddStringToObject(o, "format", fmt_name[in->recipe->format]);
         cJSON_AddStringToObject(o, "block_scale", block_name[in->recipe->format]);
+        if (in->global_axes > 0)
+            cJSON_AddNumberToObject(o, "global_axes", in->global_axes);
         cJSON_AddItemToArray(list, o);
     }
     char *ls = cJSON_PrintUnformatted(list);
@@ -177,15 +200,16 @@ static int write_file(const char *path, const char *job, uint64_t epoch, q_t *qs
     uint64_t off = 0;
     for (size_t i = 0; i < n; i++) {
         const Amaxd__V1__QuantizerInfo *in = qs[i].info;
-        uint64_t c = qs[i].ncells;
-        add_tensor(h, in->name, "amax", "F32", in, 0, &off, c * 4);
-        add_tensor(h, in->name, "scale", "F32", in, 0, &off, c * 4);
-        add_tensor(h, in->name, "scale_inv", "F32", in, 0, &off, c * 4);
+        uint64_t c = qs[i].ncells, g = qs[i].nslices ? qs[i].nslices : 1;
+        size_t all = in->n_global_shape, gd = qs[i].nslices ? in->global_axes : 0;
+        add_tensor(h, in->name, "amax", "F32", in, all, &off, c * 4);
+        add_tensor(h, in->name, "scale", "F32", in, all, &off, c * 4);
+        add_tensor(h, in->name, "scale_inv", "F32", in, all, &off, c * 4);
         if (in->recipe->format == 3 || in->recipe->format == 4)
-            add_tensor(h, in->name, "block_scale", "U8", in, 0, &off, c);
-        add_tensor(h, in->name, "global_amax", "F32", in, 1, &off, 4);
-        add_tensor(h, in->name, "global_scale", "F32", in, 1, &off, 4);
-        add_tensor(h, in->name, "global_scale_inv", "F32", in, 1, &off, 4);
+            add_tensor(h, in->name, "block_scale", "U8", in, all, &off, c);
+        add_tensor(h, in->name, "global_amax", "F32", in, gd, &off, g * 4);
+        add_tensor(h, in->name, "global_scale", "F32", in, gd, &off, g * 4);
+        add_tensor(h, in->name, "global_scale_inv", "F32", in, gd, &off, g * 4);
     }
     char *hs = cJSON_PrintUnformatted(h);
     cJSON_Delete(h);
@@ -213,7 +237,10 @@ static int write_file(const char *path, const char *job, uint64_t epoch, q_t *qs
              fwrite(q->inv, 4, q->ncells, f) == q->ncells;
         if (ok && (q->info->recipe->format == 3 || q->info->recipe->format == 4))
             ok = fwrite(q->bytes, 1, q->ncells, f) == q->ncells;
-        if (ok)
+        if (ok && q->nslices > 0)
+            for (int k = 0; ok && k < 3; k++)
+                ok = fwrite(q->sg[k], 4, q->nslices, f) == q->nslices;
+        else if (ok)
             ok = fwrite(q->g, 4, 3, f) == 3;
     }
     ok = ok && fflush(f) == 0 && fsync(fileno(f)) == 0;
@@ -261,7 +288,17 @@ int amaxctl_export(amaxc_t *c, double timeout, const char *job, const char *path
         q->scale = malloc(q->ncells * 4);
         q->inv = malloc(q->ncells * 4);
         q->bytes = malloc(q->ncells);
-        if (!q->amax || !q->scale || !q->inv || !q->bytes) {
+        uint32_t k = infos[i]->global_axes;
+        if (k > 0 && k < infos[i]->n_global_shape) {
+            q->nslices = 1;
+            for (uint32_t d = 0; d < k; d++)
+                q->nslices *= infos[i]->global_shape[d];
+            q->slice_cells = q->ncells / q->nslices;
+            for (int a = 0; a < 3; a++)
+                q->sg[a] = calloc(q->nslices, 4);
+        }
+        if (!q->amax || !q->scale || !q->inv || !q->bytes ||
+            (q->nslices && (!q->sg[0] || !q->sg[1] || !q->sg[2]))) {
             snprintf(msg, len, "out of memory for '%s'", q->info->name);
             goto out;
         }

@@ -22,7 +22,8 @@ JOB = "durable"
 def quantizers(rank):
     """A mix of everything that carries state across epochs: a delayed-scaling
     history, running maxima, per-epoch accumulation, NVFP4 blocks with a
-    global amax, MXFP8 blocks, a peer group with a cold expert."""
+    global amax, MXFP8 blocks, a peer group with a cold expert, a share-mode
+    peer group and per-expert NVFP4 globals (global_axes)."""
     return [
         amaxd.Quantizer("l0.fc1.weight", [8], amaxd.Recipe.fp8_current(),
                         P.column_parallel([8], rank, W)),
@@ -33,6 +34,12 @@ def quantizers(rank):
         amaxd.Quantizer("l0.experts.input", [E], amaxd.Recipe.fp8_current(amaxd.FP8_E5M2),
                         P.per_expert(E, rank, W), accumulation=amaxd.PER_EPOCH,
                         peer_group="l0.experts"),
+        amaxd.Quantizer("l0.experts.fc1.weight", [E, 2, 3], amaxd.Recipe.nvfp4(),
+                        P.shard([E, 2, 3], 0, rank, W), global_axes=1,
+                        peer_group="l0.experts.fc1", peer_mode="share"),
+        amaxd.Quantizer("l0.experts.fc1.input", [E], amaxd.Recipe.fp8_current(),
+                        P.per_expert(E, rank, W), peer_group="l0.experts.fc1",
+                        peer_mode="share"),
     ]
 
 
@@ -46,6 +53,9 @@ def amax_of(epoch, rank):
         "l0.fc2.input": rng.uniform(0, 5, (4, 3)).astype(np.float32),
         "l0.fc2.weight": rng.uniform(0, 2, 6).astype(np.float32),
         "l0.experts.input": experts,
+        "l0.experts.fc1.weight": rng.uniform(0, 2 ** epoch, (E // W, 2, 3)).astype(np.float32),
+        "l0.experts.fc1.input": np.ma.masked_array(rng.uniform(0, 3, E // W).astype(np.float32),
+                                                   mask=[rank == 0, False]),
     }
 
 
@@ -85,6 +95,9 @@ def same(a, b):
             assert getattr(x, f).tobytes() == getattr(y, f).tobytes(), (n, f)
         for f in ("global_amax", "global_scale", "global_scale_inv", "missing"):
             assert np.float32(getattr(x, f)).tobytes() == np.float32(getattr(y, f)).tobytes(), (n, f)
+        for f in ("global_amaxes", "global_scales", "global_scale_invs"):
+            u, v = getattr(x, f), getattr(y, f)
+            assert (u is None) == (v is None) and (u is None or u.tobytes() == v.tobytes()), (n, f)
 
 
 def snapshot_path(state):

@@ -130,3 +130,36 @@ def test_export_in_small_windows(start_daemon, tmp_path):
     assert open(ref, "rb").read() == open(out, "rb").read()
     got = load_file(out)
     np.testing.assert_array_equal(got["big.amax"], np.linspace(0, 5, 3000, dtype=np.float32))
+
+
+def test_export_of_global_slices_python_and_amaxctl(start_daemon, tmp_path):
+    # A quantizer with global_axes = 1: NAME.global_amax has shape [E], in
+    # windows too (max_message_bytes 16384 cuts the 2400-cell tensor).
+    d = start_daemon("--max-message-bytes=16384")
+    E = 6
+    rng = np.random.default_rng(5)
+    w = (rng.uniform(0, 1, (E, 20, 20)) * np.arange(1, E + 1)[:, None, None]).astype(np.float32)
+    with d.client("sl", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("w", [E, 20, 20], amaxd.Recipe.nvfp4(), global_axes=1),
+                    amaxd.Quantizer("x", [], amaxd.Recipe.fp8_current())])
+        c.send({"w": w, "x": 2.0})
+        c.reconcile(names=["x"])
+        py = str(tmp_path / "py.safetensors")
+        c.export(py)
+        want = c.get_scales(whole=True)
+    cl = str(tmp_path / "ctl.safetensors")
+    p = subprocess.run([CTL, "--socket", d.socket, "export", "sl", cl], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert open(py, "rb").read() == open(cl, "rb").read()
+    got = load_file(py)
+    assert got["w.global_amax"].shape == (E,)
+    np.testing.assert_array_equal(got["w.global_amax"], w.reshape(E, -1).max(axis=1))
+    assert got["w.global_scale"].tobytes() == want["w"].global_scales.tobytes()
+    assert got["w.global_scale_inv"].tobytes() == want["w"].global_scale_invs.tobytes()
+    assert got["w.block_scale"].tobytes() == want["w"].block_scales.tobytes()
+    assert got["x.global_amax"].shape == ()
+    with safe_open(py, framework="numpy") as f:
+        qs = {q["name"]: q for q in json.loads(f.metadata()["amaxd.quantizers"])}
+    assert qs["w"]["global_axes"] == 1 and "global_axes" not in qs["x"]

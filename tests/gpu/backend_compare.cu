@@ -273,14 +273,14 @@ typedef struct {
     amx_state_t *h, *c;
 } pair_t;
 
-static int setup(pair_t *p, uint64_t ncells, uint64_t nhist, uint32_t nq)
+static int setup(pair_t *p, uint64_t ncells, uint64_t nhist, uint32_t nq, uint64_t nslices = 0)
 {
     amx_err_t err = {AMX_OK, ""};
     /* The replicated state follows a layout change from nothing to the
      * catalog (what the engine does when a catalog is first agreed). */
     amx_layout_change_t lc;
     memset(&lc, 0, sizeof(lc));
-    lc.ncells = ncells, lc.nhist = nhist, lc.nq = nq;
+    lc.ncells = ncells, lc.nhist = nhist, lc.nq = nq, lc.nslices = nslices;
     p->h = p->c = NULL;
     if (amx_state_create("host", 0, &p->h, &err) || amx_state_create("cuda", 0, &p->c, &err) ||
         p->h->ops->reserve_pending(p->h, ncells, &err) ||
@@ -388,6 +388,19 @@ static int run_catalog(const plan_t *plan, amx_qdesc_t *q, uint32_t nq, uint64_t
         e |= compare("global_amax", h->g_amax[hf], c->g_amax[cf], nq, 4, epoch);
         e |= compare("global_scale", h->g_scale[hf], c->g_scale[cf], nq, 4, epoch);
         e |= compare("global_scale_inv", h->g_inv[hf], c->g_inv[cf], nq, 4, epoch);
+        uint64_t ns = amx_qdesc_slices(q, nq);
+        if (ns > 0) {
+            if (h->out_ns[hf] != ns || c->out_ns[cf] != ns) {
+                fprintf(stderr, "epoch %d: %llu / %llu slice results, not %llu\n", epoch,
+                        (unsigned long long)h->out_ns[hf], (unsigned long long)c->out_ns[cf],
+                        (unsigned long long)ns);
+                e = 1;
+            } else {
+                e |= compare("slice_amax", h->s_amax[hf], c->s_amax[cf], ns, 4, epoch);
+                e |= compare("slice_scale", h->s_scale[hf], c->s_scale[cf], ns, 4, epoch);
+                e |= compare("slice_scale_inv", h->s_inv[hf], c->s_inv[cf], ns, 4, epoch);
+            }
+        }
         uint64_t nonfinite = 0;
         for (uint64_t i = 0; i < ncells; i++)
             nonfinite += !isfinite(rs[1][i]) || !isfinite(ri[1][i]);
@@ -432,7 +445,29 @@ static void add_q(amx_qdesc_t *q, uint32_t i, const amx_recipe_t *r, uint64_t n,
         *nhist += n * q[i].hist_len;
     q[i].peer_group = peer;
     q[i].scale_group = scale;
+    q[i].peer_mode = peer >= 0 ? AMX_PEER_FILL : 0;
+    q[i].gbase = i > 0 ? q[i - 1].gbase + q[i - 1].nslices : 0;
     *ncells += n;
+}
+
+/* Gives quantizer i (the last one added) `ns` global slices of its cells
+ * (ncells divisible by ns); the next add_q starts after them. */
+static void add_slices(amx_qdesc_t *q, uint32_t i, uint64_t ns)
+{
+    q[i].nslices = ns;
+    q[i].slice_cells = q[i].ncells / ns;
+}
+
+/* The peer-mode and slice catalog: whole quantizers silent now and then
+ * (the group fills or shares them), a sliced quantizer reset in epoch 3. */
+static int silent_modes(uint32_t i, int epoch)
+{
+    return (i % 4 == 1 && epoch % 2 == 0) || (i == 6 && epoch <= 2);
+}
+
+static int reset_modes(uint32_t i, int epoch)
+{
+    return epoch == 3 && (i == 2 || i == 7);
 }
 
 /* The recipe catalog: the delayed quantizers see nothing in epoch 4 (and
@@ -554,15 +589,57 @@ int main(int argc, char **argv)
             int peer = i % 5 == 2 || i % 7 == 3 ? (int)(i % 64) : -1;
             int scale = i % 11 == 0 ? (int)(i % 32) : -1;
             add_q(q, i, &rec[pick[i % 5]], n, &ncells, &nhist, peer, scale);
+            /* Odd groups share; every 13th NVFP4 quantizer of 8+ cells has
+             * 8 global slices when it has no scale group. */
+            if (peer >= 0 && peer % 2 == 1)
+                q[i].peer_mode = AMX_PEER_SHARE;
+            if (pick[i % 5] == 4 && i % 13 == 0 && scale < 0 && n >= 8) {
+                q[i].ncells = n - n % 8;
+                ncells -= n % 8;
+                add_slices(q, i, 8);
+            }
         }
         pair_t p;
-        if (setup(&p, ncells, nhist, nq))
+        if (setup(&p, ncells, nhist, nq, amx_qdesc_slices(q, nq)))
             return 2;
         plan_t plan = {"many quantizers", 5, silent_many, reset_many};
         bad |= run_catalog(&plan, q, nq, ncells, nhist, 64, 32, &p);
         amx_state_destroy(p.h);
         amx_state_destroy(p.c);
         free(q);
+    }
+    {
+        /* Peer modes and global slices (global_axes): a share group and a
+         * fill group with the same kinds of members, sliced NVFP4 (TE and
+         * ModelOpt), a sliced delayed FP8 (per-slice previous scales), many
+         * small slices and one slice per cell row. */
+        uint32_t nq = 12;
+        amx_qdesc_t q[12];
+        uint64_t ncells = 0, nhist = 0, n = per - per % 64;
+        for (uint32_t g = 0; g < 2; g++) {
+            uint32_t b = g * 5;
+            add_q(q, b + 0, &rec[0], 1, &ncells, &nhist, (int)g, -1);
+            add_q(q, b + 1, &rec[6], n / 4, &ncells, &nhist, (int)g, -1);
+            add_q(q, b + 2, &rec[4], n, &ncells, &nhist, (int)g, -1);
+            add_slices(q, b + 2, 64);
+            add_q(q, b + 3, &rec[11], n, &ncells, &nhist, (int)g, -1);
+            add_slices(q, b + 3, n / 16);
+            add_q(q, b + 4, &rec[14], 64, &ncells, &nhist, (int)g, -1);
+            add_slices(q, b + 4, 8);
+            for (uint32_t k = b; k < b + 5; k++)
+                q[k].peer_mode = g == 0 ? AMX_PEER_SHARE : AMX_PEER_FILL;
+        }
+        add_q(q, 10, &rec[10], n, &ncells, &nhist, -1, -1);
+        add_slices(q, 10, 4);
+        add_q(q, 11, &rec[2], 256, &ncells, &nhist, -1, -1);
+        add_slices(q, 11, 256);
+        pair_t p;
+        if (setup(&p, ncells, nhist, nq, amx_qdesc_slices(q, nq)))
+            return 2;
+        plan_t plan = {"peer modes and global slices", 5, silent_modes, reset_modes};
+        bad |= run_catalog(&plan, q, nq, ncells, nhist, 2, 0, &p);
+        amx_state_destroy(p.h);
+        amx_state_destroy(p.c);
     }
     printf("backend_compare: %s\n", bad ? "FAILED" : "host and CUDA backends agree byte for byte");
     return bad ? 1 : 0;

@@ -11,6 +11,7 @@
 
 #include "coord.h"
 #include "jobstate.h"
+#include "postproc.h"
 #include "log.h"
 #include "peer.h"
 
@@ -274,6 +275,241 @@ START_TEST(jobstate_round_trip_and_corruption)
 }
 END_TEST
 
+/* ---- peer modes and global slices ---- */
+
+/* A parsed (borrowed) spec of `shape` with the given group fields. */
+static amx_status_t parse(const char *name, const uint32_t *shape, size_t ndim, int format,
+                          const char *peer, int mode, uint32_t axes, const char *sg,
+                          amx_qspec_t *out, amx_err_t *err)
+{
+    amx_qspec_in_t in;
+    memset(&in, 0, sizeof(in));
+    in.name = name;
+    in.global_shape = shape;
+    in.ndim = ndim;
+    in.recipe.present = 1;
+    in.recipe.format = format;
+    in.peer_group = peer;
+    in.scale_group = sg;
+    in.peer_mode = mode;
+    in.global_axes = axes;
+    amx_err_clear(err);
+    return amx_qspec_parse(&in, 1u << 20, out, err);
+}
+
+START_TEST(spec_peer_mode_and_global_axes)
+{
+    amx_err_t err = {0};
+    amx_qspec_t a, b;
+    uint32_t sh[3] = {4, 3, 8};
+    /* Unspecified and FILL are the same mode; no group means no mode. */
+    ck_assert_int_eq(parse("a", sh, 1, AMX_FMT_FP8_E4M3, "g", 0, 0, NULL, &a, &err), AMX_OK);
+    ck_assert_int_eq(parse("a", sh, 1, AMX_FMT_FP8_E4M3, "g", 1, 0, NULL, &b, &err), AMX_OK);
+    ck_assert_int_eq(a.peer_mode, AMX_PEER_FILL);
+    ck_assert(amx_qspec_equal(&a, &b));
+    ck_assert_int_eq(parse("a", sh, 1, AMX_FMT_FP8_E4M3, NULL, 0, 0, NULL, &a, &err), AMX_OK);
+    ck_assert_int_eq(a.peer_mode, 0);
+    /* SHARE differs from FILL: equality, diff, hash. */
+    ck_assert_int_eq(parse("a", sh, 1, AMX_FMT_FP8_E4M3, "g", 2, 0, NULL, &a, &err), AMX_OK);
+    ck_assert_int_eq(a.peer_mode, AMX_PEER_SHARE);
+    ck_assert(!amx_qspec_equal(&a, &b));
+    char diff[200];
+    amx_qspec_diff(&b, &a, diff, sizeof(diff));
+    ck_assert_str_eq(diff, "peer_mode PEER_FILL vs PEER_SHARE");
+    amx_qspec_t *pa = &a, *pb = &b;
+    ck_assert_uint_ne(amx_catalog_hash(&pa, 1), amx_catalog_hash(&pb, 1));
+    /* Bad modes. */
+    ck_assert_int_eq(parse("a", sh, 1, AMX_FMT_FP8_E4M3, "g", 3, 0, NULL, &a, &err), AMX_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.msg, "peer_mode 3 is unknown"));
+    ck_assert_int_eq(parse("a", sh, 1, AMX_FMT_FP8_E4M3, "", 2, 0, NULL, &a, &err), AMX_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.msg, "PEER_SHARE needs a peer_group"));
+    /* global_axes: 0 < k < ndim, not with a scale group. */
+    ck_assert_int_eq(parse("w", sh, 3, AMX_FMT_NVFP4, NULL, 0, 1, NULL, &a, &err), AMX_OK);
+    ck_assert_uint_eq(amx_qspec_slices(&a), 4);
+    ck_assert_int_eq(parse("w", sh, 3, AMX_FMT_NVFP4, NULL, 0, 2, NULL, &b, &err), AMX_OK);
+    ck_assert_uint_eq(amx_qspec_slices(&b), 12);
+    amx_qspec_diff(&a, &b, diff, sizeof(diff));
+    ck_assert_str_eq(diff, "global_axes 1 vs 2");
+    ck_assert_uint_ne(amx_catalog_hash(&pa, 1), amx_catalog_hash(&pb, 1));
+    ck_assert_int_eq(parse("w", sh, 3, AMX_FMT_NVFP4, NULL, 0, 0, NULL, &a, &err), AMX_OK);
+    ck_assert_uint_eq(amx_qspec_slices(&a), 0);
+    ck_assert_int_eq(parse("w", sh, 3, AMX_FMT_NVFP4, NULL, 0, 3, NULL, &a, &err), AMX_EINVAL);
+    ck_assert_str_eq(err.msg, "quantizer 'w': global_axes 3 must be less than the 3 dimensions "
+                              "of global_shape (0: one global amax; k: one per index of the "
+                              "first k axes)");
+    ck_assert_int_eq(parse("w", sh, 0, AMX_FMT_NVFP4, NULL, 0, 1, NULL, &a, &err), AMX_EINVAL);
+    ck_assert_int_eq(parse("w", sh, 2, AMX_FMT_NVFP4, NULL, 0, 1, "qkv", &a, &err), AMX_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.msg, "cannot be combined with scale_group 'qkv'"));
+}
+END_TEST
+
+/* A state of the host backend laid out for `cat`, with `vals` (ncells,
+ * -inf = no data) as one epoch's reduced values, finished once. */
+static amx_state_t *finished(const amx_catalog_t *cat, amx_qdesc_t *d, const float *vals)
+{
+    amx_err_t err = {0};
+    amx_state_t *st;
+    ck_assert_int_eq(amx_state_create("host", 0, &st, &err), AMX_OK);
+    amx_catalog_layout(cat, d);
+    amx_layout_change_t lc = {
+        .ncells = cat->ncells, .nhist = cat->nhist, .nq = cat->n, .nslices = cat->nslices};
+    ck_assert_int_eq(st->ops->reserve_pending(st, cat->ncells, &err), AMX_OK);
+    ck_assert_int_eq(st->ops->remap(st, &lc, &err), AMX_OK);
+    amx_run_t run = {0, 0, cat->ncells};
+    ck_assert_int_eq(st->ops->merge(st, vals, cat->ncells, &run, 1, 0, &err), AMX_OK);
+    st->ops->flip(st);
+    ck_assert_int_eq(
+        st->ops->finish(st, d, cat->n, cat->ncells, cat->npeer, cat->nscale, 1, 1, &err), AMX_OK);
+    st->ops->publish(st);
+    return st;
+}
+
+static amx_qspec_t *spec_mode(const char *name, uint32_t n, const char *peer, int mode)
+{
+    amx_qspec_t *s = spec(name, n, peer);
+    s->peer_mode = (uint8_t)mode;
+    return s;
+}
+
+START_TEST(host_finish_fill_and_share)
+{
+    amx_err_t err = {0};
+    const float X = -INFINITY;
+    /* Sorted: f.a f.b s.a s.b; groups "fill" and "share", same data. */
+    amx_qspec_t *q[4] = {
+        spec_mode("f.a", 3, "fill", AMX_PEER_FILL), spec_mode("f.b", 2, "fill", AMX_PEER_FILL),
+        spec_mode("s.a", 3, "share", AMX_PEER_SHARE), spec_mode("s.b", 2, "share", AMX_PEER_SHARE)};
+    amx_catalog_t *cat;
+    ck_assert_int_eq(amx_catalog_build(q, 4, &cat, &err), AMX_OK);
+    amx_qdesc_t d[4];
+    float v[10] = {1, X, 5, X, X, 1, X, 5, X, X};
+    amx_state_t *st = finished(cat, d, v);
+    ck_assert_int_eq(d[2].peer_mode, AMX_PEER_SHARE);
+    float amax[10], scale[10], inv[10];
+    uint8_t bytes[10], marks[10];
+    amx_run_t run = {0, 0, 10};
+    ck_assert_int_eq(st->ops->read_results(st, &run, 1, 10, amax, scale, inv, bytes, &err), AMX_OK);
+    ck_assert_int_eq(st->ops->read_filled(st, &run, 1, marks, &err), AMX_OK);
+    static const float want[10] = {1, 5, 5, 5, 5, 5, 5, 5, 5, 5};
+    static const uint8_t raised[10] = {0, 1, 0, 1, 1, 1, 1, 0, 1, 1};
+    for (int i = 0; i < 10; i++) {
+        ck_assert_float_eq(amax[i], want[i]);
+        ck_assert_uint_eq(marks[i], raised[i]);
+        ck_assert_float_eq(scale[i], 448.0f / want[i]);
+    }
+    ck_assert_uint_eq(st->last_filled, 7);
+    ck_assert_uint_eq(st->last_missing, 0);
+    for (int i = 0; i < 4; i++)
+        ck_assert_float_eq(st->g_amax[st->front][i], 5.0f);
+    amx_state_destroy(st);
+    amx_catalog_free(cat);
+    /* The per-cell rule itself. */
+    uint8_t r;
+    ck_assert_float_eq(amx_pp_peer(AMX_PEER_SHARE, 2.0f, 5.0f, &r), 5.0f);
+    ck_assert_uint_eq(r, 1);
+    ck_assert_float_eq(amx_pp_peer(AMX_PEER_FILL, 2.0f, 5.0f, &r), 2.0f);
+    ck_assert_uint_eq(r, 0);
+    ck_assert_float_eq(amx_pp_peer(AMX_PEER_SHARE, X, X, &r), X);
+    ck_assert_uint_eq(r, 0);
+    ck_assert_float_eq(amx_pp_peer(AMX_PEER_FILL, X, 3.0f, &r), 3.0f);
+    ck_assert_uint_eq(r, 1);
+}
+END_TEST
+
+/* A [4, 2, 3] NVFP4 spec with global_axes k. */
+static amx_qspec_t *spec_sliced(const char *name, uint32_t k)
+{
+    amx_qspec_t *s = spec(name, 4, NULL);
+    s->ndim = 3;
+    s->shape[1] = 2;
+    s->shape[2] = 3;
+    s->ncells = 24;
+    s->recipe.format = AMX_FMT_NVFP4;
+    s->recipe.rule = 0;
+    s->recipe.nvfp4_convention = AMX_NVFP4_TE;
+    s->recipe.output_convention = AMX_OUT_TE;
+    s->recipe.scaled_max = 0.0f;
+    s->global_axes = (uint8_t)k;
+    return s;
+}
+
+START_TEST(host_finish_global_slices)
+{
+    amx_err_t err = {0};
+    /* "a" scalar, "w" per-expert globals, "z" per-[E, R] globals. */
+    amx_qspec_t *q[3] = {spec("a", 0, NULL), spec_sliced("w", 1), spec_sliced("z", 2)};
+    amx_catalog_t *cat;
+    ck_assert_int_eq(amx_catalog_build(q, 3, &cat, &err), AMX_OK);
+    ck_assert_uint_eq(cat->nslices, 12);
+    amx_qdesc_t d[3];
+    float v[49];
+    v[0] = 2.0f;
+    for (int i = 0; i < 24; i++)
+        v[1 + i] = v[25 + i] = (float)(i % 5 + 1) * (float)(1 << (4 * (i / 6)));
+    v[1 + 7] = -INFINITY; /* a cell without data reads 0 */
+    amx_state_t *st = finished(cat, d, v);
+    ck_assert_uint_eq(d[0].nslices, 0);
+    ck_assert_uint_eq(d[1].gbase, 0);
+    ck_assert_uint_eq(d[1].nslices, 4);
+    ck_assert_uint_eq(d[1].slice_cells, 6);
+    ck_assert_uint_eq(d[2].gbase, 4);
+    ck_assert_uint_eq(d[2].slice_cells, 3);
+    int f = st->front;
+    ck_assert_uint_eq(st->out_ns[f], 12);
+    float amax[49], scale[49], inv[49];
+    uint8_t bytes[49];
+    amx_run_t run = {0, 0, 49};
+    ck_assert_int_eq(st->ops->read_results(st, &run, 1, 49, amax, scale, inv, bytes, &err), AMX_OK);
+    for (uint32_t qi = 1; qi < 3; qi++) {
+        for (uint64_t sl = 0; sl < d[qi].nslices; sl++) {
+            float m = 0.0f;
+            for (uint64_t c = 0; c < d[qi].slice_cells; c++) {
+                float a = v[d[qi].base + sl * d[qi].slice_cells + c];
+                m = a > m ? a : m;
+            }
+            uint64_t g = d[qi].gbase + sl;
+            ck_assert_float_eq(st->s_amax[f][g], m);
+            ck_assert_float_eq(st->s_scale[f][g], amx_nvfp4_global_encode(m));
+            ck_assert_float_eq(st->s_inv[f][g], amx_nvfp4_global_decode(AMX_OUT_TE, m));
+            for (uint64_t c = 0; c < d[qi].slice_cells; c++) {
+                uint64_t i = d[qi].base + sl * d[qi].slice_cells + c;
+                float a = v[i] > 0.0f ? v[i] : 0.0f;
+                ck_assert_uint_eq(bytes[i], amx_nvfp4_block_te(a, amx_nvfp4_global_encode(m)));
+            }
+        }
+        /* The per-quantizer global keeps its meaning: the max over all. */
+        ck_assert_float_eq(st->g_amax[f][qi], 5.0f * 4096.0f);
+    }
+    /* Serialized and imported: the same per-slice state. */
+    void *blob;
+    size_t len;
+    ck_assert_int_eq(amx_jobstate_export("job", 1, cat, d, st, 0, &blob, &len, &err), AMX_OK);
+    amx_jobstate_t js;
+    ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_OK);
+    ck_assert_uint_eq(js.cat->nslices, 12);
+    ck_assert_uint_eq(js.cat->hash, cat->hash);
+    ck_assert_int_eq(js.cat->q[1]->global_axes, 1);
+    for (int i = 0; i < 12; i++)
+        ck_assert_float_eq(js.a.s_amax[i], st->s_amax[f][i]);
+    amx_state_t *st2;
+    ck_assert_int_eq(amx_state_create("host", 0, &st2, &err), AMX_OK);
+    ck_assert_int_eq(st2->ops->import_state(st2, js.cat->ncells, js.cat->nhist, js.cat->n,
+                                            js.cat->nslices, &js.a, &err),
+                     AMX_OK);
+    st2->ops->publish(st2);
+    for (int i = 0; i < 12; i++) {
+        ck_assert_float_eq(st2->s_amax[st2->front][i], st->s_amax[f][i]);
+        ck_assert_float_eq(st2->s_scale[st2->front][i], st->s_scale[f][i]);
+    }
+    amx_jobstate_free(&js);
+    free(blob);
+    amx_state_destroy(st2);
+    /* A layout change keeps a sliced quantizer's slices (runs move them). */
+    amx_state_destroy(st);
+    amx_catalog_free(cat);
+}
+END_TEST
+
 /* ---- coordinator ---- */
 
 typedef struct answer {
@@ -488,6 +724,9 @@ int main(void)
     tcase_add_test(tc, auth_tokens);
     tcase_add_test(tc, catalog_is_canonical);
     tcase_add_test(tc, jobstate_round_trip_and_corruption);
+    tcase_add_test(tc, spec_peer_mode_and_global_axes);
+    tcase_add_test(tc, host_finish_fill_and_share);
+    tcase_add_test(tc, host_finish_global_slices);
     tcase_add_test(tc, coordinator_membership_and_agreement);
     tcase_add_test(tc, coordinator_join_timeout_and_kv);
     suite_add_tcase(s, tc);

@@ -27,6 +27,7 @@ _OUTPUT_CONV = {"te": pb.OUTPUT_TRANSFORMER_ENGINE, "modelopt": pb.OUTPUT_MODELO
 _HISTORY_CONV = {"te": pb.HISTORY_TRANSFORMER_ENGINE,
                  "te_unfused": pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED}
 _MXFP8_CONV = {"te": pb.MXFP8_TRANSFORMER_ENGINE, "ocp": pb.MXFP8_OCP}
+_PEER_MODE = {"fill": pb.PEER_FILL, "share": pb.PEER_SHARE}
 
 
 def _conv(table, what, name):
@@ -34,6 +35,13 @@ def _conv(table, what, name):
         return table[name]
     except KeyError:
         raise ValueError(f"unknown {what} convention {name!r}: use one of {sorted(table)}") from None
+
+
+def _peer_mode(name):
+    try:
+        return _PEER_MODE[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown peer_mode {name!r}: use one of {sorted(_PEER_MODE)}") from None
 
 
 @dataclass(frozen=True)
@@ -100,11 +108,24 @@ class Quantizer:
     accumulation: int = 0
     peer_group: str = ""
     scale_group: str = ""
+    # How the peer group combines its members: "fill" (cells without data take
+    # the group's max; the default) or "share" (every cell takes the group's
+    # max, ModelOpt's MoE rule). None: the default. Needs peer_group.
+    peer_mode: Optional[str] = None
+    # 0: one global amax; k > 0: one per index of the first k axes of
+    # global_shape (e.g. 1 on [E, R, C/16] NVFP4 blocks: per-expert globals).
+    global_axes: int = 0
+
+    def __post_init__(self):
+        if self.peer_mode is not None:
+            _peer_mode(self.peer_mode)
 
     def to_pb(self):
+        mode = 0 if self.peer_mode is None else _peer_mode(self.peer_mode)
         q = pb.QuantizerSpec(name=self.name, global_shape=[int(d) for d in self.global_shape],
                              recipe=self.recipe.to_pb(), accumulation=self.accumulation,
-                             peer_group=self.peer_group, scale_group=self.scale_group)
+                             peer_group=self.peer_group, scale_group=self.scale_group,
+                             peer_mode=mode, global_axes=int(self.global_axes))
         if self.placement is not None:
             q.offset.extend(int(o) for o in self.placement.offset)
             q.local_shape.extend(int(d) for d in self.placement.local_shape)
@@ -126,14 +147,22 @@ class Result:
     global_scale: float
     global_scale_inv: float
     missing: int
-    # Cells that had no data in the last epoch and took their peer group's
-    # max (cold experts), as a bool array; None when the daemon's state
-    # backend does not report it.
+    # Cells their peer group raised in the last epoch, as a bool array: cells
+    # without data that took the group's max (cold experts), and with
+    # peer_mode "share" also cells whose own amax was below it; None when the
+    # daemon's state backend does not report it.
     peer_filled: Optional[np.ndarray] = None
     # The epoch before the last one's global amax and scale (None after the
     # quantizer's first epoch).
     previous_global_amax: Optional[float] = None
     previous_global_scale: Optional[float] = None
+    # Quantizers with global_axes = k > 0: the global amax, scale and inverse
+    # of each slice this block overlaps, shaped like the block's first k axes
+    # (shape[:k]; the slice of block index i is global index offset[:k] + i).
+    # None when global_axes is 0.
+    global_amaxes: Optional[np.ndarray] = None
+    global_scales: Optional[np.ndarray] = None
+    global_scale_invs: Optional[np.ndarray] = None
 
     @staticmethod
     def from_pb(r):
@@ -159,6 +188,18 @@ class Result:
             b = b"".join(getattr(p, field) for p in parts)
             return np.frombuffer(b, dtype=dtype).reshape(shape).copy()
 
+        slices = [None, None, None]
+        k = r.global_axes
+        if k > 0:
+            bs = int(np.prod(shape[k:], dtype=np.int64))
+            nsl = int(np.prod(shape[:k], dtype=np.int64))
+            for i, fld in enumerate(("global_amaxes", "global_scales", "global_scale_invs")):
+                out = np.zeros(nsl, dtype="<f4")
+                for p in parts:  # windows: slices [first_cell // bs, ...) of the block
+                    v = np.frombuffer(getattr(p, fld), dtype="<f4")
+                    j0 = p.first_cell // bs
+                    out[j0:j0 + len(v)] = v
+                slices[i] = out.reshape(shape[:k])
         filled = None
         if all(p.peer_fill_known for p in parts):
             filled = np.concatenate([
@@ -169,7 +210,7 @@ class Result:
                       r.global_amax, r.global_scale, r.global_scale_inv,
                       sum(p.missing for p in parts), filled,
                       r.previous_global_amax if r.has_previous else None,
-                      r.previous_global_scale if r.has_previous else None)
+                      r.previous_global_scale if r.has_previous else None, *slices)
 
 
 def _to_f32_bytes(values) -> bytes:

@@ -6,12 +6,15 @@ Per quantizer NAME (whole global tensors, the last reconciled epoch):
   NAME.amax, NAME.scale, NAME.scale_inv        float32, the quantizer's global shape
   NAME.block_scale                             uint8 (NVFP4: E4M3 bits, MXFP8: E8M0 bits)
   NAME.global_amax, NAME.global_scale,
-  NAME.global_scale_inv                        float32 scalars
+  NAME.global_scale_inv                        float32 scalars, or for a quantizer
+                                               with global_axes k > 0 one per
+                                               slice: shape global_shape[:k]
 
 `__metadata__` holds "amaxd.format" ("scales/1"), the job, the epoch and
-"amaxd.quantizers": a JSON list of {name, shape, format, block_scale} where
-format is fp8_e4m3 | fp8_e5m2 | nvfp4 | mxfp8 and block_scale e4m3 | e8m0
-| "" . `amaxctl export` writes the same file.
+"amaxd.quantizers": a JSON list of {name, shape, format, block_scale} (and
+"global_axes": k when k > 0) where format is fp8_e4m3 | fp8_e5m2 | nvfp4 |
+mxfp8 and block_scale e4m3 | e8m0 | "" . `amaxctl export` writes the same
+file.
 """
 import json
 import os
@@ -34,6 +37,11 @@ def tensors(results: Mapping[str, object], formats: Mapping[str, int]):
         out[name + ".scale_inv"] = np.asarray(r.scale_inv, dtype="<f4")
         if formats[name] in BLOCK:
             out[name + ".block_scale"] = np.asarray(r.block_scales, dtype=np.uint8)
+        if getattr(r, "global_amaxes", None) is not None:  # per-slice globals
+            out[name + ".global_amax"] = np.asarray(r.global_amaxes, dtype="<f4")
+            out[name + ".global_scale"] = np.asarray(r.global_scales, dtype="<f4")
+            out[name + ".global_scale_inv"] = np.asarray(r.global_scale_invs, dtype="<f4")
+            continue
         out[name + ".global_amax"] = np.array(r.global_amax, dtype="<f4")
         out[name + ".global_scale"] = np.array(r.global_scale, dtype="<f4")
         out[name + ".global_scale_inv"] = np.array(r.global_scale_inv, dtype="<f4")
@@ -64,5 +72,8 @@ def write(path: str, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, st
 def metadata(job: str, epoch: int, infos) -> Dict[str, str]:
     qs = [{"name": q.name, "shape": list(q.global_shape), "format": FORMATS[q.recipe.format],
            "block_scale": BLOCK.get(q.recipe.format, "")} for q in infos]
+    for d, q in zip(qs, infos):
+        if getattr(q, "global_axes", 0):
+            d["global_axes"] = int(q.global_axes)
     return {"amaxd.format": "scales/1", "amaxd.job": job, "amaxd.epoch": str(epoch),
             "amaxd.quantizers": json.dumps(qs, separators=(",", ":"))}
