@@ -95,7 +95,7 @@ def _is_expert_input(name):
     return ".experts." in name and "input_quantizer" in name
 
 
-def run_layout(daemon, cfg_name, layout):
+def run_layout(daemon, cfg_name, layout, weight_blocks=True):
     """Calibrates the 4 shards of `layout` and syncs them through amaxd;
     returns [(shard model, entries, results, amax present before sync)]."""
     _, captured = reference(cfg_name)
@@ -106,7 +106,7 @@ def run_layout(daemon, cfg_name, layout):
         models.append(m)
     had_amax = [{n: getattr(q, "_amax", None) is not None for n, q in _quantizers(m).items()}
                 for m in models]
-    job = f"{cfg_name}-{layout}".replace("_", "-")
+    job = f"{cfg_name}-{layout}-{int(weight_blocks)}".replace("_", "-")
 
     def rank(r):
         tp, ep, tpr, epr = toy.coords(layout, r)
@@ -114,7 +114,8 @@ def run_layout(daemon, cfg_name, layout):
                          dp_rank=r // tp, dp_size=toy.W // tp)
         with daemon.client(job, r, toy.W) as c:
             c.join()
-            entries = amo.plan(models[r], lay, column=toy.COLUMN, row=toy.ROW, moe_share=SHARE)
+            entries = amo.plan(models[r], lay, column=toy.COLUMN, row=toy.ROW, moe_share=SHARE,
+                               weight_blocks=weight_blocks)
             amo.register(c, entries)
             amo.send(c, entries)
             results = amo.reconcile(c, entries)
@@ -123,6 +124,8 @@ def run_layout(daemon, cfg_name, layout):
 
     with ThreadPoolExecutor(toy.W) as ex:
         outs = list(ex.map(rank, range(toy.W)))
+    with daemon.client(job, 0, toy.W) as c:
+        c.reset(drop_job=True)
     return [(models[r], *outs[r], had_amax[r]) for r in range(toy.W)]
 
 
@@ -147,11 +150,12 @@ def same(got, want, where):
         raise AssertionError(f"{where}: cell {i} of {g.size}: got {g[i]!r}, expected {w[i]!r}")
 
 
-def _block(ref, spec):
-    """The part of a whole tensor (amax geometry) that a placement covers."""
-    if spec.placement is None or not spec.global_shape:
-        return ref
-    sl = tuple(slice(o, o + n) for o, n in zip(spec.placement.offset, spec.placement.local_shape))
+def _block(ref, grid):
+    """The part of a whole tensor of the amax grid (global shape, placement)
+    that the rank's placement covers."""
+    shape, pl = grid
+    ref = ref.reshape(shape)
+    sl = tuple(slice(o, o + n) for o, n in zip(pl.offset, pl.local_shape))
     return ref[sl]
 
 
@@ -181,9 +185,7 @@ def check_rank(cfg_name, layout, rank, model, entries, results, had_amax):
         assert (a is None) == (ra is None), f"{where}: _amax {a} vs reference {ra}"
         if a is not None:
             if e is not None and e.kind in ("fp8_channel", "nvfp4_static"):
-                grid = tuple(e.spec.global_shape)
-                same(a.reshape(e.spec.placement.local_shape),
-                     _block(ra.reshape(grid), e.spec), where + " _amax")
+                same(a.reshape(e.grid[1].local_shape), _block(ra, e.grid), where + " _amax")
             else:
                 same(a, ra, where + " _amax")
             checked += 1
@@ -208,7 +210,12 @@ def check_rank(cfg_name, layout, rank, model, entries, results, had_amax):
                 continue
             w = want[key]
             if key == "weight_scale" and e is not None and w.numel() > 1:
-                w = _block(w.reshape(e.spec.global_shape), e.spec)
+                w = _block(w, e.grid)
+            elif key == "weight_scale" and e is None and w.numel() > 1:  # MXFP8, not registered
+                tp, _, tpr, _ = toy.coords(layout, rank)
+                last = name.rsplit(".", 1)[-1]
+                w = (w.chunk(tp, 0)[tpr] if last in toy.COLUMN
+                     else w.chunk(tp, 1)[tpr] if last in toy.ROW else w)
             same(got[key], w, where)
             checked += 1
     return checked
@@ -229,7 +236,8 @@ def check_daemon_numerics(cfg_name, layout, rank, model, entries, results):
             elif e.kind == "fp8_channel":
                 same(r.scale_inv, exp["weight_scale"], where + " scale_inv")
             elif e.kind in ("nvfp4_blocks", "nvfp4_static"):
-                same(r.block_scales, exp["weight_scale"], where + " block scales")
+                if e.blocks:
+                    same(r.block_scales, exp["weight_scale"], where + " block scales")
                 same(np.float32(r.global_scale_inv), exp["weight_scale_2"], where + " global_scale_inv")
             elif e.kind == "nvfp4_tensor":
                 same(np.float32(r.global_scale_inv), exp["input_scale"], where + " global_scale_inv")
@@ -269,6 +277,17 @@ def test_sharded_equals_single_process(daemon, cfg_name, layout):
         bad += check_daemon_numerics(cfg_name, layout, r, model, entries, results)
     assert checked > 0
     assert not bad, "amaxd's scales differ from ModelOpt's export:\n" + "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("cfg_name", ["nvfp4", "nvfp4_static", "mxfp8"])
+def test_per_tensor_weights_only(daemon, cfg_name):
+    """plan(weight_blocks=False): NVFP4 weights registered as their
+    per-tensor amax, MXFP8 weights left out; the same checkpoint."""
+    ranks = run_layout(daemon, cfg_name, "tp2ep2", weight_blocks=False)
+    for r, (model, entries, results, _) in enumerate(ranks):
+        assert all(e.spec.global_shape == () for e in entries)
+        assert check_rank(cfg_name, "tp2ep2", r, model, entries, results, None) > 0
+        assert not check_daemon_numerics(cfg_name, "tp2ep2", r, model, entries, results)
 
 
 @pytest.mark.skipif(not SHARE, reason="this amaxd client has no peer_mode='share' yet")

@@ -145,7 +145,14 @@ class Entry:
     parallel: str = "replicated"  # column, row, replicated
     expert: Optional[int] = None
     peer_share: bool = False
-    extra: dict = field(default_factory=dict)
+    # The geometry of the quantizer's amax grid whether or not it is what
+    # amaxd holds: (global shape, this rank's Placement) of the per-channel
+    # or block amax (that of ModelOpt's exported weight scales); None for
+    # per-tensor quantizers.
+    grid: Optional[Tuple[tuple, P.Placement]] = None
+    # Whether amaxd holds the blocks (False: the weight's per-tensor amax,
+    # plan(weight_blocks=False)).
+    blocks: bool = True
 
 
 def _torch():
@@ -261,14 +268,18 @@ def _shared_groups(model, patterns) -> Dict[str, Tuple[int, str]]:
 
 
 def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_COLUMN,
-         row: Sequence[str] = DEFAULT_ROW, moe_share: bool = True,
+         row: Sequence[str] = DEFAULT_ROW, moe_share: bool = True, weight_blocks: bool = True,
          shared_patterns: Optional[Sequence[str]] = None) -> List[Entry]:
     """The quantizers of `model` (this rank's shard) that amaxd reconciles,
     with their specs and placements. `column` / `row`: name patterns
     (fnmatch, on the full module name or its last component) of column- and
     row-parallel linears. `moe_share`: register the experts' input
     quantizers of an MoE block that ModelOpt unifies as a ``share`` peer
-    group (needs a client with peer_mode); False leaves them out."""
+    group (needs a client with peer_mode); False leaves them out.
+    `weight_blocks=False` registers NVFP4 weights as their per-tensor amax
+    only (what ModelOpt's export needs reconciled: the blocks of a shard are
+    its own) and leaves MXFP8 weights out: a catalog of one cell per weight
+    instead of one per 16 weights."""
     TensorQuantizer = _tensor_quantizer_cls()
     if shared_patterns is None:
         from modelopt.torch.quantization.utils import SHARED_PATTERNS
@@ -314,11 +325,14 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
                 rel = _EXPERTS.sub(r"\1\2.*", rel, count=1)
                 peer_group = (owner + "." if owner else "") + rel
                 peer_share = True
+        if kind == "mxfp8_blocks" and not weight_blocks:
+            continue
         if kind == "nvfp4_static" and mod_name in shared:
             i, parent = shared[mod_name]
             gparent = _global_name(model, parent, layout)[0] if parent else ""
             scale_group = f"{gparent}.shared_weight_global_amax.{i}".lstrip(".")
 
+        grid = None
         if kind in ("fp8_tensor", "nvfp4_tensor"):
             gshape, pl = (), None
         elif kind == "fp8_channel":
@@ -328,6 +342,7 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
                 pl = P.column_parallel(gshape, tp_rank, tp)
             else:
                 gshape, pl = (rows,), P.replicated((rows,))
+            grid = (gshape, pl)
         else:
             bsz = 16 if kind.startswith("nvfp4") else 32
             rows, cols = weight.shape
@@ -342,6 +357,9 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
                 pl = P.row_parallel(gshape, tp_rank, tp)
             else:
                 gshape, pl = local, P.replicated(local)
+            grid = (gshape, pl)
+            if not weight_blocks:
+                gshape, pl = (), None
         if kind == "fp8_tensor" or kind == "fp8_channel":
             recipe = Recipe.fp8_current(output="modelopt")
         elif kind == "nvfp4_static":
@@ -355,7 +373,8 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
             kw["peer_mode"] = "share"
         spec = Quantizer(gname, gshape, recipe, pl, peer_group=peer_group,
                          scale_group=scale_group, **kw)
-        entries.append(Entry(qname, gname, q, module, kind, spec, weight, par, expert, peer_share))
+        entries.append(Entry(qname, gname, q, module, kind, spec, weight, par, expert, peer_share,
+                             grid, weight_blocks))
     return entries
 
 
@@ -376,9 +395,14 @@ def _local_amax(e: Entry):
                 if not torch.equal(cal, a):
                     raise ValueError(f"{e.local_name}: _amax is not the weight's block amax "
                                      "(an algorithm other than max calibration?)")
+        if not e.blocks:
+            return a.amax().cpu().numpy()
         return a.cpu().numpy()
     amax = getattr(e.quantizer, "_amax", None)
     if e.kind == "fp8_channel":
+        if amax is None:
+            rows = e.grid[1].local_shape[0]
+            return Masked(torch.zeros(rows), torch.ones(rows, dtype=torch.bool))
         return amax.detach().float().reshape(-1).cpu().numpy()
     # Per-tensor: no amax (or NaN from load_calib_amax(strict=False)) = no data.
     if amax is None or amax.is_meta or bool(torch.isnan(amax).any()):
@@ -387,11 +411,18 @@ def _local_amax(e: Entry):
 
 
 def register(client, entries: Sequence[Entry]):
-    return client.register([e.spec for e in entries])
+    """Registers the entries (nothing when there are none: a rank without
+    quantizers to reconcile still takes part in reconcile())."""
+    if entries:
+        return client.register([e.spec for e in entries])
+    return None
 
 
 def send(client, entries: Sequence[Entry]):
-    return client.send({e.name: _local_amax(e) for e in entries})
+    """Sends this rank's local amax of every entry, in one request."""
+    if entries:
+        return client.send({e.name: _local_amax(e) for e in entries})
+    return None
 
 
 def reconcile(client, entries: Sequence[Entry]) -> Dict[str, Result]:
@@ -427,7 +458,8 @@ def write_back(entries: Sequence[Entry], results: Dict[str, Result]):
         elif e.kind == "nvfp4_blocks":
             _set_amax(e.quantizer, torch.tensor(np.float32(r.global_amax), dtype=torch.float32))
         elif e.kind == "nvfp4_static":
-            _set_amax(e.quantizer, torch.from_numpy(r.amax.copy()).reshape(-1, 1))
+            if e.blocks:  # the shard's own blocks, as reconciled
+                _set_amax(e.quantizer, torch.from_numpy(r.amax.copy()).reshape(-1, 1))
             g = torch.tensor(np.float32(r.global_amax), dtype=torch.float32)
             old = getattr(e.quantizer, "_global_amax", None)
             if old is not None:
