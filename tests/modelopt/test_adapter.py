@@ -371,3 +371,22 @@ def test_plan_names_and_placements():
     if SHARE:
         i = ents["block_sparse_moe.experts.5.down_proj.input_quantizer"]
         assert i.peer_share and i.spec.peer_group == "block_sparse_moe.experts.*.down_proj.input_quantizer"
+
+
+def test_refuses_other_calibrations():
+    """A weight _amax that is not the max calibration (e.g. MSE-refined) is
+    refused before anything is sent, instead of being overwritten."""
+    class NoClient:
+        def send(self, amax):
+            raise AssertionError("nothing should be sent")
+
+    for cfg_name in ("nvfp4", "nvfp4_static"):
+        model = toy.shard_model(toy.full_model(), "tp2ep2", 0)
+        quantize(model, cfg_name, None)
+        entries = amo.plan(model, amo.Layout(tp_size=2, ep_size=2), column=toy.COLUMN,
+                           row=toy.ROW, moe_share=SHARE)
+        q = model.mlp.up_proj.weight_quantizer
+        with torch.no_grad():
+            q._amax.view(-1)[0] *= 0.5
+        with pytest.raises(ValueError, match="mlp.up_proj.weight_quantizer: _amax is not"):
+            amo.send(NoClient(), entries)

@@ -387,14 +387,18 @@ def _local_amax(e: Entry):
         with torch.no_grad():
             w = e.weight.detach().float()
             a = w.abs().reshape(w.shape[0], w.shape[1] // bsz, bsz).amax(dim=-1)
-        if e.kind == "nvfp4_static":
-            amax = getattr(e.quantizer, "_amax", None)
-            if amax is not None:
-                # The calibrated blocks are the weight's block amax; check rather than trust.
-                cal = amax.detach().float().reshape(a.shape)
-                if not torch.equal(cal, a):
-                    raise ValueError(f"{e.local_name}: _amax is not the weight's block amax "
-                                     "(an algorithm other than max calibration?)")
+        amax = getattr(e.quantizer, "_amax", None)
+        if amax is not None and e.kind != "mxfp8_blocks":
+            # Max calibration gives the weight's block amax (static) or its
+            # max (dynamic); an algorithm that refines them (MSE, AWQ, ...)
+            # would be overwritten by the write-back: refuse rather than do that.
+            cal = amax.detach().float()
+            ok = (torch.equal(cal.reshape(a.shape), a) if e.kind == "nvfp4_static"
+                  else cal.numel() == 1 and torch.equal(cal.reshape(()), a.amax()))
+            if not ok:
+                raise ValueError(f"{e.local_name}: _amax is not the weight's max calibration "
+                                 "(another calibration algorithm?); amaxd.modelopt reconciles "
+                                 "max-calibrated weights")
         if not e.blocks:
             return a.amax().cpu().numpy()
         return a.cpu().numpy()
