@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
 # Every test: Check unit tests and the end-to-end pytest suite against the
-# real daemon, once in a normal build and once with ASan+UBSan.
+# real daemon, once in a normal build and once with ASan+UBSan; the ModelOpt
+# tier (torch + nvidia-modelopt in .venv-modelopt; AMAXD_SKIP_MODELOPT=1
+# leaves it out).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/deps.sh build
 echo "== tests (build/)"
 ctest --test-dir build --output-on-failure
+if [ "${AMAXD_SKIP_MODELOPT:-0}" != 1 ]; then
+  echo "== ModelOpt tier: amaxd.modelopt against nvidia-modelopt on CPU (.venv-modelopt)"
+  modelopt_py=$(scripts/modelopt-venv.sh | tail -n 1)
+  AMAXD_BIN="$root/build/amaxd" "$modelopt_py" -m pytest -q -p no:cacheprovider tests/modelopt
+else
+  echo "== ModelOpt tier skipped (AMAXD_SKIP_MODELOPT=1)"
+fi
 echo "== tests under AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/)"
 scripts/deps.sh build-asan -DCMAKE_BUILD_TYPE=Debug -DAMAXD_SANITIZE=address,undefined
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \

@@ -49,7 +49,8 @@ def contributions(rank, epoch, rng):
         v = (rng.random(shape, dtype=np.float32) * 10 ** rng.uniform(-3, 3)).astype(np.float32)
         if q.name.startswith("e.experts"):
             mask = rng.random(shape) < 0.5  # experts without tokens
-            v = np.ma.MaskedArray(v, mask=mask)
+            # Both ways of saying it: a numpy masked array, amaxd.Masked.
+            v = np.ma.MaskedArray(v, mask=mask) if rank % 2 else amaxd.Masked(v, mask)
         if q.name == "z.fc2.input" and epoch == 2 and rank == 1:
             continue  # this rank saw nothing for it this epoch
         if q.name == "k.mxfp8" and epoch == 1:

@@ -11,12 +11,13 @@
 """
 from . import errors, placement
 from ._gen import amaxd_pb2 as pb
-from .client import (FP8_E4M3, FP8_E5M2, MXFP8, NVFP4, PER_EPOCH, RUNNING_MAX, Client, Quantizer,
-                     Recipe, Result)
+from .client import (FP8_E4M3, FP8_E5M2, MXFP8, NVFP4, PER_EPOCH, RUNNING_MAX, Client, Masked,
+                     Quantizer, Recipe, Result)
 from .packed import Layout, PackedResult
 from .errors import AmaxdError
 from .placement import Placement
 
 __version__ = "0.1.0"
-__all__ = ["Client", "Quantizer", "Recipe", "Result", "Layout", "PackedResult", "Placement", "AmaxdError", "errors",
+__all__ = ["Client", "Quantizer", "Recipe", "Result", "Masked", "Layout", "PackedResult", "Placement",
+           "AmaxdError", "errors",
            "placement", "pb", "FP8_E4M3", "FP8_E5M2", "NVFP4", "MXFP8", "RUNNING_MAX", "PER_EPOCH"]

@@ -294,9 +294,41 @@ def _to_f32_bytes(values) -> bytes:
     return np.ascontiguousarray(np.asarray(values, dtype="<f4")).tobytes()
 
 
+@dataclass(frozen=True)
+class Masked:
+    """Amax values with the cells this rank had no data for (an expert that
+    received no tokens): `no_data` is a bool array or torch bool tensor of
+    the same shape (or one bool for a scalar), True where there is no data.
+    The values of those cells are not sent. `values` may be numpy, torch or
+    Python numbers. Same meaning as a numpy masked array (masked = no data)."""
+
+    values: object
+    no_data: object
+
+
+def _to_bool_array(mask):
+    if hasattr(mask, "detach") and hasattr(mask, "cpu"):  # a torch tensor
+        mask = mask.detach().cpu().numpy()
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise TypeError(f"a no-data mask must be bool, not {mask.dtype}")
+    return mask
+
+
 def _update(name, values):
-    """An AmaxUpdate from an array, or from a numpy masked array whose masked
-    cells had no data on this rank (e.g. experts that received no tokens)."""
+    """An AmaxUpdate from an array, or from a Masked / numpy masked array
+    whose masked cells had no data on this rank (e.g. experts that received
+    no tokens)."""
+    if isinstance(values, Masked):
+        mask = _to_bool_array(values.no_data)
+        data = values.values
+        if hasattr(data, "detach") and hasattr(data, "cpu"):
+            data = data.detach().float().cpu().numpy()
+        data = np.asarray(data, dtype="<f4")
+        if mask.shape != data.shape:
+            raise ValueError(f"{name}: no-data mask of shape {mask.shape} for values of shape "
+                             f"{data.shape}")
+        values = np.ma.masked_array(data, mask=mask)
     if isinstance(values, np.ma.MaskedArray):
         mask = np.ma.getmaskarray(values)
         data = np.ma.getdata(values)
@@ -423,7 +455,10 @@ class Client:
 
     def send(self, amax: Mapping[str, object], epoch: Optional[int] = None):
         """Merges {name: local amax block} into the epoch this client saw
-        open (atomic); `epoch` overrides it (0: whatever is open)."""
+        open (atomic); `epoch` overrides it (0: whatever is open). A block
+        is a numpy array, torch tensor or number; cells without data are
+        given as Masked(values, no_data_mask) (numpy or torch bool mask) or
+        as a numpy masked array."""
         return self._tracked(epoch, lambda: self._unary(
             "SendAmax", self._send_req(amax, self._epoch(epoch)), pb.SendAmaxResponse))
 
@@ -615,6 +650,6 @@ class Client:
                                                                                        "UNKNOWN")
 
 
-__all__ = ["Client", "Quantizer", "Recipe", "Result", "Layout", "PackedResult", "AmaxdError",
+__all__ = ["Client", "Quantizer", "Recipe", "Result", "Masked", "Layout", "PackedResult", "AmaxdError",
            "Placement", "pb",
            "FP8_E4M3", "FP8_E5M2", "NVFP4", "MXFP8", "RUNNING_MAX", "PER_EPOCH"]

@@ -92,11 +92,19 @@ class Layout:
 
     def pack(self, amax: Dict[str, object]) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """{name: block} -> (slab, has_data); quantizers not named, and masked
-        cells of numpy masked arrays, have no data."""
+        cells (amaxd.Masked or numpy masked arrays), have no data."""
+        from .client import Masked, _to_bool_array
         slab = np.zeros(self.total_cells, dtype=np.float32)
         has = np.zeros(self.total_cells, dtype=np.uint8) if len(amax) < len(self.names) else None
         for name, v in amax.items():
             a, b = self.span(name)
+            if isinstance(v, Masked):
+                data = as_f32(v.values)
+                mask = _to_bool_array(v.no_data)
+                if mask.shape != data.shape:
+                    raise ValueError(f"{name}: no-data mask of shape {mask.shape} for values of "
+                                     f"shape {data.shape}")
+                v = np.ma.masked_array(data, mask=mask)
             if isinstance(v, np.ma.MaskedArray):
                 if has is None:
                     has = np.ones(self.total_cells, dtype=np.uint8)

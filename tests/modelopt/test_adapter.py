@@ -1,0 +1,392 @@
+"""amaxd.modelopt against ModelOpt itself (nvidia-modelopt from PyPI, on CPU).
+
+For each ModelOpt config (FP8 per-tensor, FP8 per-channel weights, NVFP4
+dynamic, NVFP4 with static weight blocks, MXFP8), the toy block (toy.py) is
+calibrated in one process by ModelOpt (the reference), then sharded over 4
+ranks as TP=2 x EP=2 and TP=1 x EP=4; each rank (a thread with its own
+shard model and its own amaxd.Client) calibrates its shard with ModelOpt,
+then amaxd.modelopt registers, sends, reconciles through one amaxd daemon
+and writes the amax back. Every rank's `_amax`, `_global_amax` and the
+scales ModelOpt's export functions compute from them
+(modelopt.torch.export.quant_utils: get_weight_scaling_factor,
+get_weight_scaling_factor_2, get_activation_scaling_factor) must be the
+reference's, restricted to the rank's shard, bit for bit. The daemon's own
+scales (scale_inv, block scales, global_scale_inv in the modelopt
+conventions) must equal ModelOpt's exported ones too.
+"""
+import copy
+import functools
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+mtq = pytest.importorskip("modelopt.torch.quantization")
+quant_utils = pytest.importorskip("modelopt.torch.export.quant_utils")
+
+import amaxd  # noqa: E402
+import amaxd.modelopt as amo  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import toy  # noqa: E402
+from amaxd_proc import Daemon  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def _nvfp4_static_cfg():
+    """NVFP4_DEFAULT_CFG with static weight blocks (ModelOpt's nvfp4_static
+    numerics): per-block `_amax` and a `_global_amax` per weight."""
+    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
+    for entry in cfg["quant_cfg"]:
+        if entry.get("quantizer_name") == "*weight_quantizer":
+            entry["cfg"]["block_sizes"]["type"] = "static"
+    return cfg
+
+
+CONFIGS = {
+    "fp8": mtq.FP8_DEFAULT_CFG,
+    "fp8_channel": mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG,
+    "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+    "nvfp4_static": _nvfp4_static_cfg(),
+    "mxfp8": mtq.MXFP8_DEFAULT_CFG,
+}
+SHARE = amo.supports_share()
+
+
+def quantize(model, cfg_name, loop):
+    return mtq.quantize(model, copy.deepcopy(CONFIGS[cfg_name]), loop)
+
+
+@functools.lru_cache(maxsize=None)
+def reference(cfg_name):
+    """(the single-process calibrated model, what each of its linears saw)."""
+    model, x = toy.full_model(), toy.batch()
+    captured = {}
+
+    def loop(m):
+        seen, remove = toy.capture_hooks(m)
+        m(x)
+        remove()
+        captured.update(seen)
+
+    quantize(model, cfg_name, loop)
+    return model, captured
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(str(tmp_path_factory.mktemp("amaxd")))
+    yield d
+    d.check_clean_exit(d.stop())
+
+
+def _quantizers(model):
+    TQ = mtq.nn.TensorQuantizer
+    return {n: q for n, q in model.named_modules() if isinstance(q, TQ)}
+
+
+def _is_expert_input(name):
+    return ".experts." in name and "input_quantizer" in name
+
+
+def run_layout(daemon, cfg_name, layout, weight_blocks=True):
+    """Calibrates the 4 shards of `layout` and syncs them through amaxd;
+    returns [(shard model, entries, results, amax present before sync)]."""
+    _, captured = reference(cfg_name)
+    models = []
+    for r in range(toy.W):
+        m = toy.shard_model(toy.full_model(), layout, r)
+        quantize(m, cfg_name, lambda mm, r=r: toy.replay(mm, captured, layout, r))
+        models.append(m)
+    had_amax = [{n: getattr(q, "_amax", None) is not None for n, q in _quantizers(m).items()}
+                for m in models]
+    job = f"{cfg_name}-{layout}-{int(weight_blocks)}".replace("_", "-")
+
+    def rank(r):
+        tp, ep, tpr, epr = toy.coords(layout, r)
+        lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep,
+                         dp_rank=r // tp, dp_size=toy.W // tp)
+        with daemon.client(job, r, toy.W) as c:
+            c.join()
+            entries = amo.plan(models[r], lay, column=toy.COLUMN, row=toy.ROW, moe_share=SHARE,
+                               weight_blocks=weight_blocks)
+            amo.register(c, entries)
+            amo.send(c, entries)
+            results = amo.reconcile(c, entries)
+            amo.write_back(entries, results)
+        return entries, results
+
+    with ThreadPoolExecutor(toy.W) as ex:
+        outs = list(ex.map(rank, range(toy.W)))
+    with daemon.client(job, 0, toy.W) as c:
+        c.reset(drop_job=True)
+    return [(models[r], *outs[r], had_amax[r]) for r in range(toy.W)]
+
+
+def _np(t):
+    if not isinstance(t, torch.Tensor):
+        return np.asarray(t)
+    if t.dtype == torch.float8_e4m3fn:
+        t = t.view(torch.uint8)
+    return t.detach().cpu().numpy()
+
+
+def same(got, want, where):
+    got, want = np.ascontiguousarray(_np(got)), np.ascontiguousarray(_np(want))
+    assert got.shape == want.shape or got.size == want.size == 1, \
+        f"{where}: shape {got.shape}, expected {want.shape}"
+    g, w = got.reshape(-1), want.reshape(-1)
+    if g.dtype != w.dtype:
+        raise AssertionError(f"{where}: dtype {g.dtype}, expected {w.dtype}")
+    if g.tobytes() != w.tobytes():
+        i = int(np.flatnonzero(g.view(np.uint8 if g.itemsize == 1 else np.uint32)
+                               != w.view(np.uint8 if w.itemsize == 1 else np.uint32))[0])
+        raise AssertionError(f"{where}: cell {i} of {g.size}: got {g[i]!r}, expected {w[i]!r}")
+
+
+def _block(ref, grid):
+    """The part of a whole tensor of the amax grid (global shape, placement)
+    that the rank's placement covers."""
+    shape, pl = grid
+    ref = ref.reshape(shape)
+    sl = tuple(slice(o, o + n) for o, n in zip(pl.offset, pl.local_shape))
+    return ref[sl]
+
+
+def _export(module):
+    return {"weight_scale": quant_utils.get_weight_scaling_factor(module),
+            "weight_scale_2": quant_utils.get_weight_scaling_factor_2(module),
+            "input_scale": quant_utils.get_activation_scaling_factor(module)}
+
+
+def check_rank(cfg_name, layout, rank, model, entries, results, had_amax):
+    ref_model, _ = reference(cfg_name)
+    ref_q = _quantizers(ref_model)
+    ref_mods = dict(ref_model.named_modules())
+    by_local = {e.local_name: e for e in entries}
+    tp, ep, tpr, epr = toy.coords(layout, rank)
+    lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep)
+    checked = 0
+    # 1. amax and _global_amax of every quantizer.
+    for name, q in _quantizers(model).items():
+        gname = amo._global_name(model, name, lay)[0]
+        rq = ref_q[gname]
+        where = f"{cfg_name} {layout} rank {rank} {gname}"
+        if _is_expert_input(name) and not SHARE:
+            continue  # ModelOpt's per-rank MoE rule only; see test_expert_inputs_share
+        e = by_local.get(name)
+        a, ra = getattr(q, "_amax", None), getattr(rq, "_amax", None)
+        assert (a is None) == (ra is None), f"{where}: _amax {a} vs reference {ra}"
+        if a is not None:
+            if e is not None and e.kind in ("fp8_channel", "nvfp4_static"):
+                same(a.reshape(e.grid[1].local_shape), _block(ra, e.grid), where + " _amax")
+            else:
+                same(a, ra, where + " _amax")
+            checked += 1
+        g, rg = getattr(q, "_global_amax", None), getattr(rq, "_global_amax", None)
+        assert (g is None) == (rg is None), f"{where}: _global_amax {g} vs reference {rg}"
+        if g is not None:
+            same(g, rg, where + " _global_amax")
+    # 2. What ModelOpt's export computes from them, per linear.
+    for name, mod in model.named_modules():
+        wq = getattr(mod, "weight_quantizer", None)
+        if not isinstance(mod, torch.nn.Linear) or wq is None or not wq.is_enabled:
+            continue
+        gname = amo._global_name(model, name, lay)[0]
+        got, want = _export(mod), _export(ref_mods[gname])
+        e = by_local.get(name + ".weight_quantizer")
+        for key in got:
+            where = f"{cfg_name} {layout} rank {rank} {gname} {key}"
+            if key == "input_scale" and ".experts." in name and not SHARE:
+                continue
+            assert (got[key] is None) == (want[key] is None), f"{where}: {got[key]} vs {want[key]}"
+            if got[key] is None:
+                continue
+            w = want[key]
+            if key == "weight_scale" and e is not None and w.numel() > 1:
+                w = _block(w, e.grid)
+            elif key == "weight_scale" and e is None and w.numel() > 1:  # MXFP8, not registered
+                tp, _, tpr, _ = toy.coords(layout, rank)
+                last = name.rsplit(".", 1)[-1]
+                w = (w.chunk(tp, 0)[tpr] if last in toy.COLUMN
+                     else w.chunk(tp, 1)[tpr] if last in toy.ROW else w)
+            same(got[key], w, where)
+            checked += 1
+    return checked
+
+
+def check_daemon_numerics(cfg_name, layout, rank, model, entries, results):
+    """amaxd's scales in the modelopt conventions = ModelOpt's exported ones."""
+    bad = []
+    for e in entries:
+        r = results[e.name]
+        where = f"{cfg_name} {layout} rank {rank} {e.name}"
+        exp = _export(e.module)
+        is_weight = e.local_name.endswith("weight_quantizer")
+        try:
+            if e.kind == "fp8_tensor":
+                want = exp["weight_scale" if is_weight else "input_scale"]
+                same(np.asarray(r.scale_inv, np.float32).reshape(1), want.reshape(1), where + " scale_inv")
+            elif e.kind == "fp8_channel":
+                same(r.scale_inv, exp["weight_scale"], where + " scale_inv")
+            elif e.kind in ("nvfp4_blocks", "nvfp4_static"):
+                if e.blocks:
+                    same(r.block_scales, exp["weight_scale"], where + " block scales")
+                same(np.float32(r.global_scale_inv), exp["weight_scale_2"], where + " global_scale_inv")
+            elif e.kind == "nvfp4_tensor":
+                same(np.float32(r.global_scale_inv), exp["input_scale"], where + " global_scale_inv")
+            elif e.kind == "mxfp8_blocks":
+                same(r.block_scales, exp["weight_scale"], where + " E8M0 block scales")
+        except AssertionError as err:
+            bad.append(str(err))
+    return bad
+
+
+@pytest.mark.parametrize("cfg_name", sorted(CONFIGS))
+def test_reference_moe(cfg_name):
+    """The reference is what the test claims: experts 6 and 7 got no tokens,
+    and ModelOpt gave every expert's input quantizer the max over experts."""
+    model, captured = reference(cfg_name)
+    assert "block_sparse_moe.experts.0.gate_proj" in captured or cfg_name == "mxfp8"
+    for e in toy.COLD:
+        assert f"block_sparse_moe.experts.{e}.gate_proj" not in captured
+    assert type(model.block_sparse_moe).__name__.startswith("Quant"), "ModelOpt did not wrap the MoE"
+    qs = _quantizers(model)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        amaxes = [getattr(qs[f"block_sparse_moe.experts.{e}.{proj}.input_quantizer"], "_amax", None)
+                  for e in range(toy.E)]
+        if amaxes[0] is None:
+            assert cfg_name in ("fp8_channel", "mxfp8")  # dynamic inputs
+            continue
+        assert len({float(a) for a in amaxes}) == 1, (proj, amaxes)
+
+
+@pytest.mark.parametrize("layout", sorted(toy.LAYOUTS))
+@pytest.mark.parametrize("cfg_name", sorted(CONFIGS))
+def test_sharded_equals_single_process(daemon, cfg_name, layout):
+    ranks = run_layout(daemon, cfg_name, layout)
+    checked, bad = 0, []
+    for r, (model, entries, results, _) in enumerate(ranks):
+        checked += check_rank(cfg_name, layout, r, model, entries, results, None)
+        bad += check_daemon_numerics(cfg_name, layout, r, model, entries, results)
+    assert checked > 0
+    assert not bad, "amaxd's scales differ from ModelOpt's export:\n" + "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("cfg_name", ["nvfp4", "nvfp4_static", "mxfp8"])
+def test_per_tensor_weights_only(daemon, cfg_name):
+    """plan(weight_blocks=False): NVFP4 weights registered as their
+    per-tensor amax, MXFP8 weights left out; the same checkpoint."""
+    ranks = run_layout(daemon, cfg_name, "tp2ep2", weight_blocks=False)
+    for r, (model, entries, results, _) in enumerate(ranks):
+        assert all(e.spec.global_shape == () for e in entries)
+        assert check_rank(cfg_name, "tp2ep2", r, model, entries, results, None) > 0
+        assert not check_daemon_numerics(cfg_name, "tp2ep2", r, model, entries, results)
+
+
+@pytest.mark.skipif(not SHARE, reason="this amaxd client has no peer_mode='share' yet")
+@pytest.mark.parametrize("cfg_name", ["fp8", "nvfp4"])
+def test_expert_inputs_share(daemon, cfg_name):
+    """TP=1 x EP=4: rank 3 holds only the cold experts 6 and 7, whose input
+    quantizers have no amax after its calibration (sent as no data); after
+    the sync every expert on every rank has the layer-wide max, as in the
+    single process."""
+    ranks = run_layout(daemon, cfg_name, "tp1ep4")
+    model, entries, results, had = ranks[3]
+    names = [n for n in had if _is_expert_input(n)]
+    assert names and not any(had[n] for n in names)
+    ref_q = _quantizers(reference(cfg_name)[0])
+    want = ref_q["block_sparse_moe.experts.0.down_proj.input_quantizer"]._amax
+    for r, (m, *_rest) in enumerate(ranks):
+        for n, q in _quantizers(m).items():
+            if _is_expert_input(n) and "down_proj" in n:
+                same(q._amax, want, f"rank {r} {n}")
+
+
+def test_masked_torch_bool(daemon):
+    """Client.send takes amaxd.Masked with torch (or numpy) bool masks: masked
+    cells are no data (missing, or filled from the peer group)."""
+    name = "m.experts.input_quantizer"
+    with daemon.client("masked-torch", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer(name, [4], amaxd.Recipe.fp8_current()),
+                    amaxd.Quantizer("m.scalar", [], amaxd.Recipe.fp8_current())])
+        c.send({name: amaxd.Masked(torch.tensor([1.0, 7.0, 2.0, 9.0]),
+                                   torch.tensor([False, True, False, True])),
+                "m.scalar": amaxd.Masked(torch.tensor(3.0), torch.tensor(True))})
+        res = c.reconcile()
+        assert res[name].amax.tolist() == [1.0, 0.0, 2.0, 0.0] and res[name].missing == 2
+        assert res["m.scalar"].missing == 1
+        c.send({name: amaxd.Masked(np.array([5.0, 6.0, 0.0, 0.0], np.float32),
+                                   np.array([False, False, True, True]))})
+        assert c.reconcile()[name].amax.tolist() == [5.0, 6.0, 2.0, 0.0]
+        with pytest.raises(TypeError):
+            c.send({name: amaxd.Masked(torch.ones(4), torch.ones(4))})
+        with pytest.raises(ValueError):
+            c.send({name: amaxd.Masked(torch.ones(4), torch.ones(3, dtype=torch.bool))})
+
+
+def test_layout_from_megatron():
+    class PS:
+        get_tensor_model_parallel_world_size = staticmethod(lambda: 2)
+        get_tensor_model_parallel_rank = staticmethod(lambda: 1)
+        get_expert_model_parallel_world_size = staticmethod(lambda: 4)
+        get_expert_model_parallel_rank = staticmethod(lambda: 3)
+        get_data_parallel_world_size = staticmethod(lambda: 2)
+        get_data_parallel_rank = staticmethod(lambda: 0)
+        get_expert_tensor_parallel_world_size = staticmethod(lambda: 1)
+        get_expert_tensor_parallel_rank = staticmethod(lambda: 0)
+
+    lay = amo.Layout.from_megatron(PS)
+    assert (lay.tp_rank, lay.tp_size, lay.ep_rank, lay.ep_size, lay.dp_rank, lay.dp_size) == \
+        (1, 2, 3, 4, 0, 2)
+    assert lay.etp == (0, 1)
+    assert amo.Layout(tp_rank=1, tp_size=2).etp == (1, 2)
+    with pytest.raises(ValueError):
+        amo.Layout(tp_rank=2, tp_size=2)
+
+
+def test_plan_names_and_placements():
+    """Global names and placements of a TP=2 x EP=2 shard (rank 3)."""
+    model = toy.shard_model(toy.full_model(), "tp2ep2", 3)
+    quantize(model, "nvfp4", None)
+    ents = {e.name: e for e in amo.plan(model, amo.Layout(tp_rank=1, tp_size=2, ep_rank=1, ep_size=2),
+                                       column=toy.COLUMN, row=toy.ROW, moe_share=SHARE)}
+    q = ents["self_attn.q_proj.weight_quantizer"]
+    assert q.kind == "nvfp4_blocks" and tuple(q.spec.global_shape) == (64, 4)
+    assert q.spec.placement.offset == (32, 0) and q.spec.placement.local_shape == (32, 4)
+    o = ents["self_attn.o_proj.weight_quantizer"]
+    assert tuple(o.spec.global_shape) == (64, 4) and o.spec.placement.offset == (0, 2)
+    d = ents["block_sparse_moe.experts.5.down_proj.weight_quantizer"]
+    assert d.local_name == "block_sparse_moe.experts.1.down_proj.weight_quantizer" and d.expert == 5
+    assert tuple(d.spec.global_shape) == (64, 4) and d.spec.placement.offset == (0, 2)
+    assert ents["self_attn.q_proj.input_quantizer"].spec.global_shape == ()
+    assert not any("block_sparse_moe.gate." in n for n in ents)  # the router is not quantized
+    if SHARE:
+        i = ents["block_sparse_moe.experts.5.down_proj.input_quantizer"]
+        assert i.peer_share and i.spec.peer_group == "block_sparse_moe.experts.*.down_proj.input_quantizer"
+
+
+def test_refuses_other_calibrations():
+    """A weight _amax that is not the max calibration (e.g. MSE-refined) is
+    refused before anything is sent, instead of being overwritten."""
+    class NoClient:
+        def send(self, amax):
+            raise AssertionError("nothing should be sent")
+
+    for cfg_name in ("nvfp4", "nvfp4_static"):
+        model = toy.shard_model(toy.full_model(), "tp2ep2", 0)
+        quantize(model, cfg_name, None)
+        entries = amo.plan(model, amo.Layout(tp_size=2, ep_size=2), column=toy.COLUMN,
+                           row=toy.ROW, moe_share=SHARE)
+        q = model.mlp.up_proj.weight_quantizer
+        with torch.no_grad():
+            q._amax.view(-1)[0] *= 0.5
+        with pytest.raises(ValueError, match="mlp.up_proj.weight_quantizer: _amax is not"):
+            amo.send(NoClient(), entries)
