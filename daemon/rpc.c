@@ -38,6 +38,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -1186,6 +1187,56 @@ void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud
 
 /* The gRPC library is shut down when the daemon has stopped using it (the
  * peer channels too), by amx_rpc_free. */
+/* gRPC's own shutdown, on a thread of its own: after a large answer,
+ * gRPC 1.51 can leave an executor thread polling with a 10 s timeout, and
+ * grpc_shutdown_blocking() joins it (a daemon that takes 10 s to stop
+ * delays every restart). The server, its calls and the queue are gone by
+ * now; what is left is gRPC's process-wide state, which exit() releases. */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done;
+} grpc_down_t;
+
+static grpc_down_t g_down = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0};
+
+static void *grpc_down_main(void *arg)
+{
+    (void)arg;
+    grpc_shutdown_blocking();
+    pthread_mutex_lock(&g_down.mu);
+    g_down.done = 1;
+    pthread_cond_signal(&g_down.cv);
+    pthread_mutex_unlock(&g_down.mu);
+    return NULL;
+}
+
+#define GRPC_SHUTDOWN_WAIT_MS 1000
+
+static void shutdown_grpc(void)
+{
+    pthread_t t;
+    if (pthread_create(&t, NULL, grpc_down_main, NULL) != 0) {
+        grpc_shutdown_blocking();
+        return;
+    }
+    pthread_detach(t);
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += GRPC_SHUTDOWN_WAIT_MS / 1000;
+    pthread_mutex_lock(&g_down.mu);
+    int rc = 0;
+    while (!g_down.done && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&g_down.cv, &g_down.mu, &until);
+    int done = g_down.done;
+    pthread_mutex_unlock(&g_down.mu);
+    if (!done)
+        AMX_INFO("rpc",
+                 "gRPC's shutdown still waits on one of its threads after %d ms; exiting without "
+                 "it",
+                 GRPC_SHUTDOWN_WAIT_MS);
+}
+
 void amx_rpc_free(amx_rpc_t *rpc)
 {
     if (rpc == NULL)
@@ -1194,7 +1245,7 @@ void amx_rpc_free(amx_rpc_t *rpc)
     free(rpc->spare);
     pthread_mutex_destroy(&rpc->mu);
     free(rpc);
-    grpc_shutdown_blocking();
+    shutdown_grpc();
 }
 
 void amx_rpc_set_metrics(amx_rpc_t *rpc, amx_metrics_t *m)

@@ -193,3 +193,21 @@ def test_client_health_long_service_name(daemon):
         with pytest.raises(amaxd.errors.NotFound) as e:
             c.health("s" * 300)
     assert "unknown service 'sss" in e.value.message
+
+
+def test_sigterm_after_a_large_answer_exits_promptly(start_daemon):
+    """gRPC 1.51 can keep an executor thread polling for 10 s after a large
+    answer, and its blocking shutdown waits for it; the daemon gives that
+    wait 1 s and exits (a restart under systemd must not take 10 s)."""
+    import numpy as np
+    d = start_daemon()
+    n = 26000
+    with d.client("big", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("w", [n], amaxd.Recipe.fp8_current())])
+        c.send({"w": np.ones(n, np.float32)})
+        c.reconcile()
+    t = time.monotonic()
+    d.check_clean_exit(d.stop(timeout=8))
+    elapsed = time.monotonic() - t
+    assert elapsed < 8, f"amaxd took {elapsed:.1f} s to stop"
