@@ -13,6 +13,11 @@ MKL_ENABLE_INSTRUCTIONS=SSE4_2, MKL_CBWR=COMPATIBLE, ATEN_CPU_CAPABILITY=default
 It also checks torch's float32 log2 of amax / 448 itself against the
 correctly rounded one ((float)log2((double)q)) and reports the values where
 it is not. Exit status 0 when amaxd and ModelOpt agree everywhere.
+
+--log2 instead scans torch.log2 over every positive finite float32 x:
+how many results are not the correctly rounded float32, how far off, the
+one nearest an integer, and whether ceil ever differs (what ModelOpt's
+exponent depends on).
 """
 import argparse
 import ctypes
@@ -63,19 +68,49 @@ def chunks(windows):
         for s in range(0, 1 << 31, ch):
             yield np.arange(s, s + ch, dtype=np.uint32)
         return
-    yield np.arange(0, np.float32(2.0 ** -100).view(np.uint32), dtype=np.uint32)
+    low = int(np.float32(2.0 ** -100).view(np.uint32))
+    yield np.arange(0, low, dtype=np.uint32)
     b = np.ldexp(448.0, np.arange(-160, 121))
     b = b[(b >= 2.0 ** -149) & (b < 2.0 ** 128)].astype(F32).view(np.uint32).astype(np.int64)
     u = (b[:, None] + np.arange(-windows, windows + 1)[None, :]).ravel()
-    u = np.unique(u[(u >= 0) & (u <= 0x7f800000)]).astype(np.uint32)
+    u = np.unique(u[(u >= low) & (u <= 0x7f800000)]).astype(np.uint32)
     for s in range(0, u.size, ch):
         yield u[s:s + ch]
+
+
+def log2_scan():
+    n = sub = worst = ceil_diff = 0
+    nearest = (1.0, None)
+    for s in range(1, 0x7f800000, 1 << 24):
+        u = np.arange(s, min(s + (1 << 24), 0x7f800000), dtype=np.uint32)
+        x = u.view(F32)
+        lt = torch.log2(torch.from_numpy(x)).numpy()
+        lc = np.log2(x.astype(np.float64)).astype(F32)
+        d = np.flatnonzero(lt != lc)
+        if not d.size:
+            continue
+        n += d.size
+        sub += int(np.count_nonzero(u[d] < 0x00800000))
+        worst = max(worst, int(np.abs(lt[d].view(np.int32).astype(np.int64)
+                                      - lc[d].view(np.int32).astype(np.int64)).max()))
+        ceil_diff += int(np.count_nonzero(np.ceil(lt[d]) != np.ceil(lc[d])))
+        dist = np.abs(lc[d].astype(np.float64) - np.rint(lc[d].astype(np.float64)))
+        i = int(np.argmin(dist))
+        if dist[i] < nearest[0]:
+            nearest = (float(dist[i]), f"x {u[d][i]:#010x}: torch {lt[d][i]!r}, correctly rounded {lc[d][i]!r}")
+    print(f"torch.log2 (float32, CPU) is not correctly rounded for {n} of {0x7f800000 - 1} positive "
+          f"finite inputs ({sub} of them subnormal), off by at most {worst} ulp; nearest to an "
+          f"integer: {nearest[1]} ({nearest[0]:.2g} away); ceil differs for {ceil_diff}")
+    return 1 if ceil_diff else 0
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--windows", type=int, default=None)
+    ap.add_argument("--log2", action="store_true")
     args = ap.parse_args()
+    if args.log2:
+        return log2_scan()
     mo, te = amaxd_rule()
     t0 = time.time()
     n = bad = te_diff = log2_off = 0
