@@ -103,7 +103,7 @@ AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, fl
         i = amx_e4m3_to_float(b);
         s = amx_nvfp4_block_encode(i, 1.0f / s_enc);
     } else if (r->format == AMX_FMT_MXFP8) {
-        b = amx_mxfp8_e8m0(v);
+        b = amx_mxfp8_e8m0_conv(r->mxfp8_convention, v);
         s = amx_e8m0_encode_conv(r->mxfp8_convention, b);
         i = amx_e8m0_decode_conv(r->mxfp8_convention, b);
     } else {
@@ -129,7 +129,7 @@ AMX_HD void amx_pp_global(const amx_recipe_t *r, float g, float *prev_g, float *
         *gs = amx_nvfp4_global_encode(g);
         *gsi = amx_nvfp4_global_decode(r->output_convention, g);
     } else if (r->format == AMX_FMT_MXFP8) {
-        uint8_t e = amx_mxfp8_e8m0(g);
+        uint8_t e = amx_mxfp8_e8m0_conv(r->mxfp8_convention, g);
         *gs = amx_e8m0_encode_conv(r->mxfp8_convention, e);
         *gsi = amx_e8m0_decode_conv(r->mxfp8_convention, e);
     } else {

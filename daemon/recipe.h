@@ -45,8 +45,10 @@ enum { AMX_OUT_TE = 1, AMX_OUT_MODELOPT = 2 };
  * amax is 0 leaves the history alone), or TE's unfused per-tensor update
  * (every epoch rolls the window). */
 enum { AMX_HISTCONV_TE = 1, AMX_HISTCONV_TE_UNFUSED = 2 };
-/* MXFP8 E8M0 byte 0: TE (encode 1.0, decode 0.0) or OCP MX (2^127 / 2^-127). */
-enum { AMX_MX_TE = 1, AMX_MX_OCP = 2 };
+/* MXFP8: TE (E8M0 rounded up; byte 0 encodes 1.0, decodes 0.0), OCP MX (TE's
+ * exponent; byte 0 is 2^127 / 2^-127), ModelOpt (ceil of the float32 log2,
+ * MXFP8QTensor._compute_e8m0_exponent; scales as OCP). */
+enum { AMX_MX_TE = 1, AMX_MX_OCP = 2, AMX_MX_MODELOPT = 3 };
 enum { AMX_ACC_RUNNING_MAX = 1, AMX_ACC_PER_EPOCH = 2 };
 /* Peer group modes: fill cells without data with the group's max, or give
  * every cell the group's max (ModelOpt's MoE rule). */
@@ -347,24 +349,97 @@ AMX_HD uint8_t amx_mxfp8_e8m0(float amax)
 }
 
 /*
+ * The largest 23-bit fraction j for which log2((1 + j 2^-23) 2^k), rounded
+ * to float32 (nearest even), is the integer k itself; k is the exponent of
+ * a normal float, -126..127. The exact log2 is k + d with d = log2(1 + j
+ * 2^-23) in (0, 1); it rounds to k when d is below half the gap from k to
+ * the next float towards k + d: 2^(n-24) with n = floor(log2 |k|) (0..6), one less
+ * when k < 0 and |k| is a power of two (k + d then lies in the binade
+ * below |k|). d < 2^(n-24) <=> j < (2^(2^(n-24)) - 1) 2^23 =
+ * 0.35, 0.69, 1.39, 2.77, 5.55, 11.09, 22.18 for n = 0..6 (never an
+ * integer, so no ties); k = 0 and k = -1 (n < 0) never round down.
+ */
+AMX_HD uint32_t amx_log2_to_k_max(int k)
+{
+    uint32_t a = (uint32_t)(k < 0 ? -k : k);
+    int n = -1;
+    for (uint32_t t = a; t != 0; t >>= 1)
+        n++;
+    if (k < 0 && (a & (a - 1u)) == 0)
+        n--;
+    switch (n) {
+    case 2:
+        return 1;
+    case 3:
+        return 2;
+    case 4:
+        return 5;
+    case 5:
+        return 11;
+    case 6:
+        return 22;
+    default:
+        return 0;
+    }
+}
+
+/*
+ * MXFP8 the ModelOpt way (nvidia-modelopt 0.47,
+ * MXFP8QTensor._compute_e8m0_exponent): q = amax / 448 (float32 division),
+ * e = ceil(float32 log2(q)) where q > 0 and -127 otherwise, clamped to
+ * [-127, 127]; the byte is e + 127. The float32 log2 is characterized
+ * exactly instead of calling log2f (whose last bit differs between libm
+ * and CUDA): for q = (1 + j 2^-23) 2^k, e = k when j = 0 or j <=
+ * amx_log2_to_k_max(k), else k + 1 (TE's rule gives k + 1 for every j > 0).
+ * A subnormal q lies in (0, 2^-126): e is -127 (byte 0) unless q is in
+ * [2^-127, 2^-126) with a 22-bit fraction j = bits - 2^22 whose log2
+ * rounds up, j >= 12 (the bound 11.09 of n = 6 at 22 bits), e = -126.
+ * NaN gives byte 0 and inf 254 as in ModelOpt (amaxd never passes them).
+ */
+AMX_HD uint8_t amx_mxfp8_e8m0_modelopt(float amax)
+{
+    float q = amax / AMX_E4M3_MAX;
+    if (!(q > 0.0f))
+        return 0;
+    if (!amx_isfinite(q))
+        return 254;
+    uint32_t u = amx_f2u(q);
+    uint32_t be = u >> 23, j = u & 0x7fffffu;
+    if (be == 0)
+        return u >= 0x0040000cu ? 1 : 0;
+    int k = (int)be - 127;
+    int e = j <= amx_log2_to_k_max(k) ? k : k + 1;
+    e = e > 127 ? 127 : e;
+    return (uint8_t)(e + 127);
+}
+
+/* The E8M0 byte of an MXFP8 amax under convention `conv`. */
+AMX_HD uint8_t amx_mxfp8_e8m0_conv(int conv, float amax)
+{
+    return conv == AMX_MX_MODELOPT ? amx_mxfp8_e8m0_modelopt(amax) : amx_mxfp8_e8m0(amax);
+}
+
+/*
  * MXFP8 encode scale from the E8M0 exponent: 2^(127-e). TE (util/ptx.cuh
  * exp2f_rcp) answers 1 for e = 0; OCP MX (`ocp`) 2^127. e = 254 gives 0.0
- * in TE (the bit pattern 0) and 2^-127 in OCP.
+ * in TE (the bit pattern 0) and 2^-127 in OCP. ModelOpt
+ * (MXFP8QTensor.quantize_with_scale: exp2(127 - e)) is OCP's.
  */
 AMX_HD float amx_e8m0_encode_conv(int conv, uint8_t e)
 {
-    if (conv == AMX_MX_OCP)
+    if (conv == AMX_MX_OCP || conv == AMX_MX_MODELOPT)
         return e == 254 ? amx_u2f(0x00400000u) : amx_u2f((uint32_t)(254u - e) << 23);
     return e == 0 ? 1.0f : amx_u2f((uint32_t)(254u - e) << 23);
 }
 
 /*
  * MXFP8 decode scale 2^(e-127): TE (util/ptx.cuh exp2f, the bit pattern
- * e << 23) reads e = 0 as 0.0; OCP MX as 2^-127.
+ * e << 23) reads e = 0 as 0.0; OCP MX as 2^-127, and so does ModelOpt
+ * (MXFP8QTensor.dequantize: exp2(e - 127)).
  */
 AMX_HD float amx_e8m0_decode_conv(int conv, uint8_t e)
 {
-    if (conv == AMX_MX_OCP && e == 0)
+    if ((conv == AMX_MX_OCP || conv == AMX_MX_MODELOPT) && e == 0)
         return amx_u2f(0x00400000u);
     return amx_u2f((uint32_t)e << 23);
 }

@@ -173,11 +173,22 @@ def mxfp8(amax):
     return e8m0(f32(amax) * F32(1.0 / 448.0))
 
 
+def mxfp8_modelopt(amax):
+    """ModelOpt 0.47 MXFP8QTensor._compute_e8m0_exponent + 127: q = amax / 448
+    in float32; where q > 0, ceil of log2(q) rounded to float32 (here the double
+    log2 rounded once), else -127; clamped to [-127, 127]."""
+    q = f32(amax) / F32(448.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lg = np.log2(q.astype(np.float64)).astype(np.float32)
+    e = np.clip(np.ceil(np.where(q > 0, lg, F32(-127.0))), -127, 127)
+    return (e + 127).astype(np.uint8)
+
+
 def e8m0_encode(e, conv="te"):
     """2^(127-e). TE util/ptx.cuh exp2f_rcp: e == 0 -> 1; OCP: 2^127."""
     e = np.asarray(e, dtype=np.int64)
     p = np.power(np.float64(2.0), (127 - e).astype(np.float64)).astype(np.float32)
-    if conv == "ocp":
+    if conv in ("ocp", "modelopt"):  # ModelOpt quantize_with_scale: exp2(127 - e)
         return p
     return np.where(e == 0, F32(1.0), np.where(e == 254, F32(0.0), p)).astype(np.float32)
 
@@ -187,7 +198,7 @@ def e8m0_decode(e, conv="te"):
     e == 0); OCP: 2^-127."""
     e = np.asarray(e, dtype=np.int64)
     p = np.power(np.float64(2.0), (e - 127).astype(np.float64)).astype(np.float32)
-    if conv == "ocp":
+    if conv in ("ocp", "modelopt"):  # ModelOpt dequantize: exp2(e - 127)
         return p
     return np.where(e == 0, F32(0.0), p).astype(np.float32)
 
@@ -216,8 +227,9 @@ def scales(fmt, amax, g, rule="current", nvfp4="te", output="te", mxfp8_conv="te
         dec = e4m3_value(b)
         return nvfp4_block_encode(dec, s_enc), dec, b, s_enc, nvfp4_global_inv(g, output)
     if fmt == "mxfp8":
-        e = mxfp8(amax)
-        ge = mxfp8(g)
+        e8 = mxfp8_modelopt if mxfp8_conv == "modelopt" else mxfp8
+        e = e8(amax)
+        ge = e8(g)
         return (e8m0_encode(e, mxfp8_conv), e8m0_decode(e, mxfp8_conv), e,
                 e8m0_encode(ge, mxfp8_conv), e8m0_decode(ge, mxfp8_conv))
     raise ValueError(fmt)

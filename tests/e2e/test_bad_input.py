@@ -126,7 +126,7 @@ CASES = [
      C.INVALID_ARGUMENT, "recipe.history_convention applies to FP8 DELAYED scaling only"),
     ("mxfp8-convention-unknown", "RegisterQuantizers",
      pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.MXFP8, mxfp8_convention=5))]),
-     C.INVALID_ARGUMENT, "recipe.mxfp8_convention 5 is unknown (use MXFP8_TRANSFORMER_ENGINE or MXFP8_OCP)"),
+     C.INVALID_ARGUMENT, "recipe.mxfp8_convention 5 is unknown (use MXFP8_TRANSFORMER_ENGINE, MXFP8_OCP or MXFP8_MODELOPT)"),
     ("mxfp8-convention-on-nvfp4", "RegisterQuantizers",
      pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.NVFP4, mxfp8_convention=pb.MXFP8_OCP))]),
      C.INVALID_ARGUMENT, "recipe.mxfp8_convention applies to MXFP8 only"),
@@ -230,7 +230,7 @@ def test_unknown_convention_names_in_the_client():
     """The Python client refuses a convention name it does not know, naming the choices."""
     with pytest.raises(ValueError, match="unknown NVFP4 convention 'trt': use one of"):
         amaxd.Recipe.nvfp4("trt")
-    with pytest.raises(ValueError, match=r"\['ocp', 'te'\]"):
+    with pytest.raises(ValueError, match=r"\['modelopt', 'ocp', 'te'\]"):
         amaxd.Recipe.mxfp8("ieee")
     with pytest.raises(ValueError, match="unknown history convention"):
         amaxd.Recipe.fp8_delayed(history="legacy")

@@ -22,8 +22,9 @@ JOB = "durable"
 def quantizers(rank):
     """A mix of everything that carries state across epochs: a delayed-scaling
     history, running maxima, per-epoch accumulation, NVFP4 blocks with a
-    global amax, MXFP8 blocks, a peer group with a cold expert, a share-mode
-    peer group and per-expert NVFP4 globals (global_axes)."""
+    global amax, MXFP8 blocks (TE's and ModelOpt's E8M0), a peer group with a
+    cold expert, a share-mode peer group and per-expert NVFP4 globals
+    (global_axes)."""
     return [
         amaxd.Quantizer("l0.fc1.weight", [8], amaxd.Recipe.fp8_current(),
                         P.column_parallel([8], rank, W)),
@@ -40,6 +41,8 @@ def quantizers(rank):
         amaxd.Quantizer("l0.experts.fc1.input", [E], amaxd.Recipe.fp8_current(),
                         P.per_expert(E, rank, W), peer_group="l0.experts.fc1",
                         peer_mode="share"),
+        amaxd.Quantizer("l0.fc3.weight", [6], amaxd.Recipe.mxfp8("modelopt"),
+                        P.row_parallel([6], rank, W)),
     ]
 
 
@@ -56,6 +59,9 @@ def amax_of(epoch, rank):
         "l0.experts.fc1.weight": rng.uniform(0, 2 ** epoch, (E // W, 2, 3)).astype(np.float32),
         "l0.experts.fc1.input": np.ma.masked_array(rng.uniform(0, 3, E // W).astype(np.float32),
                                                    mask=[rank == 0, False]),
+        # 448 * 2^k plus 1 ulp: ModelOpt's E8M0 is k where TE's is k + 1
+        "l0.fc3.weight": (np.ldexp(np.float32(448), rng.integers(-20, 20, 6).astype(np.int32))
+                          .astype(np.float32).view(np.uint32) + 1).view(np.float32),
     }
 
 

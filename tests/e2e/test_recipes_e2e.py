@@ -24,6 +24,7 @@ RECIPES = {
                               amaxd.RUNNING_MAX),
     "nvfp4_te_modelopt_out": (amaxd.Recipe.nvfp4(output="modelopt"), amaxd.PER_EPOCH),
     "mxfp8_ocp": (amaxd.Recipe.mxfp8("ocp"), amaxd.RUNNING_MAX),
+    "mxfp8_modelopt": (amaxd.Recipe.mxfp8("modelopt"), amaxd.PER_EPOCH),
     "fp8_current_e5m2_pow2": (amaxd.Recipe.fp8_current(amaxd.FP8_E5M2, eps=1e-3, power_of_2=True),
                               amaxd.RUNNING_MAX),
     "fp8_delayed_h3": (amaxd.Recipe.fp8_delayed(margin=1, history_len=3), amaxd.PER_EPOCH),
@@ -108,7 +109,8 @@ def test_all_recipes_over_epochs(daemon):
                 out = "modelopt" if recipe.output_convention == pb.OUTPUT_MODELOPT else "te"
                 s, si, b, gs, gsi = ref.scales("nvfp4", amax, g, nvfp4=conv, output=out)
             else:
-                conv = "ocp" if recipe.mxfp8_convention == pb.MXFP8_OCP else "te"
+                conv = {pb.MXFP8_OCP: "ocp", pb.MXFP8_MODELOPT: "modelopt"}.get(
+                    recipe.mxfp8_convention, "te")
                 s, si, b, gs, gsi = ref.scales("mxfp8", amax, g, mxfp8_conv=conv)
             assert got.block_scales.tobytes() == np.asarray(b, np.uint8).tobytes(), f"epoch {e} {n} bytes"
             assert got.scale.tobytes() == np.asarray(s, np.float32).tobytes(), f"epoch {e} {n} scale"
@@ -120,6 +122,34 @@ def test_all_recipes_over_epochs(daemon):
     for e in range(EPOCHS):
         for n in RECIPES:
             assert results[0][e][n].scale.tobytes() == results[1][e][n].scale.tobytes()
+
+
+def test_mxfp8_modelopt_at_powers_of_two(daemon):
+    """MXFP8 "modelopt" over every amax from 448 * 2^k to 64 ulps above it
+    (k = -140..119, a subnormal quotient included) and random amaxes, one
+    quantizer on one rank: E8M0 bytes, scales and global scales are the
+    reference's (ModelOpt's ceil(log2(amax / 448)) in float32, scales
+    2^(127-e) / 2^(e-127)); TE's rule (one more) differs exactly where the
+    float32 log2 of a quotient above 2^k rounds to k."""
+    base = np.ldexp(np.float32(448), np.arange(-140, 120)).astype(np.float32).view(np.uint32)
+    a = (base[:, None] + np.arange(64, dtype=np.uint32)[None, :]).view(np.float32).ravel()
+    a = np.concatenate([a, np.exp(np.random.default_rng(9).uniform(-80, 80, 4000)).astype(np.float32),
+                        np.array([0, 1e-45, 3.4028235e38], np.float32)])
+    with daemon.client("mxmo", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("q", [a.size], amaxd.Recipe.mxfp8("modelopt"))])
+        c.send({"q": a})
+        got = c.reconcile()["q"]
+    s, si, b, gs, gsi = ref.scales("mxfp8", a, a.max(), mxfp8_conv="modelopt")
+    assert got.block_scales.tobytes() == b.tobytes()
+    assert got.scale.tobytes() == s.tobytes() and got.scale_inv.tobytes() == si.tobytes()
+    assert np.float32(got.global_scale) == gs and np.float32(got.global_scale_inv) == gsi
+    te = ref.mxfp8(a)
+    down = te.astype(int) - b.astype(int)
+    assert set(down.tolist()) == {0, 1}
+    # up to 22 quotient ulps above 2^k (39 amax ulps) by |k|: 6289 of the 16640
+    assert 6000 < np.count_nonzero(down) < 6600
+    assert b[a == np.float32(0.027343752)].tolist() == [113]
 
 
 def test_placement_helpers():

@@ -49,7 +49,10 @@ EVAL = {
     "e8m0_dec_te": lambda x, p: bits(ref.e8m0_decode(bits(x), "te")),
     "e8m0_enc_ocp": lambda x, p: bits(ref.e8m0_encode(bits(x), "ocp")),
     "e8m0_dec_ocp": lambda x, p: bits(ref.e8m0_decode(bits(x), "ocp")),
+    "e8m0_enc_modelopt": lambda x, p: bits(ref.e8m0_encode(bits(x), "modelopt")),
+    "e8m0_dec_modelopt": lambda x, p: bits(ref.e8m0_decode(bits(x), "modelopt")),
     "mxfp8": lambda x, p: int(ref.mxfp8(x)),
+    "mxfp8_modelopt": lambda x, p: int(ref.mxfp8_modelopt(x)),
 }
 
 

@@ -41,7 +41,10 @@ enum {
     K_ENC_TE,
     K_DEC_TE,
     K_ENC_OCP,
-    K_DEC_OCP
+    K_DEC_OCP,
+    K_MX_MO,
+    K_ENC_MO,
+    K_DEC_MO
 };
 static const char *kinds[] = {"e4m3",
                               "e8m0",
@@ -62,7 +65,10 @@ static const char *kinds[] = {"e4m3",
                               "e8m0_enc_te",
                               "e8m0_dec_te",
                               "e8m0_enc_ocp",
-                              "e8m0_dec_ocp"};
+                              "e8m0_dec_ocp",
+                              "mxfp8_modelopt",
+                              "e8m0_enc_modelopt",
+                              "e8m0_dec_modelopt"};
 
 __global__ void k_vectors(const int *kind, const float *x, const float *p, uint32_t *out, int n,
                           float scaled_max_m1)
@@ -132,6 +138,15 @@ __global__ void k_vectors(const int *kind, const float *x, const float *p, uint3
         break;
     case K_DEC_OCP:
         r = amx_f2u(amx_e8m0_decode_conv(AMX_MX_OCP, (uint8_t)amx_f2u(a)));
+        break;
+    case K_MX_MO:
+        r = amx_mxfp8_e8m0_modelopt(a);
+        break;
+    case K_ENC_MO:
+        r = amx_f2u(amx_e8m0_encode_conv(AMX_MX_MODELOPT, (uint8_t)amx_f2u(a)));
+        break;
+    case K_DEC_MO:
+        r = amx_f2u(amx_e8m0_decode_conv(AMX_MX_MODELOPT, (uint8_t)amx_f2u(a)));
         break;
     }
     out[i] = r;
@@ -226,8 +241,10 @@ static float random_amax(void)
     case 6:
     case 7:
     case 8:
-    case 9:
         return amx_u2f((uint32_t)(r >> 32) % 0x7f800000u); /* any finite non-negative */
+    case 9: /* 448 * 2^k (k = -140..119) plus 0..63 ulps: MXFP8 te and modelopt differ */
+        return amx_u2f(amx_f2u(ldexpf(448.0f, (int)((r >> 8) % 260) - 140)) +
+                       (uint32_t)(r >> 40) % 64);
     default:
         return expf(((float)((r >> 20) % 4000000) / 100000.0f) - 20.0f); /* e^-20 .. e^20 */
     }
@@ -513,7 +530,7 @@ int main(int argc, char **argv)
     int bad = run_vectors(vec);
 
     /* One quantizer per recipe and convention. */
-    enum { NREC = 16 };
+    enum { NREC = 17 };
     amx_recipe_t rec[NREC];
     memset(rec, 0, sizeof(rec));
     rec[0].format = AMX_FMT_FP8_E4M3, rec[0].rule = AMX_RULE_CURRENT;
@@ -543,6 +560,7 @@ int main(int argc, char **argv)
     rec[14].history_reduce = AMX_HIST_MOST_RECENT;
     rec[15].format = AMX_FMT_FP8_E4M3, rec[15].rule = AMX_RULE_DELAYED, rec[15].history_len = 16,
     rec[15].history_reduce = AMX_HIST_MAX;
+    rec[16].format = AMX_FMT_MXFP8, rec[16].mxfp8_convention = AMX_MX_MODELOPT;
     const char *names[NREC] = {"fp8-e4m3-current",
                                "fp8-e5m2-current-pow2-eps",
                                "fp8-delayed-H4-m1",
@@ -558,7 +576,8 @@ int main(int argc, char **argv)
                                "fp8-current-out-modelopt",
                                "mxfp8-ocp",
                                "fp8-delayed-H3-most-recent",
-                               "fp8-delayed-H16"};
+                               "fp8-delayed-H16",
+                               "mxfp8-modelopt"};
     for (int i = 0; i < NREC; i++)
         init_recipe(&rec[i]);
     {
@@ -567,7 +586,7 @@ int main(int argc, char **argv)
         uint64_t ncells = 0, nhist = 0;
         for (uint32_t i = 0; i < nq; i++)
             add_q(q, i, &rec[i], per, &ncells, &nhist,
-                  (i == 4 || i == 5 || i == 6 || i == 10 || i == 13) ? 0 : -1,
+                  (i == 4 || i == 5 || i == 6 || i == 10 || i == 13 || i == 16) ? 0 : -1,
                   (i == 0 || i == 1 || i == 12) ? 0
                   : (i == 2 || i == 3)          ? 1
                   : (i == 9 || i == 11)         ? 2
@@ -575,7 +594,7 @@ int main(int argc, char **argv)
         pair_t p;
         if (setup(&p, ncells, nhist, nq))
             return 2;
-        plan_t plan = {"16 recipes", 6, silent8, reset8};
+        plan_t plan = {"17 recipes", 6, silent8, reset8};
         bad |= run_catalog(&plan, q, nq, ncells, nhist, 1, 3, &p);
         for (uint32_t i = 0; i < nq; i++)
             printf("  %-28s global_amax %-14.7g global_scale %-14.7g\n", names[i],

@@ -7,9 +7,12 @@ over random and edge-case amax values (one daemon, one rank):
   and global_scale_inv = its weights_scaling_factor_2 (g / 2688);
 - NVFP4 "modelopt_static": NVFP4QTensor.get_weights_scaling_factor_from_quantizer
   (static branch, _cast_per_block_scale_to_fp8);
-- MXFP8 (amaxd's default TE convention) against MXFP8QTensor.get_weights_scaling_factor
-  (_compute_e8m0_exponent): equal except for the amaxes just above 448 * 2^k,
-  where ModelOpt's float32 log2 rounds down (test_mxfp8_just_above_a_power_of_two).
+- MXFP8 "modelopt" against MXFP8QTensor._compute_e8m0_exponent (the E8M0 byte)
+  and quantize_with_scale / dequantize (exp2(127 - e), exp2(e - 127)): equal
+  everywhere, also just above 448 * 2^k where ModelOpt's float32 log2 rounds
+  down to k and TE's rule (amaxd's default) rounds up
+  (test_mxfp8_just_above_a_power_of_two; exhaustive_mxfp8.py checks all 2^31
+  float32 amax values outside pytest).
 """
 import os
 import sys
@@ -152,29 +155,63 @@ def _powers_of_two_times_448(rng):
     return np.ldexp(F32(448), rng.integers(-135, 120, 3000)).astype(F32)
 
 
-def test_mxfp8_e8m0_is_modelopt(daemon):
-    """Random amaxes, 448 * 2^k exactly and just below: amaxd's E8M0 (TE's
-    float_to_e8m0 of a * float(1/448)) is ModelOpt's ceil(log2(a / 448))."""
+def _modelopt_scales(e):
+    """ModelOpt's encode (quantize_with_scale) and decode (dequantize) factors of E8M0 bytes."""
+    e = torch.from_numpy(np.ascontiguousarray(e)).float()
+    return torch.exp2(127 - e).numpy(), torch.exp2(e - 127).numpy()
+
+
+@pytest.mark.parametrize("convention", ["te", "modelopt"])
+def test_mxfp8_e8m0_is_modelopt(daemon, convention):
+    """Random amaxes, 448 * 2^k exactly and just below: amaxd's E8M0, TE's
+    (float_to_e8m0 of a * float(1/448)) as well as "modelopt", is ModelOpt's
+    ceil(log2(a / 448)); "modelopt"'s scales are ModelOpt's exp2(127 - e) and
+    exp2(e - 127)."""
     rng = np.random.default_rng(4)
     p2 = _powers_of_two_times_448(rng)
     a = np.concatenate([random_amax(rng, 20000), p2[np.isfinite(p2)],
                         np.nextafter(p2[np.isfinite(p2)], F32(0))]).astype(F32)
-    r = reconcile_one(daemon, amaxd.Recipe.mxfp8(), a)
-    bad, n = mismatches(r.block_scales, _e8m0_modelopt(a), a)
+    r = reconcile_one(daemon, amaxd.Recipe.mxfp8(convention), a)
+    want = _e8m0_modelopt(a)
+    bad, n = mismatches(r.block_scales, want, a)
     assert n == 0, "\n".join(bad)
+    if convention == "modelopt":
+        enc, dec = _modelopt_scales(want)
+        for got, w in ((r.scale, enc), (r.scale_inv, dec)):
+            bad, n = mismatches(got, w, a)
+            assert n == 0, "\n".join(bad)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "fidelity gap: ModelOpt 0.47 MXFP8QTensor._compute_e8m0_exponent takes ceil(log2(a/448)) "
-    "in float32; for a just above 448*2^k (|k| >= 1) log2 rounds to exactly k, so ModelOpt's "
-    "exponent is k, while amaxd (TE float_to_e8m0, round up) gives k+1: e.g. amax 0x3ce00001 "
-    "(0.027343752): amaxd 114, ModelOpt 113"))
+def _above_powers_of_two(width):
+    """Every float32 from 448 * 2^k - width ulps to 448 * 2^k + width ulps, for every
+    k with 448 * 2^k a positive finite float32 (-157..119), and 0."""
+    b = np.ldexp(448.0, np.arange(-160, 121))
+    b = b[(b >= 2.0 ** -149) & (b < 2.0 ** 128)].astype(F32).view(np.uint32).astype(np.int64)
+    u = (b[:, None] + np.arange(-width, width + 1)[None, :]).ravel()
+    u = np.unique(np.concatenate([[0], u[(u >= 0) & (u < 0x7f800000)]]))
+    return u.astype(np.uint32).view(F32)
+
+
 def test_mxfp8_just_above_a_power_of_two(daemon):
+    """ModelOpt 0.47 takes ceil(log2(a/448)) in float32; for a a few ulps above
+    448*2^k (|k| >= 4) the float32 log2 is exactly k, so ModelOpt's exponent is
+    k where TE's float_to_e8m0 rounds up to k+1: e.g. amax 0x3ce00001
+    (0.027343752): TE 114, ModelOpt 113. "modelopt" is ModelOpt's for every
+    float32 within 64 ulps of every 448*2^k (35,000 values), with its scales."""
     rng = np.random.default_rng(5)
     p2 = _powers_of_two_times_448(rng)
     a = np.nextafter(p2[np.isfinite(p2) & (p2 < F32(3e38))], F32(np.inf)).astype(F32)
-    a = np.concatenate([np.array([0.027343752], F32), a])
-    r = reconcile_one(daemon, amaxd.Recipe.mxfp8(), a)
-    assert (int(r.block_scales[0]), int(_e8m0_modelopt(a)[0])) == (114, 113)  # the example
-    bad, n = mismatches(r.block_scales, _e8m0_modelopt(a), a)
+    a = np.concatenate([np.array([0.027343752], F32), a, _above_powers_of_two(64),
+                        np.array([1e-45, 3.4028235e38], F32)])
+    want = _e8m0_modelopt(a)
+    te = reconcile_one(daemon, amaxd.Recipe.mxfp8(), a)
+    r = reconcile_one(daemon, amaxd.Recipe.mxfp8("modelopt"), a)
+    assert (int(te.block_scales[0]), int(r.block_scales[0]), int(want[0])) == (114, 113, 113)
+    bad, n = mismatches(r.block_scales, want, a)
     assert n == 0, f"{n} of {a.size} differ:\n" + "\n".join(bad)
+    enc, dec = _modelopt_scales(want)
+    for got, w in ((r.scale, enc), (r.scale_inv, dec)):
+        bad, n = mismatches(got, w, a)
+        assert n == 0, "\n".join(bad)
+    _, n_te = mismatches(te.block_scales, want, a)
+    assert n_te > 4000, n_te  # the gap "modelopt" closes

@@ -54,8 +54,14 @@ static int eval_row(const char *kind, float x, float p, uint32_t *out)
         *out = amx_f2u(amx_e8m0_encode_conv(AMX_MX_OCP, (uint8_t)amx_f2u(x)));
     else if (!strcmp(kind, "e8m0_dec_ocp"))
         *out = amx_f2u(amx_e8m0_decode_conv(AMX_MX_OCP, (uint8_t)amx_f2u(x)));
+    else if (!strcmp(kind, "e8m0_enc_modelopt"))
+        *out = amx_f2u(amx_e8m0_encode_conv(AMX_MX_MODELOPT, (uint8_t)amx_f2u(x)));
+    else if (!strcmp(kind, "e8m0_dec_modelopt"))
+        *out = amx_f2u(amx_e8m0_decode_conv(AMX_MX_MODELOPT, (uint8_t)amx_f2u(x)));
     else if (!strcmp(kind, "mxfp8"))
         *out = amx_mxfp8_e8m0(x);
+    else if (!strcmp(kind, "mxfp8_modelopt"))
+        *out = amx_mxfp8_e8m0_modelopt(x);
     else
         return -1;
     return 0;
@@ -143,7 +149,92 @@ START_TEST(no_recipe_returns_nonfinite)
         ck_assert(isfinite(amx_e8m0_encode(e)) && isfinite(amx_e8m0_decode(e)));
         ck_assert(amx_e8m0_encode_conv(AMX_MX_OCP, e) > 0 &&
                   amx_e8m0_decode_conv(AMX_MX_OCP, e) > 0);
+        e = amx_mxfp8_e8m0_modelopt(a);
+        ck_assert_uint_lt(e, 0xfe);
+        ck_assert(amx_e8m0_encode_conv(AMX_MX_MODELOPT, e) > 0 &&
+                  amx_e8m0_decode_conv(AMX_MX_MODELOPT, e) > 0);
     }
+}
+END_TEST
+
+/* ModelOpt's E8M0 with the float32 log2 computed in double and rounded once
+ * to float (the correctly rounded float32 log2 for every q here: the
+ * decisive distance, below, is far above double's error). */
+static uint8_t e8m0_modelopt_via_log2(float amax)
+{
+    float q = amax / 448.0f;
+    float l = q > 0.0f ? (float)log2((double)q) : -127.0f;
+    float e = ceilf(l);
+    e = e < -127.0f ? -127.0f : e > 127.0f ? 127.0f : e;
+    return (uint8_t)(int)(e + 127.0f);
+}
+
+/*
+ * amx_log2_to_k_max's table, derived again: the float32 log2 of
+ * (1 + j 2^-23) 2^k is k while log2(1 + j 2^-23) < h, half the gap from k
+ * to the next float above it; j < (2^h - 1) 2^23 = expm1(h ln 2) 2^23, never
+ * within 0.09 of an integer.
+ */
+START_TEST(mxfp8_modelopt_log2_table)
+{
+    for (int k = -126; k <= 127; k++) {
+        double h = ((double)nextafterf((float)k, INFINITY) - (double)k) / 2.0;
+        double bound = expm1(h * log(2.0)) * 8388608.0;
+        ck_assert_msg(bound < 0.05 || fabs(bound - rint(bound)) > 0.05, "k %d: bound %.6f", k,
+                      bound);
+        ck_assert_msg(amx_log2_to_k_max(k) == (uint32_t)floor(bound), "k %d: table %u, bound %.6f",
+                      k, amx_log2_to_k_max(k), bound);
+    }
+}
+END_TEST
+
+/*
+ * amx_mxfp8_e8m0_modelopt against ModelOpt's formula with a correctly
+ * rounded float32 log2: every float32 within 2^14 bit patterns of each
+ * 448 * 2^k and of each 2^k (where the float32 quotient crosses a power of
+ * two), every amax below 2^-100 step 7 (subnormal quotients), and random
+ * bit patterns. (tests/modelopt/exhaustive_mxfp8.py checks all 2^31 against
+ * ModelOpt itself.) Mismatches are counted, not asserted one by one (a
+ * Check assertion costs a system call).
+ */
+static long e8m0_modelopt_bad;
+
+static void e8m0_modelopt_check(uint32_t u)
+{
+    float a = bits(u);
+    uint8_t got = amx_mxfp8_e8m0_modelopt(a), want = e8m0_modelopt_via_log2(a);
+    if (got != want && e8m0_modelopt_bad++ < 10)
+        fprintf(stderr, "amax 0x%08x: %u, log2 rule %u\n", (unsigned)u, got, want);
+}
+
+START_TEST(mxfp8_modelopt_is_ceil_log2)
+{
+    long n = 0;
+    for (int k = -160; k <= 128; k++) {
+        for (int which = 0; which < 2; which++) {
+            double c = which ? ldexp(1.0, k) : ldexp(448.0, k);
+            if (c < ldexp(1.0, -149) || c >= ldexp(1.0, 128))
+                continue;
+            uint32_t b = amx_f2u((float)c);
+            for (int64_t d = -16384; d <= 16384; d++) {
+                int64_t u = (int64_t)b + d;
+                if (u < 0 || u >= 0x7f800000)
+                    continue;
+                e8m0_modelopt_check((uint32_t)u);
+                n++;
+            }
+        }
+    }
+    for (uint32_t u = 0; u < amx_f2u(0x1p-100f); u += 7, n++)
+        e8m0_modelopt_check(u);
+    srand(11);
+    for (int i = 0; i < 2000000; i++, n++)
+        e8m0_modelopt_check(((uint32_t)rand() << 16 ^ (uint32_t)rand()) % 0x7f800000u);
+    ck_assert_msg(e8m0_modelopt_bad == 0, "%ld of %ld differ", e8m0_modelopt_bad, n);
+    ck_assert_int_gt(n, 10000000);
+    /* The example of docs/NUMERICS.md: TE rounds up, ModelOpt's log2 is -14. */
+    ck_assert_uint_eq(amx_mxfp8_e8m0(bits(0x3ce00001u)), 114);
+    ck_assert_uint_eq(amx_mxfp8_e8m0_modelopt(bits(0x3ce00001u)), 113);
 }
 END_TEST
 
@@ -213,6 +304,8 @@ int main(void)
     tcase_add_test(tc, delayed_keeps_previous_for_nonfinite);
     tcase_add_test(tc, modelopt_zero_global_is_one);
     tcase_add_test(tc, delayed_history_conventions);
+    tcase_add_test(tc, mxfp8_modelopt_log2_table);
+    tcase_add_test(tc, mxfp8_modelopt_is_ceil_log2);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

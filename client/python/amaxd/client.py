@@ -27,7 +27,8 @@ _NVFP4_CONV = {"te": pb.TRANSFORMER_ENGINE, "modelopt": pb.MODELOPT,
 _OUTPUT_CONV = {"te": pb.OUTPUT_TRANSFORMER_ENGINE, "modelopt": pb.OUTPUT_MODELOPT}
 _HISTORY_CONV = {"te": pb.HISTORY_TRANSFORMER_ENGINE,
                  "te_unfused": pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED}
-_MXFP8_CONV = {"te": pb.MXFP8_TRANSFORMER_ENGINE, "ocp": pb.MXFP8_OCP}
+_MXFP8_CONV = {"te": pb.MXFP8_TRANSFORMER_ENGINE, "ocp": pb.MXFP8_OCP,
+               "modelopt": pb.MXFP8_MODELOPT}
 _PEER_MODE = {"fill": pb.PEER_FILL, "share": pb.PEER_SHARE}
 
 
@@ -88,7 +89,9 @@ class Recipe:
 
     @staticmethod
     def mxfp8(convention="te"):
-        """convention: "te" (byte 0: encode 1, decode 0) or "ocp" (2^127 / 2^-127)."""
+        """convention: "te" (TE's E8M0, rounded up; byte 0: encode 1, decode 0), "ocp" (TE's
+        E8M0; byte 0: 2^127 / 2^-127) or "modelopt" (ModelOpt's ceil(log2(amax/448)) in
+        float32; scales as "ocp")."""
         return Recipe(format=MXFP8, mxfp8_convention=_conv(_MXFP8_CONV, "MXFP8", convention))
 
     def to_pb(self):

@@ -35,9 +35,11 @@ What is registered, per quantizer (docs/MODELOPT.md has the table):
   ``SHARED_PATTERNS``) share one global amax through a scale group, as
   ``SharedWeightGlobalAmaxState`` does.
 - NVFP4 activations: ``[]`` with the ``modelopt`` convention.
-- MXFP8 weights: the ``[R, C/32]`` block amax (ModelOpt computes MXFP8
-  scales from the weight at export and keeps no amax: nothing is written
-  back; the daemon's E8M0 block scales are in the results).
+- MXFP8 weights: the ``[R, C/32]`` block amax with the ``modelopt``
+  convention (ModelOpt's E8M0 exponent, ``ceil(log2(amax/448))`` in
+  float32); ModelOpt computes MXFP8 scales from the weight at export and
+  keeps no amax: nothing is written back; the daemon's E8M0 block scales
+  are in the results.
 - Routed experts (``experts.<i>`` / ``local_experts.<i>`` in a
   ``ModuleList``) get their global index ``ep_rank * n_local + i`` in the
   name and are placed on their EP rank; their weights are split over the
@@ -367,7 +369,7 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
         elif kind.startswith("nvfp4"):
             recipe = Recipe.nvfp4("modelopt", output="modelopt")
         else:
-            recipe = Recipe.mxfp8()
+            recipe = Recipe.mxfp8("modelopt")
         kw = {}
         if peer_share:
             kw["peer_mode"] = "share"
