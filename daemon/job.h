@@ -53,6 +53,12 @@ typedef struct amx_slab {
     amx_run_t *gather; /* output cell (src) -> slab cell (dst), agreed only, coalesced */
     size_t ngather;
     uint64_t gather_cells;
+    /* Global slices (quantizers with global_axes > 0), in layout order:
+     * quantizer i's are [soff[i], soff[i + 1]) of the packed answer's
+     * per-slice arrays; sg[s] is slice s's index in the state's slice
+     * arrays (UINT64_MAX while its quantizer is not agreed). */
+    uint64_t *soff; /* n + 1 */
+    uint64_t *sg;   /* soff[n] */
 } amx_slab_t;
 
 /* A trainer rank hosted by this daemon. */

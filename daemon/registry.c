@@ -203,6 +203,8 @@ static void slab_free(amx_slab_t *sl)
     free(sl->off);
     free(sl->merge);
     free(sl->gather);
+    free(sl->soff);
+    free(sl->sg);
     free(sl);
 }
 
@@ -1414,6 +1416,20 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
 
 /* ---- the packed form: slab layouts ---- */
 
+static uint64_t global_slice(const amx_placement_t *pl, const uint32_t *gshape, uint32_t k,
+                             uint64_t j);
+
+/* Global slices that quantizer q's block pl overlaps (0 without slices). */
+static uint64_t block_slices(const amx_qspec_t *q, const amx_placement_t *pl)
+{
+    if (q->global_axes == 0 || pl->ncells == 0)
+        return 0;
+    uint64_t ns = 1;
+    for (uint32_t d = 0; d < q->global_axes; d++)
+        ns *= pl->shape[d];
+    return ns;
+}
+
 typedef struct slab_ent {
     const char *name;
     uint32_t lid;
@@ -1469,12 +1485,13 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
         return AMX_OK;
     }
     uint32_t n = 0;
-    uint64_t nrows = 0;
+    uint64_t nrows = 0, nsl = 0;
     for (uint32_t i = 0; i < r->npls; i++) {
         uint32_t lid = r->pl_lid[i];
         if (r->pl_of[lid] == i + 1 && lq_live(&j->lq[lid])) {
             n++;
             nrows += amx_placement_nrows(&r->pls[i]);
+            nsl += block_slices(j->lq[lid].spec, &r->pls[i]);
         }
     }
     amx_slab_t *sl = calloc(1, sizeof(*sl));
@@ -1484,9 +1501,11 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
         sl->off = malloc((n + 1) * sizeof(uint64_t));
         sl->merge = malloc((nrows ? nrows : 1) * sizeof(amx_run_t));
         sl->gather = malloc((nrows ? nrows : 1) * sizeof(amx_run_t));
+        sl->soff = malloc((n + 1) * sizeof(uint64_t));
+        sl->sg = malloc((nsl ? nsl : 1) * sizeof(uint64_t));
     }
     if (sl == NULL || e == NULL || sl->lid == NULL || sl->off == NULL || sl->merge == NULL ||
-        sl->gather == NULL) {
+        sl->gather == NULL || sl->soff == NULL || sl->sg == NULL) {
         free(e);
         slab_free(sl);
         return amx_err_set(err, AMX_ENOMEM, "out of memory building the slab layout of rank %u",
@@ -1499,7 +1518,7 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
             e[k++] = (slab_ent_t){j->lq[lid].spec->name, lid};
     }
     qsort(e, n, sizeof(*e), ent_cmp);
-    uint64_t h = 1469598103934665603ull, cell = 0;
+    uint64_t h = 1469598103934665603ull, cell = 0, ns = 0;
     slab_build_t b = {sl, 0, 0};
     for (uint32_t i = 0; i < n; i++) {
         uint32_t lid = e[i].lid;
@@ -1513,12 +1532,22 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
         h = fnv(h, pl->off, pl->ndim * sizeof(uint32_t));
         h = fnv(h, pl->shape, pl->ndim * sizeof(uint32_t));
         h = fnv(h, &q->spec->recipe.format, sizeof(q->spec->recipe.format));
+        h = fnv(h, &q->spec->global_axes, sizeof(q->spec->global_axes));
+        sl->soff[i] = ns;
+        uint64_t bs = block_slices(q->spec, pl);
+        for (uint64_t s = 0; s < bs; s++)
+            sl->sg[ns + s] = q->status == LQ_AGREED
+                                 ? q->gbase + global_slice(pl, q->spec->shape,
+                                                           q->spec->global_axes, s)
+                                 : UINT64_MAX;
+        ns += bs;
         b.slab_base = cell;
         b.agreed = q->status == LQ_AGREED;
         amx_placement_rows(pl, q->spec->shape, q->base, slab_row, &b);
         cell += pl->ncells;
     }
     sl->off[n] = cell;
+    sl->soff[n] = ns;
     sl->n = n;
     sl->gen = j->layout_gen;
     sl->id = fnv(h, &n, sizeof(n));
@@ -1569,9 +1598,13 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
     out->block_offset = amx_arena_alloc(a, md * sizeof(uint32_t));
     out->block_shape = amx_arena_alloc(a, md * sizeof(uint32_t));
     out->global_shape = amx_arena_alloc(a, md * sizeof(uint32_t));
+    out->global_axes = amx_arena_alloc(a, m * sizeof(uint32_t));
+    out->slice_offset = amx_arena_alloc(a, m * sizeof(uint64_t));
+    out->total_slices = sl->soff[n];
     if (out->names == NULL || out->slab_offset == NULL || out->ncells == NULL ||
         out->ndim == NULL || out->format == NULL || out->block_offset == NULL ||
-        out->block_shape == NULL || out->global_shape == NULL)
+        out->block_shape == NULL || out->global_shape == NULL || out->global_axes == NULL ||
+        out->slice_offset == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of memory describing a layout of %u quantizers",
                            n);
     size_t d = 0;
@@ -1583,6 +1616,8 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
         out->ncells[i] = pl->ncells;
         out->ndim[i] = pl->ndim;
         out->format[i] = q->spec->recipe.format;
+        out->global_axes[i] = q->spec->global_axes;
+        out->slice_offset[i] = sl->soff[i];
         for (uint32_t k = 0; k < pl->ndim; k++, d++) {
             out->block_offset[d] = pl->off[k];
             out->block_shape[d] = pl->shape[k];
@@ -1688,6 +1723,7 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
     p->layout_id = sl->id;
     p->ncells = sl->off[sl->n];
     p->nq = sl->n;
+    p->nslices = sl->soff[sl->n];
     if (w->alloc_packed(w, p) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of memory building a packed answer of %llu cells",
                            (unsigned long long)p->ncells);
@@ -1746,6 +1782,22 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
         p->prev_scale[i] = prev ? j->prev_gs[lid] : 0.0f;
     }
     p->nfilled = nfilled;
+    /* Global slices: the state's, as result_slices gives them (0, 1, 1
+     * for a quantizer not agreed yet, or before an output has them). */
+    for (uint32_t i = 0; p->nslices > 0 && i < sl->n; i++) {
+        uint64_t s0 = sl->soff[i], s1 = sl->soff[i + 1];
+        if (s0 == s1)
+            continue;
+        const amx_lq_t *q = &j->lq[sl->lid[i]];
+        int have = q->status == LQ_AGREED && st->s_amax[f] != NULL &&
+                   q->gbase + amx_qspec_slices(q->spec) <= st->out_ns[f];
+        for (uint64_t s = s0; s < s1; s++) {
+            uint64_t g = sl->sg[s];
+            p->s_amax[s] = have ? st->s_amax[f][g] : 0.0f;
+            p->s_scale[s] = have ? st->s_scale[f][g] : 1.0f;
+            p->s_inv[s] = have ? st->s_inv[f][g] : 1.0f;
+        }
+    }
     return AMX_OK;
 }
 
@@ -2205,7 +2257,7 @@ static amx_status_t packed_answer_fits(amx_registry_t *reg, amx_job_t *j, amx_lr
     AMX_CHECK(slab_get(j, r, &sl, err));
     AMX_CHECK(check_layout_id(j, r, sl, id, "ReconcilePacked", err));
     uint64_t cells = sl->off[sl->n];
-    uint64_t answer = 14 * cells + 26ull * sl->n + 16 * 20 + 64;
+    uint64_t answer = 14 * cells + 26ull * sl->n + 12 * sl->soff[sl->n] + 20 * 20 + 64;
     if (answer > (uint64_t)reg->cfg->max_message_bytes)
         return amx_err_set(err, AMX_ENOMEM,
                            "the packed answer to this Reconcile (%u quantizers, %llu cells) would "

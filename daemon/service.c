@@ -496,6 +496,10 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     r.block_offset = l.block_offset;
     r.block_shape = l.block_shape;
     r.global_shape = l.global_shape;
+    r.n_global_axes = r.n_slice_offset = l.n;
+    r.global_axes = l.global_axes;
+    r.slice_offset = l.slice_offset;
+    r.total_slices = l.total_slices;
     amx__call_reply(c, AMX_OK, NULL, &r.base);
     amx_arena_free(&a);
 }
@@ -566,8 +570,9 @@ typedef struct packed_out {
 static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
 {
     packed_out_t *o = w->ext;
-    size_t n = (size_t)p->ncells, q = p->nq;
-    o->cap = 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) + 64;
+    size_t n = (size_t)p->ncells, q = p->nq, ns = (size_t)p->nslices;
+    o->cap = 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) +
+             3 * array_room(4 * ns) + 64;
     o->buf = malloc(o->cap);
     if (o->buf == NULL)
         return AMX_ENOMEM;
@@ -581,6 +586,11 @@ static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
     p->missing = (uint32_t *)(void *)put_array(o->buf, &pos, 11, 4 * q);
     p->prev_amax = (float *)(void *)put_array(o->buf, &pos, 13, 4 * q);
     p->prev_scale = (float *)(void *)put_array(o->buf, &pos, 14, 4 * q);
+    if (ns > 0) {
+        p->s_amax = (float *)(void *)put_array(o->buf, &pos, 17, 4 * ns);
+        p->s_scale = (float *)(void *)put_array(o->buf, &pos, 18, 4 * ns);
+        p->s_inv = (float *)(void *)put_array(o->buf, &pos, 19, 4 * ns);
+    }
     p->block_scales = put_array(o->buf, &pos, 7, n);
     p->has_previous = put_array(o->buf, &pos, 12, q);
     o->pos = pos;
