@@ -76,6 +76,9 @@ typedef struct amx_lrank {
     uint32_t *pl_lid; /* lid of pls[i] */
     uint32_t npls, cap_pls;
     amx_slab_t *slab; /* NULL until the packed form is used */
+    /* ReconcilePacked answers of this rank: one buffer reused from epoch
+     * to epoch while gRPC does not hold it any more (bytebuf.h). */
+    struct amx_replybuf *answer;
 } amx_lrank_t;
 
 /* A request that waits until the epoch in flight has ended. */

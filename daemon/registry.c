@@ -22,7 +22,11 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
+#include "bytebuf.h"
 #include "clock.h"
 #include "epoch.h"
 #include "job.h"
@@ -212,6 +216,8 @@ static void lrank_free(amx_lrank_t *r)
 {
     slab_free(r->slab);
     r->slab = NULL;
+    amx_replybuf_unref(r->answer);
+    r->answer = NULL;
     free(r->pl_of);
     free(r->pls);
     free(r->pl_lid);
@@ -1627,6 +1633,59 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
     return AMX_OK;
 }
 
+/*
+ * Validates a slab in place: cells with data (mask NULL: all) must hold a
+ * finite value >= 0; -0.0 becomes +0.0 and cells without data -inf.
+ * Returns 0 when some cell with data was bad (the slab is then partly
+ * normalized: the caller refuses it whole).
+ */
+static int normalize_slab(float *v, const uint8_t *mask, uint64_t total)
+{
+    uint64_t c = 0;
+    int ok = 1;
+#if defined(__SSE2__)
+    const __m128 zero = _mm_setzero_ps(), big = _mm_set1_ps(FLT_MAX),
+                 ninf = _mm_set1_ps(-INFINITY);
+    __m128 good = _mm_castsi128_ps(_mm_set1_epi32(-1));
+    if (mask == NULL) {
+        for (; total - c >= 4; c += 4) {
+            __m128 x = _mm_loadu_ps(v + c);
+            good = _mm_and_ps(good, _mm_and_ps(_mm_cmpge_ps(x, zero), _mm_cmple_ps(x, big)));
+            _mm_storeu_ps(v + c, _mm_add_ps(x, zero)); /* -0.0 + 0.0 = +0.0 */
+        }
+    } else {
+        const __m128i z = _mm_setzero_si128();
+        for (; total - c >= 4; c += 4) {
+            int32_t m4;
+            memcpy(&m4, mask + c, 4);
+            __m128i b = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(m4), z), z);
+            __m128 none = _mm_castsi128_ps(_mm_cmpeq_epi32(b, z)); /* lanes without data */
+            __m128 x = _mm_loadu_ps(v + c);
+            __m128 valid = _mm_and_ps(_mm_cmpge_ps(x, zero), _mm_cmple_ps(x, big));
+            good = _mm_and_ps(good, _mm_or_ps(none, valid));
+            x = _mm_add_ps(x, zero);
+            _mm_storeu_ps(v + c, _mm_or_ps(_mm_and_ps(none, ninf), _mm_andnot_ps(none, x)));
+        }
+    }
+    ok = _mm_movemask_ps(good) == 0xf;
+#endif
+    if (mask == NULL) {
+        for (; c < total; c++) {
+            float x = v[c];
+            ok &= x >= 0.0f && x <= FLT_MAX;
+            v[c] = x + 0.0f; /* -0.0 becomes +0.0 */
+        }
+    } else {
+        for (; c < total; c++) {
+            float x = v[c];
+            int has = mask[c] != 0;
+            ok &= !has || (x >= 0.0f && x <= FLT_MAX);
+            v[c] = has ? x + 0.0f : -INFINITY;
+        }
+    }
+    return ok;
+}
+
 /* The layout index of slab cell c (binary search over the offsets). */
 static uint32_t slab_index(const amx_slab_t *sl, uint64_t c)
 {
@@ -1673,22 +1732,7 @@ amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed
      * changes before every value passed. */
     float *v = req->values;
     const uint8_t *mask = req->has_data_len ? req->has_data : NULL;
-    int ok = 1;
-    if (mask == NULL) {
-        for (uint64_t c = 0; c < total; c++) {
-            float x = v[c];
-            ok &= x >= 0.0f && x <= FLT_MAX;
-            v[c] = x + 0.0f; /* -0.0 becomes +0.0 */
-        }
-    } else {
-        for (uint64_t c = 0; c < total; c++) {
-            float x = v[c];
-            int has = mask[c] != 0;
-            ok &= !has || (x >= 0.0f && x <= FLT_MAX);
-            v[c] = has ? x + 0.0f : -INFINITY;
-        }
-    }
-    if (!ok) {
+    if (!normalize_slab(v, mask, total)) {
         uint64_t c;
         for (c = 0; c < total; c++)
             if (!(v[c] >= 0.0f && v[c] <= FLT_MAX) && !(mask != NULL && mask[c] == 0))
@@ -1712,6 +1756,33 @@ amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed
     return AMX_OK;
 }
 
+/* Cells of a[0..n) without data anywhere (-inf) read 0; returns how many. */
+static uint32_t zero_missing(float *a, uint64_t n)
+{
+    uint64_t c = 0, miss = 0;
+#if defined(__SSE2__)
+    const __m128 ninf = _mm_set1_ps(-INFINITY);
+    __m128i cnt = _mm_setzero_si128();
+    for (; n - c >= 4; c += 4) {
+        __m128 x = _mm_loadu_ps(a + c);
+        __m128 none = _mm_cmpeq_ps(x, ninf);
+        if (_mm_movemask_ps(none) == 0)
+            continue;
+        cnt = _mm_sub_epi32(cnt, _mm_castps_si128(none));
+        _mm_storeu_ps(a + c, _mm_andnot_ps(none, x)); /* -inf lanes -> +0.0 */
+    }
+    uint32_t k[4];
+    _mm_storeu_si128((__m128i *)(void *)k, cnt);
+    miss = (uint64_t)k[0] + k[1] + k[2] + k[3];
+#endif
+    for (; c < n; c++)
+        if (a[c] == -INFINITY) {
+            a[c] = 0.0f;
+            miss++;
+        }
+    return (uint32_t)miss;
+}
+
 /* The packed answer of rank r: arrays from the waiter's owner, filled
  * from the published outputs in slab order. */
 static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, amx_waiter_t *w,
@@ -1724,6 +1795,7 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
     p->ncells = sl->off[sl->n];
     p->nq = sl->n;
     p->nslices = sl->soff[sl->n];
+    p->cache = &r->answer;
     if (w->alloc_packed(w, p) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of memory building a packed answer of %llu cells",
                            (unsigned long long)p->ncells);
@@ -1761,12 +1833,9 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
             p->g_amax[i] = 0.0f;
             p->g_scale[i] = p->g_inv[i] = 1.0f;
         } else {
-            for (uint64_t c = c0; c < c1; c++)
-                if (p->amax[c] == -INFINITY) {
-                    p->amax[c] = 0.0f;
-                    missing++;
-                }
-            if (known)
+            missing = zero_missing(p->amax + c0, c1 - c0);
+            /* Only a peer group raises cells: the others' marks are 0. */
+            if (known && q->spec->peer_group != NULL && q->spec->peer_group[0] != '\0')
                 for (uint64_t c = c0; c < c1; c++)
                     nfilled += p->filled[c];
             uint32_t ci = (uint32_t)q->cidx;

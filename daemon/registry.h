@@ -112,6 +112,10 @@ typedef struct amx_packed {
     float *prev_amax, *prev_scale;   /* nq */
     uint8_t *filled;                 /* ncells; NULL: not wanted */
     uint64_t nslices;                /* global slices of the layout */
+    /* The rank's reply buffer slot (an amx_replybuf_t *, bytebuf.h) that the
+     * owner may reuse from one epoch to the next; the registry frees what
+     * it holds with the rank. */
+    struct amx_replybuf **cache;
     float *s_amax, *s_scale, *s_inv; /* nslices each (NULL when 0) */
     int peer_fill_known;             /* set by the registry */
     uint64_t nfilled;                /* cells marked in `filled` */

@@ -12,6 +12,7 @@
 
 #include "amaxd/v1/amaxd.pb-c.h"
 #include "arena.h"
+#include "bytebuf.h"
 #include "clock.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "log.h"
@@ -562,6 +563,7 @@ static uint8_t *put_array(uint8_t *buf, size_t *pos, uint32_t field, size_t n)
 }
 
 typedef struct packed_out {
+    amx_replybuf_t *rb; /* the rank's reused buffer (our reference) */
     uint8_t *buf;
     size_t cap, pos; /* bytes written before the filled field */
     size_t end;      /* ... and after it */
@@ -573,9 +575,12 @@ static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
     size_t n = (size_t)p->ncells, q = p->nq, ns = (size_t)p->nslices;
     o->cap = 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) +
              3 * array_room(4 * ns) + 64;
-    o->buf = malloc(o->cap);
-    if (o->buf == NULL)
+    /* The rank's buffer of the last epoch when gRPC is done with it: no
+     * fresh pages (and their faults) for every answer. */
+    o->rb = amx_replybuf_take(p->cache, o->cap);
+    if (o->rb == NULL)
         return AMX_ENOMEM;
+    o->buf = o->rb->data;
     size_t pos = 0;
     p->amax = (float *)(void *)put_array(o->buf, &pos, 4, 4 * n);
     p->scale = (float *)(void *)put_array(o->buf, &pos, 5, 4 * n);
@@ -605,7 +610,8 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
     amx_call_t *c = amx__waiter_call(w);
     packed_out_t *o = w->ext;
     if (st != AMX_OK) {
-        free(o->buf);
+        amx_replybuf_unref(o->rb); /* NULL when alloc_packed was not reached */
+        o->rb = NULL;
         o->buf = NULL;
         amx__call_reply(c, st, msg, NULL);
         return;
@@ -625,8 +631,10 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
         b[pos++] = (15 << 3) | 0;
         b[pos++] = 1;
     }
+    amx_replybuf_t *rb = o->rb;
     o->buf = NULL;
-    amx__call_reply_raw(c, b, pos);
+    o->rb = NULL;
+    amx__call_reply_raw(c, b, pos, amx_replybuf_unref, rb);
 }
 
 static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
@@ -641,6 +649,7 @@ static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMes
         reply_err(c, "ReconcilePacked", &err);
         return;
     }
+    memset(o, 0, sizeof(*o));
     w->done = reconcile_packed_done;
     w->alloc_packed = alloc_packed;
     w->ext = o;

@@ -241,18 +241,26 @@ static void host_fill_pending(amx_state_t *st)
     }
 }
 
+/* dst[i] = amx_fmaxf(dst[i], src[i]) (MAXPS is the same operation). */
+static void max_into(float *dst, const float *src, uint64_t n)
+{
+    uint64_t i = 0;
+#ifdef HOST_SSE2
+    for (; n - i >= 4; i += 4)
+        _mm_storeu_ps(dst + i, _mm_max_ps(_mm_loadu_ps(dst + i), _mm_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++)
+        dst[i] = amx_fmaxf(dst[i], src[i]);
+}
+
 static amx_status_t host_merge(amx_state_t *st, const float *vals, uint64_t nvals,
                                const amx_run_t *runs, size_t nruns, int overlap, amx_err_t *err)
 {
     host_state_t *h = st->impl;
     float *pend = h->pend[h->active] + AMX_HDR_CELLS;
     (void)nvals, (void)overlap, (void)err;
-    for (size_t r = 0; r < nruns; r++) {
-        float *dst = pend + runs[r].dst;
-        const float *src = vals + runs[r].src;
-        for (uint64_t i = 0; i < runs[r].len; i++)
-            dst[i] = amx_fmaxf(dst[i], src[i]);
-    }
+    for (size_t r = 0; r < nruns; r++)
+        max_into(pend + runs[r].dst, vals + runs[r].src, runs[r].len);
     return AMX_OK;
 }
 
@@ -270,8 +278,7 @@ static amx_status_t host_unflip(amx_state_t *st, amx_err_t *err)
     float *a = h->pend[h->active] + AMX_HDR_CELLS, *f = h->pend[fl] + AMX_HDR_CELLS;
     uint64_t n = h->pend_n[fl] < h->pend_n[h->active] ? h->pend_n[fl] : h->pend_n[h->active];
     (void)err;
-    for (uint64_t i = 0; i < n; i++)
-        a[i] = amx_fmaxf(a[i], f[i]);
+    max_into(a, f, n);
     fill(f, h->pend_n[fl], -INFINITY);
     return AMX_OK;
 }
