@@ -29,7 +29,8 @@
 #include "log.h"
 
 #define ACCEPT_BATCH 32
-#define READ_CHUNK 65536
+#define READ_CHUNK (256u << 10) /* large answers move in few reads and writes */
+#define SPARE_CHUNKS 16           /* read buffers kept for reuse (no fresh pages per read) */
 #define HIGH_WATER (1u << 20) /* stop reading the other side above this */
 #define LOW_WATER (256u << 10)
 #define MAX_BUFFERED (256u << 20) /* all connections together: stop reading above */
@@ -55,6 +56,7 @@ typedef struct wreq {
     uv_write_t req;
     char *base;
     size_t len;
+    int chunk; /* base is a READ_CHUNK buffer of on_alloc */
 } wreq_t;
 
 struct amx_guard {
@@ -73,6 +75,8 @@ struct amx_guard {
     uint64_t buffered; /* bytes read and not yet written on, all connections */
     uint64_t accepted, shed, killed, last_shed_log, last_kill_log;
     conn_t *conns;
+    char *spare[SPARE_CHUNKS]; /* free READ_CHUNK buffers */
+    int nspare;
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 };
 
@@ -143,10 +147,19 @@ static int inspect(conn_t *c, const uint8_t *p, size_t n)
 
 static void on_alloc(uv_handle_t *h, size_t hint, uv_buf_t *buf)
 {
-    (void)h;
+    amx_guard_t *g = ((conn_t *)h->data)->g;
     (void)hint;
-    buf->base = malloc(READ_CHUNK);
+    buf->base = g->nspare > 0 ? g->spare[--g->nspare] : malloc(READ_CHUNK);
     buf->len = buf->base ? READ_CHUNK : 0;
+}
+
+/* Gives up a buffer of on_alloc (is_chunk) or a small copy. */
+static void put_buf(amx_guard_t *g, char *p, int is_chunk)
+{
+    if (p != NULL && is_chunk && g->nspare < SPARE_CHUNKS)
+        g->spare[g->nspare++] = p;
+    else
+        free(p);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
@@ -197,7 +210,7 @@ static void on_written(uv_write_t *req, int status)
     uv_stream_t *dst = req->handle;
     int was_over = g->buffered > MAX_BUFFERED;
     g->buffered -= w->len;
-    free(w->base);
+    put_buf(g, w->base, w->chunk);
     free(w);
     if (c->closing)
         return;
@@ -221,7 +234,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     conn_t *c = s->data;
     int from_client = s == (uv_stream_t *)&c->cl;
     if (nread <= 0 || c->closing || c->shutting) {
-        free(buf->base);
+        put_buf(c->g, buf->base, 1);
         if (nread < 0 && !from_client)
             drain_and_close(c); /* gRPC is done: let its last bytes reach the client */
         else if (nread < 0)
@@ -238,26 +251,28 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
                      "closed so far)",
                      g->max_header_block, (unsigned long long)g->killed);
         }
-        free(buf->base);
+        put_buf(g, buf->base, 1);
         conn_close(c);
         return;
     }
     uv_stream_t *dst = from_client ? (uv_stream_t *)&c->gr : (uv_stream_t *)&c->cl;
     wreq_t *w = malloc(sizeof(*w));
     if (w == NULL) {
-        free(buf->base);
+        put_buf(c->g, buf->base, 1);
         conn_close(c);
         return;
     }
     /* A small read does not keep a whole read buffer alive while it waits
      * to be written (many small answers to a client that does not read). */
     char *data = buf->base;
+    w->chunk = 1;
     if (nread < SMALL_READ) {
         char *small = malloc((size_t)nread);
         if (small != NULL) {
             memcpy(small, data, (size_t)nread);
-            free(data);
+            put_buf(c->g, data, 1);
             data = small;
+            w->chunk = 0;
         }
     }
     w->base = data;
@@ -267,7 +282,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     uv_buf_t b = uv_buf_init(data, (unsigned)nread);
     if (uv_write(&w->req, dst, &b, 1, on_written) != 0) {
         g->buffered -= w->len;
-        free(w->base);
+        put_buf(g, w->base, w->chunk);
         free(w);
         conn_close(c);
         return;
@@ -582,6 +597,8 @@ void amx_guard_free(amx_guard_t *g)
     if (g->reserve >= 0)
         close(g->reserve);
     uv_loop_close(&g->loop);
+    while (g->nspare > 0)
+        free(g->spare[--g->nspare]);
     unlink(g->path);
     AMX_INFO("guard",
              "stopped: %llu connections accepted, %llu refused, %llu closed by the "

@@ -59,6 +59,13 @@ typedef struct amx_slab {
      * arrays (UINT64_MAX while its quantizer is not agreed). */
     uint64_t *soff; /* n + 1 */
     uint64_t *sg;   /* soff[n] */
+    /* For the packed answer, so that it does not chase each quantizer's
+     * spec: catalog index of quantizer i (UINT32_MAX while not agreed),
+     * and the layout indices of the quantizers not agreed yet and of
+     * those in a peer group (the only ones whose cells can be marked). */
+    uint32_t *cidx;
+    uint32_t *pendq, npendq;
+    uint32_t *peerq, npeerq;
 } amx_slab_t;
 
 /* A trainer rank hosted by this daemon. */

@@ -209,6 +209,9 @@ static void slab_free(amx_slab_t *sl)
     free(sl->gather);
     free(sl->soff);
     free(sl->sg);
+    free(sl->cidx);
+    free(sl->pendq);
+    free(sl->peerq);
     free(sl);
 }
 
@@ -1509,9 +1512,13 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
         sl->gather = malloc((nrows ? nrows : 1) * sizeof(amx_run_t));
         sl->soff = malloc((n + 1) * sizeof(uint64_t));
         sl->sg = malloc((nsl ? nsl : 1) * sizeof(uint64_t));
+        sl->cidx = malloc((n ? n : 1) * sizeof(uint32_t));
+        sl->pendq = malloc((n ? n : 1) * sizeof(uint32_t));
+        sl->peerq = malloc((n ? n : 1) * sizeof(uint32_t));
     }
     if (sl == NULL || e == NULL || sl->lid == NULL || sl->off == NULL || sl->merge == NULL ||
-        sl->gather == NULL || sl->soff == NULL || sl->sg == NULL) {
+        sl->gather == NULL || sl->soff == NULL || sl->sg == NULL || sl->cidx == NULL ||
+        sl->pendq == NULL || sl->peerq == NULL) {
         free(e);
         slab_free(sl);
         return amx_err_set(err, AMX_ENOMEM, "out of memory building the slab layout of rank %u",
@@ -1540,6 +1547,11 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
         h = fnv(h, &q->spec->recipe.format, sizeof(q->spec->recipe.format));
         h = fnv(h, &q->spec->global_axes, sizeof(q->spec->global_axes));
         sl->soff[i] = ns;
+        sl->cidx[i] = q->status == LQ_AGREED ? (uint32_t)q->cidx : UINT32_MAX;
+        if (q->status != LQ_AGREED)
+            sl->pendq[sl->npendq++] = i;
+        if (q->spec->peer_group[0] != '\0')
+            sl->peerq[sl->npeerq++] = i;
         uint64_t bs = block_slices(q->spec, pl);
         for (uint64_t s = 0; s < bs; s++)
             sl->sg[ns + s] = q->status == LQ_AGREED
@@ -1756,6 +1768,23 @@ amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed
     return AMX_OK;
 }
 
+/* Whether a cell of a[0..n) holds -inf. */
+static int has_neg_inf(const float *a, uint64_t n)
+{
+    uint64_t c = 0;
+    int k = 0;
+#if defined(__SSE2__)
+    const __m128 ninf = _mm_set1_ps(-INFINITY);
+    __m128 any = _mm_setzero_ps();
+    for (; n - c >= 4; c += 4)
+        any = _mm_or_ps(any, _mm_cmpeq_ps(_mm_loadu_ps(a + c), ninf));
+    k = _mm_movemask_ps(any) != 0;
+#endif
+    for (; c < n; c++)
+        k |= a[c] == -INFINITY;
+    return k;
+}
+
 /* Cells of a[0..n) without data anywhere (-inf) read 0; returns how many. */
 static uint32_t zero_missing(float *a, uint64_t n)
 {
@@ -1815,41 +1844,50 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
                 st->ops->read_filled(st, sl->gather, sl->ngather, p->filled, &ferr) == AMX_OK;
     }
     p->peer_fill_known = known;
-    uint64_t nfilled = 0;
+    /* Quantizers not agreed yet: no data (their cells were not gathered). */
+    for (uint32_t k = 0; k < sl->npendq; k++) {
+        uint64_t c0 = sl->off[sl->pendq[k]], c1 = sl->off[sl->pendq[k] + 1];
+        for (uint64_t c = c0; c < c1; c++) {
+            p->amax[c] = 0.0f;
+            p->scale[c] = p->scale_inv[c] = 1.0f;
+            p->block_scales[c] = 0;
+        }
+        if (known)
+            memset(p->filled + c0, 0, c1 - c0);
+    }
+    /* Cells without data anywhere read 0 and are counted per quantizer;
+     * most epochs have none, which one pass over the slab finds out. */
+    uint64_t total = sl->off[sl->n];
+    int any_missing = has_neg_inf(p->amax, total);
+    uint32_t fo = st->out_nq[f];
     for (uint32_t i = 0; i < sl->n; i++) {
-        uint32_t lid = sl->lid[i];
-        const amx_lq_t *q = &j->lq[lid];
+        uint32_t ci = sl->cidx[i];
         uint64_t c0 = sl->off[i], c1 = sl->off[i + 1];
-        uint32_t missing = 0;
-        if (q->status != LQ_AGREED) { /* not agreed yet: no data */
-            for (uint64_t c = c0; c < c1; c++) {
-                p->amax[c] = 0.0f;
-                p->scale[c] = p->scale_inv[c] = 1.0f;
-                p->block_scales[c] = 0;
-            }
-            if (known)
-                memset(p->filled + c0, 0, c1 - c0);
-            missing = (uint32_t)(c1 - c0);
+        if (ci == UINT32_MAX) {
+            p->missing[i] = (uint32_t)(c1 - c0);
             p->g_amax[i] = 0.0f;
             p->g_scale[i] = p->g_inv[i] = 1.0f;
-        } else {
-            missing = zero_missing(p->amax + c0, c1 - c0);
-            /* Only a peer group raises cells: the others' marks are 0. */
-            if (known && q->spec->peer_group != NULL && q->spec->peer_group[0] != '\0')
-                for (uint64_t c = c0; c < c1; c++)
-                    nfilled += p->filled[c];
-            uint32_t ci = (uint32_t)q->cidx;
-            int have = ci < st->out_nq[f];
-            p->g_amax[i] = have ? st->g_amax[f][ci] : 0.0f;
-            p->g_scale[i] = have ? st->g_scale[f][ci] : 1.0f;
-            p->g_inv[i] = have ? st->g_inv[f][ci] : 1.0f;
+            continue;
         }
-        p->missing[i] = missing;
+        p->missing[i] = any_missing ? zero_missing(p->amax + c0, c1 - c0) : 0;
+        int have = ci < fo;
+        p->g_amax[i] = have ? st->g_amax[f][ci] : 0.0f;
+        p->g_scale[i] = have ? st->g_scale[f][ci] : 1.0f;
+        p->g_inv[i] = have ? st->g_inv[f][ci] : 1.0f;
+    }
+    for (uint32_t i = 0; i < sl->n; i++) {
+        uint32_t lid = sl->lid[i];
         int prev = lid < j->prev_n && j->prev_ok[lid];
         p->has_previous[i] = (uint8_t)prev;
         p->prev_amax[i] = prev ? j->prev_ga[lid] : 0.0f;
         p->prev_scale[i] = prev ? j->prev_gs[lid] : 0.0f;
     }
+    /* Only a peer group raises cells: the others' marks are 0. */
+    uint64_t nfilled = 0;
+    for (uint32_t k = 0; known && k < sl->npeerq; k++)
+        if (sl->cidx[sl->peerq[k]] != UINT32_MAX)
+            for (uint64_t c = sl->off[sl->peerq[k]]; c < sl->off[sl->peerq[k] + 1]; c++)
+                nfilled += p->filled[c];
     p->nfilled = nfilled;
     /* Global slices: the state's, as result_slices gives them (0, 1, 1
      * for a quantizer not agreed yet, or before an output has them). */
