@@ -1524,13 +1524,28 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
         return amx_err_set(err, AMX_ENOMEM, "out of memory building the slab layout of rank %u",
                            r->rank);
     }
-    uint32_t k = 0;
-    for (uint32_t i = 0; i < r->npls; i++) {
-        uint32_t lid = r->pl_lid[i];
-        if (r->pl_of[lid] == i + 1 && lq_live(&j->lq[lid]))
-            e[k++] = (slab_ent_t){j->lq[lid].spec->name, lid};
+    /* The same quantizers as the slab of before (the usual case: the
+     * agreement of this rank's proposals changed their statuses and bases,
+     * not the set): their order is kept, without sorting the names again. */
+    const amx_slab_t *old = r->slab;
+    int same = old != NULL && old->n == n;
+    for (uint32_t i = 0; same && i < n; i++) {
+        uint32_t lid = old->lid[i];
+        same = lid < r->cap_of && r->pl_of[lid] != 0 && r->pl_lid[r->pl_of[lid] - 1] == lid &&
+               lq_live(&j->lq[lid]);
     }
-    qsort(e, n, sizeof(*e), ent_cmp);
+    if (same) {
+        for (uint32_t i = 0; i < n; i++)
+            e[i] = (slab_ent_t){j->lq[old->lid[i]].spec->name, old->lid[i]};
+    } else {
+        uint32_t k = 0;
+        for (uint32_t i = 0; i < r->npls; i++) {
+            uint32_t lid = r->pl_lid[i];
+            if (r->pl_of[lid] == i + 1 && lq_live(&j->lq[lid]))
+                e[k++] = (slab_ent_t){j->lq[lid].spec->name, lid};
+        }
+        qsort(e, n, sizeof(*e), ent_cmp);
+    }
     uint64_t h = 1469598103934665603ull, cell = 0, ns = 0;
     slab_build_t b = {sl, 0, 0};
     for (uint32_t i = 0; i < n; i++) {
@@ -1840,8 +1855,11 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
     int known = 0;
     if (p->filled != NULL && st->ops->read_filled != NULL) {
         amx_err_t ferr = {0};
+        /* Without a quantizer in a peer group no cell can be marked: only
+         * whether the marks are known is asked (no runs, nothing copied). */
         known = sl->ngather == 0 ||
-                st->ops->read_filled(st, sl->gather, sl->ngather, p->filled, &ferr) == AMX_OK;
+                st->ops->read_filled(st, sl->gather, sl->npeerq > 0 ? sl->ngather : 0,
+                                     p->filled, &ferr) == AMX_OK;
     }
     p->peer_fill_known = known;
     /* Quantizers not agreed yet: no data (their cells were not gathered). */
