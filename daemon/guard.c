@@ -32,9 +32,9 @@
 
 #define ACCEPT_BATCH 32
 #define READ_CHUNK (256u << 10) /* large answers move in few reads and writes */
-#define SPARE_CHUNKS 16           /* read buffers kept for reuse (no fresh pages per read) */
-#define SPLICE_PIPE (1u << 20)    /* pipe asked for by a connection in splice mode */
-#define HIGH_WATER (1u << 20) /* stop reading the other side above this */
+#define SPARE_CHUNKS 16         /* read buffers kept for reuse (no fresh pages per read) */
+#define SPLICE_PIPE (1u << 20)  /* pipe asked for by a connection in splice mode */
+#define HIGH_WATER (1u << 20)   /* stop reading the other side above this */
 #define LOW_WATER (256u << 10)
 #define MAX_BUFFERED (256u << 20) /* all connections together: stop reading above */
 #define SMALL_READ 4096           /* reads below this are moved to a buffer of their size */

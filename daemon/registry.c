@@ -1569,10 +1569,10 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
             sl->peerq[sl->npeerq++] = i;
         uint64_t bs = block_slices(q->spec, pl);
         for (uint64_t s = 0; s < bs; s++)
-            sl->sg[ns + s] = q->status == LQ_AGREED
-                                 ? q->gbase + global_slice(pl, q->spec->shape,
-                                                           q->spec->global_axes, s)
-                                 : UINT64_MAX;
+            sl->sg[ns + s] =
+                q->status == LQ_AGREED
+                    ? q->gbase + global_slice(pl, q->spec->shape, q->spec->global_axes, s)
+                    : UINT64_MAX;
         ns += bs;
         b.slab_base = cell;
         b.agreed = q->status == LQ_AGREED;
@@ -1671,8 +1671,7 @@ static int normalize_slab(float *v, const uint8_t *mask, uint64_t total)
     uint64_t c = 0;
     int ok = 1;
 #if defined(__SSE2__)
-    const __m128 zero = _mm_setzero_ps(), big = _mm_set1_ps(FLT_MAX),
-                 ninf = _mm_set1_ps(-INFINITY);
+    const __m128 zero = _mm_setzero_ps(), big = _mm_set1_ps(FLT_MAX), ninf = _mm_set1_ps(-INFINITY);
     __m128 good = _mm_castsi128_ps(_mm_set1_epi32(-1));
     if (mask == NULL) {
         for (; total - c >= 4; c += 4) {
@@ -1858,8 +1857,8 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
         /* Without a quantizer in a peer group no cell can be marked: only
          * whether the marks are known is asked (no runs, nothing copied). */
         known = sl->ngather == 0 ||
-                st->ops->read_filled(st, sl->gather, sl->npeerq > 0 ? sl->ngather : 0,
-                                     p->filled, &ferr) == AMX_OK;
+                st->ops->read_filled(st, sl->gather, sl->npeerq > 0 ? sl->ngather : 0, p->filled,
+                                     &ferr) == AMX_OK;
     }
     p->peer_fill_known = known;
     /* Quantizers not agreed yet: no data (their cells were not gathered). */
@@ -3021,8 +3020,8 @@ amx_status_t amx_registry_fetch_state(amx_registry_t *reg, const char *job, uint
  * unwritten; the loop, nothing in flight (shutdown). */
 static void flush_snapshot(amx_registry_t *reg, amx_job_t *j)
 {
-    if (!snapshots_on(reg) || !j->ready || j->in_flight ||
-        j->last_reconciled == 0 || j->durable_epoch >= j->last_reconciled)
+    if (!snapshots_on(reg) || !j->ready || j->in_flight || j->last_reconciled == 0 ||
+        j->durable_epoch >= j->last_reconciled)
         return;
     amx_err_t err = {0};
     amx_snap_meta_t m = {0};

@@ -138,7 +138,7 @@ struct amx_rpc {
     void (*on_stopped)(void *);
     void *stopped_ud;
     char unix_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-    amx_guard_t *guard;     /* listens on unix_path */
+    amx_guard_t *guard; /* listens on unix_path */
     /* The bytes of the raw request being handled (loop thread only; a raw
      * handler does not keep them): reused, so that large requests do not
      * get fresh pages every time. Grows to the largest raw request. */
@@ -393,8 +393,7 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
     send_reply(c, st, msg, resp, NULL, 0, NULL, NULL);
 }
 
-void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len, void (*release)(void *),
-                         void *ud)
+void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len, void (*release)(void *), void *ud)
 {
     send_reply(c, AMX_OK, NULL, NULL, buf, len, release, ud);
 }
@@ -649,8 +648,8 @@ static void on_recv(amx_call_t *c, int ok)
         grpc_byte_buffer_destroy(c->recv_buf);
         c->recv_buf = NULL;
         if (st == AMX_OK) {
-            st = meth->raw_stream(&rpc->svc, data, len, &c->stream_accepted, &c->stream_epoch,
-                                  &err);
+            st =
+                meth->raw_stream(&rpc->svc, data, len, &c->stream_accepted, &c->stream_epoch, &err);
         } else {
             AMX_WARN("rpc", "%s rejected after %llu accepted updates: %s", meth->path,
                      (unsigned long long)c->stream_accepted, err.msg);

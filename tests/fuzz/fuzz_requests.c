@@ -68,8 +68,7 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
     }
 }
 
-void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len, void (*release)(void *),
-                         void *ud)
+void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len, void (*release)(void *), void *ud)
 {
     if (c->replied)
         abort(); /* answered twice */
