@@ -7,6 +7,7 @@
 #ifndef AMX_BYTEBUF_H
 #define AMX_BYTEBUF_H
 
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -104,6 +105,46 @@ static inline uint64_t amx_get64(amx_rbuf_t *r)
     if (q)
         memcpy(&v, q, 8);
     return v;
+}
+
+/*
+ * A reply buffer that is reused from one answer to the next while gRPC
+ * may still hold the last one: reference counted (atomically: gRPC drops
+ * its reference from its own threads). The owner keeps one reference in
+ * its slot; each answer in flight holds another.
+ */
+typedef struct amx_replybuf {
+    atomic_int refs;
+    size_t cap;
+    unsigned char data[];
+} amx_replybuf_t;
+
+/* Drops one reference (any thread); the last one frees. */
+static inline void amx_replybuf_unref(void *p)
+{
+    amx_replybuf_t *b = p;
+    if (b != NULL && atomic_fetch_sub(&b->refs, 1) == 1)
+        free(b);
+}
+
+/* A buffer of at least `cap` bytes for one answer: the slot's when nobody
+ * else holds it and it is large enough, else a new one that replaces it
+ * in the slot. The caller gets its own reference (amx_replybuf_unref when
+ * the answer is gone); NULL when out of memory. Owner's thread only. */
+static inline amx_replybuf_t *amx_replybuf_take(amx_replybuf_t **slot, size_t cap)
+{
+    amx_replybuf_t *b = *slot;
+    if (b == NULL || b->cap < cap || atomic_load(&b->refs) != 1) {
+        amx_replybuf_t *n = malloc(sizeof(*n) + cap);
+        if (n == NULL)
+            return NULL;
+        atomic_init(&n->refs, 1);
+        n->cap = cap;
+        amx_replybuf_unref(b);
+        *slot = b = n;
+    }
+    atomic_fetch_add(&b->refs, 1);
+    return b;
 }
 
 #endif

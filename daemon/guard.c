@@ -9,10 +9,12 @@
  * (grpc_server_add_channel_from_fd); bytes are copied both ways, with
  * back-pressure, and the client's frames are followed header by header.
  */
+#define _GNU_SOURCE /* splice, pipe2, F_SETPIPE_SZ */
 #include "guard.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/types.h>
 #include <grpc/grpc_posix.h>
 #include <grpc/grpc_security.h>
 #include <pthread.h>
@@ -29,8 +31,10 @@
 #include "log.h"
 
 #define ACCEPT_BATCH 32
-#define READ_CHUNK 65536
-#define HIGH_WATER (1u << 20) /* stop reading the other side above this */
+#define READ_CHUNK (256u << 10) /* large answers move in few reads and writes */
+#define SPARE_CHUNKS 16         /* read buffers kept for reuse (no fresh pages per read) */
+#define SPLICE_PIPE (1u << 20)  /* pipe asked for by a connection in splice mode */
+#define HIGH_WATER (1u << 20)   /* stop reading the other side above this */
 #define LOW_WATER (256u << 10)
 #define MAX_BUFFERED (256u << 20) /* all connections together: stop reading above */
 #define SMALL_READ 4096           /* reads below this are moved to a buffer of their size */
@@ -44,7 +48,17 @@ typedef struct conn {
     uv_pipe_t cl, gr; /* the client's connection, our end of gRPC's socketpair */
     uv_shutdown_t shut;
     struct amx_guard *g;
-    int closing, closed, paused_cl, paused_gr, shutting;
+    int closing, closed, paused_cl, paused_gr, shutting, shut_started;
+    int nhandles; /* handles conn_close closes (2, or more in splice mode) */
+    /* Splice mode, taken once gRPC writes a large answer (a full read):
+     * gRPC's bytes go to the client through a pipe with splice(2), moved
+     * as pages instead of copied twice. The client's bytes still go the
+     * copying way (they are inspected). sp_in/sp_out poll duplicates of
+     * gr's and cl's descriptors (libuv keeps one handle per descriptor). */
+    int sp, sp_in_init, sp_out_init, sp_in_on, sp_out_on, sp_eof;
+    int sp_rd, sp_wr, sp_in_fd, sp_out_fd;
+    size_t sp_room, inpipe;
+    uv_poll_t sp_in, sp_out;
     uint32_t preface_left, payload_left, block;
     uint8_t hdr[9];
     int hdr_have;
@@ -55,6 +69,7 @@ typedef struct wreq {
     uv_write_t req;
     char *base;
     size_t len;
+    int chunk; /* base is a READ_CHUNK buffer of on_alloc */
 } wreq_t;
 
 struct amx_guard {
@@ -73,6 +88,8 @@ struct amx_guard {
     uint64_t buffered; /* bytes read and not yet written on, all connections */
     uint64_t accepted, shed, killed, last_shed_log, last_kill_log;
     conn_t *conns;
+    char *spare[SPARE_CHUNKS]; /* free READ_CHUNK buffers */
+    int nspare;
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 };
 
@@ -81,9 +98,17 @@ struct amx_guard {
 static void conn_closed(uv_handle_t *h)
 {
     conn_t *c = h->data;
-    if (++c->closed < 2)
+    if (++c->closed < c->nhandles)
         return;
     amx_guard_t *g = c->g;
+    if (c->sp) {
+        close(c->sp_rd);
+        close(c->sp_wr);
+    }
+    if (c->sp_in_init)
+        close(c->sp_in_fd);
+    if (c->sp_out_init)
+        close(c->sp_out_fd);
     if (c->prev)
         c->prev->next = c->next;
     else
@@ -104,6 +129,10 @@ static void conn_close(conn_t *c)
     c->closing = 1;
     uv_close((uv_handle_t *)&c->cl, conn_closed);
     uv_close((uv_handle_t *)&c->gr, conn_closed);
+    if (c->sp_in_init)
+        uv_close((uv_handle_t *)&c->sp_in, conn_closed);
+    if (c->sp_out_init)
+        uv_close((uv_handle_t *)&c->sp_out, conn_closed);
 }
 
 /* Follows the client's frames; -1 when a header block exceeds the cap. */
@@ -143,10 +172,19 @@ static int inspect(conn_t *c, const uint8_t *p, size_t n)
 
 static void on_alloc(uv_handle_t *h, size_t hint, uv_buf_t *buf)
 {
-    (void)h;
+    amx_guard_t *g = ((conn_t *)h->data)->g;
     (void)hint;
-    buf->base = malloc(READ_CHUNK);
+    buf->base = g->nspare > 0 ? g->spare[--g->nspare] : malloc(READ_CHUNK);
     buf->len = buf->base ? READ_CHUNK : 0;
+}
+
+/* Gives up a buffer of on_alloc (is_chunk) or a small copy. */
+static void put_buf(amx_guard_t *g, char *p, int is_chunk)
+{
+    if (p != NULL && is_chunk && g->nspare < SPARE_CHUNKS)
+        g->spare[g->nspare++] = p;
+    else
+        free(p);
 }
 
 static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf);
@@ -161,7 +199,7 @@ static void resume(conn_t *c)
         c->paused_cl = 0;
         uv_read_start((uv_stream_t *)&c->cl, on_alloc, on_read);
     }
-    if (c->paused_gr && !c->shutting &&
+    if (c->paused_gr && !c->shutting && !c->sp &&
         uv_stream_get_write_queue_size((uv_stream_t *)&c->cl) < LOW_WATER) {
         c->paused_gr = 0;
         uv_read_start((uv_stream_t *)&c->gr, on_alloc, on_read);
@@ -174,6 +212,19 @@ static void on_shut(uv_shutdown_t *req, int status)
     conn_close((conn_t *)req->data);
 }
 
+/* Ends the client's side once every byte for it has been written. */
+static void start_shutdown(conn_t *c)
+{
+    if (c->shut_started || c->closing)
+        return;
+    c->shut_started = 1;
+    c->shut.data = c;
+    if (uv_shutdown(&c->shut, (uv_stream_t *)&c->cl, on_shut) != 0)
+        conn_close(c);
+}
+
+static void sp_pump(conn_t *c);
+
 /* gRPC ended the connection (or the guard stops): what gRPC wrote still
  * goes to the client, then the connection closes, so that a slow reader
  * gets its last answer. */
@@ -184,9 +235,117 @@ static void drain_and_close(conn_t *c)
     c->shutting = 1;
     uv_read_stop((uv_stream_t *)&c->gr);
     uv_read_stop((uv_stream_t *)&c->cl);
-    c->shut.data = c;
-    if (uv_shutdown(&c->shut, (uv_stream_t *)&c->cl, on_shut) != 0)
+    if (c->sp) {
+        sp_pump(c); /* shuts down once the pipe is empty */
+        return;
+    }
+    start_shutdown(c);
+}
+
+/* ---- splice mode ---- */
+
+static void set_poll(uv_poll_t *h, int *on, int want, int events, uv_poll_cb cb)
+{
+    if (want && !*on)
+        *on = uv_poll_start(h, events, cb) == 0;
+    else if (!want && *on) {
+        uv_poll_stop(h);
+        *on = 0;
+    }
+}
+
+static void on_sp(uv_poll_t *h, int status, int events)
+{
+    conn_t *c = h->data;
+    (void)events;
+    if (c->closing)
+        return;
+    if (status < 0) {
         conn_close(c);
+        return;
+    }
+    sp_pump(c);
+}
+
+/* Moves gRPC's bytes into the pipe and the pipe's to the client, as far
+ * as each side takes them; then waits for whichever side can go on. */
+static void sp_pump(conn_t *c)
+{
+    if (c->closing)
+        return;
+    uv_stream_t *cl = (uv_stream_t *)&c->cl;
+    for (;;) {
+        int moved = 0;
+        if (!c->sp_eof && !c->shutting && c->inpipe < c->sp_room) {
+            ssize_t n = splice(c->sp_in_fd, NULL, c->sp_wr, NULL, c->sp_room - c->inpipe,
+                               SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+            if (n > 0)
+                c->inpipe += (size_t)n, moved = 1;
+            else if (n == 0 || (errno != EAGAIN && errno != EINTR))
+                c->sp_eof = 1; /* gRPC is done with the connection */
+        }
+        /* Bytes the copying path queued for the client before go first. */
+        if (c->inpipe > 0 && uv_stream_get_write_queue_size(cl) == 0) {
+            ssize_t n = splice(c->sp_rd, NULL, c->sp_out_fd, NULL, c->inpipe,
+                               SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+            if (n > 0) {
+                c->inpipe -= (size_t)n, moved = 1;
+            } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
+                conn_close(c); /* the client is gone */
+                return;
+            }
+        }
+        if (!moved)
+            break;
+    }
+    set_poll(&c->sp_in, &c->sp_in_on, !c->sp_eof && !c->shutting && c->inpipe < c->sp_room,
+             UV_READABLE, on_sp);
+    set_poll(&c->sp_out, &c->sp_out_on, c->inpipe > 0 && uv_stream_get_write_queue_size(cl) == 0,
+             UV_WRITABLE, on_sp);
+    if (c->inpipe == 0 && c->shutting)
+        start_shutdown(c);
+    else if (c->inpipe == 0 && c->sp_eof)
+        drain_and_close(c);
+}
+
+/* Takes splice mode for connection c (reading gRPC's side through libuv
+ * stops); stays in the copying mode when a descriptor or the pipe cannot
+ * be had (the descriptor limit is near: the copying mode needs none). */
+static void sp_start(conn_t *c)
+{
+    amx_guard_t *g = c->g;
+    uv_os_fd_t gfd, cfd;
+    int p[2];
+    if (c->sp || c->closing || c->shutting || uv_fileno((uv_handle_t *)&c->gr, &gfd) != 0 ||
+        uv_fileno((uv_handle_t *)&c->cl, &cfd) != 0 || c->sp_in_init || c->sp_out_init)
+        return;
+    if (pipe2(p, O_NONBLOCK | O_CLOEXEC) != 0)
+        return;
+    int in = fcntl(gfd, F_DUPFD_CLOEXEC, 0), out = in >= 0 ? fcntl(cfd, F_DUPFD_CLOEXEC, 0) : -1;
+    if (in < 0 || out < 0 || uv_poll_init(&g->loop, &c->sp_in, in) != 0) {
+        close(p[0]), close(p[1]);
+        if (in >= 0)
+            close(in);
+        if (out >= 0)
+            close(out);
+        return;
+    }
+    c->sp_in_init = 1, c->sp_in_fd = in, c->nhandles++;
+    c->sp_in.data = c;
+    if (uv_poll_init(&g->loop, &c->sp_out, out) != 0) {
+        close(out), close(p[0]), close(p[1]);
+        return; /* sp_in is closed with the connection */
+    }
+    c->sp_out_init = 1, c->sp_out_fd = out, c->nhandles++;
+    c->sp_out.data = c;
+    fcntl(p[1], F_SETPIPE_SZ, (int)SPLICE_PIPE); /* a smaller pipe works too */
+    int room = fcntl(p[1], F_GETPIPE_SZ);
+    c->sp_room = room > 0 ? (size_t)room : 65536;
+    c->sp_rd = p[0], c->sp_wr = p[1];
+    c->sp = 1;
+    uv_read_stop((uv_stream_t *)&c->gr);
+    c->paused_gr = 0;
+    sp_pump(c);
 }
 
 static void on_written(uv_write_t *req, int status)
@@ -197,13 +356,18 @@ static void on_written(uv_write_t *req, int status)
     uv_stream_t *dst = req->handle;
     int was_over = g->buffered > MAX_BUFFERED;
     g->buffered -= w->len;
-    free(w->base);
+    put_buf(g, w->base, w->chunk);
     free(w);
     if (c->closing)
         return;
     if (status < 0) {
         conn_close(c);
         return;
+    }
+    if (c->sp && dst == (uv_stream_t *)&c->cl) {
+        sp_pump(c); /* the client's queue may have emptied: the pipe goes on */
+        if (c->closing)
+            return;
     }
     if (was_over && g->buffered <= MAX_BUFFERED) {
         /* Below the guard-wide limit again: every paused connection whose
@@ -212,7 +376,6 @@ static void on_written(uv_write_t *req, int status)
             resume(o);
         return;
     }
-    (void)dst;
     resume(c);
 }
 
@@ -221,7 +384,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     conn_t *c = s->data;
     int from_client = s == (uv_stream_t *)&c->cl;
     if (nread <= 0 || c->closing || c->shutting) {
-        free(buf->base);
+        put_buf(c->g, buf->base, 1);
         if (nread < 0 && !from_client)
             drain_and_close(c); /* gRPC is done: let its last bytes reach the client */
         else if (nread < 0)
@@ -238,26 +401,28 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
                      "closed so far)",
                      g->max_header_block, (unsigned long long)g->killed);
         }
-        free(buf->base);
+        put_buf(g, buf->base, 1);
         conn_close(c);
         return;
     }
     uv_stream_t *dst = from_client ? (uv_stream_t *)&c->gr : (uv_stream_t *)&c->cl;
     wreq_t *w = malloc(sizeof(*w));
     if (w == NULL) {
-        free(buf->base);
+        put_buf(c->g, buf->base, 1);
         conn_close(c);
         return;
     }
     /* A small read does not keep a whole read buffer alive while it waits
      * to be written (many small answers to a client that does not read). */
     char *data = buf->base;
+    w->chunk = 1;
     if (nread < SMALL_READ) {
         char *small = malloc((size_t)nread);
         if (small != NULL) {
             memcpy(small, data, (size_t)nread);
-            free(data);
+            put_buf(c->g, data, 1);
             data = small;
+            w->chunk = 0;
         }
     }
     w->base = data;
@@ -267,7 +432,7 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
     uv_buf_t b = uv_buf_init(data, (unsigned)nread);
     if (uv_write(&w->req, dst, &b, 1, on_written) != 0) {
         g->buffered -= w->len;
-        free(w->base);
+        put_buf(g, w->base, w->chunk);
         free(w);
         conn_close(c);
         return;
@@ -276,6 +441,8 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         uv_read_stop(s);
         *(from_client ? &c->paused_cl : &c->paused_gr) = 1;
     }
+    if (!from_client && nread == READ_CHUNK)
+        sp_start(c); /* a large answer: the rest of this one and later ones without copies */
 }
 
 /* ---- accepting ---- */
@@ -326,6 +493,7 @@ static void take(amx_guard_t *g, int fd)
         return;
     }
     c->g = g;
+    c->nhandles = 2;
     c->preface_left = H2_PREFACE_LEN;
     uv_pipe_init(&g->loop, &c->cl, 0);
     uv_pipe_init(&g->loop, &c->gr, 0);
@@ -582,6 +750,8 @@ void amx_guard_free(amx_guard_t *g)
     if (g->reserve >= 0)
         close(g->reserve);
     uv_loop_close(&g->loop);
+    while (g->nspare > 0)
+        free(g->spare[--g->nspare]);
     unlink(g->path);
     AMX_INFO("guard",
              "stopped: %llu connections accepted, %llu refused, %llu closed by the "

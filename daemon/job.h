@@ -53,6 +53,19 @@ typedef struct amx_slab {
     amx_run_t *gather; /* output cell (src) -> slab cell (dst), agreed only, coalesced */
     size_t ngather;
     uint64_t gather_cells;
+    /* Global slices (quantizers with global_axes > 0), in layout order:
+     * quantizer i's are [soff[i], soff[i + 1]) of the packed answer's
+     * per-slice arrays; sg[s] is slice s's index in the state's slice
+     * arrays (UINT64_MAX while its quantizer is not agreed). */
+    uint64_t *soff; /* n + 1 */
+    uint64_t *sg;   /* soff[n] */
+    /* For the packed answer, so that it does not chase each quantizer's
+     * spec: catalog index of quantizer i (UINT32_MAX while not agreed),
+     * and the layout indices of the quantizers not agreed yet and of
+     * those in a peer group (the only ones whose cells can be marked). */
+    uint32_t *cidx;
+    uint32_t *pendq, npendq;
+    uint32_t *peerq, npeerq;
 } amx_slab_t;
 
 /* A trainer rank hosted by this daemon. */
@@ -70,6 +83,9 @@ typedef struct amx_lrank {
     uint32_t *pl_lid; /* lid of pls[i] */
     uint32_t npls, cap_pls;
     amx_slab_t *slab; /* NULL until the packed form is used */
+    /* ReconcilePacked answers of this rank: one buffer reused from epoch
+     * to epoch while gRPC does not hold it any more (bytebuf.h). */
+    struct amx_replybuf *answer;
 } amx_lrank_t;
 
 /* A request that waits until the epoch in flight has ended. */

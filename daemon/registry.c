@@ -22,7 +22,11 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
+#include "bytebuf.h"
 #include "clock.h"
 #include "epoch.h"
 #include "job.h"
@@ -203,6 +207,11 @@ static void slab_free(amx_slab_t *sl)
     free(sl->off);
     free(sl->merge);
     free(sl->gather);
+    free(sl->soff);
+    free(sl->sg);
+    free(sl->cidx);
+    free(sl->pendq);
+    free(sl->peerq);
     free(sl);
 }
 
@@ -210,6 +219,8 @@ static void lrank_free(amx_lrank_t *r)
 {
     slab_free(r->slab);
     r->slab = NULL;
+    amx_replybuf_unref(r->answer);
+    r->answer = NULL;
     free(r->pl_of);
     free(r->pls);
     free(r->pl_lid);
@@ -1414,6 +1425,20 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
 
 /* ---- the packed form: slab layouts ---- */
 
+static uint64_t global_slice(const amx_placement_t *pl, const uint32_t *gshape, uint32_t k,
+                             uint64_t j);
+
+/* Global slices that quantizer q's block pl overlaps (0 without slices). */
+static uint64_t block_slices(const amx_qspec_t *q, const amx_placement_t *pl)
+{
+    if (q->global_axes == 0 || pl->ncells == 0)
+        return 0;
+    uint64_t ns = 1;
+    for (uint32_t d = 0; d < q->global_axes; d++)
+        ns *= pl->shape[d];
+    return ns;
+}
+
 typedef struct slab_ent {
     const char *name;
     uint32_t lid;
@@ -1469,12 +1494,13 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
         return AMX_OK;
     }
     uint32_t n = 0;
-    uint64_t nrows = 0;
+    uint64_t nrows = 0, nsl = 0;
     for (uint32_t i = 0; i < r->npls; i++) {
         uint32_t lid = r->pl_lid[i];
         if (r->pl_of[lid] == i + 1 && lq_live(&j->lq[lid])) {
             n++;
             nrows += amx_placement_nrows(&r->pls[i]);
+            nsl += block_slices(j->lq[lid].spec, &r->pls[i]);
         }
     }
     amx_slab_t *sl = calloc(1, sizeof(*sl));
@@ -1484,22 +1510,43 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
         sl->off = malloc((n + 1) * sizeof(uint64_t));
         sl->merge = malloc((nrows ? nrows : 1) * sizeof(amx_run_t));
         sl->gather = malloc((nrows ? nrows : 1) * sizeof(amx_run_t));
+        sl->soff = malloc((n + 1) * sizeof(uint64_t));
+        sl->sg = malloc((nsl ? nsl : 1) * sizeof(uint64_t));
+        sl->cidx = malloc((n ? n : 1) * sizeof(uint32_t));
+        sl->pendq = malloc((n ? n : 1) * sizeof(uint32_t));
+        sl->peerq = malloc((n ? n : 1) * sizeof(uint32_t));
     }
     if (sl == NULL || e == NULL || sl->lid == NULL || sl->off == NULL || sl->merge == NULL ||
-        sl->gather == NULL) {
+        sl->gather == NULL || sl->soff == NULL || sl->sg == NULL || sl->cidx == NULL ||
+        sl->pendq == NULL || sl->peerq == NULL) {
         free(e);
         slab_free(sl);
         return amx_err_set(err, AMX_ENOMEM, "out of memory building the slab layout of rank %u",
                            r->rank);
     }
-    uint32_t k = 0;
-    for (uint32_t i = 0; i < r->npls; i++) {
-        uint32_t lid = r->pl_lid[i];
-        if (r->pl_of[lid] == i + 1 && lq_live(&j->lq[lid]))
-            e[k++] = (slab_ent_t){j->lq[lid].spec->name, lid};
+    /* The same quantizers as the slab of before (the usual case: the
+     * agreement of this rank's proposals changed their statuses and bases,
+     * not the set): their order is kept, without sorting the names again. */
+    const amx_slab_t *old = r->slab;
+    int same = old != NULL && old->n == n;
+    for (uint32_t i = 0; same && i < n; i++) {
+        uint32_t lid = old->lid[i];
+        same = lid < r->cap_of && r->pl_of[lid] != 0 && r->pl_lid[r->pl_of[lid] - 1] == lid &&
+               lq_live(&j->lq[lid]);
     }
-    qsort(e, n, sizeof(*e), ent_cmp);
-    uint64_t h = 1469598103934665603ull, cell = 0;
+    if (same) {
+        for (uint32_t i = 0; i < n; i++)
+            e[i] = (slab_ent_t){j->lq[old->lid[i]].spec->name, old->lid[i]};
+    } else {
+        uint32_t k = 0;
+        for (uint32_t i = 0; i < r->npls; i++) {
+            uint32_t lid = r->pl_lid[i];
+            if (r->pl_of[lid] == i + 1 && lq_live(&j->lq[lid]))
+                e[k++] = (slab_ent_t){j->lq[lid].spec->name, lid};
+        }
+        qsort(e, n, sizeof(*e), ent_cmp);
+    }
+    uint64_t h = 1469598103934665603ull, cell = 0, ns = 0;
     slab_build_t b = {sl, 0, 0};
     for (uint32_t i = 0; i < n; i++) {
         uint32_t lid = e[i].lid;
@@ -1513,12 +1560,27 @@ static amx_status_t slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx
         h = fnv(h, pl->off, pl->ndim * sizeof(uint32_t));
         h = fnv(h, pl->shape, pl->ndim * sizeof(uint32_t));
         h = fnv(h, &q->spec->recipe.format, sizeof(q->spec->recipe.format));
+        h = fnv(h, &q->spec->global_axes, sizeof(q->spec->global_axes));
+        sl->soff[i] = ns;
+        sl->cidx[i] = q->status == LQ_AGREED ? (uint32_t)q->cidx : UINT32_MAX;
+        if (q->status != LQ_AGREED)
+            sl->pendq[sl->npendq++] = i;
+        if (q->spec->peer_group[0] != '\0')
+            sl->peerq[sl->npeerq++] = i;
+        uint64_t bs = block_slices(q->spec, pl);
+        for (uint64_t s = 0; s < bs; s++)
+            sl->sg[ns + s] =
+                q->status == LQ_AGREED
+                    ? q->gbase + global_slice(pl, q->spec->shape, q->spec->global_axes, s)
+                    : UINT64_MAX;
+        ns += bs;
         b.slab_base = cell;
         b.agreed = q->status == LQ_AGREED;
         amx_placement_rows(pl, q->spec->shape, q->base, slab_row, &b);
         cell += pl->ncells;
     }
     sl->off[n] = cell;
+    sl->soff[n] = ns;
     sl->n = n;
     sl->gen = j->layout_gen;
     sl->id = fnv(h, &n, sizeof(n));
@@ -1569,9 +1631,13 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
     out->block_offset = amx_arena_alloc(a, md * sizeof(uint32_t));
     out->block_shape = amx_arena_alloc(a, md * sizeof(uint32_t));
     out->global_shape = amx_arena_alloc(a, md * sizeof(uint32_t));
+    out->global_axes = amx_arena_alloc(a, m * sizeof(uint32_t));
+    out->slice_offset = amx_arena_alloc(a, m * sizeof(uint64_t));
+    out->total_slices = sl->soff[n];
     if (out->names == NULL || out->slab_offset == NULL || out->ncells == NULL ||
         out->ndim == NULL || out->format == NULL || out->block_offset == NULL ||
-        out->block_shape == NULL || out->global_shape == NULL)
+        out->block_shape == NULL || out->global_shape == NULL || out->global_axes == NULL ||
+        out->slice_offset == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of memory describing a layout of %u quantizers",
                            n);
     size_t d = 0;
@@ -1583,6 +1649,8 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
         out->ncells[i] = pl->ncells;
         out->ndim[i] = pl->ndim;
         out->format[i] = q->spec->recipe.format;
+        out->global_axes[i] = q->spec->global_axes;
+        out->slice_offset[i] = sl->soff[i];
         for (uint32_t k = 0; k < pl->ndim; k++, d++) {
             out->block_offset[d] = pl->off[k];
             out->block_shape[d] = pl->shape[k];
@@ -1590,6 +1658,58 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
         }
     }
     return AMX_OK;
+}
+
+/*
+ * Validates a slab in place: cells with data (mask NULL: all) must hold a
+ * finite value >= 0; -0.0 becomes +0.0 and cells without data -inf.
+ * Returns 0 when some cell with data was bad (the slab is then partly
+ * normalized: the caller refuses it whole).
+ */
+static int normalize_slab(float *v, const uint8_t *mask, uint64_t total)
+{
+    uint64_t c = 0;
+    int ok = 1;
+#if defined(__SSE2__)
+    const __m128 zero = _mm_setzero_ps(), big = _mm_set1_ps(FLT_MAX), ninf = _mm_set1_ps(-INFINITY);
+    __m128 good = _mm_castsi128_ps(_mm_set1_epi32(-1));
+    if (mask == NULL) {
+        for (; total - c >= 4; c += 4) {
+            __m128 x = _mm_loadu_ps(v + c);
+            good = _mm_and_ps(good, _mm_and_ps(_mm_cmpge_ps(x, zero), _mm_cmple_ps(x, big)));
+            _mm_storeu_ps(v + c, _mm_add_ps(x, zero)); /* -0.0 + 0.0 = +0.0 */
+        }
+    } else {
+        const __m128i z = _mm_setzero_si128();
+        for (; total - c >= 4; c += 4) {
+            int32_t m4;
+            memcpy(&m4, mask + c, 4);
+            __m128i b = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(m4), z), z);
+            __m128 none = _mm_castsi128_ps(_mm_cmpeq_epi32(b, z)); /* lanes without data */
+            __m128 x = _mm_loadu_ps(v + c);
+            __m128 valid = _mm_and_ps(_mm_cmpge_ps(x, zero), _mm_cmple_ps(x, big));
+            good = _mm_and_ps(good, _mm_or_ps(none, valid));
+            x = _mm_add_ps(x, zero);
+            _mm_storeu_ps(v + c, _mm_or_ps(_mm_and_ps(none, ninf), _mm_andnot_ps(none, x)));
+        }
+    }
+    ok = _mm_movemask_ps(good) == 0xf;
+#endif
+    if (mask == NULL) {
+        for (; c < total; c++) {
+            float x = v[c];
+            ok &= x >= 0.0f && x <= FLT_MAX;
+            v[c] = x + 0.0f; /* -0.0 becomes +0.0 */
+        }
+    } else {
+        for (; c < total; c++) {
+            float x = v[c];
+            int has = mask[c] != 0;
+            ok &= !has || (x >= 0.0f && x <= FLT_MAX);
+            v[c] = has ? x + 0.0f : -INFINITY;
+        }
+    }
+    return ok;
 }
 
 /* The layout index of slab cell c (binary search over the offsets). */
@@ -1638,22 +1758,7 @@ amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed
      * changes before every value passed. */
     float *v = req->values;
     const uint8_t *mask = req->has_data_len ? req->has_data : NULL;
-    int ok = 1;
-    if (mask == NULL) {
-        for (uint64_t c = 0; c < total; c++) {
-            float x = v[c];
-            ok &= x >= 0.0f && x <= FLT_MAX;
-            v[c] = x + 0.0f; /* -0.0 becomes +0.0 */
-        }
-    } else {
-        for (uint64_t c = 0; c < total; c++) {
-            float x = v[c];
-            int has = mask[c] != 0;
-            ok &= !has || (x >= 0.0f && x <= FLT_MAX);
-            v[c] = has ? x + 0.0f : -INFINITY;
-        }
-    }
-    if (!ok) {
+    if (!normalize_slab(v, mask, total)) {
         uint64_t c;
         for (c = 0; c < total; c++)
             if (!(v[c] >= 0.0f && v[c] <= FLT_MAX) && !(mask != NULL && mask[c] == 0))
@@ -1677,6 +1782,50 @@ amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed
     return AMX_OK;
 }
 
+/* Whether a cell of a[0..n) holds -inf. */
+static int has_neg_inf(const float *a, uint64_t n)
+{
+    uint64_t c = 0;
+    int k = 0;
+#if defined(__SSE2__)
+    const __m128 ninf = _mm_set1_ps(-INFINITY);
+    __m128 any = _mm_setzero_ps();
+    for (; n - c >= 4; c += 4)
+        any = _mm_or_ps(any, _mm_cmpeq_ps(_mm_loadu_ps(a + c), ninf));
+    k = _mm_movemask_ps(any) != 0;
+#endif
+    for (; c < n; c++)
+        k |= a[c] == -INFINITY;
+    return k;
+}
+
+/* Cells of a[0..n) without data anywhere (-inf) read 0; returns how many. */
+static uint32_t zero_missing(float *a, uint64_t n)
+{
+    uint64_t c = 0, miss = 0;
+#if defined(__SSE2__)
+    const __m128 ninf = _mm_set1_ps(-INFINITY);
+    __m128i cnt = _mm_setzero_si128();
+    for (; n - c >= 4; c += 4) {
+        __m128 x = _mm_loadu_ps(a + c);
+        __m128 none = _mm_cmpeq_ps(x, ninf);
+        if (_mm_movemask_ps(none) == 0)
+            continue;
+        cnt = _mm_sub_epi32(cnt, _mm_castps_si128(none));
+        _mm_storeu_ps(a + c, _mm_andnot_ps(none, x)); /* -inf lanes -> +0.0 */
+    }
+    uint32_t k[4];
+    _mm_storeu_si128((__m128i *)(void *)k, cnt);
+    miss = (uint64_t)k[0] + k[1] + k[2] + k[3];
+#endif
+    for (; c < n; c++)
+        if (a[c] == -INFINITY) {
+            a[c] = 0.0f;
+            miss++;
+        }
+    return (uint32_t)miss;
+}
+
 /* The packed answer of rank r: arrays from the waiter's owner, filled
  * from the published outputs in slab order. */
 static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, amx_waiter_t *w,
@@ -1688,6 +1837,8 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
     p->layout_id = sl->id;
     p->ncells = sl->off[sl->n];
     p->nq = sl->n;
+    p->nslices = sl->soff[sl->n];
+    p->cache = &r->answer;
     if (w->alloc_packed(w, p) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of memory building a packed answer of %llu cells",
                            (unsigned long long)p->ncells);
@@ -1703,49 +1854,74 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
     int known = 0;
     if (p->filled != NULL && st->ops->read_filled != NULL) {
         amx_err_t ferr = {0};
+        /* Without a quantizer in a peer group no cell can be marked: only
+         * whether the marks are known is asked (no runs, nothing copied). */
         known = sl->ngather == 0 ||
-                st->ops->read_filled(st, sl->gather, sl->ngather, p->filled, &ferr) == AMX_OK;
+                st->ops->read_filled(st, sl->gather, sl->npeerq > 0 ? sl->ngather : 0, p->filled,
+                                     &ferr) == AMX_OK;
     }
     p->peer_fill_known = known;
-    uint64_t nfilled = 0;
+    /* Quantizers not agreed yet: no data (their cells were not gathered). */
+    for (uint32_t k = 0; k < sl->npendq; k++) {
+        uint64_t c0 = sl->off[sl->pendq[k]], c1 = sl->off[sl->pendq[k] + 1];
+        for (uint64_t c = c0; c < c1; c++) {
+            p->amax[c] = 0.0f;
+            p->scale[c] = p->scale_inv[c] = 1.0f;
+            p->block_scales[c] = 0;
+        }
+        if (known)
+            memset(p->filled + c0, 0, c1 - c0);
+    }
+    /* Cells without data anywhere read 0 and are counted per quantizer;
+     * most epochs have none, which one pass over the slab finds out. */
+    uint64_t total = sl->off[sl->n];
+    int any_missing = has_neg_inf(p->amax, total);
+    uint32_t fo = st->out_nq[f];
     for (uint32_t i = 0; i < sl->n; i++) {
-        uint32_t lid = sl->lid[i];
-        const amx_lq_t *q = &j->lq[lid];
+        uint32_t ci = sl->cidx[i];
         uint64_t c0 = sl->off[i], c1 = sl->off[i + 1];
-        uint32_t missing = 0;
-        if (q->status != LQ_AGREED) { /* not agreed yet: no data */
-            for (uint64_t c = c0; c < c1; c++) {
-                p->amax[c] = 0.0f;
-                p->scale[c] = p->scale_inv[c] = 1.0f;
-                p->block_scales[c] = 0;
-            }
-            if (known)
-                memset(p->filled + c0, 0, c1 - c0);
-            missing = (uint32_t)(c1 - c0);
+        if (ci == UINT32_MAX) {
+            p->missing[i] = (uint32_t)(c1 - c0);
             p->g_amax[i] = 0.0f;
             p->g_scale[i] = p->g_inv[i] = 1.0f;
-        } else {
-            for (uint64_t c = c0; c < c1; c++)
-                if (p->amax[c] == -INFINITY) {
-                    p->amax[c] = 0.0f;
-                    missing++;
-                }
-            if (known)
-                for (uint64_t c = c0; c < c1; c++)
-                    nfilled += p->filled[c];
-            uint32_t ci = (uint32_t)q->cidx;
-            int have = ci < st->out_nq[f];
-            p->g_amax[i] = have ? st->g_amax[f][ci] : 0.0f;
-            p->g_scale[i] = have ? st->g_scale[f][ci] : 1.0f;
-            p->g_inv[i] = have ? st->g_inv[f][ci] : 1.0f;
+            continue;
         }
-        p->missing[i] = missing;
+        p->missing[i] = any_missing ? zero_missing(p->amax + c0, c1 - c0) : 0;
+        int have = ci < fo;
+        p->g_amax[i] = have ? st->g_amax[f][ci] : 0.0f;
+        p->g_scale[i] = have ? st->g_scale[f][ci] : 1.0f;
+        p->g_inv[i] = have ? st->g_inv[f][ci] : 1.0f;
+    }
+    for (uint32_t i = 0; i < sl->n; i++) {
+        uint32_t lid = sl->lid[i];
         int prev = lid < j->prev_n && j->prev_ok[lid];
         p->has_previous[i] = (uint8_t)prev;
         p->prev_amax[i] = prev ? j->prev_ga[lid] : 0.0f;
         p->prev_scale[i] = prev ? j->prev_gs[lid] : 0.0f;
     }
+    /* Only a peer group raises cells: the others' marks are 0. */
+    uint64_t nfilled = 0;
+    for (uint32_t k = 0; known && k < sl->npeerq; k++)
+        if (sl->cidx[sl->peerq[k]] != UINT32_MAX)
+            for (uint64_t c = sl->off[sl->peerq[k]]; c < sl->off[sl->peerq[k] + 1]; c++)
+                nfilled += p->filled[c];
     p->nfilled = nfilled;
+    /* Global slices: the state's, as result_slices gives them (0, 1, 1
+     * for a quantizer not agreed yet, or before an output has them). */
+    for (uint32_t i = 0; p->nslices > 0 && i < sl->n; i++) {
+        uint64_t s0 = sl->soff[i], s1 = sl->soff[i + 1];
+        if (s0 == s1)
+            continue;
+        const amx_lq_t *q = &j->lq[sl->lid[i]];
+        int have = q->status == LQ_AGREED && st->s_amax[f] != NULL &&
+                   q->gbase + amx_qspec_slices(q->spec) <= st->out_ns[f];
+        for (uint64_t s = s0; s < s1; s++) {
+            uint64_t g = sl->sg[s];
+            p->s_amax[s] = have ? st->s_amax[f][g] : 0.0f;
+            p->s_scale[s] = have ? st->s_scale[f][g] : 1.0f;
+            p->s_inv[s] = have ? st->s_inv[f][g] : 1.0f;
+        }
+    }
     return AMX_OK;
 }
 
@@ -2205,7 +2381,7 @@ static amx_status_t packed_answer_fits(amx_registry_t *reg, amx_job_t *j, amx_lr
     AMX_CHECK(slab_get(j, r, &sl, err));
     AMX_CHECK(check_layout_id(j, r, sl, id, "ReconcilePacked", err));
     uint64_t cells = sl->off[sl->n];
-    uint64_t answer = 14 * cells + 26ull * sl->n + 16 * 20 + 64;
+    uint64_t answer = 14 * cells + 26ull * sl->n + 12 * sl->soff[sl->n] + 20 * 20 + 64;
     if (answer > (uint64_t)reg->cfg->max_message_bytes)
         return amx_err_set(err, AMX_ENOMEM,
                            "the packed answer to this Reconcile (%u quantizers, %llu cells) would "
@@ -2869,8 +3045,8 @@ static amx_status_t previous_by_catalog(const amx_job_t *j, amx_snap_meta_t *m)
  * unwritten; the loop, nothing in flight (shutdown). */
 static void flush_snapshot(amx_registry_t *reg, amx_job_t *j)
 {
-    if (!snapshots_on(reg) || !j->ready || j->in_flight ||
-        j->last_reconciled == 0 || j->durable_epoch >= j->last_reconciled)
+    if (!snapshots_on(reg) || !j->ready || j->in_flight || j->last_reconciled == 0 ||
+        j->durable_epoch >= j->last_reconciled)
         return;
     amx_err_t err = {0};
     amx_snap_meta_t m = {0};

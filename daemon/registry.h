@@ -93,6 +93,9 @@ typedef struct amx_layout {
     uint32_t *block_offset, *block_shape, *global_shape; /* ndim[i] entries each, in order */
     size_t ndims;                                        /* entries of those three */
     int *format;
+    uint32_t *global_axes;  /* n */
+    uint64_t *slice_offset; /* n: first global slice of each in the answer */
+    uint64_t total_slices;
 } amx_layout_t;
 
 /* The packed answer of a ReconcilePacked: the registry sets layout_id,
@@ -108,6 +111,12 @@ typedef struct amx_packed {
     uint8_t *has_previous;           /* nq */
     float *prev_amax, *prev_scale;   /* nq */
     uint8_t *filled;                 /* ncells; NULL: not wanted */
+    uint64_t nslices;                /* global slices of the layout */
+    /* The rank's reply buffer slot (an amx_replybuf_t *, bytebuf.h) that the
+     * owner may reuse from one epoch to the next; the registry frees what
+     * it holds with the rank. */
+    struct amx_replybuf **cache;
+    float *s_amax, *s_scale, *s_inv; /* nslices each (NULL when 0) */
     int peer_fill_known;             /* set by the registry */
     uint64_t nfilled;                /* cells marked in `filled` */
 } amx_packed_t;

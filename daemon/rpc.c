@@ -139,7 +139,12 @@ struct amx_rpc {
     void (*on_stopped)(void *);
     void *stopped_ud;
     char unix_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-    amx_guard_t *guard;     /* listens on unix_path */
+    amx_guard_t *guard; /* listens on unix_path */
+    /* The bytes of the raw request being handled (loop thread only; a raw
+     * handler does not keep them): reused, so that large requests do not
+     * get fresh pages every time. Grows to the largest raw request. */
+    uint8_t *scratch;
+    size_t scratch_cap;
     amx_metrics_t *metrics; /* NULL: not recorded */
 };
 
@@ -287,15 +292,26 @@ static int reply_is_owed(const amx_call_t *c)
            (n >= 5 && strcmp(p + n - 5, "/Join") == 0);
 }
 
+/* Gives up answer bytes that were not handed to gRPC. */
+static void drop_buf(uint8_t *buf, void (*release)(void *), void *ud)
+{
+    if (release != NULL)
+        release(ud);
+    else
+        free(buf);
+}
+
 /* Sends the status, and the answer `buf` of `len` bytes when st is OK and
- * buf is not NULL (buf: malloc'd when `owned`, handed to gRPC without a
- * copy; else packed from `resp`). */
+ * buf is not NULL (buf handed to gRPC without a copy; given up with
+ * release(ud), or free() when release is NULL); else packed from `resp`. */
 static void send_reply(amx_call_t *c, amx_status_t st, const char *msg,
-                       const ProtobufCMessage *resp, uint8_t *buf, size_t len)
+                       const ProtobufCMessage *resp, uint8_t *buf, size_t len,
+                       void (*release)(void *), void *ud)
 {
     if (c->replied || c->closed) {
         /* Answered already, or the client is gone: nobody to answer. */
-        free(buf);
+        if (buf != NULL)
+            drop_buf(buf, release, ud);
         return;
     }
     amx_rpc_t *rpc = c->rpc;
@@ -338,7 +354,9 @@ static void send_reply(amx_call_t *c, amx_status_t st, const char *msg,
     if (have) {
         grpc_slice s;
         if (buf != NULL) {
-            s = grpc_slice_new(buf, len, free); /* no copy: gRPC frees it */
+            /* No copy: gRPC gives it up when the bytes are sent. */
+            s = release != NULL ? grpc_slice_new_with_user_data(buf, len, release, ud)
+                                : grpc_slice_new(buf, len, free);
             buf = NULL;
         } else {
             s = grpc_slice_malloc(len);
@@ -350,7 +368,8 @@ static void send_reply(amx_call_t *c, amx_status_t st, const char *msg,
         ops[n].data.send_message.send_message = c->send_buf;
         n++;
     }
-    free(buf);
+    if (buf != NULL)
+        drop_buf(buf, release, ud);
     /* Unknown methods are counted under one label: their paths are the
      * client's text, and a label per path would let a client grow the
      * metrics without bound. */
@@ -372,12 +391,12 @@ static void send_reply(amx_call_t *c, amx_status_t st, const char *msg,
 
 void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const ProtobufCMessage *resp)
 {
-    send_reply(c, st, msg, resp, NULL, 0);
+    send_reply(c, st, msg, resp, NULL, 0, NULL, NULL);
 }
 
-void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len)
+void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len, void (*release)(void *), void *ud)
 {
-    send_reply(c, AMX_OK, NULL, NULL, buf, len);
+    send_reply(c, AMX_OK, NULL, NULL, buf, len, release, ud);
 }
 
 amx_waiter_t *amx__call_waiter(amx_call_t *c)
@@ -462,6 +481,46 @@ static amx_status_t read_checked(grpc_byte_buffer *bb, const ProtobufCMessageDes
     return AMX_OK;
 }
 
+/* The bytes of a raw request, checked as read_checked does, copied once
+ * into rpc->scratch (valid until the next raw request). */
+static amx_status_t read_raw(amx_rpc_t *rpc, grpc_byte_buffer *bb,
+                             const ProtobufCMessageDescriptor *desc, const amx_wire_limits_t *lim,
+                             uint8_t **data, size_t *len, amx_err_t *err)
+{
+    size_t n = grpc_byte_buffer_length(bb);
+    if ((int64_t)n > rpc->cfg->max_message_bytes)
+        return amx_err_set(err, AMX_ENOMEM,
+                           "a %s message of %zu bytes exceeds max_message_bytes=%lld; split it "
+                           "into smaller batches (or stream them)",
+                           desc->name, n, (long long)rpc->cfg->max_message_bytes);
+    if (n > rpc->scratch_cap || rpc->scratch == NULL) {
+        uint8_t *p = realloc(rpc->scratch, n ? n : 1);
+        if (p == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory reading a %s message of %zu bytes",
+                               desc->name, n);
+        rpc->scratch = p;
+        rpc->scratch_cap = n ? n : 1;
+    }
+    grpc_byte_buffer_reader r;
+    if (!grpc_byte_buffer_reader_init(&r, bb))
+        return amx_err_set(err, AMX_EINVAL, "request payload could not be read (compressed?)");
+    size_t at = 0;
+    grpc_slice s;
+    while (grpc_byte_buffer_reader_next(&r, &s)) {
+        size_t k = GRPC_SLICE_LENGTH(s);
+        if (k > n - at)
+            k = n - at; /* cannot happen: the length is the slices' sum */
+        memcpy(rpc->scratch + at, GRPC_SLICE_START_PTR(s), k);
+        at += k;
+        grpc_slice_unref(s);
+    }
+    grpc_byte_buffer_reader_destroy(&r);
+    AMX_CHECK(amx_wire_check(desc, rpc->scratch, at, lim, NULL, err));
+    *data = rpc->scratch;
+    *len = at;
+    return AMX_OK;
+}
+
 /* Unpacks a byte buffer into a message; NULL and a sentence when it is not one. */
 static ProtobufCMessage *unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
                                 int64_t max_bytes, const amx_wire_limits_t *lim, amx_err_t *err)
@@ -529,9 +588,9 @@ static void on_new(amx_call_t *c, int ok)
     amx_err_t err = {0};
     if (c->payload != NULL && m->raw != NULL) {
         amx_wire_limits_t lim = wire_limits(rpc->cfg);
-        grpc_slice s;
-        amx_status_t st =
-            read_checked(c->payload, m->request, rpc->cfg->max_message_bytes, &lim, &s, &err);
+        uint8_t *data;
+        size_t len;
+        amx_status_t st = read_raw(rpc, c->payload, m->request, &lim, &data, &len, &err);
         grpc_byte_buffer_destroy(c->payload);
         c->payload = NULL;
         if (st != AMX_OK) {
@@ -539,8 +598,7 @@ static void on_new(amx_call_t *c, int ok)
             amx__call_reply(c, err.code, err.msg, NULL);
             return;
         }
-        m->raw(&rpc->svc, c, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s));
-        grpc_slice_unref(s);
+        m->raw(&rpc->svc, c, data, len);
         return;
     }
     if (c->payload == NULL) {
@@ -585,15 +643,14 @@ static void on_recv(amx_call_t *c, int ok)
     amx_wire_limits_t lim = wire_limits(rpc->cfg);
     const amx_method_t *meth = rpc->methods[c->method];
     if (meth->raw_stream != NULL) {
-        grpc_slice s;
-        amx_status_t st =
-            read_checked(c->recv_buf, meth->request, rpc->cfg->max_message_bytes, &lim, &s, &err);
+        uint8_t *data;
+        size_t len;
+        amx_status_t st = read_raw(rpc, c->recv_buf, meth->request, &lim, &data, &len, &err);
         grpc_byte_buffer_destroy(c->recv_buf);
         c->recv_buf = NULL;
         if (st == AMX_OK) {
-            st = meth->raw_stream(&rpc->svc, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s),
-                                  &c->stream_accepted, &c->stream_epoch, &err);
-            grpc_slice_unref(s);
+            st =
+                meth->raw_stream(&rpc->svc, data, len, &c->stream_accepted, &c->stream_epoch, &err);
         } else {
             AMX_WARN("rpc", "%s rejected after %llu accepted updates: %s", meth->path,
                      (unsigned long long)c->stream_accepted, err.msg);
@@ -1243,6 +1300,7 @@ void amx_rpc_free(amx_rpc_t *rpc)
         return;
     free(rpc->queue);
     free(rpc->spare);
+    free(rpc->scratch);
     pthread_mutex_destroy(&rpc->mu);
     free(rpc);
     shutdown_grpc();

@@ -12,6 +12,7 @@
 
 #include "amaxd/v1/amaxd.pb-c.h"
 #include "arena.h"
+#include "bytebuf.h"
 #include "clock.h"
 #include "grpc/health/v1/health.pb-c.h"
 #include "log.h"
@@ -496,6 +497,10 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     r.block_offset = l.block_offset;
     r.block_shape = l.block_shape;
     r.global_shape = l.global_shape;
+    r.n_global_axes = r.n_slice_offset = l.n;
+    r.global_axes = l.global_axes;
+    r.slice_offset = l.slice_offset;
+    r.total_slices = l.total_slices;
     amx__call_reply(c, AMX_OK, NULL, &r.base);
     amx_arena_free(&a);
 }
@@ -558,6 +563,7 @@ static uint8_t *put_array(uint8_t *buf, size_t *pos, uint32_t field, size_t n)
 }
 
 typedef struct packed_out {
+    amx_replybuf_t *rb; /* the rank's reused buffer (our reference) */
     uint8_t *buf;
     size_t cap, pos; /* bytes written before the filled field */
     size_t end;      /* ... and after it */
@@ -566,11 +572,15 @@ typedef struct packed_out {
 static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
 {
     packed_out_t *o = w->ext;
-    size_t n = (size_t)p->ncells, q = p->nq;
-    o->cap = 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) + 64;
-    o->buf = malloc(o->cap);
-    if (o->buf == NULL)
+    size_t n = (size_t)p->ncells, q = p->nq, ns = (size_t)p->nslices;
+    o->cap = 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) +
+             3 * array_room(4 * ns) + 64;
+    /* The rank's buffer of the last epoch when gRPC is done with it: no
+     * fresh pages (and their faults) for every answer. */
+    o->rb = amx_replybuf_take(p->cache, o->cap);
+    if (o->rb == NULL)
         return AMX_ENOMEM;
+    o->buf = o->rb->data;
     size_t pos = 0;
     p->amax = (float *)(void *)put_array(o->buf, &pos, 4, 4 * n);
     p->scale = (float *)(void *)put_array(o->buf, &pos, 5, 4 * n);
@@ -581,6 +591,11 @@ static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
     p->missing = (uint32_t *)(void *)put_array(o->buf, &pos, 11, 4 * q);
     p->prev_amax = (float *)(void *)put_array(o->buf, &pos, 13, 4 * q);
     p->prev_scale = (float *)(void *)put_array(o->buf, &pos, 14, 4 * q);
+    if (ns > 0) {
+        p->s_amax = (float *)(void *)put_array(o->buf, &pos, 17, 4 * ns);
+        p->s_scale = (float *)(void *)put_array(o->buf, &pos, 18, 4 * ns);
+        p->s_inv = (float *)(void *)put_array(o->buf, &pos, 19, 4 * ns);
+    }
     p->block_scales = put_array(o->buf, &pos, 7, n);
     p->has_previous = put_array(o->buf, &pos, 12, q);
     o->pos = pos;
@@ -595,7 +610,8 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
     amx_call_t *c = amx__waiter_call(w);
     packed_out_t *o = w->ext;
     if (st != AMX_OK) {
-        free(o->buf);
+        amx_replybuf_unref(o->rb); /* NULL when alloc_packed was not reached */
+        o->rb = NULL;
         o->buf = NULL;
         amx__call_reply(c, st, msg, NULL);
         return;
@@ -615,8 +631,10 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
         b[pos++] = (15 << 3) | 0;
         b[pos++] = 1;
     }
+    amx_replybuf_t *rb = o->rb;
     o->buf = NULL;
-    amx__call_reply_raw(c, b, pos);
+    o->rb = NULL;
+    amx__call_reply_raw(c, b, pos, amx_replybuf_unref, rb);
 }
 
 static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
@@ -631,6 +649,7 @@ static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMes
         reply_err(c, "ReconcilePacked", &err);
         return;
     }
+    memset(o, 0, sizeof(*o));
     w->done = reconcile_packed_done;
     w->alloc_packed = alloc_packed;
     w->ext = o;

@@ -67,10 +67,13 @@ typedef amx_status_t (*amx_raw_stream_fn)(amx_svc_t *svc, uint8_t *data, size_t 
 
 /*
  * Answers a call with an already serialized message of `len` bytes in
- * `buf` (malloc'd; ownership passes to the call, which frees it once sent,
- * whatever happens). Provided by rpc.c.
+ * `buf`, handed to gRPC without a copy. Ownership passes to the call,
+ * which gives the bytes up once sent, whatever happens: release(ud) (from
+ * any thread), or free(buf) when release is NULL. Loop thread; provided
+ * by rpc.c.
  */
-void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len);
+void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len, void (*release)(void *),
+                         void *ud);
 
 enum { AMX_SERVER_TRAINER = 0, AMX_SERVER_PEER = 1 };
 

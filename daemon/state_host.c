@@ -3,6 +3,7 @@
  * the post-processing in plain C, with the per-cell arithmetic of recipe.h
  * and postproc.h (shared with the CUDA kernels).
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -11,6 +12,11 @@
 #include "clock.h"
 #include "postproc.h"
 #include "state.h"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define HOST_SSE2 1
+#endif
 
 typedef struct host_state {
     int simulate_fault; /* AMAXD_TEST_DEVICE_FAULT: finish fails as a device would */
@@ -42,6 +48,14 @@ typedef struct host_state {
 
 static void fill(float *p, uint64_t n, float v)
 {
+#ifdef HOST_SSE2
+    __m128 x = _mm_set1_ps(v);
+    uint64_t n4 = n / 4;
+    for (uint64_t k = 0; k < n4; k++)
+        _mm_storeu_ps(p + 4 * k, x);
+    p += 4 * n4;
+    n -= 4 * n4;
+#endif
     for (uint64_t i = 0; i < n; i++)
         p[i] = v;
 }
@@ -227,18 +241,26 @@ static void host_fill_pending(amx_state_t *st)
     }
 }
 
+/* dst[i] = amx_fmaxf(dst[i], src[i]) (MAXPS is the same operation). */
+static void max_into(float *dst, const float *src, uint64_t n)
+{
+    uint64_t i = 0;
+#ifdef HOST_SSE2
+    for (; n - i >= 4; i += 4)
+        _mm_storeu_ps(dst + i, _mm_max_ps(_mm_loadu_ps(dst + i), _mm_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++)
+        dst[i] = amx_fmaxf(dst[i], src[i]);
+}
+
 static amx_status_t host_merge(amx_state_t *st, const float *vals, uint64_t nvals,
                                const amx_run_t *runs, size_t nruns, int overlap, amx_err_t *err)
 {
     host_state_t *h = st->impl;
     float *pend = h->pend[h->active] + AMX_HDR_CELLS;
     (void)nvals, (void)overlap, (void)err;
-    for (size_t r = 0; r < nruns; r++) {
-        float *dst = pend + runs[r].dst;
-        const float *src = vals + runs[r].src;
-        for (uint64_t i = 0; i < runs[r].len; i++)
-            dst[i] = amx_fmaxf(dst[i], src[i]);
-    }
+    for (size_t r = 0; r < nruns; r++)
+        max_into(pend + runs[r].dst, vals + runs[r].src, runs[r].len);
     return AMX_OK;
 }
 
@@ -256,8 +278,7 @@ static amx_status_t host_unflip(amx_state_t *st, amx_err_t *err)
     float *a = h->pend[h->active] + AMX_HDR_CELLS, *f = h->pend[fl] + AMX_HDR_CELLS;
     uint64_t n = h->pend_n[fl] < h->pend_n[h->active] ? h->pend_n[fl] : h->pend_n[h->active];
     (void)err;
-    for (uint64_t i = 0; i < n; i++)
-        a[i] = amx_fmaxf(a[i], f[i]);
+    max_into(a, f, n);
     fill(f, h->pend_n[fl], -INFINITY);
     return AMX_OK;
 }
@@ -463,6 +484,189 @@ static amx_status_t host_read_header(amx_state_t *st, float *hdr, amx_err_t *err
     return AMX_OK;
 }
 
+/* ---- finishing an epoch ---- */
+
+/* What the steps of host_finish share. */
+typedef struct fin {
+    host_state_t *h;
+    amx_state_t *st;
+    const float *red; /* this epoch's reduced values */
+    int back;         /* the output set being written */
+    uint64_t nfilled, nmissing;
+    float *peer_max, *scale_max;
+} fin_t;
+
+/* Step 1 of quantizer q: accumulation into the output amax; returns the
+ * max of its cells (-inf when none has data). */
+static float fin_accumulate(fin_t *f, const amx_qdesc_t *q)
+{
+    host_state_t *h = f->h;
+    float *out = h->o_amax[f->back] + q->base, *acc = h->accum + q->base;
+    const float *red = f->red + q->base;
+    uint64_t c = 0;
+    float m = -INFINITY;
+    if (q->accumulation == AMX_ACC_PER_EPOCH) {
+        for (; c < q->ncells; c++) {
+            float a = amx_pp_accumulate(q, &acc[c], h->hist + q->hist_base, c, red[c]);
+            out[c] = a;
+            m = amx_fmaxf(m, a);
+        }
+        return m;
+    }
+#ifdef HOST_SSE2
+    /* amx_fmaxf(a, b) = a > b ? a : b is exactly MAXPS(a, b); max is
+     * exact and the values hold no NaN, so the lanes' order of the max
+     * does not matter. */
+    __m128 vm = _mm_set1_ps(-INFINITY);
+    for (; q->ncells - c >= 4; c += 4) {
+        __m128 a = _mm_max_ps(_mm_loadu_ps(acc + c), _mm_loadu_ps(red + c));
+        _mm_storeu_ps(acc + c, a);
+        _mm_storeu_ps(out + c, a);
+        vm = _mm_max_ps(vm, a);
+    }
+    float l[4];
+    _mm_storeu_ps(l, vm);
+    m = amx_fmaxf(amx_fmaxf(l[0], l[1]), amx_fmaxf(l[2], l[3]));
+#endif
+    for (; c < q->ncells; c++) {
+        float a = amx_fmaxf(acc[c], red[c]);
+        acc[c] = a;
+        out[c] = a;
+        m = amx_fmaxf(m, a);
+    }
+    return m;
+}
+
+/* Step 2 of quantizer qi: its peer group's stage (marked and counted),
+ * its max and its slices' (into the back globals), its scale group's. */
+static void fin_peer(fin_t *f, const amx_qdesc_t *q, uint32_t qi)
+{
+    host_state_t *h = f->h;
+    amx_state_t *st = f->st;
+    float *out = h->o_amax[f->back] + q->base;
+    uint8_t *marks = h->o_filled[f->back] + q->base;
+    float m = -INFINITY;
+    if (q->peer_group < 0 && q->nslices == 0) {
+        /* Nothing raised: the marks are 0; count the cells without data. */
+        memset(marks, 0, q->ncells);
+        uint64_t c = 0, miss = 0;
+#ifdef HOST_SSE2
+        __m128 vm = _mm_set1_ps(-INFINITY), ninf = _mm_set1_ps(-INFINITY);
+        __m128i cnt = _mm_setzero_si128();
+        for (; q->ncells - c >= 4; c += 4) {
+            __m128 a = _mm_loadu_ps(out + c);
+            vm = _mm_max_ps(vm, a);
+            cnt = _mm_sub_epi32(cnt, _mm_castps_si128(_mm_cmpeq_ps(a, ninf)));
+        }
+        float l[4];
+        uint32_t k[4];
+        _mm_storeu_ps(l, vm);
+        _mm_storeu_si128((__m128i *)(void *)k, cnt);
+        m = amx_fmaxf(amx_fmaxf(l[0], l[1]), amx_fmaxf(l[2], l[3]));
+        miss = (uint64_t)k[0] + k[1] + k[2] + k[3];
+#endif
+        for (; c < q->ncells; c++) {
+            miss += out[c] == -INFINITY;
+            m = amx_fmaxf(m, out[c]);
+        }
+        f->nmissing += miss;
+    } else {
+        float gm = q->peer_group >= 0 ? f->peer_max[q->peer_group] : -INFINITY;
+        float *samax = st->s_amax[f->back];
+        for (uint64_t c = 0; c < q->ncells; c++) {
+            float *a = &out[c];
+            uint8_t raised = 0;
+            if (q->peer_group >= 0)
+                *a = amx_pp_peer(q->peer_mode, *a, gm, &raised);
+            f->nfilled += raised;
+            f->nmissing += *a == -INFINITY;
+            marks[c] = raised;
+            m = amx_fmaxf(m, *a);
+            if (q->nslices > 0) {
+                float *sm = &samax[amx_pp_slice(q, c)];
+                *sm = amx_fmaxf(*sm, *a);
+            }
+        }
+    }
+    st->g_amax[f->back][qi] = m;
+    if (q->scale_group >= 0)
+        f->scale_max[q->scale_group] = amx_fmaxf(f->scale_max[q->scale_group], m);
+}
+
+#ifdef HOST_SSE2
+/* amx_pp_cell of FP8 current scaling (TE's output convention) over n
+ * cells, four at a time: the same IEEE operations lane by lane (MAXPS is
+ * `a > b ? a : b`, DIVPS rounds as DIVSS), so the same bits. */
+static void fp8_current_cells(const amx_recipe_t *r, const float *amax, uint64_t n, float *scale,
+                              float *inv, uint8_t *bytes)
+{
+    const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.0f), inf = _mm_set1_ps(INFINITY),
+                 big = _mm_set1_ps(FLT_MAX), eps = _mm_set1_ps(r->eps),
+                 fmax = _mm_set1_ps(amx_fp8_max(r->format));
+    const __m128 p2 = _mm_castsi128_ps(_mm_set1_epi32(r->power_of_2 ? (int)0xff800000u : -1));
+    uint64_t c = 0;
+    for (; n - c >= 4; c += 4) {
+        __m128 v = _mm_max_ps(_mm_loadu_ps(amax + c), zero); /* a > 0 ? a : 0 */
+        __m128 am = _mm_max_ps(eps, v);                      /* v < eps ? eps : v */
+        __m128 ok = _mm_and_ps(_mm_cmplt_ps(am, inf), _mm_cmpneq_ps(am, zero));
+        __m128 s = _mm_div_ps(fmax, am);
+        __m128 fin = _mm_cmplt_ps(s, inf); /* s >= 0: not finite is +inf */
+        s = _mm_or_ps(_mm_and_ps(fin, s), _mm_andnot_ps(fin, big));
+        s = _mm_and_ps(s, p2);
+        s = _mm_or_ps(_mm_and_ps(ok, s), _mm_andnot_ps(ok, one));
+        _mm_storeu_ps(scale + c, s);
+        _mm_storeu_ps(inv + c, _mm_div_ps(one, s));
+    }
+    memset(bytes, 0, n);
+    for (; c < n; c++) {
+        float v = amax[c] > 0.0f ? amax[c] : 0.0f;
+        float s = amx_fp8_current_scale(v, amx_fp8_max(r->format), r->power_of_2, r->eps);
+        scale[c] = s;
+        inv[c] = amx_fp8_scale_inv(s);
+    }
+}
+#endif
+
+/* Step 3 of quantizer qi: its global amax and scales, its slices', then
+ * every cell's scales. */
+static void fin_scales(fin_t *f, const amx_qdesc_t *q, uint32_t qi)
+{
+    host_state_t *h = f->h;
+    amx_state_t *st = f->st;
+    int back = f->back;
+    float *samax = st->s_amax[back];
+    float g = q->scale_group >= 0 ? f->scale_max[q->scale_group] : st->g_amax[back][qi];
+    g = g > 0.0f ? g : 0.0f;
+    st->g_amax[back][qi] = g;
+    amx_pp_global(&q->recipe, g, &h->prev_g[qi], &st->g_scale[back][qi], &st->g_inv[back][qi]);
+    for (uint64_t k = q->gbase; k < q->gbase + q->nslices; k++) {
+        samax[k] = samax[k] > 0.0f ? samax[k] : 0.0f;
+        amx_pp_global(&q->recipe, samax[k], &h->prev_gs[k], &st->s_scale[back][k],
+                      &st->s_inv[back][k]);
+    }
+    uint64_t b = q->base;
+#ifdef HOST_SSE2
+    const amx_recipe_t *r = &q->recipe;
+    if ((r->format == AMX_FMT_FP8_E4M3 || r->format == AMX_FMT_FP8_E5M2) &&
+        r->rule != AMX_RULE_DELAYED && r->output_convention != AMX_OUT_MODELOPT) {
+        fp8_current_cells(r, h->o_amax[back] + b, q->ncells, h->o_scale[back] + b,
+                          h->o_inv[back] + b, h->o_bytes[back] + b);
+        return;
+    }
+#endif
+    float s_enc = st->g_scale[back][qi];
+    for (uint64_t c = 0; c < q->ncells; c++) {
+        uint64_t i = b + c;
+        if (q->nslices > 0) {
+            uint64_t k = amx_pp_slice(q, c);
+            g = samax[k];
+            s_enc = st->s_scale[back][k];
+        }
+        amx_pp_cell(&q->recipe, h->o_amax[back][i], g, s_enc, &h->prev[i], &h->o_scale[back][i],
+                    &h->o_inv[back][i], &h->o_bytes[back][i]);
+    }
+}
+
 static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
                                 uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
                                 int desc_dirty, amx_err_t *err)
@@ -492,7 +696,6 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
                            (unsigned long long)nsl, (unsigned long long)st->nslices);
     AMX_CHECK(size_outputs(st, back, ncells, nq, nsl, err));
     const float *red = (from_send ? h->pend[fl] : h->recv) + AMX_HDR_CELLS;
-    float *out_amax = h->o_amax[back];
     float *peer_max = h->group_max;
     float *scale_max = h->group_max != NULL ? h->group_max + npeer : NULL;
     for (size_t i = 0; i < ngroups; i++)
@@ -510,21 +713,7 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         if (q->nslices > 0)
             fill(h->prev_gs + q->gbase, q->nslices, 1.0f);
     }
-    /* 1. Accumulate, and collect each peer group's max. */
-    for (uint32_t qi = 0; qi < nq; qi++) {
-        const amx_qdesc_t *q = &qs[qi];
-        float m = -INFINITY;
-        for (uint64_t c = 0; c < q->ncells; c++) {
-            float a = amx_pp_accumulate(q, &h->accum[q->base + c], h->hist + q->hist_base, c,
-                                        red[q->base + c]);
-            out_amax[q->base + c] = a;
-            m = amx_fmaxf(m, a);
-        }
-        if (q->peer_group >= 0)
-            peer_max[q->peer_group] = amx_fmaxf(peer_max[q->peer_group], m);
-    }
-    /* 2. Peer fill or share (marked and counted), each quantizer's and
-     * each slice's max, and scale groups' max. */
+    /* The per-cell arrays of output set `back` and the fill marks. */
     h->filled_ok[back] = 0;
     if (h->filled_cap[back] < ncells || h->o_filled[back] == NULL) {
         uint8_t *nf = realloc(h->o_filled[back], (size_t)(ncells ? ncells : 1));
@@ -534,58 +723,34 @@ static amx_status_t host_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
         h->o_filled[back] = nf;
         h->filled_cap[back] = ncells;
     }
-    uint8_t *marks = h->o_filled[back];
-    uint64_t nfilled = 0, nmissing = 0;
-    float *gamax = st->g_amax[back], *samax = st->s_amax[back];
+    fin_t f = {h, st, red, back, 0, 0, peer_max, scale_max};
     for (uint64_t i = 0; i < nsl; i++)
-        samax[i] = -INFINITY;
+        st->s_amax[back][i] = -INFINITY;
+    /* 1. Accumulate, and collect each peer group's max. A quantizer in no
+     * group goes through all three steps at once, while its cells are in
+     * the cache (quantizers are independent of each other but through
+     * their groups, so the order does not change a bit of the results). */
     for (uint32_t qi = 0; qi < nq; qi++) {
         const amx_qdesc_t *q = &qs[qi];
-        float gm = q->peer_group >= 0 ? peer_max[q->peer_group] : -INFINITY;
-        float m = -INFINITY;
-        for (uint64_t c = 0; c < q->ncells; c++) {
-            float *a = &out_amax[q->base + c];
-            uint8_t raised = 0;
-            if (q->peer_group >= 0)
-                *a = amx_pp_peer(q->peer_mode, *a, gm, &raised);
-            nfilled += raised;
-            nmissing += *a == -INFINITY;
-            marks[q->base + c] = raised;
-            m = amx_fmaxf(m, *a);
-            if (q->nslices > 0) {
-                float *sm = &samax[amx_pp_slice(q, c)];
-                *sm = amx_fmaxf(*sm, *a);
-            }
+        float m = fin_accumulate(&f, q);
+        if (q->peer_group >= 0)
+            peer_max[q->peer_group] = amx_fmaxf(peer_max[q->peer_group], m);
+        if (q->peer_group < 0 && q->scale_group < 0) {
+            fin_peer(&f, q, qi);
+            fin_scales(&f, q, qi);
         }
-        gamax[qi] = m;
-        if (q->scale_group >= 0)
-            scale_max[q->scale_group] = amx_fmaxf(scale_max[q->scale_group], m);
     }
+    /* 2. Peer fill or share (marked and counted), each quantizer's and
+     * each slice's max, and scale groups' max. */
+    for (uint32_t qi = 0; qi < nq; qi++)
+        if (qs[qi].peer_group >= 0 || qs[qi].scale_group >= 0)
+            fin_peer(&f, &qs[qi], qi);
     /* 3. Global amax and scales: per quantizer (or scale group), per slice,
      * then per cell with its slice's global when it has slices. */
-    for (uint32_t qi = 0; qi < nq; qi++) {
-        const amx_qdesc_t *q = &qs[qi];
-        float g = q->scale_group >= 0 ? scale_max[q->scale_group] : gamax[qi];
-        g = g > 0.0f ? g : 0.0f;
-        gamax[qi] = g;
-        amx_pp_global(&q->recipe, g, &h->prev_g[qi], &st->g_scale[back][qi], &st->g_inv[back][qi]);
-        for (uint64_t k = q->gbase; k < q->gbase + q->nslices; k++) {
-            samax[k] = samax[k] > 0.0f ? samax[k] : 0.0f;
-            amx_pp_global(&q->recipe, samax[k], &h->prev_gs[k], &st->s_scale[back][k],
-                          &st->s_inv[back][k]);
-        }
-        float s_enc = st->g_scale[back][qi];
-        for (uint64_t c = 0; c < q->ncells; c++) {
-            uint64_t i = q->base + c;
-            if (q->nslices > 0) {
-                uint64_t k = amx_pp_slice(q, c);
-                g = samax[k];
-                s_enc = st->s_scale[back][k];
-            }
-            amx_pp_cell(&q->recipe, out_amax[i], g, s_enc, &h->prev[i], &h->o_scale[back][i],
-                        &h->o_inv[back][i], &h->o_bytes[back][i]);
-        }
-    }
+    for (uint32_t qi = 0; qi < nq; qi++)
+        if (qs[qi].peer_group >= 0 || qs[qi].scale_group >= 0)
+            fin_scales(&f, &qs[qi], qi);
+    uint64_t nfilled = f.nfilled, nmissing = f.nmissing;
     fill(h->pend[fl] + AMX_HDR_CELLS, h->pend_n[fl], -INFINITY);
     h->filled_ok[back] = 1;
     st->cell_counts = 1;

@@ -38,6 +38,17 @@ def catalog(rank):
     ]
     if rank == 0:
         qs.append(amaxd.Quantizer("only.rank0", [5], R.fp8_current()))
+    if rank < 2:
+        # Per-expert global amaxes (global_axes=1) of [E, R, C/16] NVFP4
+        # blocks, the experts sharded over ranks 0 and 1 on axis 0.
+        qs.append(amaxd.Quantizer("g.nvfp4.experts", [4, 3, 8], R.nvfp4(),
+                                  P.shard([4, 3, 8], 0, rank, 2), global_axes=1))
+    # A peer group in share mode (ModelOpt's MoE rule): every cell reads the
+    # group's max, the raised ones marked.
+    qs.append(amaxd.Quantizer("s.share.a", [6], R.fp8_current(), P.per_expert(6, rank, W),
+                              peer_group="share0", peer_mode="share"))
+    qs.append(amaxd.Quantizer("s.share.b", [2], R.fp8_current(), P.replicated([2]),
+                              peer_group="share0", peer_mode="share"))
     return qs
 
 
@@ -47,7 +58,7 @@ def contributions(rank, epoch, rng):
     for q in catalog(rank):
         shape = q.placement.local_shape if q.placement else tuple(q.global_shape)
         v = (rng.random(shape, dtype=np.float32) * 10 ** rng.uniform(-3, 3)).astype(np.float32)
-        if q.name.startswith("e.experts"):
+        if q.name.startswith(("e.experts", "s.share.a", "g.nvfp4")):
             mask = rng.random(shape) < 0.5  # experts without tokens
             # Both ways of saying it: a numpy masked array, amaxd.Masked.
             v = np.ma.MaskedArray(v, mask=mask) if rank % 2 else amaxd.Masked(v, mask)
@@ -90,8 +101,15 @@ def assert_same(named, packed, name):
     assert named.offset == packed.offset and named.shape == packed.shape, name
     assert named.previous_global_amax == packed.previous_global_amax, name
     assert named.previous_global_scale == packed.previous_global_scale, name
+    assert (named.peer_filled is None) == (packed.peer_filled is None), name
     if named.peer_filled is not None:
         np.testing.assert_array_equal(named.peer_filled, packed.peer_filled)
+    for f in ("global_amaxes", "global_scales", "global_scale_invs"):
+        a, b = getattr(named, f), getattr(packed, f)
+        assert (a is None) == (b is None), (name, f)
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype, (name, f, a.shape, b.shape)
+            assert a.tobytes() == b.tobytes(), (name, f, a, b)
 
 
 def test_packed_matches_named(daemon):
@@ -117,6 +135,11 @@ def test_packed_matches_named(daemon):
                 assert set(rn) == set(rp.keys())
                 for name in rn:
                     assert_same(rn[name], rp[name], name)
+                if r < 2:
+                    g = rp["g.nvfp4.experts"]
+                    assert g.global_amaxes.shape == (2,)  # the 2 experts of this rank
+                    if epoch > 1:
+                        assert (g.global_amaxes > 0).all()
                 got.append(rp)
         return got
 
@@ -124,6 +147,11 @@ def test_packed_matches_named(daemon):
     # Cells without data anywhere and peer fill happened somewhere.
     assert any(int(rp.missing.sum()) > 0 or (rp.filled is not None and rp.filled.any())
                for o in outs for rp in o)
+    # The share group raised cells below its max, and said so.
+    assert any(rp["s.share.a"].peer_filled.any() for o in outs for rp in o)
+    L = outs[0][0].layout
+    i = L.index["g.nvfp4.experts"]
+    assert L.global_axes[i] == 1 and L.total_slices == 2
     # Views, not copies.
     rp = outs[0][-1]
     v = rp["a.fc1.weight"].amax

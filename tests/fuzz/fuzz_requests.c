@@ -68,7 +68,7 @@ void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const Prot
     }
 }
 
-void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len)
+void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len, void (*release)(void *), void *ud)
 {
     if (c->replied)
         abort(); /* answered twice */
@@ -82,7 +82,10 @@ void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len)
     if (m == NULL)
         abort();
     protobuf_c_message_free_unpacked(m, NULL);
-    free(buf);
+    if (release != NULL)
+        release(ud);
+    else
+        free(buf);
 }
 
 amx_waiter_t *amx__call_waiter(amx_call_t *c)

@@ -53,8 +53,17 @@ class Layout:
     block_shapes: List[Tuple[int, ...]]
     global_shapes: List[Tuple[int, ...]]
     formats: List[int]
+    # Per quantizer: its global_axes k and its first global slice in the
+    # answer's per-slice arrays (prod(block_shape[:k]) slices when k > 0).
+    global_axes: List[int] = None
+    slice_offsets: np.ndarray = None  # uint64
+    total_slices: int = 0
 
     def __post_init__(self):
+        if self.global_axes is None:
+            self.global_axes = [0] * len(self.names)
+        if self.slice_offsets is None:
+            self.slice_offsets = np.zeros(len(self.names), dtype=np.uint64)
         self.index: Dict[str, int] = {n: i for i, n in enumerate(self.names)}
 
     @staticmethod
@@ -68,10 +77,13 @@ class Layout:
             shapes.append(tuple(bs[k:k + d]))
             gshapes.append(tuple(gs[k:k + d]))
             k += d
+        n = len(r.names)
         return Layout(r.layout_id, r.total_cells, list(r.names),
                       np.array(r.slab_offset, dtype=np.uint64),
                       np.array(r.ncells, dtype=np.uint64), offs, shapes, gshapes,
-                      list(r.format))
+                      list(r.format), list(r.global_axes) or [0] * n,
+                      np.array(r.slice_offset or [0] * n, dtype=np.uint64),
+                      r.total_slices)
 
     def __len__(self):
         return len(self.names)
@@ -170,14 +182,18 @@ def encode_send_packed(job: str, rank: int, epoch: int, layout_id: int, values: 
 _F32_CELL = {4: "amax", 5: "scale", 6: "scale_inv"}
 _F32_Q = {8: "global_amax", 9: "global_scale", 10: "global_scale_inv",
           13: "previous_global_amax", 14: "previous_global_scale"}
+_F32_SLICE = {17: "global_amaxes", 18: "global_scales", 19: "global_scale_invs"}
 
 
 class PackedResult:
     """One rank's results in layout order: per-cell arrays (amax, scale,
     scale_inv, block_scales, filled) and per-quantizer arrays (global_amax,
     global_scale, global_scale_inv, missing, has_previous,
-    previous_global_amax, previous_global_scale), all read-only numpy views
-    of the answer's bytes. result(name) gives one quantizer's views."""
+    previous_global_amax, previous_global_scale), per-slice arrays
+    (global_amaxes, global_scales, global_scale_invs: the global slices of
+    quantizers with global_axes > 0, at Layout.slice_offsets), all
+    read-only numpy views of the answer's bytes. result(name) gives one
+    quantizer's views."""
 
     def __init__(self, raw: bytes, layout: Layout):
         self.raw = raw
@@ -187,7 +203,7 @@ class PackedResult:
         n, q = layout.total_cells, len(layout)
         f32, u8 = np.dtype("<f4"), np.dtype(np.uint8)
         empty_f = np.zeros(0, dtype=f32)
-        for a in list(_F32_CELL.values()) + list(_F32_Q.values()):
+        for a in list(_F32_CELL.values()) + list(_F32_Q.values()) + list(_F32_SLICE.values()):
             setattr(self, a, empty_f)
         self.block_scales = np.zeros(0, dtype=u8)
         self.missing = np.zeros(0, dtype="<u4")
@@ -213,8 +229,8 @@ class PackedResult:
                 i += 4
             elif wt == 2:
                 ln, i = _read_varint(b, i)
-                if f in _F32_CELL or f in _F32_Q:
-                    setattr(self, (_F32_CELL.get(f) or _F32_Q[f]),
+                if f in _F32_CELL or f in _F32_Q or f in _F32_SLICE:
+                    setattr(self, (_F32_CELL.get(f) or _F32_Q.get(f) or _F32_SLICE[f]),
                             np.frombuffer(b, dtype=f32, count=ln // 4, offset=i))
                 elif f == 7:
                     self.block_scales = np.frombuffer(b, dtype=u8, count=ln, offset=i)
@@ -227,9 +243,11 @@ class PackedResult:
                 i += ln
             else:
                 raise ValueError(f"ReconcilePackedResponse: wire type {wt} at byte {i}")
-        if self.layout_id == layout.id and (len(self.amax) != n or len(self.global_amax) != q):
-            raise ValueError(f"ReconcilePackedResponse: {len(self.amax)} cells and "
-                             f"{len(self.global_amax)} quantizers, the layout has {n} and {q}")
+        if self.layout_id == layout.id and (len(self.amax) != n or len(self.global_amax) != q or
+                                            len(self.global_amaxes) != layout.total_slices):
+            raise ValueError(f"ReconcilePackedResponse: {len(self.amax)} cells, "
+                             f"{len(self.global_amax)} quantizers and {len(self.global_amaxes)} "
+                             f"global slices, the layout has {n}, {q} and {layout.total_slices}")
         if self.peer_fill_known and self.filled is None:
             self.filled = np.zeros(n, dtype=u8)
 
@@ -244,13 +262,23 @@ class PackedResult:
         filled = None
         if self.peer_fill_known:
             filled = self.filled[a:b].reshape(shape).view(np.bool_)
+        slices = [None, None, None]
+        k = L.global_axes[i]
+        if k > 0 and b == a:  # an empty block overlaps no slice
+            slices = [np.zeros(shape[:k], dtype=np.float32)] * 3
+        elif k > 0:
+            s0 = int(L.slice_offsets[i])
+            s1 = s0 + int(np.prod(shape[:k], dtype=np.int64))
+            slices = [self.global_amaxes[s0:s1].reshape(shape[:k]),
+                      self.global_scales[s0:s1].reshape(shape[:k]),
+                      self.global_scale_invs[s0:s1].reshape(shape[:k])]
         return Result(name, L.block_offsets[i], shape, self.amax[a:b].reshape(shape),
                       self.scale[a:b].reshape(shape), self.scale_inv[a:b].reshape(shape),
                       self.block_scales[a:b].reshape(shape), float(self.global_amax[i]),
                       float(self.global_scale[i]), float(self.global_scale_inv[i]),
                       int(self.missing[i]), filled,
                       float(self.previous_global_amax[i]) if has_prev else None,
-                      float(self.previous_global_scale[i]) if has_prev else None)
+                      float(self.previous_global_scale[i]) if has_prev else None, *slices)
 
     def __getitem__(self, name: str):
         return self.result(name)
