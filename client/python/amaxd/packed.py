@@ -111,12 +111,12 @@ class Layout:
         for name, v in amax.items():
             a, b = self.span(name)
             if isinstance(v, Masked):
-                data = as_f32(v.values)
+                data = as_f32(v.values).reshape(-1)
                 mask = _to_bool_array(v.no_data)
-                if mask.shape != data.shape:
-                    raise ValueError(f"{name}: no-data mask of shape {mask.shape} for values of "
-                                     f"shape {data.shape}")
-                v = np.ma.masked_array(data, mask=mask)
+                if mask.size != data.size:
+                    raise ValueError(f"{name}: no-data mask of {mask.size} cells for "
+                                     f"{data.size} values")
+                v = np.ma.masked_array(data, mask=mask.reshape(-1))
             if isinstance(v, np.ma.MaskedArray):
                 if has is None:
                     has = np.ones(self.total_cells, dtype=np.uint8)
