@@ -417,8 +417,7 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, fl
                          const float *peer_max, const float *gamax, const float *gscale,
                          const float *gscale_inv, const float *samax, const float *sscale,
                          float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes,
-                         const uint32_t *chunkq, uint8_t *out_filled,
-                         unsigned long long *counts)
+                         const uint32_t *chunkq, uint8_t *out_filled, unsigned long long *counts)
 {
     unsigned long long nfill = 0, nmiss = 0;
     uint32_t qi = chunk_q(qs, nq, chunkq);
@@ -498,10 +497,9 @@ amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, fl
 {
     if (ncells == 0)
         return AMX_OK;
-    k_scales<<<chunks_for(ncells), THREADS, 0, stream>>>(d_q, nq, ncells, out_amax, peer_max, gamax,
-                                                         gscale, gscale_inv, samax, sscale, prev,
-                                                         out_scale, out_inv, out_bytes, chunkq,
-                                                         out_filled, counts);
+    k_scales<<<chunks_for(ncells), THREADS, 0, stream>>>(
+        d_q, nq, ncells, out_amax, peer_max, gamax, gscale, gscale_inv, samax, sscale, prev,
+        out_scale, out_inv, out_bytes, chunkq, out_filled, counts);
     CU(cudaGetLastError(), "scale kernel launch");
     return AMX_OK;
 }
@@ -846,8 +844,8 @@ static amx_status_t cuda_read_filled(amx_state_t *st, const amx_run_t *runs, siz
     CU(cudaMemcpyAsync(c->d_runs, c->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
                        c->sl),
        "cudaMemcpyAsync (runs)");
-    AMX_CHECK(copy_runs<uint8_t>((uint8_t *)c->d_stage, c->o_filled[f], c->d_runs, nruns, c->sl,
-                                 err));
+    AMX_CHECK(
+        copy_runs<uint8_t>((uint8_t *)c->d_stage, c->o_filled[f], c->d_runs, nruns, c->sl, err));
     CU(cudaMemcpyAsync(c->h_stage, c->d_stage, total, cudaMemcpyDeviceToHost, c->sl),
        "cudaMemcpyAsync (fill marks)");
     CU(cudaStreamSynchronize(c->sl), "fill marks");
@@ -1211,11 +1209,10 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
         }
         CU(cudaGetLastError(), "epoch kernels launch");
         MARK(P_GLOBAL);
-        AMX_CHECK(amx__cuda_scales_launch(c->dq, nq, n, c->o_amax[back], peer_max, c->o_gamax[back],
-                                          c->o_gscale[back], c->o_ginv[back], c->o_samax[back],
-                                          c->o_sscale[back], c->prev, c->o_scale[back],
-                                          c->o_inv[back], c->o_bytes[back], c->chunkq,
-                                          c->o_filled[back], c->d_counts, s, err));
+        AMX_CHECK(amx__cuda_scales_launch(
+            c->dq, nq, n, c->o_amax[back], peer_max, c->o_gamax[back], c->o_gscale[back],
+            c->o_ginv[back], c->o_samax[back], c->o_sscale[back], c->prev, c->o_scale[back],
+            c->o_inv[back], c->o_bytes[back], c->chunkq, c->o_filled[back], c->d_counts, s, err));
         MARK(P_SCALES);
         CU(cudaMemcpyAsync(c->h_counts, c->d_counts, 2 * sizeof(unsigned long long),
                            cudaMemcpyDeviceToHost, s),
@@ -1394,13 +1391,13 @@ static void cuda_destroy(amx_state_t *st)
     cudaSetDevice(c->device);
     cudaStreamSynchronize(c->sl);
     cudaStreamSynchronize(c->se);
-    void *dev[] = {c->pend[0],    c->pend[1],     c->recv,        c->accum,       c->prev,
-                   c->hist,       c->prev_g,      c->o_amax[0],   c->o_amax[1],   c->o_scale[0],
-                   c->o_scale[1], c->o_inv[0],    c->o_inv[1],    c->o_bytes[0],  c->o_bytes[1],
-                   c->o_gamax[0], c->o_gamax[1],  c->o_gscale[0], c->o_gscale[1], c->o_ginv[0],
-                   c->o_ginv[1],  c->groups,      c->dq,          c->d_stage,     c->d_runs,
-                   c->e_runs,     c->empty,       c->chunkq,      c->prev_gs,     c->o_samax[0],
-                   c->o_samax[1], c->o_sscale[0], c->o_sscale[1], c->o_sinv[0],   c->o_sinv[1],
+    void *dev[] = {c->pend[0],     c->pend[1],     c->recv,        c->accum,       c->prev,
+                   c->hist,        c->prev_g,      c->o_amax[0],   c->o_amax[1],   c->o_scale[0],
+                   c->o_scale[1],  c->o_inv[0],    c->o_inv[1],    c->o_bytes[0],  c->o_bytes[1],
+                   c->o_gamax[0],  c->o_gamax[1],  c->o_gscale[0], c->o_gscale[1], c->o_ginv[0],
+                   c->o_ginv[1],   c->groups,      c->dq,          c->d_stage,     c->d_runs,
+                   c->e_runs,      c->empty,       c->chunkq,      c->prev_gs,     c->o_samax[0],
+                   c->o_samax[1],  c->o_sscale[0], c->o_sscale[1], c->o_sinv[0],   c->o_sinv[1],
                    c->o_filled[0], c->o_filled[1], c->d_counts};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         if (dev[i] != NULL)

@@ -68,11 +68,19 @@ def epochs(clients, first, last, join=False, register=False):
     return {r: out[r][1] for r in range(WORLD)}, {r: out[r][0] for r in range(WORLD)}
 
 
-def reference(make_cluster, n, upto):
-    c = make_cluster(n)
+def calibrated(make_cluster, n, upto, **kw):
+    """A cluster whose job ran epochs 1..upto; its clients (open) and the
+    last epoch's results."""
+    c = make_cluster(n, **kw)
     cls = clients_for(c, n)
     epochs(cls, 1, 1, join=True, register=True)
     got, _ = epochs(cls, 2, upto)
+    return c, cls, got
+
+
+def reference(make_cluster, n, upto):
+    """An uninterrupted run's results of epoch `upto`."""
+    _, cls, got = calibrated(make_cluster, n, upto)
     for cl in cls:
         cl.close()
     return got
@@ -91,10 +99,7 @@ def restart_all(c, n, drop=()):
 def test_cluster_killed_and_restarted_equals_uninterrupted(make_cluster):
     n = max_daemons(2)
     want = reference(make_cluster, n, 4)
-    c = make_cluster(n, state=True)
-    cls = clients_for(c, n)
-    epochs(cls, 1, 1, join=True, register=True)
-    epochs(cls, 2, 3)
+    c, cls, _ = calibrated(make_cluster, n, 3, state=True)
     for i in range(n):
         assert os.path.exists(os.path.join(c.state_dir(i), "dur.amxs")), c.logs()
         st = amaxd.Client("dur", 0, WORLD, socket=c.socket(i)).status("dur").jobs[0]
@@ -119,10 +124,7 @@ def test_cluster_killed_and_restarted_equals_uninterrupted(make_cluster):
 def test_daemon_without_snapshot_catches_up(make_cluster):
     n = max_daemons(2)
     want = reference(make_cluster, n, 5)
-    c = make_cluster(n, state=True)
-    cls = clients_for(c, n)
-    epochs(cls, 1, 1, join=True, register=True)
-    epochs(cls, 2, 4)
+    c, cls, _ = calibrated(make_cluster, n, 4, state=True)
     for cl in cls:
         cl.close()
     # The last daemon's disk is gone: it starts empty, its trainers register
@@ -139,10 +141,7 @@ def test_daemon_without_snapshot_catches_up(make_cluster):
 def test_one_daemon_restarted_from_its_snapshot(make_cluster):
     n = max_daemons(2)
     want = reference(make_cluster, n, 4)
-    c = make_cluster(n, state=True)
-    cls = clients_for(c, n)
-    epochs(cls, 1, 1, join=True, register=True)
-    epochs(cls, 2, 3)
+    c, cls, _ = calibrated(make_cluster, n, 3, state=True)
     # Only the last daemon dies and comes back; the coordinator kept the
     # job's membership.
     last = n - 1

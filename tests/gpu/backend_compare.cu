@@ -275,8 +275,8 @@ static int compare(const char *what, const void *a, const void *b, size_t n, siz
             unsigned long long x = 0, y = 0; /* elem <= 8 */
             memcpy(&x, (const char *)a + i * elem, elem);
             memcpy(&y, (const char *)b + i * elem, elem);
-            int cellwise = cur_q != NULL &&
-                           n == (size_t)(cur_q[cur_nq - 1].base + cur_q[cur_nq - 1].ncells);
+            int cellwise =
+                cur_q != NULL && n == (size_t)(cur_q[cur_nq - 1].base + cur_q[cur_nq - 1].ncells);
             uint32_t qi = cellwise ? q_of(i) : (uint32_t)i;
             fprintf(stderr, "epoch %d %s[%zu] (quantizer %u, cell %zu): host 0x%llx, cuda 0x%llx\n",
                     epoch, what, i, qi, cellwise ? i - (size_t)cur_q[qi].base : 0, x, y);
@@ -408,7 +408,8 @@ static int run_catalog(const plan_t *plan, amx_qdesc_t *q, uint32_t nq, uint64_t
         e |= compare("scale_inv", ri[0], ri[1], ncells, 4, epoch);
         e |= compare("bytes", rb[0], rb[1], ncells, 1, epoch);
         e |= compare("filled", rf[0], rf[1], ncells, 1, epoch);
-        uint64_t counts[2][2] = {{h->last_filled, h->last_missing}, {c->last_filled, c->last_missing}};
+        uint64_t counts[2][2] = {{h->last_filled, h->last_missing},
+                                 {c->last_filled, c->last_missing}};
         e |= compare("filled/missing counts", counts[0], counts[1], 2, 8, epoch);
         e |= compare("global_amax", h->g_amax[hf], c->g_amax[cf], nq, 4, epoch);
         e |= compare("global_scale", h->g_scale[hf], c->g_scale[cf], nq, 4, epoch);
