@@ -204,6 +204,23 @@ def main():
         print(f"amaxd reconcile = {med(lat) / fl[0]:.2f} x (a);  (b) = {fl[1] / med(lat):.0f} x "
               f"amaxd reconcile")
     print("per-epoch latency (us): " + ", ".join(str(v) for v in lat))
+    # Where the time between the hand-off and the answers goes, per daemon
+    # (medians of the steady epochs): the engine thread waking up, the
+    # engine, the loop taking the result back and publishing it, and the
+    # answer to the waiting rank.
+    if steady and getattr(steady[0][0], "last_engine_begin_us", 0):
+        print(f"{'per daemon (median us)':24s} {'wake':>7s} {'engine':>7s} {'back':>7s} "
+              f"{'answer':>7s} {'to answer':>10s}")
+        for d in range(args.daemons):
+            ss = [e[d] for e in steady]
+            wake = med([s.last_engine_begin_us - s.last_epoch_started_us for s in ss])
+            eng = med([s.last_engine_end_us - s.last_engine_begin_us for s in ss])
+            back = med([s.last_epoch_ended_us - s.last_engine_end_us for s in ss])
+            ans = med([s.last_answered_us - s.last_epoch_ended_us for s in ss])
+            tot = med([e[d].last_answered_us - max(x.last_epoch_started_us for x in e)
+                       for e in steady])
+            print(f"{'daemon ' + str(d):24s} {wake:7.0f} {eng:7.0f} {back:7.0f} {ans:7.0f} "
+                  f"{tot:10.0f}")
 
 
 if __name__ == "__main__":

@@ -950,6 +950,7 @@ static void run_epoch(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
     uint64_t t0 = amx_now_us();
+    e->res.begin_at_us = t0;
     e->w_cat = j->cat;
     e->w_desc = j->desc;
     e->w_owned = 0;
@@ -1033,7 +1034,8 @@ out:
     e->blob = NULL;
     e->blob_len = 0;
     pthread_mutex_unlock(&e->blob_mu);
-    e->res.total_us = amx_now_us() - t0;
+    e->res.end_at_us = amx_now_us();
+    e->res.total_us = e->res.end_at_us - t0;
 }
 
 static void *engine_main(void *arg)

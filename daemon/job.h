@@ -143,13 +143,15 @@ typedef struct amx_job {
     uint64_t updates, epochs_ok, epochs_failed;
     uint64_t last_epoch_us, last_collective_us, last_finish_us;
     uint64_t flight_started_us, last_started_us, last_ended_us; /* CLOCK_MONOTONIC */
+    uint64_t last_engine_begin_us, last_engine_end_us, last_answered_us;
     uint64_t last_active_ms; /* the last call of one of its ranks (job_idle_timeout_ms) */
     /* Durability (snapshot.h). */
     uint64_t durable_epoch; /* the last epoch in the job's snapshot (0: none) */
     char *snap_err;         /* why the last snapshot failed, or NULL */
     int restored;           /* the job came from a snapshot at start */
     uint32_t last_collectives;
-    /* The epoch before the last one: each quantizer's (by lid, < prev_n)
+    /* The epoch before the last one: each quantizer's (by catalog index,
+     * < prev_n)
      * global amax and global scale, for GetScales' previous_* fields. */
     float *prev_ga, *prev_gs;
     uint8_t *prev_ok;

@@ -199,6 +199,18 @@ static void finish_waiter(amx_registry_t *reg, amx_waiter_t *w, amx_status_t st,
     w->done(w, st, msg, reply);
 }
 
+/* The previous-epoch globals of quantizer `lid` (0: none). */
+static int previous_of(const amx_job_t *j, uint32_t lid, float *ga, float *gs)
+{
+    const amx_lq_t *q = &j->lq[lid];
+    if (q->status != LQ_AGREED || q->cidx < 0 || (uint32_t)q->cidx >= j->prev_n ||
+        !j->prev_ok[q->cidx])
+        return 0;
+    *ga = j->prev_ga[q->cidx];
+    *gs = j->prev_gs[q->cidx];
+    return 1;
+}
+
 static void slab_free(amx_slab_t *sl)
 {
     if (sl == NULL)
@@ -1893,11 +1905,11 @@ static amx_status_t build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
         p->g_inv[i] = have ? st->g_inv[f][ci] : 1.0f;
     }
     for (uint32_t i = 0; i < sl->n; i++) {
-        uint32_t lid = sl->lid[i];
-        int prev = lid < j->prev_n && j->prev_ok[lid];
+        uint32_t ci = sl->cidx[i];
+        int prev = ci < j->prev_n && j->prev_ok[ci];
         p->has_previous[i] = (uint8_t)prev;
-        p->prev_amax[i] = prev ? j->prev_ga[lid] : 0.0f;
-        p->prev_scale[i] = prev ? j->prev_gs[lid] : 0.0f;
+        p->prev_amax[i] = prev ? j->prev_ga[ci] : 0.0f;
+        p->prev_scale[i] = prev ? j->prev_gs[ci] : 0.0f;
     }
     /* Only a peer group raises cells: the others' marks are 0. */
     uint64_t nfilled = 0;
@@ -2203,11 +2215,8 @@ static amx_status_t build_results(amx_registry_t *reg, amx_job_t *j, int64_t ran
             return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
         if (filled != NULL)
             x->filled = filled + (x->amax - amax);
-        if (lid < j->prev_n && j->prev_ok[lid]) {
+        if (previous_of(j, lid, &x->previous_global_amax, &x->previous_global_scale))
             x->has_previous = 1;
-            x->previous_global_amax = j->prev_ga[lid];
-            x->previous_global_scale = j->prev_gs[lid];
-        }
     }
     if (total > 0) {
         amx_status_t rst = j->state->ops->read_results(j->state, reg->runs, g.nruns, total, amax,
@@ -2459,6 +2468,20 @@ static void install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_
                   j->name, nc->n);
         abort();
     }
+    /* The previous-epoch globals follow their quantizers to the new order
+     * (without room for them: no previous values, nothing wrong). */
+    float *pga = NULL, *pgs = NULL;
+    uint8_t *pok = NULL;
+    if (j->prev_n > 0 && nc->n > 0) {
+        pga = malloc(nc->n * sizeof(float));
+        pgs = malloc(nc->n * sizeof(float));
+        pok = calloc(nc->n, 1);
+        if (pga == NULL || pgs == NULL || pok == NULL) {
+            free(pga), free(pgs), free(pok);
+            pga = pgs = NULL;
+            pok = NULL;
+        }
+    }
     for (uint32_t i = 0; i < nc->n; i++) {
         uint32_t lid;
         amx_qspec_t *own = NULL; /* a proposal's own spec, freed once the map key moved */
@@ -2471,6 +2494,12 @@ static void install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_
             own = j->lq[lid].spec;
         }
         amx_lq_t *q = &j->lq[lid];
+        if (pok != NULL && q->status == LQ_AGREED && q->cidx >= 0 &&
+            (uint32_t)q->cidx < j->prev_n && j->prev_ok[q->cidx]) {
+            pok[i] = 1;
+            pga[i] = j->prev_ga[q->cidx];
+            pgs[i] = j->prev_gs[q->cidx];
+        }
         q->spec = nc->q[i];
         q->status = LQ_AGREED;
         q->cidx = (int32_t)i;
@@ -2489,6 +2518,11 @@ static void install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_
                     j->lr[s].pl_of[lid] = 0;
         }
     }
+    free(j->prev_ga), free(j->prev_gs), free(j->prev_ok);
+    j->prev_ga = pga;
+    j->prev_gs = pgs;
+    j->prev_ok = pok;
+    j->prev_n = j->prev_cap = pok != NULL ? nc->n : 0;
     j->layout_gen++; /* bases, statuses and placements may have moved */
     amx_catalog_free(j->cat);
     free(j->desc);
@@ -2506,39 +2540,40 @@ static void install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_
     (void)reg;
 }
 
-/* Keeps each quantizer's published global amax and scale (the front
- * outputs, in the layout they were made in) as the previous epoch's,
- * before the epoch that just ended is published. */
+/* Keeps the published global amax and scale of every quantizer of the
+ * catalog (the front outputs, made in the installed catalog's layout) as
+ * the previous epoch's, in catalog order, before the epoch that just ended
+ * is published: two copies of the catalog's globals, no per-quantizer work
+ * (install_catalog carries them over to a new catalog's order). */
 static void save_previous(amx_job_t *j)
 {
     amx_state_t *st = j->state;
     int f = st->front;
-    if (j->nlq > j->prev_cap) {
-        uint32_t cap = j->nlq;
-        float *ga = realloc(j->prev_ga, cap * sizeof(float));
+    uint32_t n = j->cat->n;
+    if (n > j->prev_cap) {
+        float *ga = realloc(j->prev_ga, n * sizeof(float));
         if (ga != NULL)
             j->prev_ga = ga;
-        float *gs = realloc(j->prev_gs, cap * sizeof(float));
+        float *gs = realloc(j->prev_gs, n * sizeof(float));
         if (gs != NULL)
             j->prev_gs = gs;
-        uint8_t *ok = realloc(j->prev_ok, cap);
+        uint8_t *ok = realloc(j->prev_ok, n);
         if (ok != NULL)
             j->prev_ok = ok;
         if (ga == NULL || gs == NULL || ok == NULL) {
             j->prev_n = 0; /* out of memory: no previous values, nothing wrong */
             return;
         }
-        j->prev_cap = cap;
+        j->prev_cap = n;
     }
-    for (uint32_t lid = 0; lid < j->nlq; lid++) {
-        const amx_lq_t *q = &j->lq[lid];
-        int ok = q->status == LQ_AGREED && q->cidx >= 0 && (uint32_t)q->cidx < st->out_nq[f] &&
-                 st->g_amax[f] != NULL;
-        j->prev_ok[lid] = (uint8_t)ok;
-        j->prev_ga[lid] = ok ? st->g_amax[f][q->cidx] : 0.0f;
-        j->prev_gs[lid] = ok ? st->g_scale[f][q->cidx] : 1.0f;
+    uint32_t have = st->g_amax[f] == NULL ? 0 : n < st->out_nq[f] ? n : (uint32_t)st->out_nq[f];
+    if (have > 0) {
+        memcpy(j->prev_ga, st->g_amax[f], have * sizeof(float));
+        memcpy(j->prev_gs, st->g_scale[f], have * sizeof(float));
     }
-    j->prev_n = j->nlq;
+    memset(j->prev_ok, 1, have);
+    memset(j->prev_ok + have, 0, n - have);
+    j->prev_n = n;
 }
 
 static void epoch_done(amx_registry_t *reg, amx_job_t *j)
@@ -2548,6 +2583,8 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
     if (res->reconciled && !res->imported && !j->dropped && j->last_reconciled > 0)
         save_previous(j);
     j->last_started_us = j->flight_started_us;
+    j->last_engine_begin_us = res->begin_at_us;
+    j->last_engine_end_us = res->end_at_us;
     j->last_ended_us = amx_now_us();
     if (res->cat != NULL)
         install_catalog(reg, j, res);
@@ -2584,7 +2621,7 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
                                   st->cell_counts, st->last_missing, st->last_filled);
             amx_metrics_job_catalog(reg->metrics, j->name, j->cat->n, j->cat->ncells);
         }
-        if (res->resets_applied) {
+        if (res->resets_applied && j->nreset > 0) {
             for (uint32_t i = 0; i < j->nlq; i++)
                 j->lq[i].reset = 0;
             j->nreset = 0;
@@ -2625,6 +2662,7 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
                 finish_waiter(reg, w, st, e2.msg, NULL);
             amx_arena_free(&a);
         }
+        j->last_answered_us = amx_now_us();
     } else {
         note_fault(reg, res->st, res->msg);
         amx_err_t e2 = {0};
@@ -2927,6 +2965,9 @@ amx_status_t amx_registry_status(amx_registry_t *reg, const char *job, amx_job_i
         x->last_collectives = j->last_collectives;
         x->last_started_us = j->last_started_us;
         x->last_ended_us = j->last_ended_us;
+        x->last_engine_begin_us = j->last_engine_begin_us;
+        x->last_engine_end_us = j->last_engine_end_us;
+        x->last_answered_us = j->last_answered_us;
         x->collective = j->mship.npart > 1 ? reg->collective : "local";
         x->durable_epoch = j->durable_epoch;
         x->snapshot_error = j->snap_err ? amx_arena_strdup(arena, j->snap_err) : NULL;
@@ -3016,8 +3057,7 @@ amx_status_t amx_registry_fetch_state(amx_registry_t *reg, const char *job, uint
 
 /* ---- snapshots (snapshot.h, docs/OPERATING.md "Durability") ---- */
 
-/* The job's previous-epoch globals (by lid) in catalog order, for its
- * snapshot. */
+/* The job's previous-epoch globals in catalog order, for its snapshot. */
 static amx_status_t previous_by_catalog(const amx_job_t *j, amx_snap_meta_t *m)
 {
     uint32_t n = j->cat->n;
@@ -3029,14 +3069,12 @@ static amx_status_t previous_by_catalog(const amx_job_t *j, amx_snap_meta_t *m)
     if (m->prev_ok == NULL || m->prev_ga == NULL || m->prev_gs == NULL)
         return AMX_ENOMEM;
     m->nprev = n;
-    for (uint32_t i = 0; i < n; i++) {
-        uint32_t lid;
-        if (!amx_strmap_get(&j->lqmap, j->cat->q[i]->name, &lid) || lid >= j->prev_n ||
-            !j->prev_ok[lid])
+    for (uint32_t i = 0; i < n && i < j->prev_n; i++) {
+        if (!j->prev_ok[i])
             continue;
         m->prev_ok[i] = 1;
-        m->prev_ga[i] = j->prev_ga[lid];
-        m->prev_gs[i] = j->prev_gs[lid];
+        m->prev_ga[i] = j->prev_ga[i];
+        m->prev_gs[i] = j->prev_gs[i];
     }
     return AMX_OK;
 }
@@ -3211,21 +3249,19 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
         }
     }
     /* The epoch before the snapshotted one (for has_previous). */
-    if (m->nprev == cat->n && cat->n > 0 && j->nlq > 0) {
-        j->prev_ga = calloc(j->nlq, sizeof(float));
-        j->prev_gs = calloc(j->nlq, sizeof(float));
-        j->prev_ok = calloc(j->nlq, 1);
+    if (m->nprev == cat->n && cat->n > 0) {
+        /* install_catalog made `cat` the job's catalog: the same order. */
+        free(j->prev_ga), free(j->prev_gs), free(j->prev_ok);
+        j->prev_ga = malloc(cat->n * sizeof(float));
+        j->prev_gs = malloc(cat->n * sizeof(float));
+        j->prev_ok = malloc(cat->n);
+        j->prev_cap = j->prev_n = 0;
         if (j->prev_ga == NULL || j->prev_gs == NULL || j->prev_ok == NULL)
             goto nomem;
-        j->prev_cap = j->prev_n = j->nlq;
-        for (uint32_t i = 0; i < cat->n; i++) {
-            uint32_t lid;
-            if (!m->prev_ok[i] || !amx_strmap_get(&j->lqmap, cat->q[i]->name, &lid))
-                continue;
-            j->prev_ok[lid] = 1;
-            j->prev_ga[lid] = m->prev_ga[i];
-            j->prev_gs[lid] = m->prev_gs[i];
-        }
+        j->prev_cap = j->prev_n = cat->n;
+        memcpy(j->prev_ok, m->prev_ok, cat->n);
+        memcpy(j->prev_ga, m->prev_ga, cat->n * sizeof(float));
+        memcpy(j->prev_gs, m->prev_gs, cat->n * sizeof(float));
     }
     j->last_reconciled = js->last_reconciled;
     j->epoch = js->last_reconciled + 1;

@@ -402,6 +402,9 @@ static void h_status(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         js->last_collectives = x->last_collectives;
         js->last_epoch_started_us = x->last_started_us;
         js->last_epoch_ended_us = x->last_ended_us;
+        js->last_engine_begin_us = x->last_engine_begin_us;
+        js->last_engine_end_us = x->last_engine_end_us;
+        js->last_answered_us = x->last_answered_us;
         js->durable_epoch = x->durable_epoch;
         if (x->snapshot_error != NULL)
             js->snapshot_error = (char *)x->snapshot_error;
