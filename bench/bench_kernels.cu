@@ -26,10 +26,10 @@ extern "C" amx_status_t amx__cuda_merge_launch(float *pending, const float *d_va
 extern "C" amx_status_t
 amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, float *out_amax,
                         const float *peer_max, const float *gamax, const float *gscale,
-                        const float *gscale_inv, const float *samax, const float *sscale,
-                        float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes,
-                        const uint32_t *chunkq, uint8_t *out_filled, unsigned long long *counts,
-                        cudaStream_t stream, amx_err_t *err);
+                        const float *gdec, const float *samax, const float *sscale,
+                        const float *sdec, float *prev, float *out_scale, float *out_inv,
+                        uint8_t *out_bytes, const uint32_t *chunkq, uint8_t *out_filled,
+                        unsigned long long *counts, cudaStream_t stream, amx_err_t *err);
 
 #define CK(call)                                                                                   \
     do {                                                                                           \
@@ -138,7 +138,7 @@ int main(int argc, char **argv)
     float t_nv = median_ms(
         [&] {
             amx__cuda_scales_launch(dq, 1, n, amax, NULL, gamax, gscale, gscale_inv, NULL, NULL,
-                                    prev, scale, inv, bytes, NULL, NULL, NULL, 0, &err);
+                                    NULL, prev, scale, inv, bytes, NULL, NULL, NULL, 0, &err);
         },
         reps);
     CK(cudaGetLastError());

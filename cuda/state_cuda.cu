@@ -55,6 +55,12 @@ typedef struct cuda_state {
     uint32_t cap_dq;
     uint8_t *empty; /* per quantizer: some cell saw no data this epoch */
     uint32_t cap_empty;
+    /* 1 / S_enc of each quantizer and each global slice (NVFP4 block
+     * encode scales), made once by k_global / k_slices for k_scales: a
+     * division per cell costs the scale kernel ~20% of its rate. */
+    float *gdec, *sdec;
+    uint32_t cap_gdec;
+    uint64_t cap_sdec;
     uint32_t *chunkq; /* per CHUNK of cells: the quantizer of its first cell */
     uint32_t cap_chunkq, chunkq_n;
     /* Loop-thread staging: values and runs (pinned + device). */
@@ -355,7 +361,7 @@ __global__ void k_epoch_init(float *groups, size_t ngroups, float *gamax, uint8_
 }
 
 __global__ void k_global(const amx_qdesc_t *qs, uint32_t nq, const float *scale_max, float *gamax,
-                         float *prev_g, float *gscale, float *gscale_inv)
+                         float *prev_g, float *gscale, float *gscale_inv, float *gdec)
 {
     for (uint32_t qi = blockIdx.x * blockDim.x + threadIdx.x; qi < nq;
          qi += gridDim.x * blockDim.x) {
@@ -363,6 +369,7 @@ __global__ void k_global(const amx_qdesc_t *qs, uint32_t nq, const float *scale_
         g = g > 0.0f ? g : 0.0f;
         gamax[qi] = g;
         amx_pp_global(&qs[qi].recipe, g, &prev_g[qi], &gscale[qi], &gscale_inv[qi]);
+        gdec[qi] = 1.0f / gscale[qi];
     }
 }
 
@@ -376,7 +383,7 @@ __global__ void k_global(const amx_qdesc_t *qs, uint32_t nq, const float *scale_
  */
 __global__ void k_slices(const amx_qdesc_t *qs, uint32_t nq, uint64_t nslices,
                          const float *out_amax, const float *peer_max, float *prev_gs, float *samax,
-                         float *sscale, float *sinv)
+                         float *sscale, float *sinv, float *sdec)
 {
     __shared__ float warp_max[THREADS / 32];
     for (uint64_t sl = blockIdx.x; sl < nslices; sl += gridDim.x) {
@@ -403,25 +410,65 @@ __global__ void k_slices(const amx_qdesc_t *qs, uint32_t nq, uint64_t nslices,
             float g = m > 0.0f ? m : 0.0f;
             samax[sl] = g;
             amx_pp_global(&q->recipe, g, &prev_gs[sl], &sscale[sl], &sinv[sl]);
+            sdec[sl] = 1.0f / sscale[sl];
         }
         __syncthreads();
     }
+}
+
+/* One cell of k_scales: the peer stage, then the cell's scales. `q` is
+ * quantizer qi's descriptor (in global memory, or a block-uniform copy). */
+__device__ __forceinline__ void scale_cell(const amx_qdesc_t *q, uint32_t qi, uint64_t i, float a,
+                                           float pm, const float *gamax, const float *gscale,
+                                           const float *gdec, const float *samax,
+                                           const float *sscale, const float *sdec, float *out_amax,
+                                           float *prev, float *out_scale, float *out_inv,
+                                           uint8_t *out_bytes, uint8_t *out_filled,
+                                           unsigned long long *nfill, unsigned long long *nmiss)
+{
+    uint8_t raised = 0;
+    if (q->peer_group >= 0) {
+        a = amx_pp_peer(q->peer_mode, a, pm, &raised);
+        if (raised)
+            out_amax[i] = a;
+    }
+    *nfill += raised;
+    *nmiss += a == AMX_NEG_INF;
+    if (out_filled != NULL)
+        out_filled[i] = raised;
+    float g = gamax[qi], s_enc = gscale[qi], s_dec = gdec[qi];
+    if (q->nslices > 0) {
+        uint64_t sl = amx_pp_slice(q, i - q->base);
+        g = samax[sl];
+        s_enc = sscale[sl];
+        s_dec = sdec[sl];
+    }
+    float s, inv;
+    uint8_t b;
+    amx_pp_cell(&q->recipe, a, g, s_enc, s_dec, &prev[i], &s, &inv, &b);
+    out_scale[i] = s;
+    out_inv[i] = inv;
+    out_bytes[i] = b;
 }
 
 /* Per-cell scales; the peer stage (fill or share) is applied here (written
  * back, it is the cell's reported amax), the cells it raised marked in
  * out_filled and counted in counts[0], cells still without data in
  * counts[1] (when those are given). A cell of a quantizer with global
- * slices uses its slice's global amax and scale. */
+ * slices uses its slice's global amax and scale. A block whose cells all
+ * belong to one quantizer (every block of a large tensor) keeps that
+ * quantizer's descriptor in registers instead of reading it per cell. */
 __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, float *out_amax,
                          const float *peer_max, const float *gamax, const float *gscale,
-                         const float *gscale_inv, const float *samax, const float *sscale,
-                         float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes,
-                         const uint32_t *chunkq, uint8_t *out_filled, unsigned long long *counts)
+                         const float *gdec, const float *samax, const float *sscale,
+                         const float *sdec, float *prev, float *out_scale, float *out_inv,
+                         uint8_t *out_bytes, const uint32_t *chunkq, uint8_t *out_filled,
+                         unsigned long long *counts)
 {
     unsigned long long nfill = 0, nmiss = 0;
     uint32_t qi = chunk_q(qs, nq, chunkq);
-    uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
+    uint64_t first = (uint64_t)blockIdx.x * CHUNK, base = first + threadIdx.x;
+    uint64_t end = first + CHUNK < ncells ? first + CHUNK : ncells;
     float a[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
@@ -429,35 +476,29 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, fl
         if (i < ncells)
             a[k] = out_amax[i];
     }
+    if (qs[qi].base + qs[qi].ncells >= end) {
+        const amx_qdesc_t q = qs[qi];
+        float pm = q.peer_group >= 0 ? peer_max[q.peer_group] : 0.0f;
 #pragma unroll
-    for (int k = 0; k < ITEMS; k++) {
-        uint64_t i = base + (uint64_t)k * THREADS;
-        if (i >= ncells)
-            break;
-        qi = seek_q(qs, nq, qi, i);
-        const amx_qdesc_t *q = &qs[qi];
-        uint8_t raised = 0;
-        if (q->peer_group >= 0) {
-            a[k] = amx_pp_peer(q->peer_mode, a[k], peer_max[q->peer_group], &raised);
-            if (raised)
-                out_amax[i] = a[k];
+        for (int k = 0; k < ITEMS; k++) {
+            uint64_t i = base + (uint64_t)k * THREADS;
+            if (i >= ncells)
+                break;
+            scale_cell(&q, qi, i, a[k], pm, gamax, gscale, gdec, samax, sscale, sdec, out_amax,
+                       prev, out_scale, out_inv, out_bytes, out_filled, &nfill, &nmiss);
         }
-        nfill += raised;
-        nmiss += a[k] == AMX_NEG_INF;
-        if (out_filled != NULL)
-            out_filled[i] = raised;
-        float g = gamax[qi], s_enc = gscale[qi];
-        if (q->nslices > 0) {
-            uint64_t sl = amx_pp_slice(q, i - q->base);
-            g = samax[sl];
-            s_enc = sscale[sl];
+    } else {
+#pragma unroll
+        for (int k = 0; k < ITEMS; k++) {
+            uint64_t i = base + (uint64_t)k * THREADS;
+            if (i >= ncells)
+                break;
+            qi = seek_q(qs, nq, qi, i);
+            const amx_qdesc_t *q = &qs[qi];
+            float pm = q->peer_group >= 0 ? peer_max[q->peer_group] : 0.0f;
+            scale_cell(q, qi, i, a[k], pm, gamax, gscale, gdec, samax, sscale, sdec, out_amax, prev,
+                       out_scale, out_inv, out_bytes, out_filled, &nfill, &nmiss);
         }
-        float s, inv;
-        uint8_t b;
-        amx_pp_cell(&q->recipe, a[k], g, s_enc, &prev[i], &s, &inv, &b);
-        out_scale[i] = s;
-        out_inv[i] = inv;
-        out_bytes[i] = b;
     }
     /* Every lane gets here (no lane returned early): one atomic per warp. */
     if (counts != NULL) {
@@ -490,15 +531,15 @@ extern "C" amx_status_t amx__cuda_merge_launch(float *pending, const float *d_va
 extern "C" amx_status_t
 amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, float *out_amax,
                         const float *peer_max, const float *gamax, const float *gscale,
-                        const float *gscale_inv, const float *samax, const float *sscale,
-                        float *prev, float *out_scale, float *out_inv, uint8_t *out_bytes,
-                        const uint32_t *chunkq, uint8_t *out_filled, unsigned long long *counts,
-                        cudaStream_t stream, amx_err_t *err)
+                        const float *gdec, const float *samax, const float *sscale,
+                        const float *sdec, float *prev, float *out_scale, float *out_inv,
+                        uint8_t *out_bytes, const uint32_t *chunkq, uint8_t *out_filled,
+                        unsigned long long *counts, cudaStream_t stream, amx_err_t *err)
 {
     if (ncells == 0)
         return AMX_OK;
     k_scales<<<chunks_for(ncells), THREADS, 0, stream>>>(
-        d_q, nq, ncells, out_amax, peer_max, gamax, gscale, gscale_inv, samax, sscale, prev,
+        d_q, nq, ncells, out_amax, peer_max, gamax, gscale, gdec, samax, sscale, sdec, prev,
         out_scale, out_inv, out_bytes, chunkq, out_filled, counts);
     CU(cudaGetLastError(), "scale kernel launch");
     return AMX_OK;
@@ -1149,6 +1190,13 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
         AMX_CHECK(dalloc((void **)&c->empty, nq, s, err));
         c->cap_empty = nq;
     }
+    if (nq > c->cap_gdec) {
+        dfree(c->gdec, s);
+        c->gdec = NULL;
+        c->cap_gdec = 0;
+        AMX_CHECK(dalloc((void **)&c->gdec, (size_t)nq * 4, s, err));
+        c->cap_gdec = nq;
+    }
     size_t dbytes = (size_t)nq * sizeof(amx_qdesc_t), gbytes = (size_t)nq * 4;
     AMX_CHECK(engine_pin(c, dbytes, err));
     char *pin_d = (char *)c->e_pin;
@@ -1158,6 +1206,13 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
                            "finish over %llu global slices, the state holds %llu",
                            (unsigned long long)nsl, (unsigned long long)st->nslices);
     AMX_CHECK(size_outputs(st, back, ncells, nq, nsl, err));
+    if (nsl > c->cap_sdec) {
+        dfree(c->sdec, s);
+        c->sdec = NULL;
+        c->cap_sdec = 0;
+        AMX_CHECK(dalloc((void **)&c->sdec, (size_t)nsl * 4, s, err));
+        c->cap_sdec = nsl;
+    }
     AMX_CHECK(size_filled(c, back, ncells, err));
     uint64_t n = ncells;
     const float *red = (from_send ? c->pend[fl] : c->recv) + AMX_HDR_CELLS;
@@ -1201,18 +1256,20 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
                                                            c->o_gamax[back], scale_max);
         MARK(P_FILL);
         k_global<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, scale_max, c->o_gamax[back],
-                                                    c->prev_g, c->o_gscale[back], c->o_ginv[back]);
+                                                    c->prev_g, c->o_gscale[back], c->o_ginv[back],
+                                                    c->gdec);
         if (nsl > 0) {
             unsigned sb = nsl < 65535u * 16u ? (unsigned)nsl : 65535u * 16u;
             k_slices<<<sb, THREADS, 0, s>>>(c->dq, nq, nsl, c->o_amax[back], peer_max, c->prev_gs,
-                                            c->o_samax[back], c->o_sscale[back], c->o_sinv[back]);
+                                            c->o_samax[back], c->o_sscale[back], c->o_sinv[back],
+                                            c->sdec);
         }
         CU(cudaGetLastError(), "epoch kernels launch");
         MARK(P_GLOBAL);
         AMX_CHECK(amx__cuda_scales_launch(
-            c->dq, nq, n, c->o_amax[back], peer_max, c->o_gamax[back], c->o_gscale[back],
-            c->o_ginv[back], c->o_samax[back], c->o_sscale[back], c->prev, c->o_scale[back],
-            c->o_inv[back], c->o_bytes[back], c->chunkq, c->o_filled[back], c->d_counts, s, err));
+            c->dq, nq, n, c->o_amax[back], peer_max, c->o_gamax[back], c->o_gscale[back], c->gdec,
+            c->o_samax[back], c->o_sscale[back], c->sdec, c->prev, c->o_scale[back], c->o_inv[back],
+            c->o_bytes[back], c->chunkq, c->o_filled[back], c->d_counts, s, err));
         MARK(P_SCALES);
         CU(cudaMemcpyAsync(c->h_counts, c->d_counts, 2 * sizeof(unsigned long long),
                            cudaMemcpyDeviceToHost, s),
@@ -1398,7 +1455,7 @@ static void cuda_destroy(amx_state_t *st)
                    c->o_ginv[1],   c->groups,      c->dq,          c->d_stage,     c->d_runs,
                    c->e_runs,      c->empty,       c->chunkq,      c->prev_gs,     c->o_samax[0],
                    c->o_samax[1],  c->o_sscale[0], c->o_sscale[1], c->o_sinv[0],   c->o_sinv[1],
-                   c->o_filled[0], c->o_filled[1], c->d_counts};
+                   c->o_filled[0], c->o_filled[1], c->d_counts,    c->gdec,        c->sdec};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         if (dev[i] != NULL)
             cudaFreeAsync(dev[i], c->se);

@@ -89,8 +89,8 @@ AMX_HD uint64_t amx_pp_slice(const amx_qdesc_t *q, uint64_t c)
  * quantizer's (group) global amax `g` and global encode scale `s_enc`.
  * `prev` is the cell's previous delayed scale (updated).
  */
-AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, float *prev,
-                        float *scale, float *inv, uint8_t *byte)
+AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, float s_dec,
+                        float *prev, float *scale, float *inv, uint8_t *byte)
 {
     float v = a > 0.0f ? a : 0.0f;
     uint8_t b = 0;
@@ -101,7 +101,7 @@ AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, fl
          * scale is the block encode scale a quantizer multiplies by, TE's
          * compute_scaling_coefficient: 1 / (S_dec_b * (1 / S_enc)). */
         i = amx_e4m3_to_float(b);
-        s = amx_nvfp4_block_encode(i, 1.0f / s_enc);
+        s = amx_nvfp4_block_encode(i, s_dec);
     } else if (r->format == AMX_FMT_MXFP8) {
         b = amx_mxfp8_e8m0_conv(r->mxfp8_convention, v);
         s = amx_e8m0_encode_conv(r->mxfp8_convention, b);

@@ -654,16 +654,17 @@ static void fin_scales(fin_t *f, const amx_qdesc_t *q, uint32_t qi)
         return;
     }
 #endif
-    float s_enc = st->g_scale[back][qi];
+    float s_enc = st->g_scale[back][qi], s_dec = 1.0f / s_enc;
     for (uint64_t c = 0; c < q->ncells; c++) {
         uint64_t i = b + c;
         if (q->nslices > 0) {
             uint64_t k = amx_pp_slice(q, c);
             g = samax[k];
             s_enc = st->s_scale[back][k];
+            s_dec = 1.0f / s_enc;
         }
-        amx_pp_cell(&q->recipe, h->o_amax[back][i], g, s_enc, &h->prev[i], &h->o_scale[back][i],
-                    &h->o_inv[back][i], &h->o_bytes[back][i]);
+        amx_pp_cell(&q->recipe, h->o_amax[back][i], g, s_enc, s_dec, &h->prev[i],
+                    &h->o_scale[back][i], &h->o_inv[back][i], &h->o_bytes[back][i]);
     }
 }
 
