@@ -248,6 +248,12 @@ int amx_state_cuda_available(void);
 uint64_t amx_state_memory(const char *backend, int device);
 uint64_t amx__state_cuda_memory(int device);
 
+/* The host backend's per-cell scales of an FP8 current-scaling quantizer
+ * (the SSE2 path where the build has it, else the scalar one); 1 when the
+ * SSE2 path ran. For tests: the same bytes as amx_pp_cell. */
+int amx__host_fp8_current_cells(const amx_recipe_t *r, const float *amax, uint64_t n, float *scale,
+                                float *inv, uint8_t *bytes);
+
 /* Host backend constructor (state_host.c). */
 amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err);
 /* CUDA backend constructor (cuda/state_cuda.cu), when built. */

@@ -627,6 +627,23 @@ static void fp8_current_cells(const amx_recipe_t *r, const float *amax, uint64_t
 }
 #endif
 
+int amx__host_fp8_current_cells(const amx_recipe_t *r, const float *amax, uint64_t n, float *scale,
+                                float *inv, uint8_t *bytes)
+{
+#ifdef HOST_SSE2
+    fp8_current_cells(r, amax, n, scale, inv, bytes);
+    return 1;
+#else
+    for (uint64_t c = 0; c < n; c++) {
+        float s1, i1;
+        uint8_t b1;
+        amx_pp_cell(r, amax[c], 0.0f, 1.0f, 1.0f, NULL, &s1, &i1, &b1);
+        scale[c] = s1, inv[c] = i1, bytes[c] = b1;
+    }
+    return 0;
+#endif
+}
+
 /* Step 3 of quantizer qi: its global amax and scales, its slices', then
  * every cell's scales. */
 static void fin_scales(fin_t *f, const amx_qdesc_t *q, uint32_t qi)

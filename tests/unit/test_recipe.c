@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "postproc.h"
+#include "state.h"
 
 static float bits(uint32_t u)
 {
@@ -292,6 +293,76 @@ START_TEST(delayed_history_conventions)
 }
 END_TEST
 
+/* The host backend's vector path for FP8 current scaling gives the bytes
+ * of the scalar amx_pp_cell (which the CUDA kernel runs) for every input
+ * class: no data (-inf), zero, negative, subnormal, eps-clamped, huge,
+ * inf, NaN, and 1M random bit patterns; both formats, with and without
+ * power-of-2 scales and eps; a length that is not a multiple of 4. */
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint32_t rnd32(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+START_TEST(host_vector_fp8_current_matches_scalar)
+{
+    const size_t n = (1u << 20) + 3;
+    float *amax = malloc(n * 4), *s = malloc(n * 4), *inv = malloc(n * 4);
+    uint8_t *b = malloc(n);
+    ck_assert(amax && s && inv && b);
+    static const float edge[] = {-INFINITY, -1.0f,  -0.0f,   0.0f,     1e-45f, 1e-38f,
+                                 FLT_MIN,   1e-12f, 1e-7f,   0.5f,     1.0f,   448.0f,
+                                 57344.0f,  1e30f,  FLT_MAX, INFINITY, NAN};
+    size_t ne = sizeof(edge) / sizeof(edge[0]);
+    for (size_t i = 0; i < n; i++) {
+        if (i < ne) {
+            amax[i] = edge[i];
+        } else {
+            uint32_t u = rnd32();
+            memcpy(&amax[i], &u, 4);
+        }
+    }
+    static const uint8_t fmts[] = {AMX_FMT_FP8_E4M3, AMX_FMT_FP8_E5M2};
+    static const float epss[] = {0.0f, 1e-12f, 0.25f};
+    int vector = 0;
+    for (int f = 0; f < 2; f++)
+        for (int p2 = 0; p2 < 2; p2++)
+            for (int e = 0; e < 3; e++) {
+                amx_recipe_t r;
+                memset(&r, 0, sizeof(r));
+                r.format = fmts[f];
+                r.rule = AMX_RULE_CURRENT;
+                r.power_of_2 = (uint8_t)p2;
+                r.eps = epss[e];
+                memset(b, 0xaa, n);
+                vector = amx__host_fp8_current_cells(&r, amax, n, s, inv, b);
+                size_t bad = 0, first = 0;
+                for (size_t i = 0; i < n; i++) {
+                    float s1, i1;
+                    uint8_t b1;
+                    amx_pp_cell(&r, amax[i], 0.0f, 1.0f, 1.0f, NULL, &s1, &i1, &b1);
+                    if (amx_f2u(s[i]) != amx_f2u(s1) || amx_f2u(inv[i]) != amx_f2u(i1) ||
+                        b[i] != b1) {
+                        if (bad++ == 0)
+                            first = i;
+                    }
+                }
+                /* (one check per configuration: Check marks every assertion) */
+                ck_assert_msg(bad == 0,
+                              "format %d pow2 %d eps %g: %zu cells differ, the first amax %a "
+                              "(0x%08x)",
+                              r.format, p2, (double)r.eps, bad, (double)amax[first],
+                              amx_f2u(amax[first]));
+            }
+    printf("host FP8 current-scaling cells: %s path checked against amx_pp_cell\n",
+           vector ? "SSE2" : "scalar");
+    free(amax), free(s), free(inv), free(b);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("recipe");
@@ -306,6 +377,7 @@ int main(void)
     tcase_add_test(tc, delayed_history_conventions);
     tcase_add_test(tc, mxfp8_modelopt_log2_table);
     tcase_add_test(tc, mxfp8_modelopt_is_ceil_log2);
+    tcase_add_test(tc, host_vector_fp8_current_matches_scalar);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
