@@ -18,18 +18,8 @@
 #include <stdlib.h>
 #include <vector>
 
+#include "../cuda/kernels.h"
 #include "state.h"
-
-extern "C" amx_status_t amx__cuda_merge_launch(float *pending, const float *d_vals, uint64_t nvals,
-                                               const amx_run_t *d_runs, uint32_t nruns, int overlap,
-                                               cudaStream_t stream, amx_err_t *err);
-extern "C" amx_status_t
-amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, float *out_amax,
-                        const float *peer_max, const float *gamax, const float *gscale,
-                        const float *gdec, const float *samax, const float *sscale,
-                        const float *sdec, float *prev, float *out_scale, float *out_inv,
-                        uint8_t *out_bytes, const uint32_t *chunkq, uint8_t *out_filled,
-                        unsigned long long *counts, cudaStream_t stream, amx_err_t *err);
 
 #define CK(call)                                                                                   \
     do {                                                                                           \

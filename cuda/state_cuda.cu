@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "clock.h"
+#include "kernels.h"
 #include "log.h"
 #include "postproc.h"
 #include "state.h"
@@ -49,25 +50,26 @@ typedef struct cuda_state {
     unsigned long long *d_counts, *h_counts;
     float *o_gamax[2], *o_gscale[2], *o_ginv[2];
     float *o_samax[2], *o_sscale[2], *o_sinv[2]; /* per global slice */
+    /* Engine-thread device scratch (grow_dev: capacities in elements). */
     float *groups;
-    size_t cap_groups;
+    uint64_t cap_groups;
     amx_qdesc_t *dq;
-    uint32_t cap_dq;
+    uint64_t cap_dq;
     uint8_t *empty; /* per quantizer: some cell saw no data this epoch */
-    uint32_t cap_empty;
+    uint64_t cap_empty;
     /* 1 / S_enc of each quantizer and each global slice (NVFP4 block
-     * encode scales), made once by k_global / k_slices for k_scales: a
-     * division per cell costs the scale kernel ~20% of its rate. */
+     * encode scales), made once by k_global / k_slices rather than a
+     * division per cell in k_scales (bench/NOTES.md, kernels). */
     float *gdec, *sdec;
-    uint32_t cap_gdec;
-    uint64_t cap_sdec;
+    uint64_t cap_gdec, cap_sdec;
     uint32_t *chunkq; /* per CHUNK of cells: the quantizer of its first cell */
-    uint32_t cap_chunkq, chunkq_n;
+    uint64_t cap_chunkq;
+    uint32_t chunkq_n;
     /* Loop-thread staging: values and runs (pinned + device). */
     float *h_stage, *d_stage;
     uint64_t cap_stage;
     amx_run_t *h_runs, *d_runs;
-    size_t cap_runs;
+    uint64_t cap_runs;
     /* Engine-thread runs, and pinned staging for descriptors and the
      * per-quantizer results (copies from pinned memory are asynchronous and
      * about twice as fast as from pageable memory). */
@@ -598,6 +600,21 @@ static void dfree(void *p, cudaStream_t s)
         cudaFreeAsync(p, s);
 }
 
+/* Device scratch `*p` of at least `need` elements of `elem` bytes
+ * (contents not kept when it grows); `*cap` counts elements. */
+static amx_status_t grow_dev(void **p, uint64_t *cap, uint64_t need, size_t elem, cudaStream_t s,
+                             amx_err_t *err)
+{
+    if (need <= *cap)
+        return AMX_OK;
+    dfree(*p, s);
+    *p = NULL;
+    *cap = 0;
+    AMX_CHECK(dalloc(p, need * elem, s, err));
+    *cap = need;
+    return AMX_OK;
+}
+
 static amx_status_t fill_f(float *p, uint64_t n, float v, cudaStream_t s, amx_err_t *err)
 {
     if (n == 0)
@@ -730,6 +747,21 @@ static amx_status_t grow_pinned(cuda_state_t *c, void **h, void **d, uint64_t *c
     return AMX_OK;
 }
 
+/* Loop thread: `runs` to the device (d_runs, through the pinned h_runs),
+ * queued on the loop's stream before whatever uses them. */
+static amx_status_t loop_runs(cuda_state_t *c, const amx_run_t *runs, size_t nruns, amx_err_t *err)
+{
+    AMX_CHECK(grow_pinned(c, (void **)&c->h_runs, (void **)&c->d_runs, &c->cap_runs, nruns,
+                          sizeof(amx_run_t), err));
+    if (nruns == 0)
+        return AMX_OK;
+    memcpy(c->h_runs, runs, nruns * sizeof(amx_run_t));
+    CU(cudaMemcpyAsync(c->d_runs, c->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
+                       c->sl),
+       "cudaMemcpyAsync (runs)");
+    return AMX_OK;
+}
+
 static amx_status_t cuda_merge(amx_state_t *st, const float *vals, uint64_t nvals,
                                const amx_run_t *runs, size_t nruns, int overlap, amx_err_t *err)
 {
@@ -737,20 +769,13 @@ static amx_status_t cuda_merge(amx_state_t *st, const float *vals, uint64_t nval
     if (nvals == 0)
         return AMX_OK;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
-    uint64_t cr = c->cap_runs;
     AMX_CHECK(grow_pinned(c, (void **)&c->h_stage, (void **)&c->d_stage, &c->cap_stage, nvals,
                           sizeof(float), err));
-    AMX_CHECK(grow_pinned(c, (void **)&c->h_runs, (void **)&c->d_runs, &cr, nruns,
-                          sizeof(amx_run_t), err));
-    c->cap_runs = (size_t)cr;
     memcpy(c->h_stage, vals, nvals * sizeof(float));
-    memcpy(c->h_runs, runs, nruns * sizeof(amx_run_t));
     CU(cudaMemcpyAsync(c->d_stage, c->h_stage, nvals * sizeof(float), cudaMemcpyHostToDevice,
                        c->sl),
        "cudaMemcpyAsync (values)");
-    CU(cudaMemcpyAsync(c->d_runs, c->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
-                       c->sl),
-       "cudaMemcpyAsync (runs)");
+    AMX_CHECK(loop_runs(c, runs, nruns, err));
     AMX_CHECK(amx__cuda_merge_launch(c->pend[c->active] + AMX_HDR_CELLS, c->d_stage, nvals,
                                      c->d_runs, (uint32_t)nruns, overlap, c->sl, err));
     /* The staging buffers are reused by the next batch: wait for this one. */
@@ -802,16 +827,7 @@ static amx_status_t cuda_remap_active(amx_state_t *st, const amx_layout_change_t
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
-    uint64_t cr = c->cap_runs;
-    AMX_CHECK(grow_pinned(c, (void **)&c->h_runs, (void **)&c->d_runs, &cr, lc->npend_runs,
-                          sizeof(amx_run_t), err));
-    c->cap_runs = (size_t)cr;
-    if (lc->npend_runs > 0) {
-        memcpy(c->h_runs, lc->pend, lc->npend_runs * sizeof(amx_run_t));
-        CU(cudaMemcpyAsync(c->d_runs, c->h_runs, lc->npend_runs * sizeof(amx_run_t),
-                           cudaMemcpyHostToDevice, c->sl),
-           "cudaMemcpyAsync (runs)");
-    }
+    AMX_CHECK(loop_runs(c, lc->pend, lc->npend_runs, err));
     AMX_CHECK(remap_pend(c, c->active, lc, c->d_runs, c->sl, err));
     CU(cudaStreamSynchronize(c->sl), "remap of the pending buffer");
     st->pend_cells = c->pend_n[c->active];
@@ -834,16 +850,9 @@ static amx_status_t cuda_read_results(amx_state_t *st, const amx_run_t *runs, si
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     /* Gather into the staging buffer (13 bytes a cell), one copy back. */
     uint64_t need = (total * 13 + 3) / 4;
-    uint64_t cr = c->cap_runs;
     AMX_CHECK(grow_pinned(c, (void **)&c->h_stage, (void **)&c->d_stage, &c->cap_stage, need,
                           sizeof(float), err));
-    AMX_CHECK(grow_pinned(c, (void **)&c->h_runs, (void **)&c->d_runs, &cr, nruns,
-                          sizeof(amx_run_t), err));
-    c->cap_runs = (size_t)cr;
-    memcpy(c->h_runs, runs, nruns * sizeof(amx_run_t));
-    CU(cudaMemcpyAsync(c->d_runs, c->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
-                       c->sl),
-       "cudaMemcpyAsync (runs)");
+    AMX_CHECK(loop_runs(c, runs, nruns, err));
     float *da = c->d_stage, *ds = da + total, *di = ds + total;
     uint8_t *db = (uint8_t *)(di + total);
     AMX_CHECK(copy_runs<float>(da, c->o_amax[f], c->d_runs, nruns, c->sl, err));
@@ -875,16 +884,9 @@ static amx_status_t cuda_read_filled(amx_state_t *st, const amx_run_t *runs, siz
     if (total == 0)
         return AMX_OK;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
-    uint64_t cr = c->cap_runs;
     AMX_CHECK(grow_pinned(c, (void **)&c->h_stage, (void **)&c->d_stage, &c->cap_stage,
                           (total + 3) / 4, sizeof(float), err));
-    AMX_CHECK(grow_pinned(c, (void **)&c->h_runs, (void **)&c->d_runs, &cr, nruns,
-                          sizeof(amx_run_t), err));
-    c->cap_runs = (size_t)cr;
-    memcpy(c->h_runs, runs, nruns * sizeof(amx_run_t));
-    CU(cudaMemcpyAsync(c->d_runs, c->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
-                       c->sl),
-       "cudaMemcpyAsync (runs)");
+    AMX_CHECK(loop_runs(c, runs, nruns, err));
     AMX_CHECK(
         copy_runs<uint8_t>((uint8_t *)c->d_stage, c->o_filled[f], c->d_runs, nruns, c->sl, err));
     CU(cudaMemcpyAsync(c->h_stage, c->d_stage, total, cudaMemcpyDeviceToHost, c->sl),
@@ -1159,44 +1161,16 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
             cudaEventRecord(ev[i], s);                                                             \
     } while (0)
     size_t ngroups = (size_t)npeer + nscale;
-    if (ngroups > c->cap_groups) {
-        dfree(c->groups, s);
-        c->groups = NULL;
-        c->cap_groups = 0;
-        AMX_CHECK(dalloc((void **)&c->groups, ngroups * sizeof(float), s, err));
-        c->cap_groups = ngroups;
-    }
-    if (nq > c->cap_dq) {
-        dfree(c->dq, s);
-        c->dq = NULL;
-        c->cap_dq = 0;
-        c->dq_n = 0;
-        AMX_CHECK(dalloc((void **)&c->dq, (size_t)nq * sizeof(amx_qdesc_t), s, err));
-        c->cap_dq = nq;
-    }
     uint32_t nch = chunks_for(ncells);
-    if (nch > c->cap_chunkq) {
-        dfree(c->chunkq, s);
-        c->chunkq = NULL;
-        c->cap_chunkq = 0;
+    if (nq > c->cap_dq)
+        c->dq_n = 0; /* regrown: the descriptors go up again */
+    if (nch > c->cap_chunkq)
         c->chunkq_n = 0;
-        AMX_CHECK(dalloc((void **)&c->chunkq, (size_t)nch * 4, s, err));
-        c->cap_chunkq = nch;
-    }
-    if (nq > c->cap_empty) {
-        dfree(c->empty, s);
-        c->empty = NULL;
-        c->cap_empty = 0;
-        AMX_CHECK(dalloc((void **)&c->empty, nq, s, err));
-        c->cap_empty = nq;
-    }
-    if (nq > c->cap_gdec) {
-        dfree(c->gdec, s);
-        c->gdec = NULL;
-        c->cap_gdec = 0;
-        AMX_CHECK(dalloc((void **)&c->gdec, (size_t)nq * 4, s, err));
-        c->cap_gdec = nq;
-    }
+    AMX_CHECK(grow_dev((void **)&c->groups, &c->cap_groups, ngroups, sizeof(float), s, err));
+    AMX_CHECK(grow_dev((void **)&c->dq, &c->cap_dq, nq, sizeof(amx_qdesc_t), s, err));
+    AMX_CHECK(grow_dev((void **)&c->chunkq, &c->cap_chunkq, nch, sizeof(uint32_t), s, err));
+    AMX_CHECK(grow_dev((void **)&c->empty, &c->cap_empty, nq, 1, s, err));
+    AMX_CHECK(grow_dev((void **)&c->gdec, &c->cap_gdec, nq, sizeof(float), s, err));
     size_t dbytes = (size_t)nq * sizeof(amx_qdesc_t), gbytes = (size_t)nq * 4;
     AMX_CHECK(engine_pin(c, dbytes, err));
     char *pin_d = (char *)c->e_pin;
@@ -1206,13 +1180,7 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
                            "finish over %llu global slices, the state holds %llu",
                            (unsigned long long)nsl, (unsigned long long)st->nslices);
     AMX_CHECK(size_outputs(st, back, ncells, nq, nsl, err));
-    if (nsl > c->cap_sdec) {
-        dfree(c->sdec, s);
-        c->sdec = NULL;
-        c->cap_sdec = 0;
-        AMX_CHECK(dalloc((void **)&c->sdec, (size_t)nsl * 4, s, err));
-        c->cap_sdec = nsl;
-    }
+    AMX_CHECK(grow_dev((void **)&c->sdec, &c->cap_sdec, nsl, sizeof(float), s, err));
     AMX_CHECK(size_filled(c, back, ncells, err));
     uint64_t n = ncells;
     const float *red = (from_send ? c->pend[fl] : c->recv) + AMX_HDR_CELLS;

@@ -150,9 +150,8 @@ typedef struct amx_job {
     char *snap_err;         /* why the last snapshot failed, or NULL */
     int restored;           /* the job came from a snapshot at start */
     uint32_t last_collectives;
-    /* The epoch before the last one: each quantizer's (by catalog index,
-     * < prev_n)
-     * global amax and global scale, for GetScales' previous_* fields. */
+    /* The epoch before the last one: each quantizer's global amax and
+     * global scale by catalog index (< prev_n), for previous_* fields. */
     float *prev_ga, *prev_gs;
     uint8_t *prev_ok;
     uint32_t prev_n, prev_cap;
