@@ -254,7 +254,7 @@ int main(int argc, char **argv)
              d.cfg.tcp[0] && d.cfg.socket[0] ? " and " : "", d.cfg.tcp);
     amx_notify_ready(d.notify, listening);
 
-    uv_run(&d.loop, UV_RUN_DEFAULT);
+    amx_rpc_run(d.rpc); /* uv_run that lets the completion-queue threads in */
 
     amx_registry_destroy(d.reg); /* joins the engine threads */
     uv_run(&d.loop, UV_RUN_DEFAULT);

@@ -3,10 +3,11 @@
  * loopback TCP), the peer server (TCP, several daemons), the
  * completion-queue thread, and the loop thread's asynchronous client calls.
  *
- * Threads: one completion-queue thread only takes events off the queue and
- * hands them to the loop (uv_async_send; the loop drains the whole batch).
- * Everything else (parsing, the registry, answers, client callbacks) runs
- * on the loop thread.
+ * Threads: "the loop thread" below means whichever thread holds the loop
+ * lock: the loop thread itself while it is awake (amx_rpc_run), or a
+ * completion-queue thread that handles a completion while the loop sleeps
+ * (parsing, the registry, answers, client callbacks). Either way, one at a
+ * time, so what the loop thread owns needs no other lock.
  */
 #ifndef AMX_RPC_H
 #define AMX_RPC_H
@@ -23,8 +24,10 @@ typedef struct amx_peer amx_peer_t;
 
 /* Creates the servers, binds the Unix socket and/or TCP address of `cfg`
  * (and the peer service's address when `peer` serves one), starts the
- * completion-queue thread and begins accepting calls on `loop`. Borrowed
- * arguments must outlive the server. Loop thread. */
+ * completion-queue threads and begins accepting calls on `loop`. Borrowed
+ * arguments must outlive the server. On success the calling thread holds
+ * the loop lock: it must run `loop` with amx_rpc_run, not uv_run, until the
+ * server has stopped, and keeps the lock until amx_rpc_free. Loop thread. */
 amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registry_t *reg,
                            amx_peer_t *peer, double start_time, amx_rpc_t **out, amx_err_t *err);
 
@@ -37,7 +40,12 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
  */
 void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud), void *ud);
 
-/* Frees a stopped server. Loop thread. */
+/* Runs the loop like uv_run(UV_RUN_DEFAULT) until nothing is left on it,
+ * letting go of the loop lock only while it sleeps; returns with the lock
+ * held (uv_run's return value). Loop thread, after amx_rpc_start. */
+int amx_rpc_run(amx_rpc_t *rpc);
+
+/* Frees a stopped server and lets go of the loop lock. Loop thread. */
 void amx_rpc_free(amx_rpc_t *rpc);
 
 typedef struct amx_metrics amx_metrics_t;
