@@ -245,6 +245,12 @@ static amx_status_t read_file(const char *path, void **out, size_t *len, amx_err
     return AMX_OK;
 }
 
+static int cmp_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
 amx_status_t amx_snapshot_read(const char *path, amx_snapshot_t *out, amx_err_t *err)
 {
     memset(out, 0, sizeof(*out));
@@ -312,6 +318,25 @@ amx_status_t amx_snapshot_read(const char *path, amx_snapshot_t *out, amx_err_t 
             for (uint32_t d = 0; d < p->pl.ndim; d++)
                 p->pl.ncells *= p->pl.shape[d];
         }
+    }
+    /* Each local rank once: a rank restored twice would have its
+     * placements applied twice (a file made by hand, or a writer's bug). */
+    if (m->nranks > 1) {
+        uint32_t *ids = malloc((size_t)m->nranks * sizeof(*ids));
+        if (ids == NULL)
+            goto malformed;
+        for (uint32_t i = 0; i < m->nranks; i++)
+            ids[i] = m->ranks[i].rank;
+        qsort(ids, m->nranks, sizeof(*ids), cmp_u32);
+        for (uint32_t i = 1; i < m->nranks; i++)
+            if (ids[i] == ids[i - 1]) {
+                uint32_t dup = ids[i];
+                free(ids);
+                amx_snapshot_free(out);
+                return amx_err_set(err, AMX_EINVAL,
+                                   "the job section lists rank %u twice (malformed)", dup);
+            }
+        free(ids);
     }
     m->nprev = amx_get32(&r);
     if (r.bad || (uint64_t)m->nprev * 9 > body)
