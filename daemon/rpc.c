@@ -9,8 +9,10 @@
  * the loop's handles) is owned by whichever thread holds rpc->loop_mu. The
  * loop thread holds it except while it sleeps in poll() on the loop's
  * backend descriptor (amx_rpc_run); a completion-queue thread that takes an
- * event off the queue takes the lock and handles the event itself, as the
- * loop thread would have. Handing every event to the loop thread instead
+ * event off the queue handles it itself, as the loop thread would have, when
+ * the lock is free, else queues it for the holder (combine()) and goes back
+ * to gRPC: no thread sleeps on the lock, so a long handler does not stop
+ * gRPC's reading of other connections. Handing every event to the loop thread instead
  * cost two wakeups per completion, three completions per unary call: most
  * of a small call's time on two cores. After handling an event the thread
  * wakes the loop only when the loop's next deadline moved earlier than the
@@ -143,6 +145,7 @@ struct amx_rpc {
     pthread_mutex_t loop_mu; /* the loop lock (see the top of this file) */
     uint64_t wait_until;     /* loop time the loop thread sleeps until; under loop_mu */
     int loop_locked;         /* the loop thread holds loop_mu (set at start) */
+    int cq_shut;             /* the queue has ended; under mu */
     event_t *queue;          /* filled by the CQ thread */
     size_t qlen, qcap;
     event_t *spare; /* drained by the loop, then swapped back */
@@ -184,6 +187,72 @@ static void wake_if_earlier(amx_rpc_t *rpc)
     }
 }
 
+/* Appends an event to the queue (any thread). */
+static void push(amx_rpc_t *rpc, void *tag, int ok)
+{
+    pthread_mutex_lock(&rpc->mu);
+    if (rpc->qlen == rpc->qcap) {
+        size_t cap = rpc->qcap ? rpc->qcap * 2 : 256;
+        event_t *q = realloc(rpc->queue, cap * sizeof(event_t));
+        if (q == NULL) {
+            /* Nothing sane remains: an event lost here would hang a call forever. */
+            AMX_ERROR("rpc", "out of memory queueing a completion event; aborting");
+            abort();
+        }
+        rpc->queue = q;
+        rpc->qcap = cap;
+    }
+    rpc->queue[rpc->qlen].tag = tag;
+    rpc->queue[rpc->qlen].ok = ok;
+    rpc->qlen++;
+    pthread_mutex_unlock(&rpc->mu);
+}
+
+static int queued_events(amx_rpc_t *rpc)
+{
+    pthread_mutex_lock(&rpc->mu);
+    int n = rpc->qlen > 0;
+    pthread_mutex_unlock(&rpc->mu);
+    return n;
+}
+
+/* Handles every queued event, the ones queued meanwhile too. Under the
+ * loop lock. */
+static void drain(amx_rpc_t *rpc)
+{
+    for (;;) {
+        /* Take the whole queue by swapping buffers: no copy, no allocation. */
+        pthread_mutex_lock(&rpc->mu);
+        event_t *batch = rpc->queue;
+        size_t n = rpc->qlen, cap = rpc->qcap;
+        rpc->queue = rpc->spare;
+        rpc->qcap = rpc->spare_cap;
+        rpc->qlen = 0;
+        pthread_mutex_unlock(&rpc->mu);
+        for (size_t i = 0; i < n; i++)
+            dispatch(rpc, &batch[i]);
+        rpc->spare = batch; /* only the holder of the loop lock touches spare */
+        rpc->spare_cap = cap;
+        if (n == 0)
+            return;
+    }
+}
+
+/* Whoever holds the loop lock handles the queue; a thread that finds it
+ * held leaves its event there and goes back to gRPC instead of sleeping
+ * on the lock. Every holder looks at the queue again after letting go, so
+ * an event queued while it held the lock is never left behind. */
+static void combine(amx_rpc_t *rpc)
+{
+    while (pthread_mutex_trylock(&rpc->loop_mu) == 0) {
+        drain(rpc);
+        wake_if_earlier(rpc);
+        pthread_mutex_unlock(&rpc->loop_mu);
+        if (!queued_events(rpc))
+            return;
+    }
+}
+
 static void *cq_main(void *arg)
 {
     amx_rpc_t *rpc = arg;
@@ -191,38 +260,21 @@ static void *cq_main(void *arg)
         grpc_event ev =
             grpc_completion_queue_next(rpc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
         if (ev.type == GRPC_OP_COMPLETE) {
-            event_t e = {ev.tag, ev.success};
-            pthread_mutex_lock(&rpc->loop_mu);
-            dispatch(rpc, &e);
-            wake_if_earlier(rpc);
-            pthread_mutex_unlock(&rpc->loop_mu);
+            push(rpc, ev.tag, ev.success);
+            combine(rpc);
             continue;
         }
+        /* GRPC_QUEUE_SHUTDOWN, after every event. Every thread sees it; the
+         * last one reports it to the loop thread (which joins the threads),
+         * after the others have queued their last events. */
         pthread_mutex_lock(&rpc->mu);
-        if (rpc->qlen == rpc->qcap) {
-            size_t cap = rpc->qcap ? rpc->qcap * 2 : 256;
-            event_t *q = realloc(rpc->queue, cap * sizeof(event_t));
-            if (q == NULL) {
-                /* Nothing sane remains: an event lost here would hang a call forever. */
-                AMX_ERROR("rpc", "out of memory queueing a completion event; aborting");
-                abort();
-            }
-            rpc->queue = q;
-            rpc->qcap = cap;
-        }
-        /* Every thread sees the shutdown; the last one reports it, after the
-         * events the others took have been queued. */
-        if (ev.type == GRPC_QUEUE_SHUTDOWN && --rpc->cq_threads_live > 0) {
-            pthread_mutex_unlock(&rpc->mu);
-            return NULL;
-        }
-        rpc->queue[rpc->qlen].tag = ev.type == GRPC_QUEUE_SHUTDOWN ? NULL : ev.tag;
-        rpc->queue[rpc->qlen].ok = ev.success;
-        rpc->qlen++;
+        int last = --rpc->cq_threads_live == 0;
+        if (last)
+            rpc->cq_shut = 1;
         pthread_mutex_unlock(&rpc->mu);
-        uv_async_send(&rpc->wake);
-        if (ev.type == GRPC_QUEUE_SHUTDOWN)
-            return NULL;
+        if (last)
+            uv_async_send(&rpc->wake);
+        return NULL;
     }
 }
 
@@ -936,21 +988,14 @@ static void dispatch(amx_rpc_t *rpc, event_t *ev)
 static void on_wake(uv_async_t *h)
 {
     amx_rpc_t *rpc = h->data;
-    for (;;) {
-        /* Take the whole queue by swapping buffers: no copy, no allocation. */
-        pthread_mutex_lock(&rpc->mu);
-        event_t *batch = rpc->queue;
-        size_t n = rpc->qlen, cap = rpc->qcap;
-        rpc->queue = rpc->spare;
-        rpc->qcap = rpc->spare_cap;
-        rpc->qlen = 0;
-        pthread_mutex_unlock(&rpc->mu);
-        for (size_t i = 0; i < n; i++)
-            dispatch(rpc, &batch[i]);
-        rpc->spare = batch; /* only the loop thread touches spare */
-        rpc->spare_cap = cap;
-        if (n == 0)
-            return;
+    drain(rpc);
+    pthread_mutex_lock(&rpc->mu);
+    int shut = rpc->cq_shut && rpc->qlen == 0;
+    rpc->cq_shut = shut ? 0 : rpc->cq_shut;
+    pthread_mutex_unlock(&rpc->mu);
+    if (shut) {
+        event_t end = {NULL, 1};
+        dispatch(rpc, &end);
     }
 }
 
@@ -1389,13 +1434,16 @@ int amx_rpc_run(amx_rpc_t *rpc)
     struct pollfd p = {.fd = uv_backend_fd(loop), .events = POLLIN};
     int alive;
     while ((alive = uv_run(loop, UV_RUN_NOWAIT)) != 0) {
+        drain(rpc); /* what completion-queue threads left while it was awake */
         int t = uv_backend_timeout(loop);
         if (t == 0)
             continue;
         rpc->wait_until = t < 0 ? UINT64_MAX : uv_now(loop) + (uint64_t)t;
         pthread_mutex_unlock(&rpc->loop_mu);
-        /* EINTR and spurious returns are harmless: uv_run looks again. */
-        (void)poll(&p, 1, t);
+        /* EINTR and spurious returns are harmless: uv_run looks again. An
+         * event queued after the drain while the lock was held is ours. */
+        if (!queued_events(rpc))
+            (void)poll(&p, 1, t);
         pthread_mutex_lock(&rpc->loop_mu);
         rpc->wait_until = 0; /* awake: nobody needs to wake it */
     }
