@@ -67,6 +67,10 @@
 #include "service.h"
 #include "wire.h"
 
+/* absl_tune.cc: Abseil's deadlock detection off (a debugging aid that
+ * Debian's build leaves on in every mutex gRPC takes). */
+void amx__absl_tune(void);
+
 #define POSTED_PER_METHOD 8
 #define MAX_METHODS 32
 #define UNKNOWN_TRAINER -1
@@ -1120,6 +1124,7 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     pthread_mutex_init(&rpc->mu, NULL);
     pthread_mutex_init(&rpc->loop_mu, NULL);
 
+    amx__absl_tune(); /* before gRPC takes its first mutex */
     grpc_init();
     rpc->server = make_server(cfg);
     rpc->nservers = 1;

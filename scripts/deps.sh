@@ -8,7 +8,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
 pkgs=(build-essential cmake pkg-config git
-      libgrpc-dev protobuf-compiler-grpc libprotobuf-c-dev protobuf-c-compiler
+      libgrpc-dev libabsl-dev protobuf-compiler-grpc libprotobuf-c-dev protobuf-c-compiler
       libuv1-dev check libinih-dev libcjson-dev libgloo-dev libssl-dev clang
       libsystemd-dev systemd libmicrohttpd-dev libcairo2
       python3 python3-venv python3-pip)
