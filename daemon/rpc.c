@@ -20,6 +20,14 @@
  * (GRPC_QUEUE_SHUTDOWN) still goes to the loop thread, which joins the
  * completion-queue threads.
  *
+ * So handlers must not start I/O watchers on the loop (uv_poll_start,
+ * uv_read_start, a uv_write that has to wait): libuv 1.44's
+ * uv_backend_timeout does not see its watcher queue, and a sleeping loop
+ * would not notice them before its next wake-up. Timers are seen, but are
+ * reckoned from the loop's time when it went to sleep. None do today: a
+ * handler reaches the loop only through uv_async_send, and the daemon's
+ * timers are started on the loop thread (main, notify, rpc's grace).
+ *
  * Two servers share the one completion queue: the trainer server (Unix
  * socket, optional loopback TCP: amaxd.v1 and health) and, in a cluster,
  * the peer server (TCP: amaxd.peer.v1). For every registered method several
@@ -150,6 +158,7 @@ struct amx_rpc {
     uint64_t wait_until;     /* loop time the loop thread sleeps until; under loop_mu */
     int loop_locked;         /* the loop thread holds loop_mu (set at start) */
     int cq_shut;             /* the queue has ended; under mu */
+    int loop_wants;          /* the loop thread waits for loop_mu (atomic) */
     event_t *queue;          /* filled by the CQ thread */
     size_t qlen, qcap;
     event_t *spare; /* drained by the loop, then swapped back */
@@ -248,7 +257,11 @@ static void drain(amx_rpc_t *rpc)
  * an event queued while it held the lock is never left behind. */
 static void combine(amx_rpc_t *rpc)
 {
-    while (pthread_mutex_trylock(&rpc->loop_mu) == 0) {
+    /* A loop thread that woke up and waits for the lock goes first (it
+     * drains the queue before it sleeps again): completions that keep
+     * coming cannot keep it, its timers and epoch outcomes out. */
+    while (!__atomic_load_n(&rpc->loop_wants, __ATOMIC_ACQUIRE) &&
+           pthread_mutex_trylock(&rpc->loop_mu) == 0) {
         drain(rpc);
         wake_if_earlier(rpc);
         pthread_mutex_unlock(&rpc->loop_mu);
@@ -1440,6 +1453,10 @@ int amx_rpc_run(amx_rpc_t *rpc)
     int alive;
     while ((alive = uv_run(loop, UV_RUN_NOWAIT)) != 0) {
         drain(rpc); /* what completion-queue threads left while it was awake */
+        /* The callbacks and the drain took time: the timeout is reckoned
+         * from now, as uv_run(UV_RUN_DEFAULT) would, not from the start of
+         * this pass (timers would fire late by the pass's length). */
+        uv_update_time(loop);
         int t = uv_backend_timeout(loop);
         if (t == 0)
             continue;
@@ -1449,7 +1466,9 @@ int amx_rpc_run(amx_rpc_t *rpc)
          * event queued after the drain while the lock was held is ours. */
         if (!queued_events(rpc))
             (void)poll(&p, 1, t);
+        __atomic_store_n(&rpc->loop_wants, 1, __ATOMIC_RELEASE);
         pthread_mutex_lock(&rpc->loop_mu);
+        __atomic_store_n(&rpc->loop_wants, 0, __ATOMIC_RELEASE);
         rpc->wait_until = 0; /* awake: nobody needs to wake it */
     }
     return alive;
