@@ -13,7 +13,8 @@ measured in the same run:
                results, median over the steady epochs (the first epoch,
                which agrees the catalog, is left out). Named form:
                Client.send({name: value}) + Client.reconcile(); packed form:
-               send_packed(slab) + reconcile_packed().
+               send_packed(slab) + reconcile_packed(); shm: the packed form
+               through the daemon's shared-memory buffer (Client(shm=True)).
                Floor: the same bytes (every rank's request and answer of
                the packed form) written through a pipe to `cat >/dev/null`,
                plus a numpy max over the W slabs.
@@ -84,12 +85,13 @@ def catalog(case, W, rank):
 
 def rank_main(conn, sock, job, W, rank, case, form):
     import amaxd
-    with amaxd.Client(job, rank, W, socket=sock, timeout=600) as c:
+    with amaxd.Client(job, rank, W, socket=sock, timeout=600, shm=form == "shm") as c:
         c.join()
         qs = catalog(case, W, rank)
         c.register(qs)
         rng = np.random.default_rng(rank)
-        if form == "packed":
+        packed = form in ("packed", "shm")
+        if packed:
             L = c.layout()
             n = L.total_cells
         else:
@@ -100,14 +102,14 @@ def rank_main(conn, sock, job, W, rank, case, form):
             if cmd == "stop":
                 break
             # Values for this epoch, made before the clock starts.
-            if form == "packed":
+            if packed:
                 slab = rng.random(n, dtype=np.float32)
             else:
                 vals = {k: rng.random(s, dtype=np.float32) if s else np.float32(rng.random())
                         for k, s in shapes.items()}
             conn.send("set")
             conn.recv()  # go
-            if form == "packed":
+            if packed:
                 c.send_packed(slab)
                 res = c.reconcile_packed()
                 ok = res.amax.size == n
@@ -277,7 +279,8 @@ def main():
     ap.add_argument("--stream-msgs", type=int, default=32)
     ap.add_argument("--unary-seconds", type=float, default=2.0)
     ap.add_argument("--only", default="", help="comma list of: w8,w2,big,stream,unary")
-    ap.add_argument("--forms", default="named,packed")
+    ap.add_argument("--forms", default="named,packed,shm",
+                    help="epoch rows: named,packed,shm; streams and unary: named,packed")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else {"w8", "w2", "big", "stream", "unary"}
     forms = args.forms.split(",")
@@ -310,7 +313,7 @@ def main():
                          f"{pk / 2**20:.0f}/{sd / 2**20:.0f} MiB = {pk / sd:.2f}x"))
             print(*rows[-1], sep=" | ", flush=True)
     if "stream" in only:
-        for form in forms:
+        for form in (f for f in forms if f != "shm"):
             r = [stream_case(tmp, args.stream_msgs, 2 << 20, form) for _ in range(args.repeat)]
             v = statistics.median(x[0] for x in r)
             f = statistics.median(x[1] for x in r)
@@ -319,7 +322,7 @@ def main():
                          f"{v / f:.2f}x", ""))
             print(*rows[-1], sep=" | ", flush=True)
     if "unary" in only:
-        for form in forms:
+        for form in (f for f in forms if f != "shm"):
             r = [unary_case(tmp, form, args.unary_seconds, 32) for _ in range(args.repeat)]
             v = statistics.median(x[0] for x in r)
             f = statistics.median(x[1] for x in r)

@@ -111,6 +111,9 @@ static void apply_typed(amx_config_t *cfg, int i, int64_t iv)
     case AMX_CFG_log_file:
         cfg->log_file = t;
         break;
+    case AMX_CFG_shm_dir:
+        cfg->shm_dir = t;
+        break;
     case AMX_CFG_socket_mode:
         cfg->socket_mode = iv;
         break;

@@ -39,6 +39,9 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
       "the daemon listens on the Unix socket itself and relays each connection to gRPC, capping "  \
       "header blocks and connections (docs/SECURITY.md); false: gRPC listens (faster large "       \
       "transfers, exposed to gRPC 1.51's header-flood and EMFILE bugs)")                           \
+    X(shm_dir, AMX_CFG_STR, "/dev/shm", 0, 0, NULL, AMX_CFG_IMMUTABLE,                             \
+      "tmpfs directory of the packed form's shared-memory buffers, made with socket_mode's bits "  \
+      "(empty: off; docs/API.md)")                                                                 \
     X(backend, AMX_CFG_ENUM, "auto", 0, 0, "auto|host|cuda", AMX_CFG_IMMUTABLE,                    \
       "state backend: cuda keeps amax state in GPU memory; auto = cuda when a GPU is usable")      \
     X(log_level, AMX_CFG_ENUM, "info", 0, 0, "error|warn|info|debug", 0, "log verbosity")          \
@@ -116,7 +119,7 @@ typedef struct amx_config {
     char *text[AMX_CFG_COUNT]; /* current value of every entry, as text */
     /* Typed views, kept in step with text[] by amx_config_set. */
     unsigned char set[AMX_CFG_COUNT]; /* given by a file, the environment or a flag */
-    const char *socket, *tcp, *backend, *log_level, *log_file, *metrics_listen;
+    const char *socket, *tcp, *backend, *log_level, *log_file, *metrics_listen, *shm_dir;
     int64_t socket_mode, max_message_bytes, max_cells, max_quantizers, max_jobs, max_world_size;
     int64_t max_request_memory, memory_budget, max_queued_bytes, job_idle_timeout_ms;
     int64_t max_connections;

@@ -129,6 +129,11 @@ static amx_job_t *find_job(amx_registry_t *reg, const char *name)
     return NULL;
 }
 
+int amx_registry_has_job(void *reg, const char *job)
+{
+    return find_job(reg, job) != NULL;
+}
+
 static amx_lrank_t *local_rank(amx_job_t *j, uint32_t r)
 {
     int32_t s = amx__job_slot(j, r);

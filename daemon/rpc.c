@@ -73,6 +73,7 @@
 #include "log.h"
 #include "peer.h"
 #include "service.h"
+#include "shm.h"
 #include "wire.h"
 
 /* absl_tune.cc: Abseil's deadlock detection off (a debugging aid that
@@ -84,6 +85,7 @@ void amx__absl_tune(void);
 #define UNKNOWN_TRAINER -1
 #define UNKNOWN_PEER -2
 #define CQ_THREADS 4
+#define SHM_MAX_REGIONS 4096         /* shared buffers of the packed form at once */
 #define MAX_HEADER_BLOCK (64 * 1024) /* bytes of one HEADERS + CONTINUATION block */
 
 enum { TAG_NEW, TAG_RECV, TAG_SEND, TAG_CLOSE, TAG_SHUTDOWN, TAG_CLIENT };
@@ -1132,6 +1134,15 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     rpc->svc.peer = peer;
     rpc->svc.cfg = cfg;
     rpc->svc.start_time = start_time;
+    if (amx_shm_create(cfg->shm_dir, (unsigned)cfg->socket_mode, SHM_MAX_REGIONS, &rpc->svc.shm,
+                       err) != AMX_OK) {
+        if (amx_config_is_set(cfg, "shm_dir")) {
+            free(rpc);
+            return err->code;
+        }
+        AMX_WARN("rpc", "%s; shared-memory buffers are off", err->msg);
+        rpc->svc.shm = NULL;
+    }
     rpc->t_shutdown = (tag_t){NULL, TAG_SHUTDOWN};
     rpc->t_shutdown_peer = (tag_t){NULL, TAG_SHUTDOWN};
     pthread_mutex_init(&rpc->mu, NULL);
@@ -1438,6 +1449,7 @@ void amx_rpc_free(amx_rpc_t *rpc)
     free(rpc->queue);
     free(rpc->spare);
     free(rpc->scratch);
+    amx_shm_free(rpc->svc.shm);
     if (rpc->loop_locked)
         pthread_mutex_unlock(&rpc->loop_mu);
     pthread_mutex_destroy(&rpc->loop_mu);

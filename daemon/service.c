@@ -17,6 +17,7 @@
 #include "grpc/health/v1/health.pb-c.h"
 #include "log.h"
 #include "peer.h"
+#include "shm.h"
 #include "version.h"
 
 uint64_t amx__now_ms(void)
@@ -140,6 +141,11 @@ static void register_done(amx_waiter_t *w, amx_status_t st, const char *msg, con
     amx__call_reply(c, AMX_OK, NULL, &r.base);
 }
 
+typedef struct drop_ctx {
+    amx_svc_t *svc;
+    const char *job;
+} drop_ctx_t;
+
 static void reset_done(amx_waiter_t *w, amx_status_t st, const char *msg, const amx_reply_t *rep)
 {
     amx_call_t *c = amx__waiter_call(w);
@@ -147,6 +153,9 @@ static void reset_done(amx_waiter_t *w, amx_status_t st, const char *msg, const 
         amx__call_reply(c, st, msg, NULL);
         return;
     }
+    const drop_ctx_t *d = w->ext;
+    if (d != NULL) /* the job is gone: so are its ranks' shared buffers */
+        amx_shm_drop_job(d->svc->shm, d->job);
     Amaxd__V1__ResetResponse r = AMAXD__V1__RESET_RESPONSE__INIT;
     r.reset = rep->reset;
     amx__call_reply(c, AMX_OK, NULL, &r.base);
@@ -322,6 +331,17 @@ static void h_reset(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     *q = (amx_reset_req_t){req->job, req->names, req->n_names, req->drop_job};
     amx_waiter_t *w = amx__call_waiter(c);
     w->done = reset_done;
+    w->ext = NULL;
+    if (req->drop_job) {
+        drop_ctx_t *d = amx_arena_alloc(a, sizeof(*d));
+        if (d == NULL) {
+            amx_err_set(&err, AMX_ENOMEM, "out of memory");
+            reply_err(c, "Reset", &err);
+            return;
+        }
+        *d = (drop_ctx_t){svc, req->job};
+        w->ext = d;
+    }
     if (amx_registry_reset(svc->reg, q, w, &err) != AMX_OK)
         reply_err(c, "Reset", &err);
 }
@@ -504,6 +524,19 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     r.global_axes = l.global_axes;
     r.slice_offset = l.slice_offset;
     r.total_slices = l.total_slices;
+    amx_shm_region_t g;
+    if (req->shm) {
+        if (amx_shm_open(svc->shm, req->job, req->rank, l.id, l.total_cells, amx_registry_has_job,
+                         svc->reg, &g, &err) != AMX_OK) {
+            reply_err(c, "GetLayout", &err);
+            amx_arena_free(&a);
+            return;
+        }
+        r.shm_id = g.id;
+        r.shm_path = (char *)g.path;
+        r.shm_has_data_offset = g.has_data_off;
+        r.shm_answer_offset = g.answer_off;
+    }
     amx__call_reply(c, AMX_OK, NULL, &r.base);
     amx_arena_free(&a);
 }
@@ -570,6 +603,10 @@ typedef struct packed_out {
     uint8_t *buf;
     size_t cap, pos; /* bytes written before the filled field */
     size_t end;      /* ... and after it */
+    amx_svc_t *svc;
+    const char *job; /* the request's (in the call's arena) */
+    uint32_t rank;
+    uint64_t shm_id; /* answer into this shared buffer; 0: over gRPC */
 } packed_out_t;
 
 static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
@@ -637,6 +674,23 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
     amx_replybuf_t *rb = o->rb;
     o->buf = NULL;
     o->rb = NULL;
+    if (o->shm_id != 0) {
+        amx_err_t err = {0};
+        amx_status_t ws = amx_shm_write(o->svc->shm, o->job, o->rank, o->shm_id, b, pos, &err);
+        amx_replybuf_unref(rb);
+        if (ws != AMX_OK) {
+            reply_err(c, "ReconcilePacked", &err);
+            return;
+        }
+        Amaxd__V1__ReconcilePackedResponse r = AMAXD__V1__RECONCILE_PACKED_RESPONSE__INIT;
+        r.epoch = rep->epoch;
+        r.next_epoch = rep->next_epoch;
+        r.layout_id = p->layout_id;
+        r.peer_fill_known = p->peer_fill_known;
+        r.shm_bytes = pos;
+        amx__call_reply(c, AMX_OK, NULL, &r.base);
+        return;
+    }
     amx__call_reply_raw(c, b, pos, amx_replybuf_unref, rb);
 }
 
@@ -653,6 +707,15 @@ static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMes
         return;
     }
     memset(o, 0, sizeof(*o));
+    o->svc = svc;
+    o->job = req->job;
+    o->rank = req->rank;
+    o->shm_id = req->shm_id;
+    if (req->shm_id != 0 &&
+        amx_shm_check(svc->shm, req->job, req->rank, req->shm_id, &err) != AMX_OK) {
+        reply_err(c, "ReconcilePacked", &err);
+        return;
+    }
     w->done = reconcile_packed_done;
     w->alloc_packed = alloc_packed;
     w->ext = o;
@@ -665,7 +728,8 @@ static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMes
 typedef struct packed_in {
     char job[AMX_MAX_JOB_NAME + 2];
     uint32_t rank;
-    uint64_t epoch, layout_id;
+    uint64_t epoch, layout_id, shm_id;
+    int shm_has_data;
     uint8_t *values, *has_data;
     size_t values_len, has_data_len;
 } packed_in_t;
@@ -699,11 +763,15 @@ static amx_status_t packed_parse(uint8_t *d, size_t n, packed_in_t *in, amx_err_
                 in->rank = (uint32_t)v;
             else if (f == 3)
                 in->epoch = v;
+            else if (f == 8)
+                in->shm_has_data = v != 0;
             break;
         }
         case 1:
             if (f == 4)
                 memcpy(&in->layout_id, d + i, 8);
+            else if (f == 7)
+                memcpy(&in->shm_id, d + i, 8);
             i += 8;
             break;
         case 5:
@@ -743,6 +811,24 @@ static amx_status_t send_packed(amx_svc_t *svc, uint8_t *data, size_t len, uint6
 {
     packed_in_t in;
     AMX_CHECK(packed_parse(data, len, &in, err));
+    if (in.shm_id != 0) {
+        if (in.values_len != 0 || in.has_data_len != 0)
+            return amx_err_set(err, AMX_EINVAL,
+                               "SendPacked: values or has_data given with shm_id (%zu and %zu "
+                               "bytes); the slab is either in the request or in the shared "
+                               "buffer",
+                               in.values_len, in.has_data_len);
+        float *sv = NULL;
+        const uint8_t *sh = NULL;
+        size_t n = 0;
+        AMX_CHECK(amx_shm_read(svc->shm, in.job, in.rank, in.shm_id, in.layout_id, in.shm_has_data,
+                               &sv, &sh, &n, err));
+        amx_send_packed_req_t q = {in.job, in.rank, in.epoch, in.layout_id,
+                                   sv,     4 * n,   sh,       sh != NULL ? n : 0};
+        return amx_registry_send_packed(svc->reg, &q, accepted, epoch, err);
+    }
+    if (in.shm_has_data)
+        return amx_err_set(err, AMX_EINVAL, "SendPacked: shm_has_data without shm_id");
     float *vals = (float *)(void *)in.values;
     void *copy = NULL;
     if (((uintptr_t)in.values & 3) != 0 && in.values_len > 0) {

@@ -15,11 +15,13 @@
 
 typedef struct amx_call amx_call_t;
 typedef struct amx_peer amx_peer_t;
+typedef struct amx_shm amx_shm_t;
 
 typedef struct amx_svc {
     amx_registry_t *reg;
     amx_peer_t *peer;
     const amx_config_t *cfg;
+    amx_shm_t *shm;    /* the packed form's shared buffers; NULL: off */
     double start_time; /* CLOCK_MONOTONIC seconds at start */
     int stopping;      /* health answers NOT_SERVING once set */
 } amx_svc_t;

@@ -340,6 +340,28 @@ def _update(name, values):
     return pb.AmaxUpdate(name=name, values=_to_f32_bytes(values))
 
 
+def _pwrite_all(fd, arr, offset):
+    mv = memoryview(arr).cast("B")
+    done = 0
+    while done < len(mv):
+        done += os.pwrite(fd, mv[done:], offset + done)
+
+
+def _pread_all(fd, n, offset):
+    """n bytes at offset, as a read-only memoryview of fresh memory (the
+    answer's arrays are views of it; the next answer overwrites the file,
+    not them)."""
+    buf = np.empty(n, dtype=np.uint8)
+    mv = memoryview(buf)
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [mv[done:]], offset + done)
+        if got == 0:
+            raise OSError(f"amaxd: the shared buffer ends {done} bytes into an answer of {n}")
+        done += got
+    return mv.toreadonly()
+
+
 def _target(socket, address):
     if address:
         return address
@@ -356,8 +378,14 @@ class Client:
 
     def __init__(self, job: str, rank: int, world_size: int, *, socket: Optional[str] = None,
                  address: Optional[str] = None, timeout: float = 600.0,
-                 max_message_bytes: int = 64 << 20):
+                 max_message_bytes: int = 64 << 20, shm: bool = False):
+        """shm=True: the packed form passes slabs and answers through a
+        shared-memory buffer the daemon makes in its shm_dir (the trainer
+        must run on the daemon's host and see that directory); the named
+        form is unchanged."""
         self.job, self.rank, self.world_size = job, int(rank), int(world_size)
+        self.shm = bool(shm)
+        self._shm = None  # (fd, id, has_data offset, answer offset)
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         opts = [("grpc.max_send_message_length", max_message_bytes),
@@ -374,7 +402,13 @@ class Client:
         self.close()
 
     def close(self):
+        self._close_shm()
         self._channel.close()
+
+    def _close_shm(self):
+        if self._shm is not None:
+            os.close(self._shm[0])
+            self._shm = None
 
     def _unary(self, method, req, resp_cls, timeout=None):
         fn = self._calls.get(method)
@@ -494,12 +528,24 @@ class Client:
         """This rank's slab layout (fetched once after register(); again
         with refresh=True, or when the daemon says it changed)."""
         if self._layout is None or refresh:
-            r = self._unary("GetLayout", pb.GetLayoutRequest(job=self.job, rank=self.rank),
+            r = self._unary("GetLayout", pb.GetLayoutRequest(job=self.job, rank=self.rank,
+                                                             shm=self.shm),
                             pb.GetLayoutResponse)
+            if self.shm:
+                # Opened now: the daemon unlinks the file at its first use.
+                try:
+                    fd = os.open(r.shm_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+                except OSError as e:
+                    raise OSError(e.errno, f"amaxd: cannot open the daemon's shared buffer "
+                                           f"{r.shm_path} ({e.strerror}); is this process on the "
+                                           f"daemon's host and does it see its shm_dir? "
+                                           f"Use Client(shm=False) otherwise") from None
+                self._close_shm()
+                self._shm = (fd, r.shm_id, r.shm_has_data_offset, r.shm_answer_offset)
             self._layout = Layout.from_pb(r)
         return self._layout
 
-    def _packed_req(self, values, has_data, epoch):
+    def _packed_req(self, values, has_data, epoch, inline=False):
         L = self.layout()
         v = as_f32(values)
         if v.size != L.total_cells:
@@ -510,6 +556,14 @@ class Client:
             if m.size != L.total_cells:
                 raise ValueError(f"send_packed: has_data has {m.size} entries, the layout has "
                                  f"{L.total_cells} cells")
+        if self._shm is not None and not inline:
+            fd, sid, hd_off, _ = self._shm
+            _pwrite_all(fd, v, 0)
+            if m is not None:
+                _pwrite_all(fd, m, hd_off)
+            return pb.SendPackedRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
+                                        layout_id=L.id, shm_id=sid,
+                                        shm_has_data=m is not None).SerializeToString()
         return encode_send_packed(self.job, self.rank, self._epoch(epoch), L.id, v, m)
 
     def send_packed(self, values, has_data=None, epoch: Optional[int] = None):
@@ -526,7 +580,8 @@ class Client:
         def gen():
             for s in slabs:
                 v, m = s if isinstance(s, tuple) else (s, None)
-                yield self._packed_req(v, m, epoch)
+                # In the messages: gRPC may still hold one when the next is made.
+                yield self._packed_req(v, m, epoch, inline=True)
         fn = self._channel.stream_unary(_SVC + "StreamPacked",
                                         response_deserializer=pb.SendAmaxResponse.FromString)
         try:
@@ -540,9 +595,14 @@ class Client:
         daemon answers in a newer layout (a quantizer of this rank was
         refused by agreement during the epoch), the layout is re-fetched."""
         L = self.layout()
+        shm = self._shm
         req = pb.ReconcilePackedRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
-                                        layout_id=L.id).SerializeToString()
+                                        layout_id=L.id,
+                                        shm_id=shm[1] if shm else 0).SerializeToString()
         raw = self._tracked(epoch, lambda: self._raw("ReconcilePacked", req, None, timeout))
+        if shm is not None:
+            n = pb.ReconcilePackedResponse.FromString(raw).shm_bytes
+            raw = _pread_all(shm[0], n, shm[3])
         res = PackedResult(raw, L)
         if res.layout_id != L.id:
             res = PackedResult(raw, self.layout(refresh=True))

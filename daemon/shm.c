@@ -1,0 +1,352 @@
+/*
+ * shm.c - shared-memory buffers of the packed form (shm.h).
+ */
+#define _GNU_SOURCE
+#include "shm.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include "log.h"
+
+#define PREFIX "amaxd-"
+#define PAGE 4096u
+
+typedef struct region {
+    char *job;
+    uint32_t rank;
+    int fd;
+    int linked; /* the path still names the file */
+    amx_shm_region_t r;
+    char path[PATH_MAX];
+} region_t;
+
+struct amx_shm {
+    char dir[PATH_MAX];
+    unsigned mode;
+    size_t max;
+    region_t *v;
+    size_t n, cap;
+    uint8_t *scratch; /* the last slab read */
+    size_t scratch_cap;
+};
+
+static void close_region(region_t *g)
+{
+    if (g->linked && unlink(g->path) != 0 && errno != ENOENT)
+        AMX_WARN("shm", "unlink %s: %s", g->path, strerror(errno));
+    if (g->fd >= 0)
+        close(g->fd);
+    free(g->job);
+    memset(g, 0, sizeof(*g));
+    g->fd = -1;
+}
+
+static void remove_at(amx_shm_t *s, size_t i)
+{
+    close_region(&s->v[i]);
+    s->v[i] = s->v[--s->n];
+}
+
+/* Files "amaxd-<pid>-..." of ours whose daemon is gone. */
+static void sweep(amx_shm_t *s)
+{
+    DIR *d = opendir(s->dir);
+    if (d == NULL)
+        return;
+    struct dirent *e;
+    size_t removed = 0;
+    while ((e = readdir(d)) != NULL) {
+        if (strncmp(e->d_name, PREFIX, strlen(PREFIX)) != 0)
+            continue;
+        char *end = NULL;
+        long pid = strtol(e->d_name + strlen(PREFIX), &end, 10);
+        if (end == NULL || *end != '-' || pid <= 0 || pid > INT_MAX)
+            continue;
+        struct stat st;
+        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
+            st.st_uid != geteuid())
+            continue;
+        if (pid == getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH)
+            continue;
+        if (unlinkat(dirfd(d), e->d_name, 0) == 0)
+            removed++;
+    }
+    closedir(d);
+    if (removed > 0)
+        AMX_INFO("shm", "removed %zu shared buffers of daemons no longer running from %s", removed,
+                 s->dir);
+}
+
+amx_status_t amx_shm_create(const char *dir, unsigned mode, size_t max_regions, amx_shm_t **out,
+                            amx_err_t *err)
+{
+    *out = NULL;
+    if (dir == NULL || dir[0] == '\0')
+        return AMX_OK;
+    struct stat st;
+    if (strlen(dir) >= PATH_MAX - 64)
+        return amx_err_set(err, AMX_EINVAL, "shm_dir=%.64s...: path too long", dir);
+    int bad = stat(dir, &st) != 0 ? errno : !S_ISDIR(st.st_mode) ? ENOTDIR : 0;
+    if (bad != 0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "shm_dir=%s: %s (set shm_dir to a tmpfs directory, or to \"\" to turn "
+                           "shared-memory buffers off)",
+                           dir, strerror(bad));
+    if (access(dir, W_OK | X_OK) != 0)
+        return amx_err_set(err, AMX_EINVAL, "shm_dir=%s: not writable by the daemon: %s", dir,
+                           strerror(errno));
+    amx_shm_t *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    snprintf(s->dir, sizeof(s->dir), "%s", dir);
+    s->mode = mode & 0666;
+    s->max = max_regions;
+    sweep(s);
+    *out = s;
+    return AMX_OK;
+}
+
+void amx_shm_free(amx_shm_t *s)
+{
+    if (s == NULL)
+        return;
+    while (s->n > 0)
+        remove_at(s, s->n - 1);
+    free(s->v);
+    free(s->scratch);
+    free(s);
+}
+
+static region_t *find(amx_shm_t *s, const char *job, uint32_t rank, size_t *at)
+{
+    for (size_t i = 0; i < s->n; i++) {
+        if (s->v[i].rank == rank && strcmp(s->v[i].job, job) == 0) {
+            if (at != NULL)
+                *at = i;
+            return &s->v[i];
+        }
+    }
+    return NULL;
+}
+
+static amx_status_t off(const char *what, amx_err_t *err)
+{
+    return amx_err_set(err, AMX_EPRECOND,
+                       "%s: shared-memory buffers are off on this daemon (shm_dir is empty); use "
+                       "the packed form without shm",
+                       what);
+}
+
+amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t layout_id,
+                          uint64_t cells, int (*live)(void *ud, const char *job), void *ud,
+                          amx_shm_region_t *out, amx_err_t *err)
+{
+    if (s == NULL)
+        return off("GetLayout", err);
+    for (size_t i = 0; i < s->n;) {
+        if (live != NULL && !live(ud, s->v[i].job))
+            remove_at(s, i);
+        else
+            i++;
+    }
+    region_t *old = find(s, job, rank, NULL);
+    if (old == NULL && s->n >= s->max)
+        return amx_err_set(err, AMX_ENOMEM,
+                           "GetLayout: %zu shared buffers are open, the most this daemon keeps; "
+                           "ask for the layout without shm",
+                           s->n);
+    if (cells > (UINT64_MAX - 2 * PAGE) / 5)
+        return amx_err_set(err, AMX_EINVAL, "GetLayout: %" PRIu64 " cells", cells);
+    uint64_t id = 0;
+    while (id == 0) {
+        if (getrandom(&id, sizeof(id), 0) != sizeof(id))
+            return amx_err_set(err, AMX_EINTERNAL, "getrandom: %s", strerror(errno));
+    }
+    region_t g = {0};
+    g.fd = -1;
+    int pl =
+        snprintf(g.path, sizeof(g.path), "%s/" PREFIX "%d-%016" PRIx64, s->dir, (int)getpid(), id);
+    if (pl < 0 || (size_t)pl >= sizeof(g.path))
+        return amx_err_set(err, AMX_EINTERNAL, "GetLayout: shm_dir path too long");
+    g.fd = open(g.path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, s->mode);
+    if (g.fd < 0)
+        return amx_err_set(err, AMX_EINTERNAL, "GetLayout: creating %s: %s", g.path,
+                           strerror(errno));
+    g.linked = 1;
+    /* open() applied the umask: the trainers' group needs the socket's bits. */
+    if (fchmod(g.fd, s->mode) != 0) {
+        amx_err_set(err, AMX_EINTERNAL, "GetLayout: chmod %s: %s", g.path, strerror(errno));
+        close_region(&g);
+        return err->code;
+    }
+    g.job = strdup(job);
+    if (g.job == NULL) {
+        close_region(&g);
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    }
+    g.rank = rank;
+    g.r.id = id;
+    g.r.layout_id = layout_id;
+    g.r.cells = cells;
+    g.r.has_data_off = 4 * cells;
+    g.r.answer_off = (5 * cells + PAGE - 1) / PAGE * PAGE;
+    if (old != NULL) {
+        close_region(old);
+        *old = g;
+        old->r.path = old->path;
+        *out = old->r;
+    } else {
+        if (s->n == s->cap) {
+            size_t nc = s->cap ? 2 * s->cap : 8;
+            region_t *nv = realloc(s->v, nc * sizeof(*nv));
+            if (nv == NULL) {
+                close_region(&g);
+                return amx_err_set(err, AMX_ENOMEM, "out of memory");
+            }
+            s->v = nv;
+            s->cap = nc;
+        }
+        s->v[s->n] = g;
+        s->v[s->n].r.path = s->v[s->n].path;
+        *out = s->v[s->n++].r;
+    }
+    return AMX_OK;
+}
+
+static region_t *named(amx_shm_t *s, const char *what, const char *job, uint32_t rank, uint64_t id,
+                       amx_err_t *err)
+{
+    region_t *g = find(s, job, rank, NULL);
+    if (g == NULL || g->r.id != id) {
+        amx_err_set(err, AMX_EPRECOND,
+                    "%s: job '%s' rank %u has no shared buffer %016" PRIx64
+                    "%s; fetch the layout again with shm",
+                    what, job, rank, id, g != NULL ? " (it was replaced by a newer one)" : "");
+        return NULL;
+    }
+    /* The trainer opened it before using it: nothing is left if either
+     * side dies from now on. */
+    if (g->linked) {
+        if (unlink(g->path) != 0 && errno != ENOENT)
+            AMX_WARN("shm", "unlink %s: %s", g->path, strerror(errno));
+        g->linked = 0;
+    }
+    return g;
+}
+
+static amx_status_t read_at(int fd, uint8_t *dst, size_t len, uint64_t at, const char *what,
+                            amx_err_t *err)
+{
+    size_t got = 0;
+    while (got < len) {
+        ssize_t r = pread(fd, dst + got, len - got, (off_t)(at + got));
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return amx_err_set(err, AMX_EINTERNAL, "SendPacked: reading the shared buffer: %s",
+                               strerror(errno));
+        if (r == 0)
+            return amx_err_set(err, AMX_EPRECOND,
+                               "SendPacked: the shared buffer ends %zu bytes into the %s (%zu "
+                               "bytes at offset %" PRIu64 "): it was truncated",
+                               got, what, len, at);
+        got += (size_t)r;
+    }
+    return AMX_OK;
+}
+
+amx_status_t amx_shm_read(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
+                          uint64_t layout_id, int with_has_data, float **values,
+                          const uint8_t **has_data, size_t *cells, amx_err_t *err)
+{
+    if (s == NULL)
+        return off("SendPacked", err);
+    region_t *g = named(s, "SendPacked", job, rank, id, err);
+    if (g == NULL)
+        return err->code;
+    if (g->r.layout_id != layout_id)
+        return amx_err_set(
+            err, AMX_EPRECOND,
+            "SendPacked: shared buffer %016" PRIx64 " was made for layout %016" PRIx64
+            ", the request names layout %016" PRIx64 "; fetch the layout again with shm",
+            id, g->r.layout_id, layout_id);
+    size_t n = (size_t)g->r.cells;
+    size_t need = 4 * n + (with_has_data ? n : 0);
+    if (need > s->scratch_cap) {
+        uint8_t *p = NULL;
+        if (posix_memalign((void **)&p, 64, need > 0 ? need : 64) != 0)
+            return amx_err_set(err, AMX_ENOMEM, "SendPacked: out of memory reading %zu bytes",
+                               need);
+        free(s->scratch);
+        s->scratch = p;
+        s->scratch_cap = need;
+    }
+    AMX_CHECK(read_at(g->fd, s->scratch, 4 * n, 0, "values", err));
+    if (with_has_data)
+        AMX_CHECK(read_at(g->fd, s->scratch + 4 * n, n, g->r.has_data_off, "has-data bytes", err));
+    *values = (float *)(void *)s->scratch;
+    *has_data = with_has_data ? s->scratch + 4 * n : NULL;
+    *cells = n;
+    return AMX_OK;
+}
+
+amx_status_t amx_shm_check(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
+                           amx_err_t *err)
+{
+    if (s == NULL)
+        return off("ReconcilePacked", err);
+    return named(s, "ReconcilePacked", job, rank, id, err) != NULL ? AMX_OK : err->code;
+}
+
+amx_status_t amx_shm_write(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
+                           const void *buf, size_t len, amx_err_t *err)
+{
+    if (s == NULL)
+        return off("ReconcilePacked", err);
+    region_t *g = named(s, "ReconcilePacked", job, rank, id, err);
+    if (g == NULL)
+        return err->code;
+    const uint8_t *p = buf;
+    size_t put = 0;
+    while (put < len) {
+        ssize_t w = pwrite(g->fd, p + put, len - put, (off_t)(g->r.answer_off + put));
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return amx_err_set(err, errno == ENOSPC ? AMX_ENOMEM : AMX_EINTERNAL,
+                               "ReconcilePacked: writing %zu bytes of answer into the shared "
+                               "buffer: %s",
+                               len, w < 0 ? strerror(errno) : "nothing written");
+        put += (size_t)w;
+    }
+    return AMX_OK;
+}
+
+void amx_shm_drop_job(amx_shm_t *s, const char *job)
+{
+    if (s == NULL)
+        return;
+    for (size_t i = 0; i < s->n;) {
+        if (strcmp(s->v[i].job, job) == 0)
+            remove_at(s, i);
+        else
+            i++;
+    }
+}
+
+size_t amx_shm_count(const amx_shm_t *s)
+{
+    return s == NULL ? 0 : s->n;
+}

@@ -1,0 +1,80 @@
+/*
+ * shm.h - shared-memory buffers of the packed form (docs/API.md, "Packed
+ * form over shared memory").
+ *
+ * A rank on the daemon's host may ask GetLayout for a buffer: a file the
+ * daemon creates in `shm_dir` (tmpfs) with the socket's permission bits,
+ * opened by the trainer. The trainer writes its slab (and has-data bytes)
+ * at the offsets the daemon gave and sends a SendPacked naming the buffer
+ * instead of carrying the bytes; ReconcilePacked naming it gets the whole
+ * packed answer written into the buffer and only its length over gRPC.
+ *
+ * The daemon never maps the file: it reads the slab with pread(2) into
+ * its own memory and writes the answer with pwrite(2), so a trainer that
+ * truncates, grows or rewrites the file under it can give it short reads
+ * or other values (refused or merged as any sent values would be), never
+ * a SIGBUS or a value that changes between validation and merge. The file
+ * is unlinked at its first use (the trainer has opened it by then), so
+ * nothing is left behind when either side dies; files of daemons that
+ * died before that are removed when a daemon starts.
+ *
+ * Loop thread (under the loop lock) only.
+ */
+#ifndef AMX_SHM_H
+#define AMX_SHM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+typedef struct amx_shm amx_shm_t;
+
+typedef struct amx_shm_region {
+    uint64_t id; /* random, never 0: requests name the buffer by it */
+    uint64_t layout_id;
+    uint64_t cells;
+    uint64_t has_data_off; /* values at 0, cells floats */
+    uint64_t answer_off;   /* page-aligned */
+    const char *path;      /* valid until the region is replaced or dropped */
+} amx_shm_region_t;
+
+/* Buffers in `dir` (created with permission bits `mode`), at most
+ * `max_regions` at once. An empty `dir` gives *out = NULL: the feature is
+ * off. Removes the files of daemons that are no longer running. */
+amx_status_t amx_shm_create(const char *dir, unsigned mode, size_t max_regions, amx_shm_t **out,
+                            amx_err_t *err);
+/* Closes every buffer and unlinks those still linked. NULL is fine. */
+void amx_shm_free(amx_shm_t *s);
+
+/* A new buffer for (job, rank) sized for `cells` cells of layout
+ * `layout_id`, replacing the rank's previous one. `live(ud, job)` says
+ * whether a job still exists: buffers of gone jobs are dropped first. */
+amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t layout_id,
+                          uint64_t cells, int (*live)(void *ud, const char *job), void *ud,
+                          amx_shm_region_t *out, amx_err_t *err);
+
+/* Reads the slab of buffer `id` of (job, rank), which must belong to
+ * layout `layout_id`: *values (cells floats, writable: the registry
+ * normalizes them in place) and, when with_has_data, *has_data (cells
+ * bytes), in memory of `s` valid until the next call. */
+amx_status_t amx_shm_read(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
+                          uint64_t layout_id, int with_has_data, float **values,
+                          const uint8_t **has_data, size_t *cells, amx_err_t *err);
+
+/* Whether (job, rank) has buffer `id` (a ReconcilePacked is refused
+ * before it waits, not after its epoch). */
+amx_status_t amx_shm_check(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
+                           amx_err_t *err);
+
+/* Writes `len` bytes of answer into buffer `id` of (job, rank). */
+amx_status_t amx_shm_write(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
+                           const void *buf, size_t len, amx_err_t *err);
+
+/* Drops the buffers of `job`. */
+void amx_shm_drop_job(amx_shm_t *s, const char *job);
+
+/* Buffers open now (for tests and Status). */
+size_t amx_shm_count(const amx_shm_t *s);
+
+#endif

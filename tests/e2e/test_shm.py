@@ -1,0 +1,224 @@
+"""The packed form over the daemon's shared-memory buffers (GetLayout with
+shm, SendPacked and ReconcilePacked naming the buffer): the same bytes as
+the packed form over gRPC for every result array; the buffer's file, its
+permission bits, its unlinking at first use and at a job's drop, the sweep
+of dead daemons' files; and every way a client can misuse a buffer
+(another id, a replaced buffer, a truncated file, bad values in it, values
+both inline and in the buffer, buffers off) refused with a precise status,
+changing nothing."""
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import amaxd
+from amaxd import errors, pb
+from test_packed import W, assert_same, catalog, contributions, run_ranks
+
+
+def shm_files(d):
+    return sorted(f for f in os.listdir(d) if f.startswith("amaxd-"))
+
+
+def open_buffers(pid, d):
+    """The daemon's descriptors on buffer files of d (linked or not)."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            t = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if t.startswith(os.path.join(d, "amaxd-")):
+            out.append(t)
+    return out
+
+
+@pytest.fixture
+def shmdir(tmp_path):
+    d = tmp_path / "shm"
+    d.mkdir()
+    return str(d)
+
+
+def test_shm_matches_grpc(start_daemon, shmdir):
+    daemon = start_daemon(f"--shm-dir={shmdir}")
+
+    def rank_fn(r):
+        got = []
+        with daemon.client("grpc", r, W) as cg, daemon.client("shm", r, W, shm=True) as cs:
+            cg.join(), cs.join()
+            cg.register(catalog(r))
+            cs.register(catalog(r))
+            Lg, Ls = cg.layout(), cs.layout()
+            assert Lg.names == Ls.names and Lg.total_cells == Ls.total_cells
+            for epoch in (1, 2, 3):
+                contrib = contributions(r, epoch, np.random.default_rng(100 * r + epoch))
+                slab, has = Ls.pack(contrib)
+                cg.send_packed(slab, has_data=has)
+                cs.send_packed(slab, has_data=has)
+                rg = cg.reconcile_packed()
+                rs = cs.reconcile_packed()
+                assert rs.epoch == rg.epoch and rs.next_epoch == rg.next_epoch
+                assert rs.layout_id == Ls.id
+                for name in rg.keys():
+                    assert_same(rg[name], rs[name], name)
+                for f in ("missing", "has_previous", "global_amaxes", "global_scales"):
+                    assert getattr(rg, f).tobytes() == getattr(rs, f).tobytes(), f
+                got.append(rs)
+            # stream_packed keeps the values in the messages, with or without a buffer.
+            contrib = contributions(r, 4, np.random.default_rng(100 * r + 4))
+            slab, has = Ls.pack(contrib)
+            cg.stream_packed([(slab, has)])
+            cs.stream_packed([(slab, has)])
+            rg, rs = cg.reconcile_packed(), cs.reconcile_packed()
+            for name in rg.keys():
+                assert_same(rg[name], rs[name], name)
+        return got
+
+    outs = run_ranks(rank_fn)
+    assert any(int(rp.missing.sum()) > 0 for o in outs for rp in o)
+    # The answer's arrays are read-only views of the client's own copy.
+    v = outs[0][-1]["a.fc1.weight"].amax
+    assert not v.flags.owndata and not v.flags.writeable
+    # Every buffer was unlinked at its first use; the daemon holds W of them.
+    assert shm_files(shmdir) == []
+    assert len(open_buffers(daemon.proc.pid, shmdir)) == W
+
+
+def test_file_mode_unlink_and_drop(start_daemon, shmdir):
+    daemon = start_daemon(f"--shm-dir={shmdir}", "--socket-mode=0640")
+    R = amaxd.Recipe
+    with daemon.client("f", 0, 1, shm=True) as c:
+        c.join()
+        c.register([amaxd.Quantizer("a", [3], R.fp8_current())])
+        L = c.layout()
+        files = shm_files(shmdir)
+        assert len(files) == 1 and files[0].startswith(f"amaxd-{daemon.proc.pid}-")
+        # The socket's permission bits, without execute bits.
+        assert stat.S_IMODE(os.stat(os.path.join(shmdir, files[0])).st_mode) == 0o640
+        c.send_packed(np.array([1, 2, 3], dtype=np.float32))
+        assert shm_files(shmdir) == []  # unlinked at first use
+        res = c.reconcile_packed()
+        np.testing.assert_array_equal(res.amax, [1, 2, 3])
+        # A new layout with shm replaces the rank's buffer (the daemon closes the old one).
+        c.layout(refresh=True)
+        assert len(shm_files(shmdir)) == 1
+        assert len(open_buffers(daemon.proc.pid, shmdir)) == 1
+        c.reset(drop_job=True)
+        # Dropping the job closes and removes its buffers.
+        assert shm_files(shmdir) == []
+        assert open_buffers(daemon.proc.pid, shmdir) == []
+        assert L.id != 0
+
+
+def test_misuse_is_refused(start_daemon, shmdir):
+    daemon = start_daemon(f"--shm-dir={shmdir}")
+    R = amaxd.Recipe
+    with daemon.client("m", 0, 1, shm=True) as c:
+        c.join()
+        c.register([amaxd.Quantizer("a", [], R.fp8_current()),
+                    amaxd.Quantizer("b", [4], R.fp8_current())])
+        L = c.layout()
+        fd, sid = c._shm[0], c._shm[1]
+        c.send_packed(np.arange(1, 6, dtype=np.float32))
+        n0 = c.status("m").jobs[0].updates
+
+        def raw(**kw):
+            req = pb.SendPackedRequest(job="m", rank=0, layout_id=L.id, **kw)
+            return c._raw("SendPacked", req.SerializeToString(), pb.SendAmaxResponse.FromString)
+
+        with pytest.raises(errors.FailedPrecondition, match="has no shared buffer"):
+            raw(shm_id=sid ^ 1)
+        with pytest.raises(errors.FailedPrecondition, match="has no shared buffer"):
+            c._raw("SendPacked", pb.SendPackedRequest(job="m", rank=3, layout_id=L.id,
+                                                      shm_id=sid).SerializeToString(), None)
+        with pytest.raises(errors.InvalidArgument, match="either in the request or in the shared"):
+            raw(shm_id=sid, values=np.ones(5, dtype=np.float32).tobytes())
+        with pytest.raises(errors.InvalidArgument, match="shm_has_data without shm_id"):
+            raw(values=np.ones(5, dtype=np.float32).tobytes(), shm_has_data=True)
+        # Bad values in the buffer: refused naming the quantizer, nothing applied.
+        for bad in (np.nan, -2.0, np.inf):
+            v = np.ones(5, dtype=np.float32)
+            v[2] = bad
+            with pytest.raises(errors.InvalidArgument, match="quantizer 'b'"):
+                c.send_packed(v)
+        # A file truncated under the daemon: a short read, not a crash.
+        os.ftruncate(fd, 7)
+        with pytest.raises(errors.FailedPrecondition, match="truncated"):
+            raw(shm_id=sid)
+        os.pwrite(fd, np.ones(5, dtype=np.float32).tobytes(), 0)
+        with pytest.raises(errors.FailedPrecondition, match="ends 0 bytes into the has-data"):
+            raw(shm_id=sid, shm_has_data=True)
+        assert c.status("m").jobs[0].updates == n0
+        # The same file grown and rewritten works again.
+        c.send_packed(np.full(5, 0.5, dtype=np.float32), has_data=[1, 1, 0, 1, 1])
+        assert c.status("m").jobs[0].updates == n0 + 2
+        res = c.reconcile_packed()
+        np.testing.assert_array_equal(res.amax, np.array([1, 2, 3, 4, 5], dtype=np.float32))
+        # A reconcile naming another buffer is refused before it waits.
+        req = pb.ReconcilePackedRequest(job="m", rank=0, epoch=c.epoch, layout_id=L.id,
+                                        shm_id=sid + 1)
+        with pytest.raises(errors.FailedPrecondition, match="has no shared buffer"):
+            c._raw("ReconcilePacked", req.SerializeToString(), None)
+        # A replaced buffer: the old id is refused, naming why.
+        old = sid
+        c.layout(refresh=True)
+        assert c._shm[1] != old
+        with pytest.raises(errors.FailedPrecondition, match="replaced by a newer one"):
+            raw(shm_id=old)
+        # A buffer of an older layout of the rank.
+        c.register([amaxd.Quantizer("c", [2], R.fp8_current())])
+        stale_id = c._shm[1]
+        L2 = c.layout(refresh=True)
+        req = pb.SendPackedRequest(job="m", rank=0, layout_id=L.id, shm_id=c._shm[1])
+        with pytest.raises(errors.FailedPrecondition, match="was made for layout"):
+            c._raw("SendPacked", req.SerializeToString(), None)
+        assert stale_id != c._shm[1] and L2.total_cells == 7
+        c.send_packed(np.full(7, 9, dtype=np.float32))
+        res = c.reconcile_packed()
+        np.testing.assert_array_equal(res["c"].amax, [9, 9])
+    assert daemon.proc.poll() is None
+    assert "truncated" in daemon.log() and "has no shared buffer" in daemon.log()
+
+
+def test_off_and_bad_dir(start_daemon, tmp_path):
+    daemon = start_daemon("--shm-dir=")
+    with daemon.client("o", 0, 1, shm=True) as c:
+        c.join()
+        c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
+        with pytest.raises(errors.FailedPrecondition, match="shared-memory buffers are off"):
+            c.layout()
+    with daemon.client("o", 0, 1) as c:
+        L = c.layout()
+        req = pb.ReconcilePackedRequest(job="o", rank=0, layout_id=L.id, shm_id=5)
+        with pytest.raises(errors.FailedPrecondition, match="shared-memory buffers are off"):
+            c._raw("ReconcilePacked", req.SerializeToString(), None)
+        req = pb.SendPackedRequest(job="o", rank=0, layout_id=L.id, shm_id=5)
+        with pytest.raises(errors.FailedPrecondition, match="shared-memory buffers are off"):
+            c._raw("SendPacked", req.SerializeToString(), None)
+    # An explicit shm_dir that is not a directory: the daemon refuses to start.
+    bad = tmp_path / "not-a-dir"
+    bad.write_text("x")
+    with pytest.raises(RuntimeError, match=r"(?s)exited with 1.*shm_dir=.*Not a directory"):
+        start_daemon(f"--shm-dir={bad}", socket=str(tmp_path / "b.sock"))
+
+
+def test_sweep_of_dead_daemons_files(start_daemon, shmdir):
+    # A pid that is not running, and one that is (ours).
+    dead = 4_000_000
+    while True:
+        try:
+            os.kill(dead, 0)
+            dead += 1
+        except ProcessLookupError:
+            break
+    for name in (f"amaxd-{dead}-00000000000000aa", f"amaxd-{os.getpid()}-00000000000000bb",
+                 "amaxd-notapid", "other-file"):
+        with open(os.path.join(shmdir, name), "w") as f:
+            f.write("x")
+    daemon = start_daemon(f"--shm-dir={shmdir}")
+    left = sorted(os.listdir(shmdir))
+    assert left == sorted([f"amaxd-{os.getpid()}-00000000000000bb", "amaxd-notapid",
+                           "other-file"])
+    assert "removed 1 shared buffers" in daemon.log()
