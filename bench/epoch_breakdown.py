@@ -1,6 +1,7 @@
 """Where one packed epoch of the 1e7-cell case goes, end to end.
 
     AMAXD_BIN=build/amaxd .venv/bin/python bench/epoch_breakdown.py
+    SHM=1 ...   the same through the daemon's shared-memory buffers
 
 W=8 ranks (one process each) of bench/datapath.py's "1e7 cells" catalog;
 each rank times its encode, its SendPacked call, its ReconcilePacked call
@@ -20,7 +21,8 @@ import datapath as D
 def rank(conn, sock, W, r, case, epochs):
     import amaxd
     from amaxd.packed import encode_send_packed, PackedResult
-    with amaxd.Client("b", r, W, socket=sock, timeout=600) as c:
+    shm = os.environ.get("SHM") == "1"
+    with amaxd.Client("b", r, W, socket=sock, timeout=600, shm=shm) as c:
         c.join(); c.register(D.catalog(case, W, r)); L = c.layout()
         rng = np.random.default_rng(r); rows = []
         conn.send("ready")
@@ -33,9 +35,14 @@ def rank(conn, sock, W, r, case, epochs):
             c._raw("SendPacked", data, None)
             t2 = time.perf_counter()
             from amaxd import pb
-            req = pb.ReconcilePackedRequest(job="b", rank=r, epoch=c.epoch, layout_id=L.id).SerializeToString()
+            req = pb.ReconcilePackedRequest(job="b", rank=r, epoch=c.epoch, layout_id=L.id,
+                                            shm_id=c._shm[1] if shm else 0).SerializeToString()
             raw = c._raw("ReconcilePacked", req, None)
             t3 = time.perf_counter()
+            if shm:
+                from amaxd.client import _pread_all
+                raw = _pread_all(c._shm[0], pb.ReconcilePackedResponse.FromString(raw).shm_bytes,
+                                 c._shm[3])
             res = PackedResult(raw, L); c.epoch = res.next_epoch
             t4 = time.perf_counter()
             st = c.status("b").jobs[0] if r == 0 else None

@@ -647,8 +647,8 @@ static void *guard_main(void *arg)
 }
 
 amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *server,
-                             size_t max_header_block, uint32_t max_connections, amx_guard_t **out,
-                             amx_err_t *err)
+                             size_t max_header_block, uint32_t max_connections,
+                             uint32_t reserved_fds, amx_guard_t **out, amx_err_t *err)
 {
     struct sockaddr_un sa;
     memset(&sa, 0, sizeof(sa));
@@ -692,7 +692,8 @@ amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *serve
     if (soft == RLIM_INFINITY || soft > (rlim_t)3 * UINT32_MAX)
         soft = (rlim_t)3 * UINT32_MAX;
     /* A relayed connection costs three descriptors. */
-    g->max_conn = soft > FD_RESERVE + 3 * 16 ? (uint32_t)((soft - FD_RESERVE) / 3) : 16;
+    rlim_t keep = FD_RESERVE + (rlim_t)reserved_fds;
+    g->max_conn = soft > keep + 3 * 16 ? (uint32_t)((soft - keep) / 3) : 16;
     if (max_connections > 0 && g->max_conn > max_connections)
         g->max_conn = max_connections;
     pthread_mutex_init(&g->mu, NULL);

@@ -25,12 +25,13 @@ typedef struct amx_guard amx_guard_t;
 /* Binds and listens on `path` (a stale socket must be gone), chmods it to
  * `mode`, and starts the guard thread, which relays connections to `server`
  * (started, insecure). A relayed connection costs three descriptors; at most
- * max_connections, and (RLIMIT_NOFILE - 128) / 3, are taken at once, the
- * others are closed. The guard holds at most 1 MiB read from either side of
- * a connection and not yet written on, 256 MiB for all of them. */
+ * max_connections, and (RLIMIT_NOFILE - 128 - reserved_fds) / 3, are taken
+ * at once, the others are closed (reserved_fds: descriptors the daemon
+ * keeps for other uses, the shared buffers of the packed form). The guard holds at most 1 MiB read
+ * from either side of a connection and not yet written on, 256 MiB for all of them. */
 amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *server,
-                             size_t max_header_block, uint32_t max_connections, amx_guard_t **out,
-                             amx_err_t *err);
+                             size_t max_header_block, uint32_t max_connections,
+                             uint32_t reserved_fds, amx_guard_t **out, amx_err_t *err);
 
 /* Stops accepting and closes the listening socket; connections stay. Returns
  * once no connection can be handed to the server any more. Any thread. */

@@ -45,6 +45,8 @@ struct amx_registry {
     amx_peer_t *peer;
     amx_job_t *jobs;
     amx_job_t *zombies; /* dropped while in flight: freed when the engine returns */
+    void (*on_drop)(void *ud, const char *job);
+    void *on_drop_ud;
     uint32_t njobs;
     uint32_t nwaiting;
     int shutting_down;
@@ -129,9 +131,10 @@ static amx_job_t *find_job(amx_registry_t *reg, const char *name)
     return NULL;
 }
 
-int amx_registry_has_job(void *reg, const char *job)
+void amx_registry_on_drop(amx_registry_t *reg, void (*fn)(void *ud, const char *job), void *ud)
 {
-    return find_job(reg, job) != NULL;
+    reg->on_drop = fn;
+    reg->on_drop_ud = ud;
 }
 
 static amx_lrank_t *local_rank(amx_job_t *j, uint32_t r)
@@ -2857,6 +2860,8 @@ static void drop_job(amx_registry_t *reg, amx_job_t *j, const char *why)
                       reg->cfg->state_dir, strerror(-rc));
     }
     fail_all_waiters(reg, j, AMX_EABORTED, why);
+    if (reg->on_drop != NULL)
+        reg->on_drop(reg->on_drop_ud, j->name);
     job_remove(reg, j);
 }
 

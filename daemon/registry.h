@@ -285,9 +285,9 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
                                  amx_layout_t *out, amx_arena_t *arena, amx_err_t *err);
 /* Merges a slab into the open epoch; atomic. A layout id that is not the
  * rank's current one is FAILED_PRECONDITION. */
-/* Whether the registry `reg` (an amx_registry_t) serves `job` now; the
- * shape of amx_shm_open's `live`. */
-int amx_registry_has_job(void *reg, const char *job);
+/* fn(ud, job) is called whenever a job is dropped (Reset, idle timeout,
+ * a peer's drop), before it is gone. */
+void amx_registry_on_drop(amx_registry_t *reg, void (*fn)(void *ud, const char *job), void *ud);
 amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed_req_t *req,
                                       uint64_t *accepted, uint64_t *epoch, amx_err_t *err);
 amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req_t *req,

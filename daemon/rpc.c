@@ -61,6 +61,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -144,6 +145,7 @@ struct amx_rpc {
     uv_loop_t *loop;
     const amx_config_t *cfg;
     amx_svc_t svc;
+    uint32_t shm_max; /* shared buffers at most (descriptors kept from the guard) */
     grpc_server *server, *peer_server;
     int nservers, servers_shut;
     grpc_completion_queue *cq;
@@ -1134,7 +1136,12 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     rpc->svc.peer = peer;
     rpc->svc.cfg = cfg;
     rpc->svc.start_time = start_time;
-    if (amx_shm_create(cfg->shm_dir, (unsigned)cfg->socket_mode, SHM_MAX_REGIONS, &rpc->svc.shm,
+    /* Each shared buffer holds a descriptor: an eighth of the limit at
+     * most, kept out of the socket guard's budget. */
+    struct rlimit rl;
+    rlim_t soft = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? rl.rlim_cur : 1024;
+    rpc->shm_max = soft / 8 < SHM_MAX_REGIONS ? (uint32_t)(soft / 8) : SHM_MAX_REGIONS;
+    if (amx_shm_create(cfg->shm_dir, (unsigned)cfg->socket_mode, rpc->shm_max, &rpc->svc.shm,
                        err) != AMX_OK) {
         if (amx_config_is_set(cfg, "shm_dir")) {
             free(rpc);
@@ -1143,6 +1150,9 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
         AMX_WARN("rpc", "%s; shared-memory buffers are off", err->msg);
         rpc->svc.shm = NULL;
     }
+    if (rpc->svc.shm == NULL)
+        rpc->shm_max = 0;
+    amx_registry_on_drop(reg, amx_shm_drop_job, rpc->svc.shm);
     rpc->t_shutdown = (tag_t){NULL, TAG_SHUTDOWN};
     rpc->t_shutdown_peer = (tag_t){NULL, TAG_SHUTDOWN};
     pthread_mutex_init(&rpc->mu, NULL);
@@ -1214,7 +1224,7 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     rpc->wake.data = rpc;
     if (rpc->unix_path[0] != '\0' && cfg->socket_guard &&
         amx_guard_start(rpc->unix_path, (unsigned)cfg->socket_mode, rpc->server, MAX_HEADER_BLOCK,
-                        (uint32_t)cfg->max_connections, &rpc->guard, err) != AMX_OK) {
+                        (uint32_t)cfg->max_connections, rpc->shm_max, &rpc->guard, err) != AMX_OK) {
         st = err->code;
         goto fail_started;
     }
@@ -1270,6 +1280,8 @@ fail_creds:
     grpc_shutdown_blocking();
     pthread_mutex_destroy(&rpc->loop_mu);
     pthread_mutex_destroy(&rpc->mu);
+    amx_registry_on_drop(reg, NULL, NULL);
+    amx_shm_free(rpc->svc.shm);
     free(rpc);
     return st;
 fail_started:
@@ -1289,6 +1301,9 @@ fail_started:
     grpc_completion_queue_destroy(rpc->cq);
     grpc_shutdown_blocking();
     uv_close((uv_handle_t *)&rpc->wake, NULL);
+    amx_registry_on_drop(reg, NULL, NULL);
+    amx_shm_free(rpc->svc.shm);
+    rpc->svc.shm = NULL;
     return st; /* rpc is leaked deliberately: the async handle is closing */
 }
 
@@ -1449,7 +1464,7 @@ void amx_rpc_free(amx_rpc_t *rpc)
     free(rpc->queue);
     free(rpc->spare);
     free(rpc->scratch);
-    amx_shm_free(rpc->svc.shm);
+    amx_shm_free(rpc->svc.shm); /* after amx_registry_destroy, its last drop hook */
     if (rpc->loop_locked)
         pthread_mutex_unlock(&rpc->loop_mu);
     pthread_mutex_destroy(&rpc->loop_mu);

@@ -141,11 +141,6 @@ static void register_done(amx_waiter_t *w, amx_status_t st, const char *msg, con
     amx__call_reply(c, AMX_OK, NULL, &r.base);
 }
 
-typedef struct drop_ctx {
-    amx_svc_t *svc;
-    const char *job;
-} drop_ctx_t;
-
 static void reset_done(amx_waiter_t *w, amx_status_t st, const char *msg, const amx_reply_t *rep)
 {
     amx_call_t *c = amx__waiter_call(w);
@@ -153,9 +148,6 @@ static void reset_done(amx_waiter_t *w, amx_status_t st, const char *msg, const 
         amx__call_reply(c, st, msg, NULL);
         return;
     }
-    const drop_ctx_t *d = w->ext;
-    if (d != NULL) /* the job is gone: so are its ranks' shared buffers */
-        amx_shm_drop_job(d->svc->shm, d->job);
     Amaxd__V1__ResetResponse r = AMAXD__V1__RESET_RESPONSE__INIT;
     r.reset = rep->reset;
     amx__call_reply(c, AMX_OK, NULL, &r.base);
@@ -331,17 +323,6 @@ static void h_reset(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     *q = (amx_reset_req_t){req->job, req->names, req->n_names, req->drop_job};
     amx_waiter_t *w = amx__call_waiter(c);
     w->done = reset_done;
-    w->ext = NULL;
-    if (req->drop_job) {
-        drop_ctx_t *d = amx_arena_alloc(a, sizeof(*d));
-        if (d == NULL) {
-            amx_err_set(&err, AMX_ENOMEM, "out of memory");
-            reply_err(c, "Reset", &err);
-            return;
-        }
-        *d = (drop_ctx_t){svc, req->job};
-        w->ext = d;
-    }
     if (amx_registry_reset(svc->reg, q, w, &err) != AMX_OK)
         reply_err(c, "Reset", &err);
 }
@@ -526,8 +507,7 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     r.total_slices = l.total_slices;
     amx_shm_region_t g;
     if (req->shm) {
-        if (amx_shm_open(svc->shm, req->job, req->rank, l.id, l.total_cells, amx_registry_has_job,
-                         svc->reg, &g, &err) != AMX_OK) {
+        if (amx_shm_open(svc->shm, req->job, req->rank, l.id, l.total_cells, &g, &err) != AMX_OK) {
             reply_err(c, "GetLayout", &err);
             amx_arena_free(&a);
             return;
@@ -674,14 +654,13 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
     amx_replybuf_t *rb = o->rb;
     o->buf = NULL;
     o->rb = NULL;
-    if (o->shm_id != 0) {
-        amx_err_t err = {0};
-        amx_status_t ws = amx_shm_write(o->svc->shm, o->job, o->rank, o->shm_id, b, pos, &err);
+    amx_err_t err = {0};
+    if (o->shm_id != 0 &&
+        amx_shm_write(o->svc->shm, o->job, o->rank, o->shm_id, b, pos, &err) != AMX_OK) {
+        /* The epoch is over: its answer must not be lost. */
+        AMX_WARN("rpc", "ReconcilePacked: %s; answered in the message instead", err.msg);
+    } else if (o->shm_id != 0) {
         amx_replybuf_unref(rb);
-        if (ws != AMX_OK) {
-            reply_err(c, "ReconcilePacked", &err);
-            return;
-        }
         Amaxd__V1__ReconcilePackedResponse r = AMAXD__V1__RECONCILE_PACKED_RESPONSE__INIT;
         r.epoch = rep->epoch;
         r.next_epoch = rep->next_epoch;

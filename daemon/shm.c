@@ -9,10 +9,10 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <limits.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -59,7 +59,11 @@ static void remove_at(amx_shm_t *s, size_t i)
     s->v[i] = s->v[--s->n];
 }
 
-/* Files "amaxd-<pid>-..." of ours whose daemon is gone. */
+/* Files "amaxd-<pid>-..." of ours that no daemon holds: every daemon
+ * keeps a shared lock on each of its buffers while they have a path (from
+ * before the name exists), so a file whose exclusive lock can be taken
+ * belongs to no running daemon, whatever PID namespace it ran in and
+ * whether its pid was reused. */
 static void sweep(amx_shm_t *s)
 {
     DIR *d = opendir(s->dir);
@@ -74,14 +78,14 @@ static void sweep(amx_shm_t *s)
         long pid = strtol(e->d_name + strlen(PREFIX), &end, 10);
         if (end == NULL || *end != '-' || pid <= 0 || pid > INT_MAX)
             continue;
+        int fd = openat(dirfd(d), e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+        if (fd < 0)
+            continue;
         struct stat st;
-        if (fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISREG(st.st_mode) ||
-            st.st_uid != geteuid())
-            continue;
-        if (pid == getpid() || kill((pid_t)pid, 0) == 0 || errno != ESRCH)
-            continue;
-        if (unlinkat(dirfd(d), e->d_name, 0) == 0)
+        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
+            flock(fd, LOCK_EX | LOCK_NB) == 0 && unlinkat(dirfd(d), e->d_name, 0) == 0)
             removed++;
+        close(fd);
     }
     closedir(d);
     if (removed > 0)
@@ -111,7 +115,7 @@ amx_status_t amx_shm_create(const char *dir, unsigned mode, size_t max_regions, 
     if (s == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of memory");
     snprintf(s->dir, sizeof(s->dir), "%s", dir);
-    s->mode = mode & 0666;
+    s->mode = mode & 0660; /* never to every user, whatever the socket's bits */
     s->max = max_regions;
     sweep(s);
     *out = s;
@@ -150,17 +154,10 @@ static amx_status_t off(const char *what, amx_err_t *err)
 }
 
 amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t layout_id,
-                          uint64_t cells, int (*live)(void *ud, const char *job), void *ud,
-                          amx_shm_region_t *out, amx_err_t *err)
+                          uint64_t cells, amx_shm_region_t *out, amx_err_t *err)
 {
     if (s == NULL)
         return off("GetLayout", err);
-    for (size_t i = 0; i < s->n;) {
-        if (live != NULL && !live(ud, s->v[i].job))
-            remove_at(s, i);
-        else
-            i++;
-    }
     region_t *old = find(s, job, rank, NULL);
     if (old == NULL && s->n >= s->max)
         return amx_err_set(err, AMX_ENOMEM,
@@ -169,28 +166,42 @@ amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
                            s->n);
     if (cells > (UINT64_MAX - 2 * PAGE) / 5)
         return amx_err_set(err, AMX_EINVAL, "GetLayout: %" PRIu64 " cells", cells);
-    uint64_t id = 0;
-    while (id == 0) {
-        if (getrandom(&id, sizeof(id), 0) != sizeof(id))
+    /* The id and the file's name are drawn apart: the name, visible to
+     * whoever can list shm_dir, does not tell the id. */
+    uint64_t rnd[2] = {0, 0};
+    while (rnd[0] == 0) {
+        if (getrandom(rnd, sizeof(rnd), 0) != sizeof(rnd))
             return amx_err_set(err, AMX_EINTERNAL, "getrandom: %s", strerror(errno));
     }
+    uint64_t id = rnd[0];
     region_t g = {0};
     g.fd = -1;
-    int pl =
-        snprintf(g.path, sizeof(g.path), "%s/" PREFIX "%d-%016" PRIx64, s->dir, (int)getpid(), id);
-    if (pl < 0 || (size_t)pl >= sizeof(g.path))
+    char tmp[PATH_MAX];
+    int pl = snprintf(g.path, sizeof(g.path), "%s/" PREFIX "%d-%016" PRIx64, s->dir, (int)getpid(),
+                      rnd[1]);
+    int tl = snprintf(tmp, sizeof(tmp), "%s/.new-" PREFIX "%016" PRIx64, s->dir, rnd[1]);
+    if (pl < 0 || (size_t)pl >= sizeof(g.path) || tl < 0 || (size_t)tl >= sizeof(tmp))
         return amx_err_set(err, AMX_EINTERNAL, "GetLayout: shm_dir path too long");
-    g.fd = open(g.path, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, s->mode);
+    /* Made under a name the sweep ignores, locked (held while the file has
+     * a path: another daemon's sweep leaves it alone), given the socket's
+     * bits (open() applied the umask), then renamed into place. */
+    g.fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, s->mode);
     if (g.fd < 0)
-        return amx_err_set(err, AMX_EINTERNAL, "GetLayout: creating %s: %s", g.path,
-                           strerror(errno));
-    g.linked = 1;
-    /* open() applied the umask: the trainers' group needs the socket's bits. */
-    if (fchmod(g.fd, s->mode) != 0) {
-        amx_err_set(err, AMX_EINTERNAL, "GetLayout: chmod %s: %s", g.path, strerror(errno));
+        return amx_err_set(
+            err, errno == EMFILE || errno == ENFILE || errno == ENOSPC ? AMX_ENOMEM : AMX_EINTERNAL,
+            "GetLayout: creating %s: %s", tmp, strerror(errno));
+    const char *fail = flock(g.fd, LOCK_SH | LOCK_NB) != 0 ? "flock"
+                       : fchmod(g.fd, s->mode) != 0        ? "chmod"
+                       : renameat2(AT_FDCWD, tmp, AT_FDCWD, g.path, RENAME_NOREPLACE) != 0
+                           ? "rename"
+                           : NULL;
+    if (fail != NULL) {
+        amx_err_set(err, AMX_EINTERNAL, "GetLayout: %s %s: %s", fail, tmp, strerror(errno));
+        unlink(tmp);
         close_region(&g);
         return err->code;
     }
+    g.linked = 1;
     g.job = strdup(job);
     if (g.job == NULL) {
         close_region(&g);
@@ -334,8 +345,9 @@ amx_status_t amx_shm_write(amx_shm_t *s, const char *job, uint32_t rank, uint64_
     return AMX_OK;
 }
 
-void amx_shm_drop_job(amx_shm_t *s, const char *job)
+void amx_shm_drop_job(void *ud, const char *job)
 {
+    amx_shm_t *s = ud;
     if (s == NULL)
         return;
     for (size_t i = 0; i < s->n;) {

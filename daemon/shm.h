@@ -15,8 +15,9 @@
  * or other values (refused or merged as any sent values would be), never
  * a SIGBUS or a value that changes between validation and merge. The file
  * is unlinked at its first use (the trainer has opened it by then), so
- * nothing is left behind when either side dies; files of daemons that
- * died before that are removed when a daemon starts.
+ * nothing is left behind when either side dies after that; files that
+ * no running daemon holds (each holds a shared flock on its linked
+ * buffers) are removed when a daemon starts.
  *
  * Loop thread (under the loop lock) only.
  */
@@ -48,11 +49,9 @@ amx_status_t amx_shm_create(const char *dir, unsigned mode, size_t max_regions, 
 void amx_shm_free(amx_shm_t *s);
 
 /* A new buffer for (job, rank) sized for `cells` cells of layout
- * `layout_id`, replacing the rank's previous one. `live(ud, job)` says
- * whether a job still exists: buffers of gone jobs are dropped first. */
+ * `layout_id`, replacing the rank's previous one. */
 amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t layout_id,
-                          uint64_t cells, int (*live)(void *ud, const char *job), void *ud,
-                          amx_shm_region_t *out, amx_err_t *err);
+                          uint64_t cells, amx_shm_region_t *out, amx_err_t *err);
 
 /* Reads the slab of buffer `id` of (job, rank), which must belong to
  * layout `layout_id`: *values (cells floats, writable: the registry
@@ -71,8 +70,9 @@ amx_status_t amx_shm_check(amx_shm_t *s, const char *job, uint32_t rank, uint64_
 amx_status_t amx_shm_write(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
                            const void *buf, size_t len, amx_err_t *err);
 
-/* Drops the buffers of `job`. */
-void amx_shm_drop_job(amx_shm_t *s, const char *job);
+/* Drops the buffers of `job` (the registry's drop hook: `s` is an
+ * amx_shm_t, NULL is fine). */
+void amx_shm_drop_job(void *s, const char *job);
 
 /* Buffers open now (for tests and Status). */
 size_t amx_shm_count(const amx_shm_t *s);

@@ -8,6 +8,8 @@ both inline and in the buffer, buffers off) refused with a precise status,
 changing nothing."""
 import os
 import stat
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -112,6 +114,18 @@ def test_file_mode_unlink_and_drop(start_daemon, shmdir):
         assert L.id != 0
 
 
+def test_never_world_readable(start_daemon, shmdir):
+    daemon = start_daemon(f"--shm-dir={shmdir}", "--socket-mode=0666")
+    with daemon.client("w", 0, 1, shm=True) as c:
+        c.join()
+        c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
+        c.layout()
+        (f,) = shm_files(shmdir)
+        assert stat.S_IMODE(os.stat(os.path.join(shmdir, f)).st_mode) == 0o660
+        # The file's name does not tell the buffer's id.
+        assert f"{c._shm[1]:016x}" not in f
+
+
 def test_misuse_is_refused(start_daemon, shmdir):
     daemon = start_daemon(f"--shm-dir={shmdir}")
     R = amaxd.Recipe
@@ -205,20 +219,85 @@ def test_off_and_bad_dir(start_daemon, tmp_path):
 
 
 def test_sweep_of_dead_daemons_files(start_daemon, shmdir):
-    # A pid that is not running, and one that is (ours).
-    dead = 4_000_000
-    while True:
-        try:
-            os.kill(dead, 0)
-            dead += 1
-        except ProcessLookupError:
-            break
-    for name in (f"amaxd-{dead}-00000000000000aa", f"amaxd-{os.getpid()}-00000000000000bb",
-                 "amaxd-notapid", "other-file"):
+    import fcntl
+    # Files no daemon holds a lock on are removed (whatever their pid says:
+    # a daemon in another PID namespace, a reused pid); one a running
+    # daemon holds (here: this process, as another daemon would) is kept,
+    # and so are names that are not a daemon's buffers.
+    for name in (f"amaxd-{os.getpid()}-00000000000000aa", "amaxd-1-00000000000000cc",
+                 "amaxd-7-00000000000000bb", "amaxd-notapid", "other-file"):
         with open(os.path.join(shmdir, name), "w") as f:
             f.write("x")
+    held = open(os.path.join(shmdir, "amaxd-7-00000000000000bb"))
+    fcntl.flock(held, fcntl.LOCK_SH)
+    try:
+        daemon = start_daemon(f"--shm-dir={shmdir}")
+        assert sorted(os.listdir(shmdir)) == ["amaxd-7-00000000000000bb", "amaxd-notapid",
+                                              "other-file"]
+        assert "removed 2 shared buffers" in daemon.log()
+        # A second daemon sharing the directory leaves the first one's buffers alone.
+        with daemon.client("sw", 0, 1, shm=True) as c:
+            c.join()
+            c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
+            c.layout()
+            mine = [f for f in shm_files(shmdir) if f.startswith(f"amaxd-{daemon.proc.pid}-")]
+            assert len(mine) == 1
+            other = start_daemon(f"--shm-dir={shmdir}", socket=os.path.join(shmdir, "o.sock"))
+            assert mine[0] in os.listdir(shmdir)
+            assert "removed" not in other.log()
+            c.send_packed(np.ones(1, dtype=np.float32))
+            np.testing.assert_array_equal(c.reconcile_packed().amax, [1])
+    finally:
+        held.close()
+
+
+def test_answer_survives_a_replaced_buffer(start_daemon, shmdir):
+    """A buffer replaced while its ReconcilePacked waits: the epoch's answer
+    comes in the message instead, not as an error after the epoch."""
     daemon = start_daemon(f"--shm-dir={shmdir}")
-    left = sorted(os.listdir(shmdir))
-    assert left == sorted([f"amaxd-{os.getpid()}-00000000000000bb", "amaxd-notapid",
-                           "other-file"])
-    assert "removed 1 shared buffers" in daemon.log()
+    R = amaxd.Recipe
+    with daemon.client("rp", 0, 2, shm=True) as c0, daemon.client("rp", 1, 2, shm=True) as c1, \
+            daemon.client("rp", 0, 2, shm=True) as thief:
+        t = threading.Thread(target=c1.join)
+        t.start()
+        c0.join()
+        t.join()
+        for r, c in ((0, c0), (1, c1)):
+            c.register([amaxd.Quantizer("a", [4], R.fp8_current(), amaxd.placement.column_parallel(
+                [4], r, 2))])
+        for c in (c0, c1):
+            c.layout()
+            c.send_packed(np.full(2, 3.0 + c.rank, dtype=np.float32))
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault(0, c0.reconcile_packed()))
+        t.start()
+        # Wait until rank 0 waits in its epoch, then take its buffer away.
+        for _ in range(500):
+            if c1.status("rp").jobs[0].ranks_in_reconcile == 1:
+                break
+            time.sleep(0.01)
+        assert c1.status("rp").jobs[0].ranks_in_reconcile == 1
+        thief.layout()  # a new buffer for rank 0: c0's is closed
+        r1 = c1.reconcile_packed()
+        t.join(30)
+        r0 = out[0]
+        assert r0.epoch == r1.epoch == 1
+        np.testing.assert_array_equal(r0.amax, [3, 3])
+        np.testing.assert_array_equal(r1.amax, [4, 4])
+        assert r0.global_amax.tobytes() == r1.global_amax.tobytes()
+    assert "answered in the message instead" in daemon.log()
+
+
+def test_idle_expiry_closes_buffers(start_daemon, shmdir):
+    daemon = start_daemon(f"--shm-dir={shmdir}", "--job-idle-timeout-ms=300")
+    with daemon.client("idle", 0, 1, shm=True) as c:
+        c.join()
+        c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
+        c.layout()
+        assert len(open_buffers(daemon.proc.pid, shmdir)) == 1
+        for _ in range(100):
+            time.sleep(0.05)
+            if "idle" in daemon.log() and not open_buffers(daemon.proc.pid, shmdir):
+                break
+        assert open_buffers(daemon.proc.pid, shmdir) == []
+        assert shm_files(shmdir) == []

@@ -602,7 +602,8 @@ class Client:
         raw = self._tracked(epoch, lambda: self._raw("ReconcilePacked", req, None, timeout))
         if shm is not None:
             n = pb.ReconcilePackedResponse.FromString(raw).shm_bytes
-            raw = _pread_all(shm[0], n, shm[3])
+            if n:  # else the daemon could not use the buffer: the answer is in the message
+                raw = _pread_all(shm[0], n, shm[3])
         res = PackedResult(raw, L)
         if res.layout_id != L.id:
             res = PackedResult(raw, self.layout(refresh=True))
