@@ -41,8 +41,8 @@ def rank(conn, sock, W, r, case, epochs):
             t3 = time.perf_counter()
             if shm:
                 from amaxd.client import _pread_all
-                raw = _pread_all(c._shm[0], pb.ReconcilePackedResponse.FromString(raw).shm_bytes,
-                                 c._shm[3])
+                raw = _pread_all(c._shm[3], pb.ReconcilePackedResponse.FromString(raw).shm_bytes,
+                                 0)
             res = PackedResult(raw, L); c.epoch = res.next_epoch
             t4 = time.perf_counter()
             st = c.status("b").jobs[0] if r == 0 else None

@@ -477,6 +477,8 @@ static void h_list(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 
 /* ---- the packed form ---- */
 
+static size_t packed_cap(size_t n, size_t q, size_t ns);
+
 static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__GetLayoutRequest *req = (const void *)m;
@@ -507,7 +509,8 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     r.total_slices = l.total_slices;
     amx_shm_region_t g;
     if (req->shm) {
-        if (amx_shm_open(svc->shm, req->job, req->rank, l.id, l.total_cells, &g, &err) != AMX_OK) {
+        if (amx_shm_open(svc->shm, req->job, req->rank, l.id, l.total_cells,
+                         packed_cap(l.total_cells, l.n, l.total_slices), &g, &err) != AMX_OK) {
             reply_err(c, "GetLayout", &err);
             amx_arena_free(&a);
             return;
@@ -515,7 +518,7 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
         r.shm_id = g.id;
         r.shm_path = (char *)g.path;
         r.shm_has_data_offset = g.has_data_off;
-        r.shm_answer_offset = g.answer_off;
+        r.shm_answer_path = (char *)g.answer_path;
     }
     amx__call_reply(c, AMX_OK, NULL, &r.base);
     amx_arena_free(&a);
@@ -589,18 +592,35 @@ typedef struct packed_out {
     uint64_t shm_id; /* answer into this shared buffer; 0: over gRPC */
 } packed_out_t;
 
+/* The most bytes a packed answer of n cells, q quantizers and ns global
+ * slices takes. */
+static size_t packed_cap(size_t n, size_t q, size_t ns)
+{
+    return 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) +
+           3 * array_room(4 * ns) + 64;
+}
+
 static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
 {
     packed_out_t *o = w->ext;
     size_t n = (size_t)p->ncells, q = p->nq, ns = (size_t)p->nslices;
-    o->cap = 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) +
-             3 * array_room(4 * ns) + 64;
-    /* The rank's buffer of the last epoch when gRPC is done with it: no
-     * fresh pages (and their faults) for every answer. */
-    o->rb = amx_replybuf_take(p->cache, o->cap);
-    if (o->rb == NULL)
-        return AMX_ENOMEM;
-    o->buf = o->rb->data;
+    o->cap = packed_cap(n, q, ns);
+    o->buf = NULL;
+    if (o->shm_id != 0) {
+        /* Built in place in the rank's answer file. */
+        amx_err_t err = {0};
+        o->buf = amx_shm_answer(o->svc->shm, o->job, o->rank, o->shm_id, o->cap, &err);
+        if (o->buf == NULL) /* the epoch is over: its answer must not be lost */
+            AMX_WARN("rpc", "%s; answered in the message instead", err.msg);
+    }
+    if (o->buf == NULL) {
+        /* The rank's buffer of the last epoch when gRPC is done with it: no
+         * fresh pages (and their faults) for every answer. */
+        o->rb = amx_replybuf_take(p->cache, o->cap);
+        if (o->rb == NULL)
+            return AMX_ENOMEM;
+        o->buf = o->rb->data;
+    }
     size_t pos = 0;
     p->amax = (float *)(void *)put_array(o->buf, &pos, 4, 4 * n);
     p->scale = (float *)(void *)put_array(o->buf, &pos, 5, 4 * n);
@@ -654,13 +674,7 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
     amx_replybuf_t *rb = o->rb;
     o->buf = NULL;
     o->rb = NULL;
-    amx_err_t err = {0};
-    if (o->shm_id != 0 &&
-        amx_shm_write(o->svc->shm, o->job, o->rank, o->shm_id, b, pos, &err) != AMX_OK) {
-        /* The epoch is over: its answer must not be lost. */
-        AMX_WARN("rpc", "ReconcilePacked: %s; answered in the message instead", err.msg);
-    } else if (o->shm_id != 0) {
-        amx_replybuf_unref(rb);
+    if (rb == NULL) { /* built in the shared buffer */
         Amaxd__V1__ReconcilePackedResponse r = AMAXD__V1__RECONCILE_PACKED_RESPONSE__INIT;
         r.epoch = rep->epoch;
         r.next_epoch = rep->next_epoch;

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/types.h>
@@ -23,13 +24,20 @@
 #define PREFIX "amaxd-"
 #define PAGE 4096u
 
+typedef struct file {
+    int fd;
+    int linked; /* the path still names the file */
+    char path[PATH_MAX];
+} file_t;
+
 typedef struct region {
     char *job;
     uint32_t rank;
-    int fd;
-    int linked; /* the path still names the file */
+    file_t slab;   /* the trainer writes: values, has-data bytes */
+    file_t answer; /* the daemon writes (mapped), the trainer reads */
+    uint8_t *map;
+    size_t map_len;
     amx_shm_region_t r;
-    char path[PATH_MAX];
 } region_t;
 
 struct amx_shm {
@@ -42,15 +50,25 @@ struct amx_shm {
     size_t scratch_cap;
 };
 
+static void close_file(file_t *f)
+{
+    if (f->linked && unlink(f->path) != 0 && errno != ENOENT)
+        AMX_WARN("shm", "unlink %s: %s", f->path, strerror(errno));
+    if (f->fd >= 0)
+        close(f->fd);
+    f->fd = -1;
+    f->linked = 0;
+}
+
 static void close_region(region_t *g)
 {
-    if (g->linked && unlink(g->path) != 0 && errno != ENOENT)
-        AMX_WARN("shm", "unlink %s: %s", g->path, strerror(errno));
-    if (g->fd >= 0)
-        close(g->fd);
+    if (g->map != NULL)
+        munmap(g->map, g->map_len);
+    close_file(&g->slab);
+    close_file(&g->answer);
     free(g->job);
     memset(g, 0, sizeof(*g));
-    g->fd = -1;
+    g->slab.fd = g->answer.fd = -1;
 }
 
 static void remove_at(amx_shm_t *s, size_t i)
@@ -153,8 +171,42 @@ static amx_status_t off(const char *what, amx_err_t *err)
                        what);
 }
 
+/* One file of a buffer, made under a name the sweep ignores, locked
+ * (held while the file has a path: another daemon's sweep leaves it
+ * alone), given its bits (open() applied the umask), then renamed into
+ * place. */
+static amx_status_t make_file(amx_shm_t *s, uint64_t rnd, char kind, unsigned mode, file_t *f,
+                              amx_err_t *err)
+{
+    char tmp[PATH_MAX];
+    int pl = snprintf(f->path, sizeof(f->path), "%s/" PREFIX "%d-%016" PRIx64 "-%c", s->dir,
+                      (int)getpid(), rnd, kind);
+    int tl = snprintf(tmp, sizeof(tmp), "%s/.new-" PREFIX "%016" PRIx64 "-%c", s->dir, rnd, kind);
+    if (pl < 0 || (size_t)pl >= sizeof(f->path) || tl < 0 || (size_t)tl >= sizeof(tmp))
+        return amx_err_set(err, AMX_EINTERNAL, "GetLayout: shm_dir path too long");
+    f->fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, mode);
+    if (f->fd < 0)
+        return amx_err_set(
+            err, errno == EMFILE || errno == ENFILE || errno == ENOSPC ? AMX_ENOMEM : AMX_EINTERNAL,
+            "GetLayout: creating %s: %s", tmp, strerror(errno));
+    const char *fail = flock(f->fd, LOCK_SH | LOCK_NB) != 0 ? "flock"
+                       : fchmod(f->fd, mode) != 0           ? "chmod"
+                       : renameat2(AT_FDCWD, tmp, AT_FDCWD, f->path, RENAME_NOREPLACE) != 0
+                           ? "rename"
+                           : NULL;
+    if (fail != NULL) {
+        amx_err_set(err, AMX_EINTERNAL, "GetLayout: %s %s: %s", fail, tmp, strerror(errno));
+        unlink(tmp);
+        close_file(f);
+        return err->code;
+    }
+    f->linked = 1;
+    return AMX_OK;
+}
+
 amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t layout_id,
-                          uint64_t cells, amx_shm_region_t *out, amx_err_t *err)
+                          uint64_t cells, uint64_t answer_bytes, amx_shm_region_t *out,
+                          amx_err_t *err)
 {
     if (s == NULL)
         return off("GetLayout", err);
@@ -164,7 +216,7 @@ amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
                            "GetLayout: %zu shared buffers are open, the most this daemon keeps; "
                            "ask for the layout without shm",
                            s->n);
-    if (cells > (UINT64_MAX - 2 * PAGE) / 5)
+    if (cells > (UINT64_MAX - 2 * PAGE) / 5 || answer_bytes > (uint64_t)SIZE_MAX / 2)
         return amx_err_set(err, AMX_EINVAL, "GetLayout: %" PRIu64 " cells", cells);
     /* The id and the file's name are drawn apart: the name, visible to
      * whoever can list shm_dir, does not tell the id. */
@@ -175,33 +227,35 @@ amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
     }
     uint64_t id = rnd[0];
     region_t g = {0};
-    g.fd = -1;
-    char tmp[PATH_MAX];
-    int pl = snprintf(g.path, sizeof(g.path), "%s/" PREFIX "%d-%016" PRIx64, s->dir, (int)getpid(),
-                      rnd[1]);
-    int tl = snprintf(tmp, sizeof(tmp), "%s/.new-" PREFIX "%016" PRIx64, s->dir, rnd[1]);
-    if (pl < 0 || (size_t)pl >= sizeof(g.path) || tl < 0 || (size_t)tl >= sizeof(tmp))
-        return amx_err_set(err, AMX_EINTERNAL, "GetLayout: shm_dir path too long");
-    /* Made under a name the sweep ignores, locked (held while the file has
-     * a path: another daemon's sweep leaves it alone), given the socket's
-     * bits (open() applied the umask), then renamed into place. */
-    g.fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, s->mode);
-    if (g.fd < 0)
-        return amx_err_set(
-            err, errno == EMFILE || errno == ENFILE || errno == ENOSPC ? AMX_ENOMEM : AMX_EINTERNAL,
-            "GetLayout: creating %s: %s", tmp, strerror(errno));
-    const char *fail = flock(g.fd, LOCK_SH | LOCK_NB) != 0 ? "flock"
-                       : fchmod(g.fd, s->mode) != 0        ? "chmod"
-                       : renameat2(AT_FDCWD, tmp, AT_FDCWD, g.path, RENAME_NOREPLACE) != 0
-                           ? "rename"
-                           : NULL;
-    if (fail != NULL) {
-        amx_err_set(err, AMX_EINTERNAL, "GetLayout: %s %s: %s", fail, tmp, strerror(errno));
-        unlink(tmp);
-        close_region(&g);
-        return err->code;
+    g.slab.fd = g.answer.fd = -1;
+    AMX_CHECK(make_file(s, rnd[1], 's', s->mode, &g.slab, err));
+    /* The answer file is the daemon's to write: the trainers' group may
+     * only read it, so nobody but the daemon's user can truncate it under
+     * its mapping. Its pages are reserved now (a full tmpfs is an error
+     * here, never a SIGBUS when the answer is written). */
+    amx_status_t st = make_file(s, rnd[1], 'a', s->mode & 0640, &g.answer, err);
+    if (st == AMX_OK && answer_bytes > 0) {
+        int e = posix_fallocate(g.answer.fd, 0, (off_t)answer_bytes);
+        if (e != 0) {
+            st = amx_err_set(err, e == ENOSPC ? AMX_ENOMEM : AMX_EINTERNAL,
+                             "GetLayout: reserving %" PRIu64 " bytes in %s: %s", answer_bytes,
+                             g.answer.path, strerror(e));
+        } else {
+            g.map = mmap(NULL, (size_t)answer_bytes, PROT_READ | PROT_WRITE, MAP_SHARED,
+                         g.answer.fd, 0);
+            if (g.map == MAP_FAILED) {
+                g.map = NULL;
+                st = amx_err_set(err, AMX_ENOMEM, "GetLayout: mapping %s: %s", g.answer.path,
+                                 strerror(errno));
+            } else {
+                g.map_len = (size_t)answer_bytes;
+            }
+        }
     }
-    g.linked = 1;
+    if (st != AMX_OK) {
+        close_region(&g);
+        return st;
+    }
     g.job = strdup(job);
     if (g.job == NULL) {
         close_region(&g);
@@ -212,11 +266,11 @@ amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
     g.r.layout_id = layout_id;
     g.r.cells = cells;
     g.r.has_data_off = 4 * cells;
-    g.r.answer_off = (5 * cells + PAGE - 1) / PAGE * PAGE;
     if (old != NULL) {
         close_region(old);
         *old = g;
-        old->r.path = old->path;
+        old->r.path = old->slab.path;
+        old->r.answer_path = old->answer.path;
         *out = old->r;
     } else {
         if (s->n == s->cap) {
@@ -230,7 +284,8 @@ amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
             s->cap = nc;
         }
         s->v[s->n] = g;
-        s->v[s->n].r.path = s->v[s->n].path;
+        s->v[s->n].r.path = s->v[s->n].slab.path;
+        s->v[s->n].r.answer_path = s->v[s->n].answer.path;
         *out = s->v[s->n++].r;
     }
     return AMX_OK;
@@ -249,10 +304,11 @@ static region_t *named(amx_shm_t *s, const char *what, const char *job, uint32_t
     }
     /* The trainer opened it before using it: nothing is left if either
      * side dies from now on. */
-    if (g->linked) {
-        if (unlink(g->path) != 0 && errno != ENOENT)
-            AMX_WARN("shm", "unlink %s: %s", g->path, strerror(errno));
-        g->linked = 0;
+    file_t *fs[2] = {&g->slab, &g->answer};
+    for (int k = 0; k < 2; k++) {
+        if (fs[k]->linked && unlink(fs[k]->path) != 0 && errno != ENOENT)
+            AMX_WARN("shm", "unlink %s: %s", fs[k]->path, strerror(errno));
+        fs[k]->linked = 0;
     }
     return g;
 }
@@ -304,9 +360,10 @@ amx_status_t amx_shm_read(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
         s->scratch = p;
         s->scratch_cap = need;
     }
-    AMX_CHECK(read_at(g->fd, s->scratch, 4 * n, 0, "values", err));
+    AMX_CHECK(read_at(g->slab.fd, s->scratch, 4 * n, 0, "values", err));
     if (with_has_data)
-        AMX_CHECK(read_at(g->fd, s->scratch + 4 * n, n, g->r.has_data_off, "has-data bytes", err));
+        AMX_CHECK(
+            read_at(g->slab.fd, s->scratch + 4 * n, n, g->r.has_data_off, "has-data bytes", err));
     *values = (float *)(void *)s->scratch;
     *has_data = with_has_data ? s->scratch + 4 * n : NULL;
     *cells = n;
@@ -321,28 +378,24 @@ amx_status_t amx_shm_check(amx_shm_t *s, const char *job, uint32_t rank, uint64_
     return named(s, "ReconcilePacked", job, rank, id, err) != NULL ? AMX_OK : err->code;
 }
 
-amx_status_t amx_shm_write(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
-                           const void *buf, size_t len, amx_err_t *err)
+uint8_t *amx_shm_answer(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id, size_t need,
+                        amx_err_t *err)
 {
-    if (s == NULL)
-        return off("ReconcilePacked", err);
+    if (s == NULL) {
+        off("ReconcilePacked", err);
+        return NULL;
+    }
     region_t *g = named(s, "ReconcilePacked", job, rank, id, err);
     if (g == NULL)
-        return err->code;
-    const uint8_t *p = buf;
-    size_t put = 0;
-    while (put < len) {
-        ssize_t w = pwrite(g->fd, p + put, len - put, (off_t)(g->r.answer_off + put));
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0)
-            return amx_err_set(err, errno == ENOSPC ? AMX_ENOMEM : AMX_EINTERNAL,
-                               "ReconcilePacked: writing %zu bytes of answer into the shared "
-                               "buffer: %s",
-                               len, w < 0 ? strerror(errno) : "nothing written");
-        put += (size_t)w;
+        return NULL;
+    if (need > g->map_len) {
+        amx_err_set(err, AMX_EPRECOND,
+                    "ReconcilePacked: an answer of up to %zu bytes, shared buffer %016" PRIx64
+                    " holds %zu (the rank's layout changed during the epoch)",
+                    need, id, g->map_len);
+        return NULL;
     }
-    return AMX_OK;
+    return g->map;
 }
 
 void amx_shm_drop_job(void *ud, const char *job)

@@ -2,19 +2,23 @@
  * shm.h - shared-memory buffers of the packed form (docs/API.md, "Packed
  * form over shared memory").
  *
- * A rank on the daemon's host may ask GetLayout for a buffer: a file the
- * daemon creates in `shm_dir` (tmpfs) with the socket's permission bits,
- * opened by the trainer. The trainer writes its slab (and has-data bytes)
- * at the offsets the daemon gave and sends a SendPacked naming the buffer
- * instead of carrying the bytes; ReconcilePacked naming it gets the whole
- * packed answer written into the buffer and only its length over gRPC.
+ * A rank on the daemon's host may ask GetLayout for a buffer: files the
+ * daemon creates in `shm_dir` (tmpfs) with the socket's permission bits
+ * (never other users'), opened by the trainer. The trainer writes its slab
+ * (and has-data bytes) at the offsets the daemon gave and sends a
+ * SendPacked naming the buffer instead of carrying the bytes;
+ * ReconcilePacked naming it gets the whole packed answer built in the
+ * buffer and only its length over gRPC.
  *
- * The daemon never maps the file: it reads the slab with pread(2) into
- * its own memory and writes the answer with pwrite(2), so a trainer that
- * truncates, grows or rewrites the file under it can give it short reads
- * or other values (refused or merged as any sent values would be), never
- * a SIGBUS or a value that changes between validation and merge. The file
- * is unlinked at its first use (the trainer has opened it by then), so
+ * A buffer is two files. The trainer writes the slab file; the daemon
+ * never maps it but reads it with pread(2) into its own memory, so a
+ * trainer that truncates, grows or rewrites it can give it short reads or
+ * other values (refused or merged as any sent values would be), never a
+ * SIGBUS or a value that changes between validation and merge. The
+ * answer file is the daemon's: its pages reserved when it is made, mapped
+ * by the daemon, which builds answers in it in place, readable (not
+ * writable) by the trainers' group. Both are unlinked at the buffer's
+ * first use (the trainer has opened them by then), so
  * nothing is left behind when either side dies after that; files that
  * no running daemon holds (each holds a shared flock on its linked
  * buffers) are removed when a daemon starts.
@@ -35,9 +39,9 @@ typedef struct amx_shm_region {
     uint64_t id; /* random, never 0: requests name the buffer by it */
     uint64_t layout_id;
     uint64_t cells;
-    uint64_t has_data_off; /* values at 0, cells floats */
-    uint64_t answer_off;   /* page-aligned */
-    const char *path;      /* valid until the region is replaced or dropped */
+    uint64_t has_data_off;   /* in the slab file; values at 0, cells floats */
+    const char *path;        /* the slab file; valid until the region goes */
+    const char *answer_path; /* the answer file (at 0), read-only to trainers */
 } amx_shm_region_t;
 
 /* Buffers in `dir` (created with permission bits `mode`), at most
@@ -49,9 +53,11 @@ amx_status_t amx_shm_create(const char *dir, unsigned mode, size_t max_regions, 
 void amx_shm_free(amx_shm_t *s);
 
 /* A new buffer for (job, rank) sized for `cells` cells of layout
- * `layout_id`, replacing the rank's previous one. */
+ * `layout_id` and answers of up to `answer_bytes`, replacing the rank's
+ * previous one. */
 amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t layout_id,
-                          uint64_t cells, amx_shm_region_t *out, amx_err_t *err);
+                          uint64_t cells, uint64_t answer_bytes, amx_shm_region_t *out,
+                          amx_err_t *err);
 
 /* Reads the slab of buffer `id` of (job, rank), which must belong to
  * layout `layout_id`: *values (cells floats, writable: the registry
@@ -66,9 +72,11 @@ amx_status_t amx_shm_read(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
 amx_status_t amx_shm_check(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
                            amx_err_t *err);
 
-/* Writes `len` bytes of answer into buffer `id` of (job, rank). */
-amx_status_t amx_shm_write(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
-                           const void *buf, size_t len, amx_err_t *err);
+/* Where to build an answer of up to `need` bytes for buffer `id` of
+ * (job, rank): the answer file's mapping (valid until the buffer is
+ * replaced or dropped), or NULL with *err. */
+uint8_t *amx_shm_answer(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id, size_t need,
+                        amx_err_t *err);
 
 /* Drops the buffers of `job` (the registry's drop hook: `s` is an
  * amx_shm_t, NULL is fine). */

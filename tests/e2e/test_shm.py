@@ -85,7 +85,7 @@ def test_shm_matches_grpc(start_daemon, shmdir):
     assert not v.flags.owndata and not v.flags.writeable
     # Every buffer was unlinked at its first use; the daemon holds W of them.
     assert shm_files(shmdir) == []
-    assert len(open_buffers(daemon.proc.pid, shmdir)) == W
+    assert len(open_buffers(daemon.proc.pid, shmdir)) == 2 * W  # a slab and an answer file each
 
 
 def test_file_mode_unlink_and_drop(start_daemon, shmdir):
@@ -96,17 +96,19 @@ def test_file_mode_unlink_and_drop(start_daemon, shmdir):
         c.register([amaxd.Quantizer("a", [3], R.fp8_current())])
         L = c.layout()
         files = shm_files(shmdir)
-        assert len(files) == 1 and files[0].startswith(f"amaxd-{daemon.proc.pid}-")
-        # The socket's permission bits, without execute bits.
-        assert stat.S_IMODE(os.stat(os.path.join(shmdir, files[0])).st_mode) == 0o640
+        assert len(files) == 2 and all(f.startswith(f"amaxd-{daemon.proc.pid}-") for f in files)
+        # The socket's permission bits, without execute bits; the answer
+        # file is the daemon's alone to write.
+        modes = {f[-1]: stat.S_IMODE(os.stat(os.path.join(shmdir, f)).st_mode) for f in files}
+        assert modes == {"s": 0o640, "a": 0o640}
         c.send_packed(np.array([1, 2, 3], dtype=np.float32))
         assert shm_files(shmdir) == []  # unlinked at first use
         res = c.reconcile_packed()
         np.testing.assert_array_equal(res.amax, [1, 2, 3])
         # A new layout with shm replaces the rank's buffer (the daemon closes the old one).
         c.layout(refresh=True)
-        assert len(shm_files(shmdir)) == 1
-        assert len(open_buffers(daemon.proc.pid, shmdir)) == 1
+        assert len(shm_files(shmdir)) == 2
+        assert len(open_buffers(daemon.proc.pid, shmdir)) == 2
         c.reset(drop_job=True)
         # Dropping the job closes and removes its buffers.
         assert shm_files(shmdir) == []
@@ -120,10 +122,11 @@ def test_never_world_readable(start_daemon, shmdir):
         c.join()
         c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
         c.layout()
-        (f,) = shm_files(shmdir)
-        assert stat.S_IMODE(os.stat(os.path.join(shmdir, f)).st_mode) == 0o660
-        # The file's name does not tell the buffer's id.
-        assert f"{c._shm[1]:016x}" not in f
+        files = shm_files(shmdir)
+        modes = {f[-1]: stat.S_IMODE(os.stat(os.path.join(shmdir, f)).st_mode) for f in files}
+        assert modes == {"s": 0o660, "a": 0o640}
+        # The files' names do not tell the buffer's id.
+        assert all(f"{c._shm[1]:016x}" not in f for f in files)
 
 
 def test_misuse_is_refused(start_daemon, shmdir):
@@ -241,9 +244,9 @@ def test_sweep_of_dead_daemons_files(start_daemon, shmdir):
             c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
             c.layout()
             mine = [f for f in shm_files(shmdir) if f.startswith(f"amaxd-{daemon.proc.pid}-")]
-            assert len(mine) == 1
+            assert len(mine) == 2
             other = start_daemon(f"--shm-dir={shmdir}", socket=os.path.join(shmdir, "o.sock"))
-            assert mine[0] in os.listdir(shmdir)
+            assert set(mine) <= set(os.listdir(shmdir))
             assert "removed" not in other.log()
             c.send_packed(np.ones(1, dtype=np.float32))
             np.testing.assert_array_equal(c.reconcile_packed().amax, [1])
@@ -294,7 +297,7 @@ def test_idle_expiry_closes_buffers(start_daemon, shmdir):
         c.join()
         c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
         c.layout()
-        assert len(open_buffers(daemon.proc.pid, shmdir)) == 1
+        assert len(open_buffers(daemon.proc.pid, shmdir)) == 2
         for _ in range(100):
             time.sleep(0.05)
             if "idle" in daemon.log() and not open_buffers(daemon.proc.pid, shmdir):

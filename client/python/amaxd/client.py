@@ -385,7 +385,7 @@ class Client:
         form is unchanged."""
         self.job, self.rank, self.world_size = job, int(rank), int(world_size)
         self.shm = bool(shm)
-        self._shm = None  # (fd, id, has_data offset, answer offset)
+        self._shm = None  # (slab fd, id, has_data offset, answer fd)
         self.timeout = timeout
         self.max_message_bytes = max_message_bytes
         opts = [("grpc.max_send_message_length", max_message_bytes),
@@ -408,6 +408,7 @@ class Client:
     def _close_shm(self):
         if self._shm is not None:
             os.close(self._shm[0])
+            os.close(self._shm[3])
             self._shm = None
 
     def _unary(self, method, req, resp_cls, timeout=None):
@@ -533,15 +534,19 @@ class Client:
                             pb.GetLayoutResponse)
             if self.shm:
                 # Opened now: the daemon unlinks the file at its first use.
+                fds = []
                 try:
-                    fd = os.open(r.shm_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+                    for path, mode in ((r.shm_path, os.O_RDWR), (r.shm_answer_path, os.O_RDONLY)):
+                        fds.append(os.open(path, mode | os.O_CLOEXEC | os.O_NOFOLLOW))
                 except OSError as e:
+                    for fd in fds:
+                        os.close(fd)
                     raise OSError(e.errno, f"amaxd: cannot open the daemon's shared buffer "
-                                           f"{r.shm_path} ({e.strerror}); is this process on the "
+                                           f"{e.filename} ({e.strerror}); is this process on the "
                                            f"daemon's host and does it see its shm_dir? "
                                            f"Use Client(shm=False) otherwise") from None
                 self._close_shm()
-                self._shm = (fd, r.shm_id, r.shm_has_data_offset, r.shm_answer_offset)
+                self._shm = (fds[0], r.shm_id, r.shm_has_data_offset, fds[1])
             self._layout = Layout.from_pb(r)
         return self._layout
 
@@ -603,7 +608,7 @@ class Client:
         if shm is not None:
             n = pb.ReconcilePackedResponse.FromString(raw).shm_bytes
             if n:  # else the daemon could not use the buffer: the answer is in the message
-                raw = _pread_all(shm[0], n, shm[3])
+                raw = _pread_all(shm[3], n, 0)
         res = PackedResult(raw, L)
         if res.layout_id != L.id:
             res = PackedResult(raw, self.layout(refresh=True))
