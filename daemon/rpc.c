@@ -1136,11 +1136,11 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     rpc->svc.peer = peer;
     rpc->svc.cfg = cfg;
     rpc->svc.start_time = start_time;
-    /* Each shared buffer holds a descriptor: an eighth of the limit at
+    /* Each shared buffer holds two descriptors: an eighth of the limit at
      * most, kept out of the socket guard's budget. */
     struct rlimit rl;
     rlim_t soft = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? rl.rlim_cur : 1024;
-    rpc->shm_max = soft / 8 < SHM_MAX_REGIONS ? (uint32_t)(soft / 8) : SHM_MAX_REGIONS;
+    rpc->shm_max = soft / 16 < SHM_MAX_REGIONS ? (uint32_t)(soft / 16) : SHM_MAX_REGIONS;
     if (amx_shm_create(cfg->shm_dir, (unsigned)cfg->socket_mode, rpc->shm_max, &rpc->svc.shm,
                        err) != AMX_OK) {
         if (amx_config_is_set(cfg, "shm_dir")) {
@@ -1224,7 +1224,8 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     rpc->wake.data = rpc;
     if (rpc->unix_path[0] != '\0' && cfg->socket_guard &&
         amx_guard_start(rpc->unix_path, (unsigned)cfg->socket_mode, rpc->server, MAX_HEADER_BLOCK,
-                        (uint32_t)cfg->max_connections, rpc->shm_max, &rpc->guard, err) != AMX_OK) {
+                        (uint32_t)cfg->max_connections, 2 * rpc->shm_max, &rpc->guard,
+                        err) != AMX_OK) {
         st = err->code;
         goto fail_started;
     }
