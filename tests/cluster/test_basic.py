@@ -78,3 +78,38 @@ def test_job_on_one_daemon_of_a_cluster_is_local(make_cluster):
     with amaxd.Client("solo", 0, 1, socket=c.socket(0), timeout=30) as cl:
         with pytest.raises(amaxd.errors.NotFound):
             cl.status("solo")
+
+
+def test_packed_over_shared_memory_in_a_cluster(make_cluster):
+    """Rank 0 passes its slab and answer through its daemon's shared-memory
+    buffer, rank 1 through gRPC on the other daemon (both daemons share the
+    host's shm_dir): the same reduction, the same bytes."""
+    c = make_cluster(2)
+
+    def rank(r):
+        with amaxd.Client("shmj", r, 2, socket=c.socket(r), timeout=30, shm=r == 0) as cl:
+            cl.join()
+            mine = [Q("a.w", [4], placement=amaxd.placement.column_parallel([4], r, 2)),
+                    Q("b.w"), Q("c.in", [3])]
+            cl.register(mine if r == 0 else list(reversed(mine)))
+            L = cl.layout()
+            out = []
+            for epoch in range(1, 4):
+                slab = np.arange(L.total_cells, dtype=np.float32) * (r + 1) * epoch
+                cl.send_packed(slab)
+                res = cl.reconcile_packed()
+                out.append({n: (res[n].amax.tobytes(), res[n].scale.tobytes(),
+                                np.float32(res[n].global_amax).tobytes()) for n in L.names})
+            return L.names, out, cl._shm is not None
+
+    out, errs = run_threads({0: lambda: rank(0), 1: lambda: rank(1)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    names0, res0, shm0 = out[0]
+    names1, res1, shm1 = out[1]
+    assert shm0 and not shm1 and names0 == names1 == ["a.w", "b.w", "c.in"]
+    for epoch in range(3):
+        for n in ("b.w", "c.in"):  # replicated: identical answers on both daemons
+            assert res0[epoch][n] == res1[epoch][n], (epoch, n)
+        assert res0[epoch]["a.w"][2] == res1[epoch]["a.w"][2]  # global amax of the sharded one
+        # b.w is slab cell 2 on both ranks: max(2*1, 2*2) * epoch
+        assert res0[epoch]["b.w"][0] == np.float32(4 * (epoch + 1)).tobytes()
