@@ -22,7 +22,6 @@
 #include "log.h"
 
 #define PREFIX "amaxd-"
-#define PAGE 4096u
 
 typedef struct file {
     int fd;
@@ -151,15 +150,11 @@ void amx_shm_free(amx_shm_t *s)
     free(s);
 }
 
-static region_t *find(amx_shm_t *s, const char *job, uint32_t rank, size_t *at)
+static region_t *find(amx_shm_t *s, const char *job, uint32_t rank)
 {
-    for (size_t i = 0; i < s->n; i++) {
-        if (s->v[i].rank == rank && strcmp(s->v[i].job, job) == 0) {
-            if (at != NULL)
-                *at = i;
+    for (size_t i = 0; i < s->n; i++)
+        if (s->v[i].rank == rank && strcmp(s->v[i].job, job) == 0)
             return &s->v[i];
-        }
-    }
     return NULL;
 }
 
@@ -210,13 +205,13 @@ amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
 {
     if (s == NULL)
         return off("GetLayout", err);
-    region_t *old = find(s, job, rank, NULL);
+    region_t *old = find(s, job, rank);
     if (old == NULL && s->n >= s->max)
         return amx_err_set(err, AMX_ENOMEM,
                            "GetLayout: %zu shared buffers are open, the most this daemon keeps; "
                            "ask for the layout without shm",
                            s->n);
-    if (cells > (UINT64_MAX - 2 * PAGE) / 5 || answer_bytes > (uint64_t)SIZE_MAX / 2)
+    if (cells > (uint64_t)SIZE_MAX / 8 || answer_bytes > (uint64_t)SIZE_MAX / 2)
         return amx_err_set(err, AMX_EINVAL, "GetLayout: %" PRIu64 " cells", cells);
     /* The id and the file's name are drawn apart: the name, visible to
      * whoever can list shm_dir, does not tell the id. */
@@ -294,7 +289,7 @@ amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
 static region_t *named(amx_shm_t *s, const char *what, const char *job, uint32_t rank, uint64_t id,
                        amx_err_t *err)
 {
-    region_t *g = find(s, job, rank, NULL);
+    region_t *g = find(s, job, rank);
     if (g == NULL || g->r.id != id) {
         amx_err_set(err, AMX_EPRECOND,
                     "%s: job '%s' rank %u has no shared buffer %016" PRIx64
@@ -409,9 +404,4 @@ void amx_shm_drop_job(void *ud, const char *job)
         else
             i++;
     }
-}
-
-size_t amx_shm_count(const amx_shm_t *s)
-{
-    return s == NULL ? 0 : s->n;
 }

@@ -82,7 +82,4 @@ uint8_t *amx_shm_answer(amx_shm_t *s, const char *job, uint32_t rank, uint64_t i
  * amx_shm_t, NULL is fine). */
 void amx_shm_drop_job(void *s, const char *job);
 
-/* Buffers open now (for tests and Status). */
-size_t amx_shm_count(const amx_shm_t *s);
-
 #endif

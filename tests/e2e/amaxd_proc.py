@@ -17,7 +17,7 @@ BIN = os.environ.get("AMAXD_BIN", os.path.join(os.path.dirname(__file__), "..", 
 
 
 class Daemon:
-    def __init__(self, tmpdir, *args, env=None, socket=None):
+    def __init__(self, tmpdir, *args, env=None, socket=None, preexec_fn=None):
         self.dir = tmpdir
         self.socket = socket or os.path.join(tmpdir, "amaxd.sock")
         self.log_path = os.path.join(tmpdir, "amaxd.log")
@@ -26,7 +26,8 @@ class Daemon:
         e.pop("JOURNAL_STREAM", None)
         e.update(env or {})
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=e)
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=e,
+                                     preexec_fn=preexec_fn)
         self._wait_ready()
 
     def _wait_ready(self, timeout=20.0):

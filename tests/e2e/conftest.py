@@ -17,8 +17,9 @@ def start_daemon():
     started = []
     tmp = tempfile.TemporaryDirectory(prefix="amaxd-e2e-")
 
-    def start(*args, env=None, socket=None):
-        d = Daemon(tempfile.mkdtemp(dir=tmp.name), *args, env=env, socket=socket)
+    def start(*args, env=None, socket=None, preexec_fn=None):
+        d = Daemon(tempfile.mkdtemp(dir=tmp.name), *args, env=env, socket=socket,
+                   preexec_fn=preexec_fn)
         started.append(d)
         return d
 

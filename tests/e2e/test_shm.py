@@ -6,6 +6,7 @@ of dead daemons' files; and every way a client can misuse a buffer
 (another id, a replaced buffer, a truncated file, bad values in it, values
 both inline and in the buffer, buffers off) refused with a precise status,
 changing nothing."""
+import contextlib
 import os
 import stat
 import threading
@@ -34,6 +35,16 @@ def open_buffers(pid, d):
         if t.startswith(os.path.join(d, "amaxd-")):
             out.append(t)
     return out
+
+
+@contextlib.contextmanager
+def scalar_rank(daemon, job):
+    """Rank 0 of a one-rank job with one scalar quantizer and its buffer."""
+    with daemon.client(job, 0, 1, shm=True) as c:
+        c.join()
+        c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
+        c.layout()
+        yield c
 
 
 @pytest.fixture
@@ -94,7 +105,7 @@ def test_file_mode_unlink_and_drop(start_daemon, shmdir):
     with daemon.client("f", 0, 1, shm=True) as c:
         c.join()
         c.register([amaxd.Quantizer("a", [3], R.fp8_current())])
-        L = c.layout()
+        c.layout()
         files = shm_files(shmdir)
         assert len(files) == 2 and all(f.startswith(f"amaxd-{daemon.proc.pid}-") for f in files)
         # The socket's permission bits, without execute bits; the answer
@@ -113,15 +124,11 @@ def test_file_mode_unlink_and_drop(start_daemon, shmdir):
         # Dropping the job closes and removes its buffers.
         assert shm_files(shmdir) == []
         assert open_buffers(daemon.proc.pid, shmdir) == []
-        assert L.id != 0
 
 
 def test_never_world_readable(start_daemon, shmdir):
     daemon = start_daemon(f"--shm-dir={shmdir}", "--socket-mode=0666")
-    with daemon.client("w", 0, 1, shm=True) as c:
-        c.join()
-        c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
-        c.layout()
+    with scalar_rank(daemon, "w") as c:
         files = shm_files(shmdir)
         modes = {f[-1]: stat.S_IMODE(os.stat(os.path.join(shmdir, f)).st_mode) for f in files}
         assert modes == {"s": 0o660, "a": 0o640}
@@ -293,14 +300,38 @@ def test_answer_survives_a_replaced_buffer(start_daemon, shmdir):
 
 def test_idle_expiry_closes_buffers(start_daemon, shmdir):
     daemon = start_daemon(f"--shm-dir={shmdir}", "--job-idle-timeout-ms=300")
-    with daemon.client("idle", 0, 1, shm=True) as c:
-        c.join()
-        c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
-        c.layout()
+    with scalar_rank(daemon, "idlejob"):
         assert len(open_buffers(daemon.proc.pid, shmdir)) == 2
         for _ in range(100):
             time.sleep(0.05)
-            if "idle" in daemon.log() and not open_buffers(daemon.proc.pid, shmdir):
+            if "job idlejob dropped" in daemon.log():
                 break
+        assert "job idlejob dropped" in daemon.log()
         assert open_buffers(daemon.proc.pid, shmdir) == []
         assert shm_files(shmdir) == []
+
+
+def test_buffers_within_the_descriptor_limit(start_daemon, shmdir):
+    """At a hard limit of 512 descriptors a daemon keeps at most 512/16 = 32
+    buffers (two descriptors each, kept out of the socket guard's budget):
+    the next one is RESOURCE_EXHAUSTED, the others keep working, and a new
+    trainer connection is still served."""
+    import resource
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+
+    daemon = start_daemon(f"--shm-dir={shmdir}", preexec_fn=low_limit)
+    with contextlib.ExitStack() as stack:
+        ranks = [stack.enter_context(scalar_rank(daemon, f"fd{i}")) for i in range(32)]
+        with daemon.client("fd32", 0, 1, shm=True) as c:
+            c.join()
+            c.register([amaxd.Quantizer("a", [], amaxd.Recipe.fp8_current())])
+            with pytest.raises(errors.ResourceExhausted, match="32 shared buffers are open"):
+                c.layout()
+        assert len(open_buffers(daemon.proc.pid, shmdir)) == 64
+        for i, c in enumerate(ranks):
+            c.send_packed(np.array([i], dtype=np.float32))
+            assert c.reconcile_packed().amax[0] == i
+        with daemon.client("late", 0, 1) as c:
+            assert c.health() == "SERVING"
