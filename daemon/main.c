@@ -6,6 +6,7 @@
  * SIGHUP re-opens the log file.
  */
 #include <errno.h>
+#include <malloc.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <stdio.h>
@@ -38,7 +39,47 @@ typedef struct amx_daemon {
     uv_signal_t sig_term, sig_int, sig_hup;
     uv_timer_t tick;
     int stopping;
+    uint64_t activity; /* amx_rpc_activity at the last idle check */
+    uint64_t idle_ticks;
+    int trimmed; /* memory given back since the last activity */
 } amx_daemon_t;
+
+/*
+ * Memory: request payloads (up to max_message_bytes), staging and answers
+ * come and go with every message. glibc would give such blocks back to the
+ * kernel at once (a mapping of its own for each block over its mmap
+ * threshold, heap tops trimmed past 2x that) and fault fresh zeroed pages
+ * in for the next message: ~12% of the daemon's time while streaming 8 MiB
+ * messages (bench/NOTES.md). Blocks up to 32 MiB (glibc's ceiling) come
+ * from the heap instead and up to AMX_TRIM_BYTES of free heap top stays
+ * mapped while calls arrive; after AMX_IDLE_TRIM_TICKS ticks without any,
+ * everything free is given back (malloc_trim), so an idle daemon's RSS is
+ * its state.
+ */
+#define AMX_MMAP_BYTES (32 << 20)
+#define AMX_TRIM_BYTES (256 << 20)
+#define AMX_IDLE_TRIM_TICKS 40 /* x 50 ms */
+
+static void tune_malloc(void)
+{
+    if (!mallopt(M_MMAP_THRESHOLD, AMX_MMAP_BYTES) || !mallopt(M_TRIM_THRESHOLD, AMX_TRIM_BYTES))
+        AMX_WARN("main", "mallopt refused the memory settings; large messages cost page faults");
+}
+
+static void trim_when_idle(amx_daemon_t *d)
+{
+    uint64_t a = amx_rpc_activity(d->rpc);
+    if (a != d->activity) {
+        d->activity = a;
+        d->idle_ticks = 0;
+        d->trimmed = 0;
+        return;
+    }
+    if (!d->trimmed && ++d->idle_ticks >= AMX_IDLE_TRIM_TICKS) {
+        malloc_trim(0);
+        d->trimmed = 1;
+    }
+}
 
 static void on_tick(uv_timer_t *t)
 {
@@ -46,6 +87,7 @@ static void on_tick(uv_timer_t *t)
     uint64_t now = amx__now_ms();
     amx_registry_expire(d->reg, now);
     amx_peer_tick(d->peer, now);
+    trim_when_idle(d);
     if (d->metrics != NULL)
         amx_metrics_set_daemon(d->metrics, amx_rpc_calls(d->rpc), amx_registry_waiting(d->reg),
                                amx_rpc_connections(d->rpc));
@@ -178,6 +220,7 @@ int main(int argc, char **argv)
     }
     signal(SIGPIPE, SIG_IGN);
     AMX_INFO("main", "amaxd %s starting (pid %d)", AMAXD_VERSION, (int)getpid());
+    tune_malloc(); /* before any thread: every arena takes the settings */
     raise_nofile();
     amx_config_foreach(&d.cfg, log_setting, NULL);
 

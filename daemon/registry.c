@@ -1334,6 +1334,9 @@ static amx_status_t stage_reserve(amx_registry_t *reg, uint64_t nvals, size_t nr
     return AMX_OK;
 }
 
+static int normalize_slab(float *dst, const void *src, const uint8_t *mask, uint64_t total);
+static uint64_t bad_cell(const float *v, const uint8_t *mask, uint64_t total);
+
 amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, uint64_t *accepted,
                                uint64_t *epoch, amx_err_t *err)
 {
@@ -1408,21 +1411,15 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
         uint32_t lid = reg->lids[u]; /* found in pass 1: one lookup per update */
         const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
         float *dst = reg->stage + ctx.src_base;
-        if (up->values_len > 0) /* float32 LE on an LE host */
-            memcpy(dst, up->values, up->values_len);
         const uint8_t *mask = up->has_data_len ? up->has_data : NULL;
-        for (uint64_t c = 0; c < pl->ncells; c++) {
-            if (mask != NULL && mask[c] == 0) {
-                dst[c] = -INFINITY; /* no data: the merge leaves the cell as it is */
-                continue;
-            }
-            float v = dst[c];
-            if (!(v >= 0.0f) || !isfinite(v))
-                return amx_err_set(err, AMX_EINVAL,
-                                   "update %zu: quantizer '%s' value[%llu] = %g; amax values must "
-                                   "be finite and >= 0 (nothing of this request was applied)",
-                                   u, up->name, (unsigned long long)c, (double)v);
-            dst[c] = v + 0.0f; /* -0.0 becomes +0.0 */
+        /* float32 LE on an LE host; cells without data -inf (the merge
+         * leaves them as they are). */
+        if (!normalize_slab(dst, up->values, mask, pl->ncells)) {
+            uint64_t c = bad_cell(dst, mask, pl->ncells);
+            return amx_err_set(err, AMX_EINVAL,
+                               "update %zu: quantizer '%s' value[%llu] = %g; amax values must "
+                               "be finite and >= 0 (nothing of this request was applied)",
+                               u, up->name, (unsigned long long)c, (double)dst[c]);
         }
         amx_placement_rows(pl, j->lq[lid].spec->shape, j->lq[lid].base, stage_row, &ctx);
         ctx.src_base += pl->ncells;
@@ -1681,13 +1678,15 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
 }
 
 /*
- * Validates a slab in place: cells with data (mask NULL: all) must hold a
- * finite value >= 0; -0.0 becomes +0.0 and cells without data -inf.
- * Returns 0 when some cell with data was bad (the slab is then partly
- * normalized: the caller refuses it whole).
+ * Validates n float32 cells read from src (any alignment; src may be dst)
+ * into dst: cells with data (mask NULL: all) must hold a finite value >= 0;
+ * -0.0 becomes +0.0 and cells without data -inf. Returns 0 when some cell
+ * with data was bad (dst is then partly written: the caller refuses the
+ * request whole; bad_cell finds the first).
  */
-static int normalize_slab(float *v, const uint8_t *mask, uint64_t total)
+static int normalize_slab(float *dst, const void *src, const uint8_t *mask, uint64_t total)
 {
+    const uint8_t *s = src;
     uint64_t c = 0;
     int ok = 1;
 #if defined(__SSE2__)
@@ -1695,9 +1694,9 @@ static int normalize_slab(float *v, const uint8_t *mask, uint64_t total)
     __m128 good = _mm_castsi128_ps(_mm_set1_epi32(-1));
     if (mask == NULL) {
         for (; total - c >= 4; c += 4) {
-            __m128 x = _mm_loadu_ps(v + c);
+            __m128 x = _mm_loadu_ps((const float *)(const void *)(s + 4 * c));
             good = _mm_and_ps(good, _mm_and_ps(_mm_cmpge_ps(x, zero), _mm_cmple_ps(x, big)));
-            _mm_storeu_ps(v + c, _mm_add_ps(x, zero)); /* -0.0 + 0.0 = +0.0 */
+            _mm_storeu_ps(dst + c, _mm_add_ps(x, zero)); /* -0.0 + 0.0 = +0.0 */
         }
     } else {
         const __m128i z = _mm_setzero_si128();
@@ -1706,30 +1705,33 @@ static int normalize_slab(float *v, const uint8_t *mask, uint64_t total)
             memcpy(&m4, mask + c, 4);
             __m128i b = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(m4), z), z);
             __m128 none = _mm_castsi128_ps(_mm_cmpeq_epi32(b, z)); /* lanes without data */
-            __m128 x = _mm_loadu_ps(v + c);
+            __m128 x = _mm_loadu_ps((const float *)(const void *)(s + 4 * c));
             __m128 valid = _mm_and_ps(_mm_cmpge_ps(x, zero), _mm_cmple_ps(x, big));
             good = _mm_and_ps(good, _mm_or_ps(none, valid));
             x = _mm_add_ps(x, zero);
-            _mm_storeu_ps(v + c, _mm_or_ps(_mm_and_ps(none, ninf), _mm_andnot_ps(none, x)));
+            _mm_storeu_ps(dst + c, _mm_or_ps(_mm_and_ps(none, ninf), _mm_andnot_ps(none, x)));
         }
     }
     ok = _mm_movemask_ps(good) == 0xf;
 #endif
-    if (mask == NULL) {
-        for (; c < total; c++) {
-            float x = v[c];
-            ok &= x >= 0.0f && x <= FLT_MAX;
-            v[c] = x + 0.0f; /* -0.0 becomes +0.0 */
-        }
-    } else {
-        for (; c < total; c++) {
-            float x = v[c];
-            int has = mask[c] != 0;
-            ok &= !has || (x >= 0.0f && x <= FLT_MAX);
-            v[c] = has ? x + 0.0f : -INFINITY;
-        }
+    for (; c < total; c++) {
+        float x;
+        memcpy(&x, s + 4 * c, 4);
+        int has = mask == NULL || mask[c] != 0;
+        ok &= !has || (x >= 0.0f && x <= FLT_MAX);
+        dst[c] = has ? x + 0.0f : -INFINITY; /* -0.0 becomes +0.0 */
     }
     return ok;
+}
+
+/* The first cell with data of v[0..total) that normalize_slab refused. */
+static uint64_t bad_cell(const float *v, const uint8_t *mask, uint64_t total)
+{
+    uint64_t c;
+    for (c = 0; c < total; c++)
+        if (!(v[c] >= 0.0f && v[c] <= FLT_MAX) && !(mask != NULL && mask[c] == 0))
+            break;
+    return c;
 }
 
 /* The layout index of slab cell c (binary search over the offsets). */
@@ -1778,11 +1780,8 @@ amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed
      * changes before every value passed. */
     float *v = req->values;
     const uint8_t *mask = req->has_data_len ? req->has_data : NULL;
-    if (!normalize_slab(v, mask, total)) {
-        uint64_t c;
-        for (c = 0; c < total; c++)
-            if (!(v[c] >= 0.0f && v[c] <= FLT_MAX) && !(mask != NULL && mask[c] == 0))
-                break;
+    if (!normalize_slab(v, v, mask, total)) {
+        uint64_t c = bad_cell(v, mask, total);
         uint32_t qi = slab_index(sl, c);
         return amx_err_set(err, AMX_EINVAL,
                            "SendPacked of rank %u, job '%s': cell %llu (quantizer '%s', its "

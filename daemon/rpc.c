@@ -169,7 +169,8 @@ struct amx_rpc {
     size_t spare_cap;
     amx_call_t *calls; /* live calls */
     uint32_t ncalls;
-    uint64_t queued; /* answer bytes handed to gRPC and not sent yet */
+    uint64_t activity; /* calls posted + stream messages read (amx_rpc_activity) */
+    uint64_t queued;   /* answer bytes handed to gRPC and not sent yet */
     int stopping, cq_done;
     tag_t t_shutdown, t_shutdown_peer;
     uv_timer_t grace;
@@ -320,6 +321,7 @@ static amx_call_t *call_new(amx_rpc_t *rpc, int method)
         rpc->calls->prev = c;
     rpc->calls = c;
     rpc->ncalls++;
+    rpc->activity++;
     return c;
 }
 
@@ -758,6 +760,7 @@ static void start_call(amx_rpc_t *rpc, amx_call_t *c)
 static void on_recv(amx_call_t *c, int ok)
 {
     c->recv_pending = 0;
+    c->rpc->activity++;
     if (!ok && !c->replied && !c->closed)
         AMX_WARN("rpc",
                  "StreamAmax: reading message %llu failed (over twice max_message_bytes, "
@@ -780,39 +783,17 @@ static void on_recv(amx_call_t *c, int ok)
     amx_err_t err = {0};
     amx_wire_limits_t lim = wire_limits(rpc->cfg);
     const amx_method_t *meth = rpc->methods[c->method];
-    if (meth->raw_stream != NULL) {
-        uint8_t *data;
-        size_t len;
-        amx_status_t st = read_raw(rpc, c->recv_buf, meth->request, &lim, &data, &len, &err);
-        grpc_byte_buffer_destroy(c->recv_buf);
-        c->recv_buf = NULL;
-        if (st == AMX_OK) {
-            st =
-                meth->raw_stream(&rpc->svc, data, len, &c->stream_accepted, &c->stream_epoch, &err);
-        } else {
-            AMX_WARN("rpc", "%s rejected after %llu accepted updates: %s", meth->path,
-                     (unsigned long long)c->stream_accepted, err.msg);
-        }
-        if (st != AMX_OK) {
-            amx__call_reply(c, st, err.msg, NULL);
-            return;
-        }
-        post_recv(c);
-        return;
-    }
-    ProtobufCMessage *m = unpack(c->recv_buf, rpc->methods[c->method]->request,
-                                 rpc->cfg->max_message_bytes, &lim, &err);
+    uint8_t *data;
+    size_t len;
+    amx_status_t st = read_raw(rpc, c->recv_buf, meth->request, &lim, &data, &len, &err);
     grpc_byte_buffer_destroy(c->recv_buf);
     c->recv_buf = NULL;
-    if (m == NULL) {
-        AMX_WARN("rpc", "StreamAmax rejected after %llu accepted updates: %s",
+    if (st == AMX_OK) {
+        st = meth->raw_stream(&rpc->svc, data, len, &c->stream_accepted, &c->stream_epoch, &err);
+    } else {
+        AMX_WARN("rpc", "%s rejected after %llu accepted updates: %s", meth->path,
                  (unsigned long long)c->stream_accepted, err.msg);
-        amx__call_reply(c, err.code, err.msg, NULL);
-        return;
     }
-    amx_status_t st =
-        amx__service_stream_msg(&rpc->svc, m, &c->stream_accepted, &c->stream_epoch, &err);
-    protobuf_c_message_free_unpacked(m, NULL);
     if (st != AMX_OK) {
         amx__call_reply(c, st, err.msg, NULL);
         return;
@@ -1283,6 +1264,7 @@ fail_creds:
     pthread_mutex_destroy(&rpc->mu);
     amx_registry_on_drop(reg, NULL, NULL);
     amx_shm_free(rpc->svc.shm);
+    amx__service_free(&rpc->svc);
     free(rpc);
     return st;
 fail_started:
@@ -1305,6 +1287,7 @@ fail_started:
     amx_registry_on_drop(reg, NULL, NULL);
     amx_shm_free(rpc->svc.shm);
     rpc->svc.shm = NULL;
+    amx__service_free(&rpc->svc);
     return st; /* rpc is leaked deliberately: the async handle is closing */
 }
 
@@ -1466,6 +1449,7 @@ void amx_rpc_free(amx_rpc_t *rpc)
     free(rpc->spare);
     free(rpc->scratch);
     amx_shm_free(rpc->svc.shm); /* after amx_registry_destroy, its last drop hook */
+    amx__service_free(&rpc->svc);
     if (rpc->loop_locked)
         pthread_mutex_unlock(&rpc->loop_mu);
     pthread_mutex_destroy(&rpc->loop_mu);
@@ -1510,6 +1494,11 @@ void amx_rpc_set_metrics(amx_rpc_t *rpc, amx_metrics_t *m)
 uint32_t amx_rpc_connections(const amx_rpc_t *rpc)
 {
     return amx_guard_connections(rpc->guard);
+}
+
+uint64_t amx_rpc_activity(const amx_rpc_t *rpc)
+{
+    return rpc->activity;
 }
 
 uint32_t amx_rpc_calls(const amx_rpc_t *rpc)

@@ -61,6 +61,10 @@ uint32_t amx_rpc_connections(const amx_rpc_t *rpc);
 /* Calls that have started and not yet ended (posted requests not counted). */
 uint32_t amx_rpc_calls(const amx_rpc_t *rpc);
 
+/* A count that moves with every call taken and every stream message read:
+ * unchanged between two looks means the daemon was idle. Loop thread. */
+uint64_t amx_rpc_activity(const amx_rpc_t *rpc);
+
 /* ---- client calls from the loop thread ---- */
 
 typedef struct amx_ccall amx_ccall_t;

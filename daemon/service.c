@@ -235,46 +235,161 @@ static void h_register(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         reply_err(c, "Register", &err);
 }
 
-/* The updates of a SendAmax message as the registry's views (arena). */
-static amx_status_t send_req(const Amaxd__V1__SendAmaxRequest *req, amx_send_req_t *q,
-                             amx_arena_t *a, amx_err_t *err)
+/* ---- reading a SendAmaxRequest in place ---- */
+
+static uint64_t get_varint(const uint8_t *p, size_t n, size_t *i);
+
+/* Skips the value of a field of wire type wt at *i (a message amx_wire_check
+ * accepted: no groups, every length within the message). */
+static void skip_field(const uint8_t *d, size_t n, size_t *i, unsigned wt)
 {
-    amx_update_in_t *u = amx_arena_alloc(a, (req->n_updates + 1) * sizeof(*u));
-    if (u == NULL)
-        return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu updates", req->n_updates);
-    for (size_t i = 0; i < req->n_updates; i++) {
-        const Amaxd__V1__AmaxUpdate *x = req->updates[i];
-        u[i] = (amx_update_in_t){x->name, x->values.data, x->values.len, x->has_data.data,
-                                 x->has_data.len};
+    if (wt == 0)
+        (void)get_varint(d, n, i);
+    else if (wt == 1)
+        *i += 8;
+    else if (wt == 5)
+        *i += 4;
+    else if (wt == 2)
+        *i += (size_t)get_varint(d, n, i);
+}
+
+/* Copies a string field into the request's string space (NUL-terminated). */
+static const char *take_str(amx_svc_t *svc, size_t *at, const uint8_t *p, size_t len)
+{
+    char *s = svc->strs + *at;
+    memcpy(s, p, len);
+    s[len] = '\0';
+    *at += len + 1;
+    return s;
+}
+
+/*
+ * The registry's view of a SendAmaxRequest that amx_wire_check accepted,
+ * read in place: values and has_data point into `d` (valid while it is),
+ * names are copied NUL-terminated into the service's reused string space.
+ * Same meaning as protobuf-c's unpacking (the last of a repeated scalar or
+ * string wins; absent strings are ""), without an allocation of the
+ * message's size.
+ */
+amx_status_t amx__service_send_parse(amx_svc_t *svc, const uint8_t *d, size_t n, amx_send_req_t *q,
+                                     amx_err_t *err)
+{
+    /* Pass 1: how many updates, how much string space. */
+    size_t nup = 0, sbytes = 1, i = 0;
+    while (i < n) {
+        uint64_t tag = get_varint(d, n, &i);
+        unsigned wt = (unsigned)(tag & 7);
+        if (wt != 2) {
+            skip_field(d, n, &i, wt);
+            continue;
+        }
+        size_t len = (size_t)get_varint(d, n, &i), end = i + len;
+        if (tag >> 3 == 1) {
+            sbytes += len + 1;
+        } else if (tag >> 3 == 4) {
+            nup++;
+            sbytes += 1;
+            while (i < end) {
+                uint64_t t = get_varint(d, end, &i);
+                if ((t & 7) == 2 && t >> 3 == 1) {
+                    size_t k = (size_t)get_varint(d, end, &i);
+                    sbytes += k;
+                    i += k;
+                } else {
+                    skip_field(d, end, &i, (unsigned)(t & 7));
+                }
+            }
+        }
+        i = end;
     }
-    *q = (amx_send_req_t){req->job, req->rank, req->epoch, u, req->n_updates};
+    if (nup + 1 > svc->ups_cap) {
+        amx_update_in_t *p = realloc(svc->ups, (nup + 1) * sizeof(*p));
+        if (p == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu updates", nup);
+        svc->ups = p;
+        svc->ups_cap = nup + 1;
+    }
+    if (sbytes > svc->strs_cap) {
+        char *p = realloc(svc->strs, sbytes);
+        if (p == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu updates", nup);
+        svc->strs = p;
+        svc->strs_cap = sbytes;
+    }
+    /* Pass 2: the fields. */
+    size_t at = 0, u = 0;
+    *q = (amx_send_req_t){take_str(svc, &at, (const uint8_t *)"", 0), 0, 0, svc->ups, nup};
+    i = 0;
+    while (i < n) {
+        uint64_t tag = get_varint(d, n, &i);
+        uint32_t f = (uint32_t)(tag >> 3);
+        unsigned wt = (unsigned)(tag & 7);
+        if (wt == 0 && (f == 2 || f == 3)) {
+            uint64_t v = get_varint(d, n, &i);
+            if (f == 2)
+                q->rank = (uint32_t)v;
+            else
+                q->epoch = v;
+            continue;
+        }
+        if (wt != 2) {
+            skip_field(d, n, &i, wt);
+            continue;
+        }
+        size_t len = (size_t)get_varint(d, n, &i), end = i + len;
+        if (f == 1) {
+            q->job = take_str(svc, &at, d + i, len);
+        } else if (f == 4) {
+            amx_update_in_t *up = &svc->ups[u++];
+            *up = (amx_update_in_t){"", NULL, 0, NULL, 0};
+            const uint8_t *name = NULL;
+            size_t name_len = 0;
+            while (i < end) {
+                uint64_t t = get_varint(d, end, &i);
+                if ((t & 7) != 2) {
+                    skip_field(d, end, &i, (unsigned)(t & 7));
+                    continue;
+                }
+                size_t k = (size_t)get_varint(d, end, &i);
+                if (t >> 3 == 1) {
+                    name = d + i;
+                    name_len = k;
+                } else if (t >> 3 == 2) {
+                    up->values = d + i;
+                    up->values_len = k;
+                } else if (t >> 3 == 3) {
+                    up->has_data = d + i;
+                    up->has_data_len = k;
+                }
+                i += k;
+            }
+            up->name = take_str(svc, &at, name != NULL ? name : (const uint8_t *)"", name_len);
+        }
+        i = end;
+    }
     return AMX_OK;
 }
 
-static void h_send(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
+static void h_send(amx_svc_t *svc, amx_call_t *c, uint8_t *data, size_t len)
 {
     Amaxd__V1__SendAmaxResponse resp = AMAXD__V1__SEND_AMAX_RESPONSE__INIT;
     amx_err_t err = {0};
-    amx_arena_t a = {0};
     amx_send_req_t q;
-    if (send_req((const void *)m, &q, &a, &err) != AMX_OK ||
+    if (amx__service_send_parse(svc, data, len, &q, &err) != AMX_OK ||
         amx_registry_send(svc->reg, &q, &resp.accepted, &resp.epoch, &err) != AMX_OK)
         reply_err(c, "SendAmax", &err);
     else
         amx__call_reply(c, AMX_OK, NULL, &resp.base);
-    amx_arena_free(&a);
 }
 
-amx_status_t amx__service_stream_msg(amx_svc_t *svc, const ProtobufCMessage *m, uint64_t *accepted,
-                                     uint64_t *epoch, amx_err_t *err)
+static amx_status_t stream_named(amx_svc_t *svc, uint8_t *data, size_t len, uint64_t *accepted,
+                                 uint64_t *epoch, amx_err_t *err)
 {
-    amx_arena_t a = {0};
     amx_send_req_t q;
     uint64_t n = 0, e = 0;
-    amx_status_t st = send_req((const void *)m, &q, &a, err);
+    amx_status_t st = amx__service_send_parse(svc, data, len, &q, err);
     if (st == AMX_OK)
         st = amx_registry_send(svc->reg, &q, &n, &e, err);
-    amx_arena_free(&a);
     if (st != AMX_OK) {
         AMX_WARN("rpc", "StreamAmax message rejected after %llu accepted updates (%s): %s",
                  (unsigned long long)*accepted, amx_strerror(st), err->msg);
@@ -283,6 +398,15 @@ amx_status_t amx__service_stream_msg(amx_svc_t *svc, const ProtobufCMessage *m, 
     *accepted += n;
     *epoch = e;
     return AMX_OK;
+}
+
+void amx__service_free(amx_svc_t *svc)
+{
+    free(svc->ups);
+    free(svc->strs);
+    svc->ups = NULL;
+    svc->strs = NULL;
+    svc->ups_cap = svc->strs_cap = 0;
 }
 
 static void h_get_scales(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
@@ -890,10 +1014,10 @@ const amx_method_t amx__methods[] = {
     {"/amaxd.v1.Calibration/Join", &amaxd__v1__join_request__descriptor, h_join, 0, T, NULL, NULL},
     {"/amaxd.v1.Calibration/RegisterQuantizers", &amaxd__v1__register_request__descriptor,
      h_register, 0, T, NULL, NULL},
-    {"/amaxd.v1.Calibration/SendAmax", &amaxd__v1__send_amax_request__descriptor, h_send, 0, T,
-     NULL, NULL},
+    {"/amaxd.v1.Calibration/SendAmax", &amaxd__v1__send_amax_request__descriptor, NULL, 0, T,
+     h_send, NULL},
     {"/amaxd.v1.Calibration/StreamAmax", &amaxd__v1__send_amax_request__descriptor, NULL, 1, T,
-     NULL, NULL},
+     NULL, stream_named},
     {"/amaxd.v1.Calibration/Reconcile", &amaxd__v1__reconcile_request__descriptor, h_reconcile, 0,
      T, NULL, NULL},
     {"/amaxd.v1.Calibration/GetScales", &amaxd__v1__get_scales_request__descriptor, h_get_scales, 0,

@@ -24,6 +24,12 @@ typedef struct amx_svc {
     amx_shm_t *shm;    /* the packed form's shared buffers; NULL: off */
     double start_time; /* CLOCK_MONOTONIC seconds at start */
     int stopping;      /* health answers NOT_SERVING once set */
+    /* SendAmax/StreamAmax read in place: the updates and their names,
+     * reused from request to request (service.c). */
+    amx_update_in_t *ups;
+    size_t ups_cap;
+    char *strs;
+    size_t strs_cap;
 } amx_svc_t;
 
 /*
@@ -83,7 +89,7 @@ typedef struct amx_method {
     const char *path; /* "/package.Service/Method" */
     const ProtobufCMessageDescriptor *request;
     amx_handler_fn handler;       /* unary methods */
-    int client_streaming;         /* StreamAmax: see amx__service_stream_* */
+    int client_streaming;         /* StreamAmax, StreamPacked: raw_stream set */
     int server;                   /* AMX_SERVER_* */
     amx_raw_fn raw;               /* unary, read without protobuf-c (handler NULL) */
     amx_raw_stream_fn raw_stream; /* client stream, read without protobuf-c */
@@ -94,8 +100,16 @@ extern const size_t amx__n_methods;
 extern const amx_method_t amx__peer_methods[];
 extern const size_t amx__n_peer_methods;
 
-/* StreamAmax: one message; adds to *accepted. An error ends the stream. */
-amx_status_t amx__service_stream_msg(amx_svc_t *svc, const ProtobufCMessage *req,
-                                     uint64_t *accepted, uint64_t *epoch, amx_err_t *err);
+/*
+ * The registry's view of a serialized SendAmaxRequest that amx_wire_check
+ * accepted, read in place (values and has_data point into `d`; names are
+ * copied into svc's string space, valid until the next call). Means what
+ * protobuf-c's unpacking means; the fuzzer holds it to that.
+ */
+amx_status_t amx__service_send_parse(amx_svc_t *svc, const uint8_t *d, size_t n, amx_send_req_t *q,
+                                     amx_err_t *err);
+
+/* Frees what the service keeps from request to request. */
+void amx__service_free(amx_svc_t *svc);
 
 #endif
