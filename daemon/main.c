@@ -51,13 +51,14 @@ typedef struct amx_daemon {
  * threshold, heap tops trimmed past 2x that) and fault fresh zeroed pages
  * in for the next message: ~12% of the daemon's time while streaming 8 MiB
  * messages (bench/NOTES.md). Blocks up to 32 MiB (glibc's ceiling) come
- * from the heap instead and up to AMX_TRIM_BYTES of free heap top stays
- * mapped while calls arrive; after AMX_IDLE_TRIM_TICKS ticks without any,
- * everything free is given back (malloc_trim), so an idle daemon's RSS is
- * its state.
+ * from the heap instead, and a heap keeps up to AMX_TRIM_BYTES of free
+ * memory at its top. After AMX_IDLE_TRIM_TICKS ticks without a call or a
+ * stream message, malloc_trim gives back every free page except those at
+ * the top of a thread's arena (glibc trims those only when a block is
+ * freed into them past the threshold): at most AMX_TRIM_BYTES each.
  */
 #define AMX_MMAP_BYTES (32 << 20)
-#define AMX_TRIM_BYTES (256 << 20)
+#define AMX_TRIM_BYTES (64 << 20)
 #define AMX_IDLE_TRIM_TICKS 40 /* x 50 ms */
 
 static void tune_malloc(void)
