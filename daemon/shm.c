@@ -17,6 +17,7 @@
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "log.h"
@@ -80,7 +81,12 @@ static void remove_at(amx_shm_t *s, size_t i)
  * keeps a shared lock on each of its buffers while they have a path (from
  * before the name exists), so a file whose exclusive lock can be taken
  * belongs to no running daemon, whatever PID namespace it ran in and
- * whether its pid was reused. */
+ * whether its pid was reused. A file still under its temporary name
+ * ".new-amaxd-..." (a daemon killed between making and renaming it) is
+ * taken only once SWEEP_NEW_S old: its maker takes the lock right after
+ * creating it, and the sweep must not win that race. */
+#define SWEEP_NEW_S 60
+
 static void sweep(amx_shm_t *s)
 {
     DIR *d = opendir(s->dir);
@@ -88,19 +94,26 @@ static void sweep(amx_shm_t *s)
         return;
     struct dirent *e;
     size_t removed = 0;
+    time_t now = time(NULL);
     while ((e = readdir(d)) != NULL) {
-        if (strncmp(e->d_name, PREFIX, strlen(PREFIX)) != 0)
-            continue;
-        char *end = NULL;
-        long pid = strtol(e->d_name + strlen(PREFIX), &end, 10);
-        if (end == NULL || *end != '-' || pid <= 0 || pid > INT_MAX)
-            continue;
+        int fresh_ok = 0;
+        if (strncmp(e->d_name, ".new-" PREFIX, strlen(".new-" PREFIX)) == 0) {
+            fresh_ok = 1;
+        } else {
+            if (strncmp(e->d_name, PREFIX, strlen(PREFIX)) != 0)
+                continue;
+            char *end = NULL;
+            long pid = strtol(e->d_name + strlen(PREFIX), &end, 10);
+            if (end == NULL || *end != '-' || pid <= 0 || pid > INT_MAX)
+                continue;
+        }
         int fd = openat(dirfd(d), e->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
         if (fd < 0)
             continue;
         struct stat st;
         if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == geteuid() &&
-            flock(fd, LOCK_EX | LOCK_NB) == 0 && unlinkat(dirfd(d), e->d_name, 0) == 0)
+            (!fresh_ok || st.st_mtime + SWEEP_NEW_S < now) && flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+            unlinkat(dirfd(d), e->d_name, 0) == 0)
             removed++;
         close(fd);
     }

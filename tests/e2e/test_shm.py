@@ -234,17 +234,25 @@ def test_sweep_of_dead_daemons_files(start_daemon, shmdir):
     # a daemon in another PID namespace, a reused pid); one a running
     # daemon holds (here: this process, as another daemon would) is kept,
     # and so are names that are not a daemon's buffers.
+    # A file under a maker's temporary name (a daemon killed between making
+    # and renaming it) goes once a minute old; a fresh one may be a live
+    # daemon's, before its lock: kept.
     for name in (f"amaxd-{os.getpid()}-00000000000000aa", "amaxd-1-00000000000000cc",
-                 "amaxd-7-00000000000000bb", "amaxd-notapid", "other-file"):
+                 "amaxd-7-00000000000000bb", "amaxd-notapid", "other-file",
+                 ".new-amaxd-00000000000000dd-s", ".new-amaxd-00000000000000ee-a"):
         with open(os.path.join(shmdir, name), "w") as f:
             f.write("x")
+    old = time.time() - 120
+    os.utime(os.path.join(shmdir, ".new-amaxd-00000000000000dd-s"), (old, old))
     held = open(os.path.join(shmdir, "amaxd-7-00000000000000bb"))
     fcntl.flock(held, fcntl.LOCK_SH)
     try:
         daemon = start_daemon(f"--shm-dir={shmdir}")
-        assert sorted(os.listdir(shmdir)) == ["amaxd-7-00000000000000bb", "amaxd-notapid",
+        assert sorted(os.listdir(shmdir)) == [".new-amaxd-00000000000000ee-a",
+                                              "amaxd-7-00000000000000bb", "amaxd-notapid",
                                               "other-file"]
-        assert "removed 2 shared buffers" in daemon.log()
+        assert "removed 3 shared buffers" in daemon.log()
+        os.unlink(os.path.join(shmdir, ".new-amaxd-00000000000000ee-a"))
         # A second daemon sharing the directory leaves the first one's buffers alone.
         with daemon.client("sw", 0, 1, shm=True) as c:
             c.join()
