@@ -113,3 +113,51 @@ def test_packed_over_shared_memory_in_a_cluster(make_cluster):
         assert res0[epoch]["a.w"][2] == res1[epoch]["a.w"][2]  # global amax of the sharded one
         # b.w is slab cell 2 on both ranks: max(2*1, 2*2) * epoch
         assert res0[epoch]["b.w"][0] == np.float32(4 * (epoch + 1)).tobytes()
+
+
+def test_peer_drop_closes_shared_buffers(make_cluster, tmp_path):
+    """A job dropped on another daemon (Reset(drop_job) there, fanned out by
+    the coordinator) closes this daemon's shared-memory buffers of the job,
+    as a local drop does."""
+    import os
+    import time
+    shm = str(tmp_path)
+    c = make_cluster(2, f"--shm-dir={shm}")
+
+    def buffers(i):
+        pid = c[i].proc.pid
+        out = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                t = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if t.startswith(os.path.join(shm, "amaxd-")):
+                out.append(t)
+        return out
+
+    clients = {r: amaxd.Client("pd", r, 2, socket=c.socket(r), timeout=30, shm=r == 0)
+               for r in (0, 1)}
+    try:
+        def epoch(r):
+            cl = clients[r]
+            cl.join()
+            cl.register([Q("a"), Q("b", [3])])
+            L = cl.layout()
+            cl.send_packed(np.full(L.total_cells, r + 1, dtype=np.float32))
+            return cl.reconcile_packed()["b"].amax.tolist()
+
+        out, errs = run_threads({0: lambda: epoch(0), 1: lambda: epoch(1)})
+        assert not errs, f"{errs}\n{c.logs()}"
+        assert out[0] == out[1] == [2, 2, 2]
+        assert clients[0]._shm is not None
+        assert len(buffers(0)) == 2  # slab and answer file of rank 0
+        clients[1].reset(drop_job=True)  # on daemon 1
+        deadline = time.monotonic() + 10
+        while "job pd dropped" not in c[0].log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "job pd dropped" in c[0].log(), c.logs()
+        assert buffers(0) == []
+    finally:
+        for cl in clients.values():
+            cl.close()
