@@ -52,19 +52,24 @@ typedef struct amx_daemon {
  * in for the next message: ~12% of the daemon's time while streaming 8 MiB
  * messages (bench/NOTES.md). Blocks up to 32 MiB (glibc's ceiling) come
  * from the heap instead, and a heap keeps up to AMX_TRIM_BYTES of free
- * memory at its top. After AMX_IDLE_TRIM_TICKS ticks without a call or a
- * stream message, malloc_trim gives back every free page except those at
- * the top of a thread's arena (glibc trims those only when a block is
- * freed into them past the threshold): at most AMX_TRIM_BYTES each.
+ * memory at its top (process-wide settings). After AMX_IDLE_TRIM_TICKS
+ * ticks without a call or a stream message, the buffers kept from message
+ * to message are freed (amx_rpc_trim, above AMX_KEEP_BYTES) and
+ * malloc_trim gives back every free page except those at the top of a
+ * thread's arena, which glibc trims only when a block is freed into a top
+ * past the threshold: at most AMX_TRIM_BYTES each.
  */
 #define AMX_MMAP_BYTES (32 << 20)
-#define AMX_TRIM_BYTES (64 << 20)
+#define AMX_TRIM_BYTES (8 << 20)
+#define AMX_KEEP_BYTES (1 << 20)
 #define AMX_IDLE_TRIM_TICKS 40 /* x 50 ms */
 
 static void tune_malloc(void)
 {
+    /* Refused by an allocator that is not glibc's (a sanitizer's). */
     if (!mallopt(M_MMAP_THRESHOLD, AMX_MMAP_BYTES) || !mallopt(M_TRIM_THRESHOLD, AMX_TRIM_BYTES))
-        AMX_WARN("main", "mallopt refused the memory settings; large messages cost page faults");
+        AMX_INFO("main", "the allocator took no mallopt settings (not glibc's malloc?); "
+                         "large messages may cost page faults");
 }
 
 static void trim_when_idle(amx_daemon_t *d)
@@ -77,6 +82,7 @@ static void trim_when_idle(amx_daemon_t *d)
         return;
     }
     if (!d->trimmed && ++d->idle_ticks >= AMX_IDLE_TRIM_TICKS) {
+        amx_rpc_trim(d->rpc, AMX_KEEP_BYTES);
         malloc_trim(0);
         d->trimmed = 1;
     }
@@ -221,7 +227,7 @@ int main(int argc, char **argv)
     }
     signal(SIGPIPE, SIG_IGN);
     AMX_INFO("main", "amaxd %s starting (pid %d)", AMAXD_VERSION, (int)getpid());
-    tune_malloc(); /* before any thread: every arena takes the settings */
+    tune_malloc();
     raise_nofile();
     amx_config_foreach(&d.cfg, log_setting, NULL);
 

@@ -1680,9 +1680,10 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
 /*
  * Validates n float32 cells read from src (any alignment; src may be dst)
  * into dst: cells with data (mask NULL: all) must hold a finite value >= 0;
- * -0.0 becomes +0.0 and cells without data -inf. Returns 0 when some cell
- * with data was bad (dst is then partly written: the caller refuses the
- * request whole; bad_cell finds the first).
+ * -0.0 becomes +0.0 and cells without data -inf. A bad cell keeps its
+ * value in dst, so that bad_cell(dst) finds the first whatever the
+ * floating-point mode. Returns 0 when some cell with data was bad (the
+ * caller refuses the request whole).
  */
 static int normalize_slab(float *dst, const void *src, const uint8_t *mask, uint64_t total)
 {
@@ -1692,43 +1693,40 @@ static int normalize_slab(float *dst, const void *src, const uint8_t *mask, uint
 #if defined(__SSE2__)
     const __m128 zero = _mm_setzero_ps(), big = _mm_set1_ps(FLT_MAX), ninf = _mm_set1_ps(-INFINITY);
     __m128 good = _mm_castsi128_ps(_mm_set1_epi32(-1));
-    if (mask == NULL) {
-        for (; total - c >= 4; c += 4) {
-            __m128 x = _mm_loadu_ps((const float *)(const void *)(s + 4 * c));
-            good = _mm_and_ps(good, _mm_and_ps(_mm_cmpge_ps(x, zero), _mm_cmple_ps(x, big)));
-            _mm_storeu_ps(dst + c, _mm_add_ps(x, zero)); /* -0.0 + 0.0 = +0.0 */
-        }
-    } else {
-        const __m128i z = _mm_setzero_si128();
-        for (; total - c >= 4; c += 4) {
+    const __m128i z = _mm_setzero_si128();
+    for (; total - c >= 4; c += 4) {
+        __m128 none = _mm_setzero_ps(); /* lanes without data */
+        if (mask != NULL) {
             int32_t m4;
             memcpy(&m4, mask + c, 4);
             __m128i b = _mm_unpacklo_epi16(_mm_unpacklo_epi8(_mm_cvtsi32_si128(m4), z), z);
-            __m128 none = _mm_castsi128_ps(_mm_cmpeq_epi32(b, z)); /* lanes without data */
-            __m128 x = _mm_loadu_ps((const float *)(const void *)(s + 4 * c));
-            __m128 valid = _mm_and_ps(_mm_cmpge_ps(x, zero), _mm_cmple_ps(x, big));
-            good = _mm_and_ps(good, _mm_or_ps(none, valid));
-            x = _mm_add_ps(x, zero);
-            _mm_storeu_ps(dst + c, _mm_or_ps(_mm_and_ps(none, ninf), _mm_andnot_ps(none, x)));
+            none = _mm_castsi128_ps(_mm_cmpeq_epi32(b, z));
         }
+        __m128 x = _mm_loadu_ps((const float *)(const void *)(s + 4 * c));
+        __m128 valid = _mm_and_ps(_mm_cmpge_ps(x, zero), _mm_cmple_ps(x, big));
+        good = _mm_and_ps(good, _mm_or_ps(none, valid));
+        /* -0.0 + 0.0 = +0.0 where valid; bad lanes as they were */
+        x = _mm_or_ps(_mm_and_ps(valid, _mm_add_ps(x, zero)), _mm_andnot_ps(valid, x));
+        _mm_storeu_ps(dst + c, _mm_or_ps(_mm_and_ps(none, ninf), _mm_andnot_ps(none, x)));
     }
     ok = _mm_movemask_ps(good) == 0xf;
 #endif
     for (; c < total; c++) {
         float x;
         memcpy(&x, s + 4 * c, 4);
-        int has = mask == NULL || mask[c] != 0;
-        ok &= !has || (x >= 0.0f && x <= FLT_MAX);
-        dst[c] = has ? x + 0.0f : -INFINITY; /* -0.0 becomes +0.0 */
+        int has = mask == NULL || mask[c] != 0, valid = x >= 0.0f && x <= FLT_MAX;
+        ok &= !has || valid;
+        dst[c] = !has ? -INFINITY : valid ? x + 0.0f : x;
     }
     return ok;
 }
 
-/* The first cell with data of v[0..total) that normalize_slab refused. */
+/* The first cell with data of v[0..total) that normalize_slab refused
+ * (there is one when it returned 0). */
 static uint64_t bad_cell(const float *v, const uint8_t *mask, uint64_t total)
 {
     uint64_t c;
-    for (c = 0; c < total; c++)
+    for (c = 0; c + 1 < total; c++)
         if (!(v[c] >= 0.0f && v[c] <= FLT_MAX) && !(mask != NULL && mask[c] == 0))
             break;
     return c;

@@ -1501,6 +1501,17 @@ uint64_t amx_rpc_activity(const amx_rpc_t *rpc)
     return rpc->activity;
 }
 
+void amx_rpc_trim(amx_rpc_t *rpc, size_t keep)
+{
+    if (rpc->scratch_cap > keep) {
+        free(rpc->scratch);
+        rpc->scratch = NULL;
+        rpc->scratch_cap = 0;
+    }
+    amx__service_trim(&rpc->svc, keep);
+    amx_shm_trim(rpc->svc.shm, keep);
+}
+
 uint32_t amx_rpc_calls(const amx_rpc_t *rpc)
 {
     uint32_t n = 0;

@@ -65,6 +65,12 @@ uint32_t amx_rpc_calls(const amx_rpc_t *rpc);
  * unchanged between two looks means the daemon was idle. Loop thread. */
 uint64_t amx_rpc_activity(const amx_rpc_t *rpc);
 
+/* Frees the request buffers kept from message to message (the largest
+ * message read so far, its names and updates, the last shared slab read)
+ * where one is over `keep` bytes; they grow again with the next message.
+ * Loop thread, when idle. */
+void amx_rpc_trim(amx_rpc_t *rpc, size_t keep);
+
 /* ---- client calls from the loop thread ---- */
 
 typedef struct amx_ccall amx_ccall_t;

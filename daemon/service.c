@@ -322,7 +322,7 @@ amx_status_t amx__service_send_parse(amx_svc_t *svc, const uint8_t *d, size_t n,
     i = 0;
     while (i < n) {
         uint64_t tag = get_varint(d, n, &i);
-        uint32_t f = (uint32_t)(tag >> 3);
+        uint64_t f = tag >> 3; /* compared as in pass 1 */
         unsigned wt = (unsigned)(tag & 7);
         if (wt == 0 && (f == 2 || f == 3)) {
             uint64_t v = get_varint(d, n, &i);
@@ -398,6 +398,20 @@ static amx_status_t stream_named(amx_svc_t *svc, uint8_t *data, size_t len, uint
     *accepted += n;
     *epoch = e;
     return AMX_OK;
+}
+
+void amx__service_trim(amx_svc_t *svc, size_t keep)
+{
+    if (svc->ups_cap * sizeof(*svc->ups) > keep) {
+        free(svc->ups);
+        svc->ups = NULL;
+        svc->ups_cap = 0;
+    }
+    if (svc->strs_cap > keep) {
+        free(svc->strs);
+        svc->strs = NULL;
+        svc->strs_cap = 0;
+    }
 }
 
 void amx__service_free(amx_svc_t *svc)

@@ -109,6 +109,10 @@ extern const size_t amx__n_peer_methods;
 amx_status_t amx__service_send_parse(amx_svc_t *svc, const uint8_t *d, size_t n, amx_send_req_t *q,
                                      amx_err_t *err);
 
+/* Frees what the service keeps from request to request when it is over
+ * `keep` bytes (an idle daemon: amx_rpc_trim). */
+void amx__service_trim(amx_svc_t *svc, size_t keep);
+
 /* Frees what the service keeps from request to request. */
 void amx__service_free(amx_svc_t *svc);
 

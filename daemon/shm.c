@@ -152,6 +152,15 @@ amx_status_t amx_shm_create(const char *dir, unsigned mode, size_t max_regions, 
     return AMX_OK;
 }
 
+void amx_shm_trim(amx_shm_t *s, size_t keep)
+{
+    if (s != NULL && s->scratch_cap > keep) {
+        free(s->scratch);
+        s->scratch = NULL;
+        s->scratch_cap = 0;
+    }
+}
+
 void amx_shm_free(amx_shm_t *s)
 {
     if (s == NULL)

@@ -52,6 +52,10 @@ amx_status_t amx_shm_create(const char *dir, unsigned mode, size_t max_regions, 
 /* Closes every buffer and unlinks those still linked. NULL is fine. */
 void amx_shm_free(amx_shm_t *s);
 
+/* Frees the slab read buffer when it is over `keep` bytes (an idle
+ * daemon). NULL is fine. */
+void amx_shm_trim(amx_shm_t *s, size_t keep);
+
 /* A new buffer for (job, rank) sized for `cells` cells of layout
  * `layout_id` and answers of up to `answer_bytes`, replacing the rank's
  * previous one. */
