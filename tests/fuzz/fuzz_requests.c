@@ -13,8 +13,10 @@
  * at authentication: the harness sends no token).
  *
  * Oracles, besides the sanitizers: a request the wire check accepts must
- * unpack; its unpacked size must stay within the wire check's estimate; an
- * answer must be a valid gRPC status and pack within max_message_bytes.
+ * unpack; its unpacked size must stay within the wire check's estimate; a
+ * SendAmax request read in place (amx__service_send_parse) must equal its
+ * unpacking field for field; an answer must be a valid gRPC status and
+ * pack within max_message_bytes.
  *
  * AMAXD_FUZZ_LIST=1 prints the method table (tests/fuzz/make_seeds.py
  * uses it) and exits.
