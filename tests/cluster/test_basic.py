@@ -1,11 +1,14 @@
 """Two and three daemons: membership, catalog agreement regardless of
 registration order, one packed collective, identical answers."""
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import amaxd
+from amaxd_proc import open_files_under
 from conftest import COLLECTIVE
 
 
@@ -119,22 +122,11 @@ def test_peer_drop_closes_shared_buffers(make_cluster, tmp_path):
     """A job dropped on another daemon (Reset(drop_job) there, fanned out by
     the coordinator) closes this daemon's shared-memory buffers of the job,
     as a local drop does."""
-    import os
-    import time
     shm = str(tmp_path)
     c = make_cluster(2, f"--shm-dir={shm}")
 
     def buffers(i):
-        pid = c[i].proc.pid
-        out = []
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                t = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if t.startswith(os.path.join(shm, "amaxd-")):
-                out.append(t)
-        return out
+        return open_files_under(c[i].proc.pid, os.path.join(shm, "amaxd-"))
 
     clients = {r: amaxd.Client("pd", r, 2, socket=c.socket(r), timeout=30, shm=r == 0)
                for r in (0, 1)}

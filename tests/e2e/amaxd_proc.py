@@ -16,6 +16,20 @@ import amaxd
 BIN = os.environ.get("AMAXD_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "build", "amaxd"))
 
 
+def open_files_under(pid, prefix):
+    """Paths of process pid's open descriptors that start with prefix
+    (linked or not: an unlinked file reads "... (deleted)")."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            t = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if t.startswith(prefix):
+            out.append(t)
+    return out
+
+
 class Daemon:
     def __init__(self, tmpdir, *args, env=None, socket=None, preexec_fn=None):
         self.dir = tmpdir

@@ -17,6 +17,7 @@ import pytest
 
 import amaxd
 from amaxd import errors, pb
+from amaxd_proc import open_files_under
 from test_packed import W, assert_same, catalog, contributions, run_ranks
 
 
@@ -26,15 +27,7 @@ def shm_files(d):
 
 def open_buffers(pid, d):
     """The daemon's descriptors on buffer files of d (linked or not)."""
-    out = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            t = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if t.startswith(os.path.join(d, "amaxd-")):
-            out.append(t)
-    return out
+    return open_files_under(pid, os.path.join(d, "amaxd-"))
 
 
 @contextlib.contextmanager
