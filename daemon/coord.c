@@ -838,8 +838,14 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
         }
     if (note_daemon(j, req->daemon, req->incarnation, req->addr))
         j->comm_dirty = 1;
-    if (!j->ready && j->njoined == j->world)
+    if (!j->ready && j->njoined == j->world) {
         j->ready = 1;
+        AMX_INFO("coord", "job %s: all %u ranks known again (from daemon %u's agreement request)",
+                 j->name, j->world, req->daemon);
+        /* Trainers of a daemon that restarted with the coordinator wait in
+         * Join for ranks the other daemons' agreement requests named. */
+        complete_joins(co, j);
+    }
     if (j->ready && daemon_of(j, req->daemon) != NULL) {
         int member = 0;
         for (uint32_t r = 0; r < j->world; r++)
@@ -848,6 +854,20 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
             return amx_err_set(err, AMX_EPRECOND,
                                "daemon %u hosts no rank of job '%s' and takes no part in it",
                                req->daemon, req->job);
+    }
+    /* A daemon whose agreed catalog this coordinator does not hold must
+     * send it whole first: otherwise what only its ranks registered would
+     * be missing from the master, and every daemon would drop it. */
+    uint64_t master_hash = j->master != NULL ? j->master->hash : amx_catalog_hash(NULL, 0);
+    if (!req->full_catalog && req->catalog_hash != master_hash) {
+        AMX_INFO("coord",
+                 "job %s: daemon %u holds catalog %016llx, not the master %016llx: asking for it "
+                 "whole",
+                 j->name, req->daemon, (unsigned long long)req->catalog_hash,
+                 (unsigned long long)master_hash);
+        amx_coord_sync_ans_t ans = {.send_catalog = 1, .coord_inc = co->incarnation};
+        cb(ud, AMX_OK, NULL, &ans);
+        return AMX_OK;
     }
     amx_creq_t *old;
     if (sync_waiting(co, j, req->daemon, &old))
@@ -978,11 +998,18 @@ void amx_coord_expire(amx_coord_t *co, uint64_t now_ms)
         if (r->kind == REQ_JOIN) {
             cjob_t *j = r->job;
             missing_list(j, missing, sizeof(missing));
-            snprintf(msg, sizeof(msg),
-                     "Join of rank %u to job '%s' timed out after %llu ms: ranks %s never "
-                     "joined (check that every trainer of the job started and uses the same "
-                     "world size)",
-                     r->rank, j->name, (unsigned long long)co->join_timeout_ms, missing);
+            if (missing[0] != '\0')
+                snprintf(msg, sizeof(msg),
+                         "Join of rank %u to job '%s' timed out after %llu ms: ranks %s never "
+                         "joined (check that every trainer of the job started and uses the same "
+                         "world size)",
+                         r->rank, j->name, (unsigned long long)co->join_timeout_ms, missing);
+            else
+                snprintf(msg, sizeof(msg),
+                         "Join of rank %u to job '%s' timed out after %llu ms although every "
+                         "rank is known to the coordinator (this is a bug: please report it "
+                         "with the daemons' logs)",
+                         r->rank, j->name, (unsigned long long)co->join_timeout_ms);
             uint32_t rank = r->rank;
             next = r->next;
             req_fail(co, r, AMX_ETIMEDOUT, msg);
@@ -1035,7 +1062,9 @@ amx_status_t amx_coord_drop(amx_coord_t *co, const char *job, amx_membership_t *
     for (amx_creq_t *r = co->reqs, *next; r != NULL; r = next) {
         next = r->next;
         if ((r->kind == REQ_JOIN || r->kind == REQ_SYNC) && r->job == j) {
-            req_fail(co, r, AMX_EABORTED, "the job was dropped");
+            req_fail(co, r, AMX_EABORTED,
+                     "the job was dropped (Reset(drop_job) on a daemon of the cluster); join "
+                     "again to start it over");
             next = co->reqs;
         }
     }

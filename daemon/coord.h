@@ -117,6 +117,12 @@ typedef struct amx_coord_sync_ans {
     int new_comm;
     const amx_membership_t *members;
     uint64_t coord_inc;
+    /* Set alone (nothing above is meaningful): the caller's agreed catalog
+     * is not the master and it did not send it whole; it must call again
+     * with full_catalog. A coordinator that restarted without its state
+     * learns the catalog this way instead of losing what only other
+     * daemons' ranks registered. */
+    int send_catalog;
 } amx_coord_sync_ans_t;
 
 /* Called with the answer (valid during the call) or an error. */

@@ -55,7 +55,9 @@ struct amx_engine {
     int have_work, quit;
     uint64_t epoch, deadline;
     atomic_int abort_flag;
-    char abort_why[256];
+    amx_status_t abort_code; /* with abort_flag: the status to fail with (under mu) */
+    int passed_on;           /* this attempt failed with another daemon's status and sentence */
+    char abort_why[768];
     amx_comm_t *comm;
     _Atomic uint64_t comm_gen;
     uint64_t last_gen;  /* the generation of the last communicator held (engine thread) */
@@ -90,6 +92,9 @@ struct amx_engine {
 static void res_clear(amx_epoch_result_t *r)
 {
     amx_catalog_free(r->cat);
+    amx_catalog_free(r->prev_cat);
+    free(r->prev_ga);
+    free(r->prev_gs);
     free(r->desc);
     free(r->pend_runs);
     for (size_t i = 0; i < r->nrejected; i++)
@@ -111,6 +116,26 @@ static amx_status_t fail(amx_engine_t *e, amx_status_t st, const char *fmt, ...)
         e->res.st = st;
     }
     return st;
+}
+
+/* The epoch was aborted (amx_engine_abort) while `during` ran: it fails
+ * with the status another daemon's epoch failed with, passing on its
+ * sentence (which names the daemon or rank that did not come), or with
+ * ABORTED. */
+static amx_status_t fail_aborted(amx_engine_t *e, const char *during)
+{
+    char why[sizeof(e->abort_why)];
+    pthread_mutex_lock(&e->mu);
+    amx_status_t code = e->abort_code;
+    snprintf(why, sizeof(why), "%s", e->abort_why);
+    pthread_mutex_unlock(&e->mu);
+    if (code == AMX_OK || code == AMX_EABORTED)
+        return fail(e, AMX_EABORTED, "job '%s', epoch %llu: %s was aborted: %s", e->job->name,
+                    (unsigned long long)e->epoch, during, why);
+    if (e->res.st == AMX_OK)
+        e->passed_on = 1; /* explained already by the daemon that failed */
+    return fail(e, code, "job '%s', epoch %llu failed on %s", e->job->name,
+                (unsigned long long)e->epoch, why);
 }
 
 /* ---- header ---- */
@@ -429,6 +454,44 @@ static amx_status_t publish_state(amx_engine_t *e, uint64_t seq)
     return AMX_OK;
 }
 
+/* Keeps the donor's published globals (its last epoch's) for the loop to
+ * use as the previous epoch's once this epoch is published; the state's
+ * own front results are this daemon's, from before it fell behind. */
+static amx_status_t stash_previous(amx_engine_t *e, const amx_jobstate_t *js)
+{
+    uint32_t n = js->cat->n;
+    amx_qspec_t **copy = calloc(n ? n : 1, sizeof(*copy));
+    float *ga = malloc((n ? n : 1) * sizeof(float)), *gs = malloc((n ? n : 1) * sizeof(float));
+    amx_catalog_t *c = NULL;
+    amx_err_t err = {0};
+    int ok = copy != NULL && ga != NULL && gs != NULL;
+    for (uint32_t i = 0; ok && i < n; i++)
+        ok = (copy[i] = amx_qspec_dup(js->cat->q[i])) != NULL;
+    if (ok)
+        ok = amx_catalog_build(copy, n, &c, &err) == AMX_OK;
+    if (!ok) {
+        for (uint32_t i = 0; copy != NULL && i < n; i++)
+            amx_qspec_free(copy[i]);
+        free(copy);
+        free(ga);
+        free(gs);
+        return AMX_ENOMEM;
+    }
+    free(copy);
+    for (uint32_t i = 0; i < n; i++) {
+        int64_t k = amx_catalog_find(c, js->cat->q[i]->name);
+        ga[k] = js->a.g_amax[i];
+        gs[k] = js->a.g_scale[i];
+    }
+    amx_catalog_free(e->res.prev_cat);
+    free(e->res.prev_ga);
+    free(e->res.prev_gs);
+    e->res.prev_cat = c;
+    e->res.prev_ga = ga;
+    e->res.prev_gs = gs;
+    return AMX_OK;
+}
+
 /* Fetches and imports the donor's state. */
 static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
 {
@@ -445,6 +508,8 @@ static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
     size_t len = 0;
     amx_status_t st = amx_peer_call_fetch(j->eng->env.peer, addr, j->name, sr->seq, e->deadline,
                                           (const volatile int *)&e->abort_flag, &blob, &len, &err);
+    if (st != AMX_OK && atomic_load(&e->abort_flag))
+        return fail_aborted(e, "fetching the job's state");
     if (st != AMX_OK)
         return fail(e, st, "job '%s': fetching the job's state from daemon %u (%s) failed: %s",
                     j->name, sr->donor, addr, err.msg);
@@ -462,7 +527,8 @@ static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
                     sr->donor, err.msg);
     }
     amx_qdesc_t *d = malloc((js.cat->n ? js.cat->n : 1) * sizeof(amx_qdesc_t));
-    if (d == NULL) {
+    if (d == NULL || stash_previous(e, &js) != AMX_OK) {
+        free(d);
         amx_jobstate_free(&js);
         free(blob);
         return fail(e, AMX_ENOMEM, "out of memory importing the state of job '%s'", j->name);
@@ -533,6 +599,8 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
     amx_comm_t *c = NULL;
     uint64_t t0 = amx_now_ms();
     amx_status_t st = amx_comm_create(e->env.collective, &p, &c, &err);
+    if (st != AMX_OK && atomic_load(&e->abort_flag))
+        return fail_aborted(e, "making the communicator");
     if (st != AMX_OK)
         return fail(e, st,
                     "job '%s': creating the %s communicator (generation %llu, %u daemons) "
@@ -546,7 +614,7 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
     pthread_mutex_unlock(&e->mu);
     if (aborted) {
         drop_comm(e);
-        return fail(e, AMX_EABORTED, "job '%s': epoch aborted: %s", j->name, e->abort_why);
+        return fail_aborted(e, "making the communicator");
     }
     AMX_INFO("epoch", "job %s: %s communicator generation %llu ready (%d of %u) in %llu ms",
              j->name, e->env.collective, (unsigned long long)sr->comm_gen, me, sr->members.npart,
@@ -554,15 +622,47 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
     return AMX_OK;
 }
 
+static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out);
+static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *sr);
+
 /* One agreement round at the coordinator, and what follows from it. */
 static amx_status_t agree(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
-    const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
     /* A job restored from a snapshot brings its catalog to its first
-     * agreement as a coordinator that restarted asks for it. */
+     * agreement, as does a daemon that knows the coordinator restarted;
+     * otherwise the coordinator asks for it (send_catalog) when this
+     * daemon's agreed catalog is not its master. */
     int full = (e->coord_inc != 0 && e->coord_inc != j->mship.coord_inc) ||
                (e->coord_inc == 0 && j->restored && e->w_cat->n > 0);
+    amx_sync_result_t sr;
+    for (;;) {
+        amx_status_t st = sync_round(e, full, &sr);
+        if (st != AMX_OK)
+            return st;
+        if (!sr.send_catalog)
+            break;
+        amx_sync_result_free(&sr);
+        if (full)
+            return fail(e, AMX_EINTERNAL,
+                        "job '%s': the coordinator asked for the whole catalog although it was "
+                        "sent",
+                        j->name);
+        AMX_INFO("epoch",
+                 "job %s: the coordinator does not hold this daemon's catalog (%u quantizers, "
+                 "%016" PRIx64 "): sending it whole",
+                 j->name, e->w_cat->n, e->w_cat->hash);
+        full = 1;
+    }
+    return after_sync(e, &sr);
+}
+
+/* One Sync call: this daemon's proposals, resets and (with `full`) its
+ * whole agreed catalog. */
+static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out)
+{
+    amx_job_t *j = e->job;
+    const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
     /* Proposals: this daemon's, or (after the coordinator restarted, or
      * restored from a snapshot) the whole agreed catalog as well. */
     uint32_t cap = j->nprop + (full ? e->w_cat->n : 0);
@@ -604,27 +704,39 @@ static amx_status_t agree(amx_engine_t *e)
         .addr = id->advertise,
         .deadline_ms = e->deadline,
     };
-    amx_sync_result_t sr;
     amx_err_t err = {0};
     uint64_t t0 = amx_now_ms();
     amx_status_t st =
-        amx_peer_call_sync(e->env.peer, &req, (const volatile int *)&e->abort_flag, &sr, &err);
+        amx_peer_call_sync(e->env.peer, &req, (const volatile int *)&e->abort_flag, out, &err);
     free(prop);
     free(resets);
+    if (st != AMX_OK && atomic_load(&e->abort_flag))
+        return fail_aborted(e, "the agreement round");
     if (st != AMX_OK)
         return fail(e, st,
                     "job '%s', epoch %llu: the agreement round at the coordinator failed: "
                     "%s",
                     j->name, (unsigned long long)e->epoch, err.msg);
+    if (!out->send_catalog)
+        AMX_DEBUG("epoch",
+                  "job %s: agreement %llu in %llu ms: catalog %016" PRIx64 "%s, target "
+                  "epoch %llu, %zu behind, comm generation %llu%s",
+                  j->name, (unsigned long long)out->seq, (unsigned long long)(amx_now_ms() - t0),
+                  out->catalog_hash, out->catalog_included ? " (sent)" : "",
+                  (unsigned long long)out->target_epoch, out->nbehind,
+                  (unsigned long long)out->comm_gen, out->new_comm ? " (new)" : "");
+    return AMX_OK;
+}
+
+/* What follows from the coordinator's answer `sr` (freed here). */
+static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
+{
+    amx_job_t *j = e->job;
+    const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
+    amx_sync_result_t sr = *srp;
+    amx_err_t err = {0};
     e->synced = 1;
     e->coord_inc = sr.coord_inc;
-    AMX_DEBUG("epoch",
-              "job %s: agreement %llu in %llu ms: catalog %016" PRIx64 "%s, target "
-              "epoch %llu, %zu behind, comm generation %llu%s",
-              j->name, (unsigned long long)sr.seq, (unsigned long long)(amx_now_ms() - t0),
-              sr.catalog_hash, sr.catalog_included ? " (sent)" : "",
-              (unsigned long long)sr.target_epoch, sr.nbehind, (unsigned long long)sr.comm_gen,
-              sr.new_comm ? " (new)" : "");
     int behind = 0;
     for (size_t i = 0; i < sr.nbehind; i++)
         behind |= sr.behind[i] == id->rank;
@@ -748,8 +860,7 @@ static amx_status_t collective(amx_engine_t *e, int *flag)
     e->res.collectives++;
     if (st != AMX_OK) {
         if (atomic_load(&e->abort_flag))
-            return fail(e, AMX_EABORTED, "job '%s', epoch %llu: the collective was aborted: %s",
-                        j->name, (unsigned long long)e->epoch, e->abort_why);
+            return fail_aborted(e, "the collective");
         return fail(e, st,
                     "job '%s', epoch %llu: the %s all-reduce of %llu cells across %u "
                     "daemons failed: %s",
@@ -860,7 +971,7 @@ void amx__snapshot_meta_free(amx_snap_meta_t *m)
  * epoch ran with (a quantizer new this epoch has none). Engine thread,
  * while the loop keeps to reading the front. */
 static amx_status_t snapshot_previous(const amx_job_t *j, const amx_catalog_t *cat,
-                                      amx_snap_meta_t *m)
+                                      const amx_epoch_result_t *res, amx_snap_meta_t *m)
 {
     const amx_state_t *st = j->state;
     int f = st->front;
@@ -872,6 +983,19 @@ static amx_status_t snapshot_previous(const amx_job_t *j, const amx_catalog_t *c
     if (m->prev_ok == NULL || m->prev_ga == NULL || m->prev_gs == NULL)
         return AMX_ENOMEM;
     m->nprev = cat->n;
+    if (res->imported) {
+        /* This epoch continued a donor's state: its globals are the
+         * previous ones, not this daemon's own stale front. */
+        for (uint32_t i = 0; res->prev_cat != NULL && i < cat->n; i++) {
+            int64_t k = amx_catalog_find(res->prev_cat, cat->q[i]->name);
+            if (k < 0)
+                continue;
+            m->prev_ok[i] = 1;
+            m->prev_ga[i] = res->prev_ga[k];
+            m->prev_gs[i] = res->prev_gs[k];
+        }
+        return AMX_OK;
+    }
     if (j->last_reconciled == 0 || st->g_amax[f] == NULL || j->cat == NULL)
         return AMX_OK;
     for (uint32_t i = 0; i < cat->n; i++) {
@@ -909,7 +1033,7 @@ static void write_snapshot(amx_engine_t *e)
                                           &blob, &blen, &err);
     if (st == AMX_OK && (st = amx__snapshot_meta(j, e->w_cat, &m)) != AMX_OK)
         amx_err_set(&err, st, "out of memory");
-    if (st == AMX_OK && (st = snapshot_previous(j, e->w_cat, &m)) != AMX_OK)
+    if (st == AMX_OK && (st = snapshot_previous(j, e->w_cat, &e->res, &m)) != AMX_OK)
         amx_err_set(&err, st, "out of memory");
     m.epochs_ok++; /* this epoch */
     m.state_len = blen;
@@ -936,7 +1060,7 @@ static void write_snapshot(amx_engine_t *e)
 static void explain(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
-    if (e->res.st != AMX_ETIMEDOUT && e->res.st != AMX_EUNAVAIL)
+    if ((e->res.st != AMX_ETIMEDOUT && e->res.st != AMX_EUNAVAIL) || e->passed_on)
         return;
     char buf[768];
     amx_peer_call_progress(e->env.peer, &j->mship, j->me, j->name, e->epoch, 500, buf, sizeof(buf));
@@ -959,6 +1083,7 @@ static void run_epoch(amx_engine_t *e)
     e->imp_desc = NULL;
     e->last_reconciled = j->last_reconciled;
     e->synced = 0;
+    e->passed_on = 0;
     uint64_t full_deadline = e->deadline;
     if (j->mship.npart <= 1) {
         if (j->nprop > 0 && adopt_locally(e) != AMX_OK)
@@ -975,8 +1100,7 @@ static void run_epoch(amx_engine_t *e)
         e->deadline -= spare < 1500 ? spare : 1500;
     }
     if (atomic_load(&e->abort_flag)) {
-        fail(e, AMX_EABORTED, "job '%s', epoch %llu: aborted: %s", j->name,
-             (unsigned long long)e->epoch, e->abort_why);
+        fail_aborted(e, "the epoch");
         goto out;
     }
     if (e->comm == NULL || e->need_sync) {
@@ -1012,13 +1136,18 @@ out:
         e->res.epoch = e->epoch;
         if (j->mship.npart > 1) {
             explain(e);
+            /* Peers still blocked in a collective of our communicator would
+             * wait for their deadline: tell them why, before our side of
+             * it closes (over Gloo they would otherwise see only a broken
+             * connection). */
+            uint64_t gen = atomic_load(&e->comm_gen);
+            if (gen == 0)
+                gen = e->last_gen;
+            if (gen != 0 && !e->passed_on)
+                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, e->res.st,
+                                    e->res.msg, 500);
             drop_comm(e);
             e->need_sync = 1;
-            /* Peers still blocked in a collective of our last communicator
-             * would wait for their deadline: tell them. */
-            if (e->last_gen != 0)
-                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, e->last_gen, e->res.msg,
-                                    500);
         }
         for (uint32_t i = 0; e->marked && i < e->w_cat->n; i++)
             e->w_desc[i].reset = 0;
@@ -1096,6 +1225,7 @@ void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
     e->deadline = deadline_ms;
     atomic_store(&e->abort_flag, 0);
     e->abort_why[0] = '\0';
+    e->abort_code = AMX_OK;
     e->have_work = 1;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
@@ -1106,7 +1236,7 @@ amx_epoch_result_t *amx_engine_result(amx_engine_t *e)
     return &e->res;
 }
 
-void amx_engine_abort(amx_engine_t *e, uint64_t gen, const char *why)
+void amx_engine_abort(amx_engine_t *e, uint64_t gen, amx_status_t code, const char *why)
 {
     pthread_mutex_lock(&e->mu);
     uint64_t cur = atomic_load(&e->comm_gen);
@@ -1117,6 +1247,7 @@ void amx_engine_abort(amx_engine_t *e, uint64_t gen, const char *why)
         return;
     }
     snprintf(e->abort_why, sizeof(e->abort_why), "%s", why);
+    e->abort_code = code;
     if (e->have_work) {
         atomic_store(&e->abort_flag, 1);
         if (e->comm != NULL)

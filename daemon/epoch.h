@@ -52,6 +52,11 @@ typedef struct amx_epoch_result {
     /* The state was imported from a donor: the job's counters become these. */
     int imported;
     uint64_t last_reconciled;
+    /* With imported: the donor's published global amax and scale (its
+     * epoch last_reconciled), per quantizer of prev_cat (owned), which the
+     * loop keeps as the previous epoch's once this one is published. */
+    amx_catalog_t *prev_cat;
+    float *prev_ga, *prev_gs;
     int publish; /* the back outputs hold results to publish even on failure */
     int resets_applied;
     uint32_t collectives;
@@ -79,8 +84,10 @@ amx_epoch_result_t *amx_engine_result(amx_engine_t *e);
 
 /* Any thread: abort the epoch in flight (when it uses communicator `gen`,
  * or any when gen is 0) and drop the communicator; the next epoch agrees
- * again. */
-void amx_engine_abort(amx_engine_t *e, uint64_t gen, const char *why);
+ * again. The epoch fails with `code` and the sentence `why` (another
+ * daemon's failure, passed on), or with ABORTED when code is AMX_OK or
+ * AMX_EABORTED. */
+void amx_engine_abort(amx_engine_t *e, uint64_t gen, amx_status_t code, const char *why);
 
 /* Loop thread, nothing in flight: stops the thread, frees everything. */
 void amx_engine_destroy(amx_engine_t *e);

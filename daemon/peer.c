@@ -776,6 +776,12 @@ static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
         return;
     }
     Amaxd__Peer__V1__SyncResponse r = AMAXD__PEER__V1__SYNC_RESPONSE__INIT;
+    if (ans->send_catalog) {
+        r.send_catalog = 1;
+        r.coordinator_incarnation = ans->coord_inc;
+        amx__call_reply(c, AMX_OK, NULL, &r.base);
+        return;
+    }
     amx_arena_t a = {0};
     r.seq = ans->seq;
     r.catalog_hash = ans->catalog_hash;
@@ -968,7 +974,8 @@ static void h_abort(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     if (!authed(svc, c))
         return;
     const Amaxd__Peer__V1__AbortRequest *q = (const void *)m;
-    amx_registry_peer_abort(svc->reg, q->job, q->comm_generation, q->from, q->reason);
+    amx_registry_peer_abort(svc->reg, q->job, q->comm_generation, q->from,
+                            amx_status_from_grpc((int)q->code), q->reason);
     Amaxd__Peer__V1__AbortResponse r = AMAXD__PEER__V1__ABORT_RESPONSE__INIT;
     amx__call_reply(c, AMX_OK, NULL, &r.base);
 }
@@ -1040,6 +1047,10 @@ const size_t amx__n_peer_methods = sizeof(amx__peer_methods) / sizeof(amx__peer_
 
 /* ======================= loop thread: asynchronous calls ======================= */
 
+/* How much earlier than a member's own deadline the coordinator times out
+ * a Join it forwards (at most a tenth of the whole). */
+#define JOIN_MARGIN_MS 500
+
 typedef struct join_op {
     amx_peer_t *p;
     amx_peer_join_cb cb;
@@ -1047,6 +1058,7 @@ typedef struct join_op {
     amx_creq_t *creq;  /* local coordinator */
     amx_ccall_t *call; /* remote */
     int done;
+    uint64_t started_ms, deadline_ms; /* remote: when the Join was sent, and its deadline */
 } join_op_t;
 
 static void on_local_join(void *ud, amx_status_t st, const char *msg, const amx_membership_t *m)
@@ -1064,7 +1076,16 @@ static void on_remote_join(void *ud, amx_status_t st, const char *msg, const uin
     join_op_t *op = ud;
     char buf[1200];
     if (st != AMX_OK) {
-        if (st == AMX_EUNAVAIL || st == AMX_EINTERNAL) {
+        if (st == AMX_ETIMEDOUT && amx_now_ms() + 50 >= op->deadline_ms) {
+            /* Our own deadline, not the coordinator's answer (which comes
+             * JOIN_MARGIN_MS earlier): it is stopped, hung or overloaded. */
+            snprintf(buf, sizeof(buf),
+                     "the coordinator %s did not answer this Join within %llu ms (is its daemon "
+                     "running and not stopped? a Join it times out names the ranks that never "
+                     "joined)",
+                     op->p->id.coordinator, (unsigned long long)(op->deadline_ms - op->started_ms));
+            msg = buf;
+        } else if (st == AMX_EUNAVAIL || st == AMX_EINTERNAL) {
             snprintf(buf, sizeof(buf), "the coordinator %s could not be reached: %s",
                      op->p->id.coordinator, msg);
             msg = buf;
@@ -1129,8 +1150,16 @@ amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint3
     q.daemon = p->id.rank;
     q.incarnation = p->id.incarnation;
     q.address = p->id.advertise;
+    /* The coordinator answers a Join that times out (naming the ranks
+     * that never joined) a little before our own deadline, which then
+     * only fires when the coordinator does not answer at all: either way
+     * the trainer hears within its join_timeout_ms. */
     uint64_t now = amx_now_ms();
-    q.timeout_ms = deadline_ms > now ? (uint32_t)(deadline_ms - now) : 1;
+    uint64_t left = deadline_ms > now ? deadline_ms - now : 1;
+    uint64_t margin = left / 10 < JOIN_MARGIN_MS ? left / 10 : JOIN_MARGIN_MS;
+    q.timeout_ms = (uint32_t)(left - margin > 0 ? left - margin : 1);
+    op->started_ms = now;
+    op->deadline_ms = deadline_ms;
     size_t len;
     uint8_t *buf = pack(&q.base, &len);
     grpc_channel *ch = channel_to(p, p->id.coordinator);
@@ -1141,8 +1170,8 @@ amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint3
     }
     char tok[160];
     token_for(p, SVC "Join", tok, sizeof(tok));
-    amx_status_t st = amx_rpc_call(p->rpc, ch, SVC "Join", buf, len, AUTH_KEY, tok,
-                                   deadline_ms + 2000, on_remote_join, op, &op->call, err);
+    amx_status_t st = amx_rpc_call(p->rpc, ch, SVC "Join", buf, len, AUTH_KEY, tok, deadline_ms,
+                                   on_remote_join, op, &op->call, err);
     free(buf);
     if (st != AMX_OK) {
         free(op);
@@ -1217,18 +1246,7 @@ static void on_restart_notify(void *ud, const char *job, const amx_membership_t 
     fan_out(p, m, p->id.rank, restarted, SVC "Abort", &q.base);
     for (uint32_t i = 0; i < m->npart; i++)
         if (m->part[i].daemon == p->id.rank && p->reg != NULL)
-            amx_registry_peer_abort(p->reg, job, gen, p->id.rank, reason);
-}
-
-void amx_peer_notify_abort(amx_peer_t *p, const amx_membership_t *m, const char *job, uint64_t gen,
-                           const char *reason)
-{
-    Amaxd__Peer__V1__AbortRequest q = AMAXD__PEER__V1__ABORT_REQUEST__INIT;
-    q.job = (char *)job;
-    q.comm_generation = gen;
-    q.from = p->id.rank;
-    q.reason = (char *)reason;
-    fan_out(p, m, p->id.rank, p->id.rank, SVC "Abort", &q.base);
+            amx_registry_peer_abort(p->reg, job, gen, p->id.rank, AMX_EABORTED, reason);
 }
 
 static void fan_out_drop(amx_peer_t *p, const char *job, const amx_membership_t *m, uint32_t skip)
@@ -1491,6 +1509,12 @@ amx_status_t amx_peer_call_sync(amx_peer_t *p, const amx_coord_sync_req_t *req,
         return amx_err_set(err, AMX_EINTERNAL,
                            "the coordinator's agreement answer could not be "
                            "read");
+    res->coord_inc = r->coordinator_incarnation;
+    if (r->send_catalog) {
+        res->send_catalog = 1;
+        amaxd__peer__v1__sync_response__free_unpacked(r, NULL);
+        return AMX_OK;
+    }
     res->seq = r->seq;
     res->catalog_hash = r->catalog_hash;
     res->target_epoch = r->target_epoch;
@@ -1780,13 +1804,14 @@ void amx_peer_call_progress(amx_peer_t *p, const amx_membership_t *m, int me, co
 }
 
 void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const char *job,
-                         uint64_t gen, const char *reason, uint64_t timeout_ms)
+                         uint64_t gen, amx_status_t code, const char *reason, uint64_t timeout_ms)
 {
     Amaxd__Peer__V1__AbortRequest q = AMAXD__PEER__V1__ABORT_REQUEST__INIT;
     q.job = (char *)job;
     q.comm_generation = gen;
     q.from = p->id.rank;
-    char r[300];
+    q.code = (uint32_t)amx_status_grpc(code);
+    char r[760];
     snprintf(r, sizeof(r), "%s", reason);
     q.reason = r;
     size_t n = 0;

@@ -100,11 +100,6 @@ amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint3
                            amx_err_t *err);
 void amx_peer_join_cancel(amx_peer_t *p, void *h);
 
-/* Best effort: tells the participants of `m` but this daemon that the job's
- * communicator `gen` failed. */
-void amx_peer_notify_abort(amx_peer_t *p, const amx_membership_t *m, const char *job, uint64_t gen,
-                           const char *reason);
-
 /* Asks the coordinator to drop the job everywhere (best effort). */
 void amx_peer_drop(amx_peer_t *p, const char *job);
 
@@ -126,6 +121,7 @@ typedef struct amx_sync_result {
     uint32_t *behind;
     size_t nbehind;
     amx_membership_t members;
+    int send_catalog; /* alone: call again with the whole catalog (coord.h) */
 } amx_sync_result_t;
 
 void amx_sync_result_free(amx_sync_result_t *r);
@@ -147,6 +143,6 @@ void amx_peer_call_progress(amx_peer_t *p, const amx_membership_t *m, int me, co
 
 /* Abort notifications from an engine thread (parallel, best effort). */
 void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const char *job,
-                         uint64_t gen, const char *reason, uint64_t timeout_ms);
+                         uint64_t gen, amx_status_t code, const char *reason, uint64_t timeout_ms);
 
 #endif

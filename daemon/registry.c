@@ -340,7 +340,7 @@ static void job_remove(amx_registry_t *reg, amx_job_t *j)
         j->next = reg->zombies;
         reg->zombies = j;
         if (j->in_flight && j->eng != NULL)
-            amx_engine_abort(j->eng, 0, "the job was dropped");
+            amx_engine_abort(j->eng, 0, AMX_EABORTED, "the job was dropped");
         return;
     }
     job_free(j);
@@ -540,7 +540,7 @@ void amx_registry_shutdown(amx_registry_t *reg, const char *why)
     reg->shutting_down = 1;
     for (amx_job_t *j = reg->jobs; j != NULL; j = j->next) {
         if (j->in_flight && j->eng != NULL)
-            amx_engine_abort(j->eng, 0, why);
+            amx_engine_abort(j->eng, 0, AMX_EABORTED, why);
         fail_all_waiters(reg, j, AMX_EUNAVAIL, why);
     }
 }
@@ -2523,6 +2523,35 @@ static void install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_
                     j->lr[s].pl_of[lid] = 0;
         }
     }
+    /* A quantizer agreed before and missing from the new catalog (which
+     * the coordinator must never do: it asks for whole catalogs it does
+     * not hold) would keep a pointer into the old one: it is dead here,
+     * with its own copy of its spec, and loudly so. */
+    for (uint32_t lid = 0; lid < j->nlq; lid++) {
+        amx_lq_t *q = &j->lq[lid];
+        if (q->status != LQ_AGREED || amx_catalog_find(nc, q->spec->name) >= 0)
+            continue;
+        amx_qspec_t *copy = amx_qspec_dup(q->spec);
+        if (copy == NULL) {
+            AMX_ERROR("registry", "job %s: out of memory dropping a quantizer; aborting", j->name);
+            abort();
+        }
+        AMX_ERROR("registry",
+                  "job %s: quantizer '%s' is missing from the agreed catalog; its ranks must "
+                  "register it again",
+                  j->name, copy->name);
+        q->spec = copy;
+        amx_strmap_put(&j->lqmap, copy->name, lid); /* replaces the key: cannot fail */
+        q->status = LQ_DEAD;
+        q->cidx = -1;
+        if (q->reset) {
+            q->reset = 0;
+            j->nreset--;
+        }
+        for (uint32_t s = 0; s < j->nlocal; s++)
+            if (lid < j->lr[s].cap_of)
+                j->lr[s].pl_of[lid] = 0;
+    }
     free(j->prev_ga), free(j->prev_gs), free(j->prev_ok);
     j->prev_ga = pga;
     j->prev_gs = pgs;
@@ -2581,6 +2610,38 @@ static void save_previous(amx_job_t *j)
     j->prev_n = n;
 }
 
+/* After an epoch that continued a donor's state: the previous epoch's
+ * globals are the donor's published ones (the front holds this daemon's
+ * own, from before it fell behind), in the installed catalog's order. */
+static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res)
+{
+    uint32_t n = j->cat->n;
+    j->prev_n = 0;
+    if (res->prev_cat == NULL || n == 0)
+        return;
+    if (n > j->prev_cap) {
+        float *ga = realloc(j->prev_ga, n * sizeof(float));
+        if (ga != NULL)
+            j->prev_ga = ga;
+        float *gs = realloc(j->prev_gs, n * sizeof(float));
+        if (gs != NULL)
+            j->prev_gs = gs;
+        uint8_t *ok = realloc(j->prev_ok, n);
+        if (ok != NULL)
+            j->prev_ok = ok;
+        if (ga == NULL || gs == NULL || ok == NULL)
+            return; /* out of memory: no previous values, nothing wrong */
+        j->prev_cap = n;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        int64_t k = amx_catalog_find(res->prev_cat, j->cat->q[i]->name);
+        j->prev_ok[i] = k >= 0;
+        j->prev_ga[i] = k >= 0 ? res->prev_ga[k] : 0.0f;
+        j->prev_gs[i] = k >= 0 ? res->prev_gs[k] : 0.0f;
+    }
+    j->prev_n = n;
+}
+
 static void epoch_done(amx_registry_t *reg, amx_job_t *j)
 {
     amx_epoch_result_t *res = amx_engine_result(j->eng);
@@ -2596,6 +2657,8 @@ static void epoch_done(amx_registry_t *reg, amx_job_t *j)
     if (res->imported) {
         j->last_reconciled = res->last_reconciled;
         j->epoch = res->last_reconciled + 1;
+        if (res->reconciled && !j->dropped)
+            previous_from_donor(j, res);
     }
     j->last_epoch_us = res->total_us;
     j->last_collective_us = res->collective_us;
@@ -2877,9 +2940,15 @@ amx_status_t amx_registry_reset(amx_registry_t *reg, const amx_reset_req_t *req,
         if (req->n_names != 0)
             return amx_err_set(err, AMX_EINVAL, "Reset with drop_job takes no quantizer names");
         rep.reset = j->cat->n + j->nprop;
-        if (j->mship.npart > 1)
-            amx_peer_drop(reg->peer, j->name);
+        char name[AMX_MAX_JOB_NAME + 1];
+        snprintf(name, sizeof(name), "%s", j->name);
         drop_job(reg, j, "the job was dropped by Reset");
+        /* Then the coordinator forgets it too (and fails Joins of it
+         * waiting on other daemons), also before all ranks joined:
+         * otherwise those Joins would wait on, and their ranks could not
+         * join again. After the local drop, which withdrew this daemon's
+         * own waiting Joins. */
+        amx_peer_drop(reg->peer, name);
         w->job = NULL;
         w->done(w, AMX_OK, NULL, &rep);
         return AMX_OK;
@@ -3030,7 +3099,7 @@ amx_status_t amx_registry_progress(amx_registry_t *reg, const char *job, uint64_
 }
 
 void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen, uint32_t from,
-                             const char *reason)
+                             amx_status_t code, const char *reason)
 {
     amx_job_t *j = find_job(reg, job);
     if (j == NULL || j->eng == NULL)
@@ -3039,7 +3108,9 @@ void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen,
              "job %s: daemon %u reports that communicator generation %llu failed "
              "(%s)",
              job, from, (unsigned long long)gen, reason);
-    amx_engine_abort(j->eng, gen, reason);
+    char why[900];
+    snprintf(why, sizeof(why), "daemon %u: %s", from, reason);
+    amx_engine_abort(j->eng, gen, code, code == AMX_EABORTED ? reason : why);
 }
 
 void amx_registry_peer_drop(amx_registry_t *reg, const char *job, uint32_t from)

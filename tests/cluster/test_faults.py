@@ -78,6 +78,12 @@ def test_daemon_killed_during_epoch_then_restarted(make_cluster):
         assert out[r]["w"].amax.tobytes() == w.tobytes(), (r, out[r]["w"].amax, w)
     assert len({out[r]["x"].amax.tobytes() for r in range(n)}) == 1
     assert "caught up with daemon" in c[last].log()
+    # The daemon that caught up answers what the others answer, the previous
+    # epoch's globals (epoch 2's, from its donor) included.
+    from test_coordinator import whole
+    wholes = [whole(clients[r]) for r in range(n)]
+    assert all(w == wholes[0] for w in wholes), (wholes, c.logs())
+    assert wholes[0]["x"][6] is not None
     # And the epoch after that is an ordinary one.
     out, errs = run_threads({r: (lambda r=r: (clients[r].send(vals(r, 4)),
                                              clients[r].reconcile())[1]) for r in range(n)})
@@ -244,3 +250,149 @@ def _try(fn):
         return fn()
     except amaxd.AmaxdError as e:
         return e
+
+
+@pytest.mark.parametrize("where", [0, 1], ids=["reset_on_coordinator", "reset_on_member"])
+def test_drop_while_joins_wait_on_several_daemons(make_cluster, where):
+    """Reset(drop_job) before all ranks joined: every waiting Join, on this
+    daemon and on the others, ends with ABORTED, and the name can be joined
+    again at once (docs/API.md)."""
+    c = make_cluster(2)
+    res = {}
+
+    def join(r):
+        try:
+            res[r] = amaxd.Client("dj", r, 3, socket=c.socket(r), timeout=30).join()
+        except amaxd.AmaxdError as e:
+            res[r] = e
+    ts = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    [t.start() for t in ts]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(
+            "job dj: rank %d joining" % r in c[r].log() for r in (0, 1)):
+        time.sleep(0.05)
+    with amaxd.Client("dj", 2, 3, socket=c.socket(where), timeout=10) as cl:
+        cl.reset(drop_job=True)
+    [t.join(5) for t in ts]
+    assert not any(t.is_alive() for t in ts), "a Join still waits after the job was dropped"
+    for r in (0, 1):
+        assert isinstance(res[r], amaxd.errors.Aborted), (r, res[r])
+        assert "dropped" in res[r].message, res[r].message
+    # The same name, all three ranks: a fresh job.
+    out, errs = run_threads({r: (lambda r=r: amaxd.Client("dj", r, 3, socket=c.socket(r % 2),
+                                                          timeout=10).join())
+                             for r in range(3)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    for i in range(2):
+        assert c[i].proc.poll() is None, c.logs()
+
+
+def test_join_with_a_stopped_coordinator_names_it(make_cluster):
+    """The coordinator hangs (SIGSTOP): a Join through another daemon ends
+    within join_timeout_ms with DEADLINE_EXCEEDED naming the coordinator."""
+    join_ms = 3000
+    c = make_cluster(2, f"--join-timeout-ms={join_ms}")
+    c[0].proc.send_signal(signal.SIGSTOP)
+    try:
+        with amaxd.Client("sj", 1, 2, socket=c.socket(1), timeout=30) as cl:
+            t = time.monotonic()
+            with pytest.raises(amaxd.errors.DeadlineExceeded) as e:
+                cl.join()
+            took = time.monotonic() - t
+    finally:
+        c[0].proc.send_signal(signal.SIGCONT)
+    assert took < join_ms / 1000 + 0.5, f"answered after {took:.2f} s"
+    assert f"127.0.0.1:{c.ports[0]}" in e.value.message and "did not answer" in e.value.message, \
+        e.value.message
+    # With the coordinator back, a genuine timeout still names the missing rank.
+    with amaxd.Client("sj2", 1, 2, socket=c.socket(1), timeout=30) as cl:
+        with pytest.raises(amaxd.errors.DeadlineExceeded) as e:
+            cl.join()
+    assert "ranks 0 never joined" in e.value.message, e.value.message
+
+
+def _varint(n):
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _abort_request(job, gen, sender, reason, code):
+    """amaxd.peer.v1.AbortRequest, encoded by hand (fields 1-5)."""
+    def s(field, v):
+        v = v.encode()
+        return _varint(field << 3 | 2) + _varint(len(v)) + v
+    return (s(1, job) + _varint(2 << 3) + _varint(gen) + _varint(3 << 3) + _varint(sender) +
+            s(4, reason) + _varint(5 << 3) + _varint(code))
+
+
+def _peer_token(secret, method):
+    import hashlib
+    import hmac
+    now = int(time.time())
+    mac = hmac.new(secret, f"{now}:{method}".encode(), hashlib.sha256).hexdigest()
+    return f"{now}:{mac}"
+
+
+def test_abort_from_a_peer_passes_on_its_cause(make_cluster):
+    """A daemon whose collective waits is told by another (peer Abort) that
+    the epoch failed with DEADLINE_EXCEEDED because daemon 2 did not come:
+    its trainers get that status and sentence, not a bare ABORTED. (Over
+    NCCL this is how a survivor learns of a dead peer; over Gloo the broken
+    connections usually come first.)"""
+    c = make_cluster(3, "--reconcile-timeout-ms=20000")
+    cl = [amaxd.Client("pa", r, 3, socket=c.socket(r), timeout=60) for r in range(3)]
+    out, errs = run_threads({r: (lambda r=r: (cl[r].join(), cl[r].register([Q("x")]),
+                                              cl[r].send({"x": float(r)}),
+                                              cl[r].reconcile())[-1]) for r in range(3)})
+    assert not errs, errs
+    c[2].proc.send_signal(signal.SIGSTOP)
+    try:
+        res = {}
+
+        def waiting():
+            cl[1].send({"x": 5.0})
+            try:
+                res[1] = cl[1].reconcile()
+            except amaxd.AmaxdError as e:
+                res[1] = e
+        t = threading.Thread(target=waiting)
+        t.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "epoch 2 handed to its engine" not in c[1].log():
+            time.sleep(0.05)
+        time.sleep(0.3)
+        reason = ("job 'pa', epoch 2: the nccl all-reduce of 1 cells across 3 daemons timed out; "
+                  f"daemon 2 (127.0.0.1:{c.ports[2]}) did not answer")
+        method = "/amaxd.peer.v1.Peer/Abort"
+        with open(c.secret_path, "rb") as f:
+            secret = f.read()
+        with grpc.insecure_channel(f"127.0.0.1:{c.ports[1]}") as ch:
+            ch.unary_unary(method)(_abort_request("pa", 0, 0, reason, 4), timeout=5,
+                                   metadata=[("x-amaxd-auth", _peer_token(secret, method))])
+        t.join(10)
+        assert not t.is_alive(), "the aborted trainer still waits"
+        e = res[1]
+        assert isinstance(e, amaxd.errors.DeadlineExceeded), e
+        assert "failed on daemon 0" in e.message and "daemon 2" in e.message, e.message
+    finally:
+        c[2].proc.send_signal(signal.SIGCONT)
+    # Everyone back: the daemons that kept the old communicator find it
+    # broken once, then the epoch completes with every contribution.
+    def again(r):
+        for _ in range(3):
+            try:
+                return cl[r].reconcile()
+            except (amaxd.errors.Unavailable, amaxd.errors.Aborted,
+                    amaxd.errors.DeadlineExceeded):
+                pass
+        return cl[r].reconcile()
+    out, errs = run_threads({r: (lambda r=r: again(r)) for r in range(3)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    assert all(out[r]["x"].amax[()] == 5.0 for r in range(3))
+    for x in cl:
+        x.close()

@@ -521,9 +521,13 @@ typedef struct answer {
     uint64_t hash, target, gen, seq;
     uint32_t donor, nbehind, ncat, nres, nrej;
     int new_comm;
+    int send_catalog;
     char conflict[1024];
     char val[64];
 } answer_t;
+
+/* The catalog hash the daemons of these tests hold: the last agreed one. */
+static uint64_t held_hash;
 
 static void on_join(void *ud, amx_status_t st, const char *msg, const amx_membership_t *m)
 {
@@ -545,6 +549,10 @@ static void on_sync(void *ud, amx_status_t st, const char *msg, const amx_coord_
     snprintf(a->msg, sizeof(a->msg), "%s", msg ? msg : "");
     if (s == NULL)
         return;
+    a->send_catalog = s->send_catalog;
+    if (s->send_catalog)
+        return;
+    held_hash = s->catalog_hash;
     a->hash = s->catalog_hash;
     a->target = s->target_epoch;
     a->gen = s->comm_gen;
@@ -583,6 +591,7 @@ static void sync1(amx_coord_t *co, uint32_t daemon, uint64_t last, amx_qspec_t *
                               .daemon = daemon,
                               .incarnation = 1,
                               .last_reconciled = last,
+                              .catalog_hash = held_hash,
                               .proposals = p,
                               .nprop = np,
                               .resets = resets,
@@ -595,6 +604,7 @@ static void sync1(amx_coord_t *co, uint32_t daemon, uint64_t last, amx_qspec_t *
 
 START_TEST(coordinator_membership_and_agreement)
 {
+    held_hash = amx_catalog_hash(NULL, 0);
     amx_coord_t *co = amx_coord_create(42, 1000);
     answer_t j[4] = {{0}};
     join(co, 0, 0, 1, &j[0]);
@@ -681,6 +691,78 @@ START_TEST(coordinator_membership_and_agreement)
 }
 END_TEST
 
+/* A coordinator that restarted knows neither the job nor its catalog: a
+ * daemon's agreement request names its ranks (which completes a Join
+ * waiting for them), and a daemon holding a catalog the coordinator does
+ * not have is asked for it whole before anything is agreed. */
+START_TEST(coordinator_restarted_rebuilds_from_members)
+{
+    amx_coord_t *co = amx_coord_create(43, 1000);
+    answer_t j0 = {0};
+    join(co, 0, 0, 1, &j0); /* the coordinator's own trainer, ranks 1-3 unknown */
+    ck_assert_int_eq(j0.called, 0);
+    /* Daemon 1 held an agreed catalog {a, b} and sends only its hash. */
+    amx_qspec_t *held[2] = {spec("a", 1, NULL), spec("b", 2, NULL)};
+    amx_qspec_t *cp[2] = {amx_qspec_dup(held[0]), amx_qspec_dup(held[1])};
+    amx_catalog_t *cat = NULL;
+    amx_err_t err = {0};
+    ck_assert_int_eq(amx_catalog_build(cp, 2, &cat, &err), AMX_OK);
+    uint32_t ranks1[3] = {1, 2, 3};
+    amx_coord_sync_req_t r = {.job = "j",
+                              .daemon = 1,
+                              .incarnation = 1,
+                              .last_reconciled = 5,
+                              .catalog_hash = cat->hash,
+                              .world = 4,
+                              .ranks = ranks1,
+                              .nranks = 3,
+                              .addr = "h:2",
+                              .deadline_ms = 5000};
+    answer_t s1 = {0};
+    amx_creq_t *h = (amx_creq_t *)1;
+    ck_assert_int_eq(amx_coord_sync(co, &r, on_sync, &s1, &h, &err), AMX_OK);
+    ck_assert_int_eq(s1.called, 1);
+    ck_assert_int_eq(s1.send_catalog, 1);
+    ck_assert_ptr_null(h); /* nothing waits */
+    /* ... but its ranks are known now: the waiting Join completed. */
+    ck_assert_int_eq(j0.called, 1);
+    ck_assert_int_eq(j0.st, AMX_OK);
+    ck_assert_uint_eq(j0.npart, 2);
+    /* Whole, it waits for daemon 0, whose own catalog is empty. */
+    r.proposals = held;
+    r.nprop = 2;
+    r.full_catalog = 1;
+    answer_t s1b = {0}, s0 = {0};
+    ck_assert_int_eq(amx_coord_sync(co, &r, on_sync, &s1b, &h, &err), AMX_OK);
+    ck_assert_int_eq(s1b.called, 0);
+    amx_qspec_t *p0[1] = {spec("c", 1, NULL)};
+    uint32_t ranks0[1] = {0};
+    amx_coord_sync_req_t r0 = {.job = "j",
+                               .daemon = 0,
+                               .incarnation = 1,
+                               .catalog_hash = amx_catalog_hash(NULL, 0),
+                               .proposals = p0,
+                               .nprop = 1,
+                               .world = 4,
+                               .ranks = ranks0,
+                               .nranks = 1,
+                               .addr = "h:1",
+                               .deadline_ms = 5000};
+    ck_assert_int_eq(amx_coord_sync(co, &r0, on_sync, &s0, &h, &err), AMX_OK);
+    ck_assert_int_eq(s0.called + s1b.called, 2);
+    ck_assert_uint_eq(s0.ncat, 3); /* a, b from daemon 1, c from daemon 0 */
+    ck_assert_uint_eq(s0.hash, s1b.hash);
+    ck_assert_uint_eq(s0.nbehind, 1); /* daemon 0, at epoch 0 */
+    ck_assert_uint_eq(s0.donor, 1);
+    ck_assert_uint_eq(s0.target, 5);
+    for (int i = 0; i < 2; i++)
+        amx_qspec_free(held[i]);
+    amx_qspec_free(p0[0]);
+    amx_catalog_free(cat);
+    amx_coord_destroy(co);
+}
+END_TEST
+
 START_TEST(coordinator_join_timeout_and_kv)
 {
     amx_coord_t *co = amx_coord_create(42, 1000);
@@ -728,6 +810,7 @@ int main(void)
     tcase_add_test(tc, host_finish_fill_and_share);
     tcase_add_test(tc, host_finish_global_slices);
     tcase_add_test(tc, coordinator_membership_and_agreement);
+    tcase_add_test(tc, coordinator_restarted_rebuilds_from_members);
     tcase_add_test(tc, coordinator_join_timeout_and_kv);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
