@@ -83,3 +83,16 @@ void amx_placement_rows(const amx_placement_t *pl, const uint32_t *gshape, uint6
         }
     }
 }
+
+uint64_t amx_placement_global_slice(const amx_placement_t *pl, const uint32_t *gshape, uint32_t k,
+                                    uint64_t j)
+{
+    uint64_t idx[AMX_MAX_DIMS], g = 0;
+    for (uint32_t d = k; d-- > 0;) {
+        idx[d] = j % pl->shape[d] + pl->off[d];
+        j /= pl->shape[d];
+    }
+    for (uint32_t d = 0; d < k; d++)
+        g = g * gshape[d] + idx[d];
+    return g;
+}

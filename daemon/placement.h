@@ -32,6 +32,12 @@ void amx_placement_whole(const amx_qspec_t *s, amx_placement_t *out);
 /* Equal blocks? */
 int amx_placement_equal(const amx_placement_t *a, const amx_placement_t *b);
 
+/* For a quantizer with global_axes k > 0 of global shape `gshape`: the
+ * global slice index (row-major over gshape[:k]) of block slice j of `pl`
+ * (a block slice is one index of the block's first k axes, row-major). */
+uint64_t amx_placement_global_slice(const amx_placement_t *pl, const uint32_t *gshape, uint32_t k,
+                                    uint64_t j);
+
 /* Contiguous rows of a block: the number of amx_placement_rows callbacks. */
 uint64_t amx_placement_nrows(const amx_placement_t *pl);
 

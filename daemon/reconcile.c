@@ -1,0 +1,491 @@
+/*
+ * reconcile.c - Reconcile and the end of an epoch: when every local rank
+ * has entered Reconcile the epoch goes to the job's engine (epoch.c);
+ * its outcome comes back through amx__epoch_done, which installs a new
+ * catalog, publishes or rolls back, and answers the waiting ranks.
+ */
+#include "registry_impl.h"
+
+#include <errno.h>
+#include <float.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bytebuf.h"
+#include "clock.h"
+#include "log.h"
+#include "snapshot.h"
+#include "state.h"
+
+/* The engine's word on the epoch's snapshot. */
+static void note_snapshot(amx_job_t *j, const amx_epoch_result_t *res)
+{
+    if (res->snapshot_ok) {
+        j->durable_epoch = res->epoch;
+        if (j->snap_err != NULL)
+            AMX_INFO("registry", "job %s: snapshots are written again (epoch %llu)", j->name,
+                     (unsigned long long)res->epoch);
+        free(j->snap_err);
+        j->snap_err = NULL;
+        AMX_DEBUG("registry", "job %s: epoch %llu written to its snapshot (%llu bytes, %llu us)",
+                  j->name, (unsigned long long)res->epoch, (unsigned long long)res->snapshot_bytes,
+                  (unsigned long long)res->snapshot_us);
+    } else if (res->snapshot_err[0] != '\0') {
+        AMX_ERROR("registry", "job %s: %s", j->name, res->snapshot_err);
+        free(j->snap_err);
+        j->snap_err = strdup(res->snapshot_err);
+    }
+}
+
+/* ---- Reconcile ---- */
+
+void amx__missing_ranks(const amx_job_t *j, char *buf, size_t len)
+{
+    size_t k = 0;
+    int shown = 0, total = 0;
+    buf[0] = '\0';
+    for (uint32_t i = 0; i < j->nlocal; i++) {
+        if (j->lr[i].in_reconcile)
+            continue;
+        total++;
+        if (shown < 16 && k < len) {
+            k += (size_t)snprintf(buf + k, len - k, shown ? ", %u" : "%u", j->lr[i].rank);
+            shown++;
+        }
+    }
+    if (total > shown && k < len)
+        snprintf(buf + k, len - k, " and %d more", total - shown);
+}
+
+static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *err);
+
+static void start_epoch_or_fail(amx_registry_t *reg, amx_job_t *j)
+{
+    amx_err_t e2 = {0};
+    if (start_epoch(reg, j, &e2) != AMX_OK) {
+        AMX_ERROR("registry", "job %s: %s", j->name, e2.msg);
+        amx__fail_all_waiters(reg, j, e2.code, e2.msg);
+    }
+}
+
+/* Growths that ended: their Registers go on, and an epoch whose ranks all
+ * entered Reconcile meanwhile starts. */
+void amx__on_grow_async(uv_async_t *h)
+{
+    amx_registry_t *reg = h->data;
+    for (amx_job_t **pp = &reg->zombies; *pp != NULL;) {
+        amx_job_t *j = *pp;
+        if (j->growing && __atomic_load_n(&j->grow_done, __ATOMIC_ACQUIRE)) {
+            pthread_join(j->grow_th, NULL);
+            j->growing = 0;
+            if (!j->in_flight) {
+                *pp = j->next;
+                amx__job_free(j);
+                continue;
+            }
+        }
+        pp = &j->next;
+    }
+    for (amx_job_t *j = reg->jobs; j != NULL; j = j->next) {
+        if (!j->growing || !__atomic_load_n(&j->grow_done, __ATOMIC_ACQUIRE))
+            continue;
+        pthread_join(j->grow_th, NULL);
+        j->growing = 0;
+        AMX_DEBUG("registry", "job %s: pending buffers grown to %llu cells", j->name,
+                  (unsigned long long)j->state->pend_cells);
+        amx__run_deferred(reg, j);
+        if (!j->growing && !j->in_flight && j->nlocal > 0 && j->nin_reconcile == j->nlocal)
+            start_epoch_or_fail(reg, j);
+    }
+}
+
+static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *err)
+{
+    if (j->eng == NULL)
+        AMX_CHECK(amx_engine_create(j, &reg->env, &j->eng, err));
+    uint64_t deadline = UINT64_MAX;
+    for (uint32_t i = 0; i < j->nlocal; i++)
+        if (j->lr[i].rec_w != NULL && j->lr[i].rec_w->deadline_ms < deadline)
+            deadline = j->lr[i].rec_w->deadline_ms;
+    j->state->ops->flip(j->state);
+    j->in_flight = 1;
+    j->flight_deadline = deadline;
+    j->flight_started_us = amx_now_us();
+    AMX_DEBUG("registry", "job %s: epoch %llu handed to its engine", j->name,
+              (unsigned long long)j->epoch);
+    amx_engine_start(j->eng, j->epoch, deadline);
+    return AMX_OK;
+}
+
+/* ReconcilePacked: the layout id is current and the answer fits. */
+static amx_status_t packed_answer_fits(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r,
+                                       uint64_t id, amx_err_t *err)
+{
+    amx_slab_t *sl;
+    AMX_CHECK(amx__slab_get(j, r, &sl, err));
+    AMX_CHECK(amx__check_layout_id(j, r, sl, id, "ReconcilePacked", err));
+    uint64_t cells = sl->off[sl->n];
+    uint64_t answer = 14 * cells + 26ull * sl->n + 12 * sl->soff[sl->n] + 20 * 20 + 64;
+    if (answer > (uint64_t)reg->cfg->max_message_bytes)
+        return amx_err_set(err, AMX_ENOMEM,
+                           "the packed answer to this Reconcile (%u quantizers, %llu cells) would "
+                           "take %llu bytes, more than max_message_bytes=%lld: use Reconcile with "
+                           "fewer names and GetScales windows, or raise max_message_bytes",
+                           sl->n, (unsigned long long)cells, (unsigned long long)answer,
+                           (long long)reg->cfg->max_message_bytes);
+    return AMX_OK;
+}
+
+amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req_t *req,
+                                    amx_waiter_t *w, uint64_t now_ms, amx_err_t *err)
+{
+    amx_job_t *j;
+    AMX_CHECK(amx__ready_job(reg, req->job, req->rank, 1, &j, err));
+    amx_lrank_t *r = amx__local_rank(j, req->rank);
+    if (j->in_flight && r->in_reconcile && r->rec_w == NULL &&
+        (req->epoch == 0 || req->epoch == j->epoch)) {
+        /* Its earlier call went away while the epoch was in flight: this
+         * call takes its place and gets the epoch's answer. */
+        if (req->packed)
+            AMX_CHECK(packed_answer_fits(reg, j, r, req->layout_id, err));
+        else
+            AMX_CHECK(amx__reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
+        w->job = j;
+        w->rank = req->rank;
+        w->kind = WAIT_RECONCILE;
+        w->deadline_ms = now_ms + (uint64_t)reg->cfg->reconcile_timeout_ms;
+        w->names = req->names;
+        w->n_names = req->n_names;
+        r->rec_w = w;
+        reg->nwaiting++;
+        return AMX_OK;
+    }
+    if (r->in_reconcile || j->in_flight)
+        return amx_err_set(err, AMX_EPRECOND,
+                           "rank %u of job '%s' is already waiting in Reconcile for epoch %llu on "
+                           "another call",
+                           req->rank, j->name, (unsigned long long)j->epoch);
+    AMX_CHECK(amx__check_epoch(j, j->epoch, req->epoch, req->rank, "Reconcile", err));
+    if (req->packed)
+        AMX_CHECK(packed_answer_fits(reg, j, r, req->layout_id, err));
+    else
+        AMX_CHECK(amx__reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
+    w->job = j;
+    w->rank = req->rank;
+    w->kind = WAIT_RECONCILE;
+    w->deadline_ms = now_ms + (uint64_t)reg->cfg->reconcile_timeout_ms;
+    w->names = req->names;
+    w->n_names = req->n_names;
+    w->gone = 0;
+    r->rec_w = w;
+    r->in_reconcile = 1;
+    j->nin_reconcile++;
+    reg->nwaiting++;
+    if (j->nin_reconcile == j->nlocal && !j->growing)
+        start_epoch_or_fail(reg, j); /* else when the growth ends */
+    return AMX_OK;
+}
+
+/* Installs a new agreed catalog from the engine: every quantizer of it
+ * gets (or keeps) a local id, proposals it adopted become agreed. */
+void amx__install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_t *res)
+{
+    amx_catalog_t *nc = res->cat;
+    uint32_t fresh = 0, lid0;
+    for (uint32_t i = 0; i < nc->n; i++)
+        fresh += !amx_strmap_get(&j->lqmap, nc->q[i]->name, &lid0);
+    if (amx__job_reserve_lq(j, j->nlq + fresh) != AMX_OK) {
+        /* Without room for the table the layout cannot be followed: the
+         * job is unusable; fail loudly rather than answer wrong bytes. */
+        AMX_ERROR("registry",
+                  "job %s: out of memory installing a catalog of %u quantizers; "
+                  "aborting",
+                  j->name, nc->n);
+        abort();
+    }
+    /* The previous-epoch globals follow their quantizers to the new order
+     * (without room for them: no previous values, nothing wrong). */
+    float *pga = NULL, *pgs = NULL;
+    uint8_t *pok = NULL;
+    if (j->prev_n > 0 && nc->n > 0) {
+        pga = malloc(nc->n * sizeof(float));
+        pgs = malloc(nc->n * sizeof(float));
+        pok = calloc(nc->n, 1);
+        if (pga == NULL || pgs == NULL || pok == NULL) {
+            free(pga), free(pgs), free(pok);
+            pga = pgs = NULL;
+            pok = NULL;
+        }
+    }
+    for (uint32_t i = 0; i < nc->n; i++) {
+        uint32_t lid;
+        amx_qspec_t *own = NULL; /* a proposal's own spec, freed once the map key moved */
+        if (!amx_strmap_get(&j->lqmap, nc->q[i]->name, &lid)) {
+            lid = j->nlq++;
+            memset(&j->lq[lid], 0, sizeof(j->lq[lid]));
+        } else if (j->lq[lid].status != LQ_AGREED) {
+            if (j->lq[lid].status == LQ_PROPOSED)
+                j->nprop--;
+            own = j->lq[lid].spec;
+        }
+        amx_lq_t *q = &j->lq[lid];
+        if (pok != NULL && q->status == LQ_AGREED && q->cidx >= 0 &&
+            (uint32_t)q->cidx < j->prev_n && j->prev_ok[q->cidx]) {
+            pok[i] = 1;
+            pga[i] = j->prev_ga[q->cidx];
+            pgs[i] = j->prev_gs[q->cidx];
+        }
+        q->spec = nc->q[i];
+        q->status = LQ_AGREED;
+        q->cidx = (int32_t)i;
+        q->base = res->desc[i].base;
+        q->gbase = res->desc[i].gbase;
+        amx_strmap_put(&j->lqmap, q->spec->name, lid); /* replaces the key: cannot fail */
+        amx_qspec_free(own);
+    }
+    for (size_t k = 0; k < res->nrejected; k++) {
+        uint32_t lid;
+        if (amx_strmap_get(&j->lqmap, res->rejected[k], &lid) && j->lq[lid].status == LQ_PROPOSED) {
+            j->lq[lid].status = LQ_DEAD;
+            j->nprop--;
+            for (uint32_t s = 0; s < j->nlocal; s++)
+                if (lid < j->lr[s].cap_of)
+                    j->lr[s].pl_of[lid] = 0;
+        }
+    }
+    /* A quantizer agreed before and missing from the new catalog (which
+     * the coordinator must never do: it asks for whole catalogs it does
+     * not hold) would keep a pointer into the old one: it is dead here,
+     * with its own copy of its spec, and loudly so. */
+    for (uint32_t lid = 0; lid < j->nlq; lid++) {
+        amx_lq_t *q = &j->lq[lid];
+        if (q->status != LQ_AGREED || amx_catalog_find(nc, q->spec->name) >= 0)
+            continue;
+        amx_qspec_t *copy = amx_qspec_dup(q->spec);
+        if (copy == NULL) {
+            AMX_ERROR("registry", "job %s: out of memory dropping a quantizer; aborting", j->name);
+            abort();
+        }
+        AMX_ERROR("registry",
+                  "job %s: quantizer '%s' is missing from the agreed catalog; its ranks must "
+                  "register it again",
+                  j->name, copy->name);
+        q->spec = copy;
+        amx_strmap_put(&j->lqmap, copy->name, lid); /* replaces the key: cannot fail */
+        q->status = LQ_DEAD;
+        q->cidx = -1;
+        if (q->reset) {
+            q->reset = 0;
+            j->nreset--;
+        }
+        for (uint32_t s = 0; s < j->nlocal; s++)
+            if (lid < j->lr[s].cap_of)
+                j->lr[s].pl_of[lid] = 0;
+    }
+    free(j->prev_ga), free(j->prev_gs), free(j->prev_ok);
+    j->prev_ga = pga;
+    j->prev_gs = pgs;
+    j->prev_ok = pok;
+    j->prev_n = j->prev_cap = pok != NULL ? nc->n : 0;
+    j->layout_gen++; /* bases, statuses and placements may have moved */
+    amx_catalog_free(j->cat);
+    free(j->desc);
+    j->cat = nc;
+    j->desc = res->desc;
+    res->cat = NULL;
+    res->desc = NULL;
+    j->prov_cells = 0;
+    j->prov_hist = 0;
+    amx_err_t err = {0};
+    if (j->state->ops->remap_active(j->state, &res->pend_change, &err) != AMX_OK) {
+        AMX_ERROR("registry", "job %s: %s; aborting", j->name, err.msg);
+        abort();
+    }
+    (void)reg;
+}
+
+/* Keeps the published global amax and scale of every quantizer of the
+ * catalog (the front outputs, made in the installed catalog's layout) as
+ * the previous epoch's, in catalog order, before the epoch that just ended
+ * is published: two copies of the catalog's globals, no per-quantizer work
+ * (amx__install_catalog carries them over to a new catalog's order). */
+static void save_previous(amx_job_t *j)
+{
+    amx_state_t *st = j->state;
+    int f = st->front;
+    uint32_t n = j->cat->n;
+    if (n > j->prev_cap) {
+        float *ga = realloc(j->prev_ga, n * sizeof(float));
+        if (ga != NULL)
+            j->prev_ga = ga;
+        float *gs = realloc(j->prev_gs, n * sizeof(float));
+        if (gs != NULL)
+            j->prev_gs = gs;
+        uint8_t *ok = realloc(j->prev_ok, n);
+        if (ok != NULL)
+            j->prev_ok = ok;
+        if (ga == NULL || gs == NULL || ok == NULL) {
+            j->prev_n = 0; /* out of memory: no previous values, nothing wrong */
+            return;
+        }
+        j->prev_cap = n;
+    }
+    uint32_t have = st->g_amax[f] == NULL ? 0 : n < st->out_nq[f] ? n : (uint32_t)st->out_nq[f];
+    if (have > 0) {
+        memcpy(j->prev_ga, st->g_amax[f], have * sizeof(float));
+        memcpy(j->prev_gs, st->g_scale[f], have * sizeof(float));
+    }
+    memset(j->prev_ok, 1, have);
+    memset(j->prev_ok + have, 0, n - have);
+    j->prev_n = n;
+}
+
+/* After an epoch that continued a donor's state: the previous epoch's
+ * globals are the donor's published ones (the front holds this daemon's
+ * own, from before it fell behind), in the installed catalog's order. */
+static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res)
+{
+    uint32_t n = j->cat->n;
+    j->prev_n = 0;
+    if (res->prev_cat == NULL || n == 0)
+        return;
+    if (n > j->prev_cap) {
+        float *ga = realloc(j->prev_ga, n * sizeof(float));
+        if (ga != NULL)
+            j->prev_ga = ga;
+        float *gs = realloc(j->prev_gs, n * sizeof(float));
+        if (gs != NULL)
+            j->prev_gs = gs;
+        uint8_t *ok = realloc(j->prev_ok, n);
+        if (ok != NULL)
+            j->prev_ok = ok;
+        if (ga == NULL || gs == NULL || ok == NULL)
+            return; /* out of memory: no previous values, nothing wrong */
+        j->prev_cap = n;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        int64_t k = amx_catalog_find(res->prev_cat, j->cat->q[i]->name);
+        j->prev_ok[i] = k >= 0;
+        j->prev_ga[i] = k >= 0 ? res->prev_ga[k] : 0.0f;
+        j->prev_gs[i] = k >= 0 ? res->prev_gs[k] : 0.0f;
+    }
+    j->prev_n = n;
+}
+
+void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
+{
+    amx_epoch_result_t *res = amx_engine_result(j->eng);
+    j->in_flight = 0;
+    if (res->reconciled && !res->imported && !j->dropped && j->last_reconciled > 0)
+        save_previous(j);
+    j->last_started_us = j->flight_started_us;
+    j->last_engine_begin_us = res->begin_at_us;
+    j->last_engine_end_us = res->end_at_us;
+    j->last_ended_us = amx_now_us();
+    if (res->cat != NULL)
+        amx__install_catalog(reg, j, res);
+    if (res->imported) {
+        j->last_reconciled = res->last_reconciled;
+        j->epoch = res->last_reconciled + 1;
+        if (res->reconciled && !j->dropped)
+            previous_from_donor(j, res);
+    }
+    j->last_epoch_us = res->total_us;
+    j->last_collective_us = res->collective_us;
+    j->last_finish_us = res->finish_us;
+    j->last_collectives = res->collectives;
+    if (j->dropped) {
+        /* Dropped while in flight: nobody is waiting any more; a snapshot
+         * its engine wrote meanwhile goes too. */
+        if (amx__snapshots_on(reg))
+            amx_snapshot_remove(reg->cfg->state_dir, j->name);
+        for (amx_job_t **p = &reg->zombies; *p != NULL; p = &(*p)->next)
+            if (*p == j) {
+                *p = j->next;
+                break;
+            }
+        amx__job_free(j);
+        return;
+    }
+    if (res->reconciled) {
+        j->state->ops->publish(j->state);
+        j->last_reconciled = res->epoch;
+        j->epoch = res->epoch + 1;
+        j->epochs_ok++;
+        note_snapshot(j, res);
+        if (reg->metrics != NULL) {
+            amx_state_t *st = j->state;
+            amx_metrics_job_epoch(reg->metrics, j->name, 1, res->epoch, (double)res->total_us / 1e6,
+                                  st->cell_counts, st->last_missing, st->last_filled);
+            amx_metrics_job_catalog(reg->metrics, j->name, j->cat->n, j->cat->ncells);
+        }
+        if (res->resets_applied && j->nreset > 0) {
+            for (uint32_t i = 0; i < j->nlq; i++)
+                j->lq[i].reset = 0;
+            j->nreset = 0;
+        }
+        AMX_DEBUG("registry",
+                  "job %s: epoch %llu reconciled in %llu us (%u collectives, %llu us; header in "
+                  "%llu + out %llu us; finish %llu us)",
+                  j->name, (unsigned long long)res->epoch, (unsigned long long)res->total_us,
+                  res->collectives, (unsigned long long)res->collective_us,
+                  (unsigned long long)res->prepare_us, (unsigned long long)res->header_us,
+                  (unsigned long long)res->finish_us);
+        for (uint32_t i = 0; i < j->nlocal; i++) {
+            amx_lrank_t *r = &j->lr[i];
+            if (!r->in_reconcile)
+                continue;
+            r->in_reconcile = 0;
+            j->nin_reconcile--;
+            amx_waiter_t *w = r->rec_w;
+            r->rec_w = NULL;
+            if (w == NULL)
+                continue; /* its client went away */
+            amx_arena_t a = {0};
+            amx_err_t e2 = {0};
+            amx_reply_t rep;
+            memset(&rep, 0, sizeof(rep));
+            rep.epoch = res->epoch;
+            rep.next_epoch = j->epoch;
+            amx_packed_t pk;
+            amx_status_t st = w->alloc_packed != NULL
+                                  ? amx__build_packed(reg, j, r, w, &pk, &e2)
+                                  : amx__build_results(reg, j, r->rank, w->names, w->n_names, 0, 0,
+                                                       &rep.results, &rep.nresults, NULL, &a, &e2);
+            if (w->alloc_packed != NULL)
+                rep.packed = &pk;
+            if (st == AMX_OK)
+                amx__finish_waiter(reg, w, AMX_OK, NULL, &rep);
+            else
+                amx__finish_waiter(reg, w, st, e2.msg, NULL);
+            amx_arena_free(&a);
+        }
+        j->last_answered_us = amx_now_us();
+    } else {
+        amx__note_fault(reg, res->st, res->msg);
+        amx_err_t e2 = {0};
+        if (j->state->ops->unflip(j->state, &e2) != AMX_OK)
+            AMX_ERROR("registry", "job %s: %s", j->name, e2.msg);
+        if (res->publish)
+            j->state->ops->publish(j->state);
+        j->epochs_failed++;
+        amx_metrics_job_epoch(reg->metrics, j->name, 0, res->epoch, (double)res->total_us / 1e6, 0,
+                              0, 0);
+        AMX_WARN("registry", "job %s: %s", j->name, res->msg);
+        for (uint32_t i = 0; i < j->nlocal; i++) {
+            amx_lrank_t *r = &j->lr[i];
+            if (!r->in_reconcile)
+                continue;
+            r->in_reconcile = 0;
+            j->nin_reconcile--;
+            amx_waiter_t *w = r->rec_w;
+            r->rec_w = NULL;
+            if (w != NULL)
+                amx__finish_waiter(reg, w, res->st, res->msg, NULL);
+        }
+    }
+    amx__run_deferred(reg, j);
+}
