@@ -22,9 +22,10 @@ JOB = "durable"
 def quantizers(rank):
     """A mix of everything that carries state across epochs: a delayed-scaling
     history, running maxima, per-epoch accumulation, NVFP4 blocks with a
-    global amax, MXFP8 blocks (TE's and ModelOpt's E8M0), a peer group with a
-    cold expert, a share-mode peer group and per-expert NVFP4 globals
-    (global_axes)."""
+    global amax, MXFP8 blocks (TE's and ModelOpt's E8M0, and TE 2.13-2.18's
+    byte-0 scales, the highest convention number a snapshot stores), a peer
+    group with a cold expert, a share-mode peer group and per-expert NVFP4
+    globals (global_axes)."""
     return [
         amaxd.Quantizer("l0.fc1.weight", [8], amaxd.Recipe.fp8_current(),
                         P.column_parallel([8], rank, W)),
@@ -42,6 +43,8 @@ def quantizers(rank):
                         P.per_expert(E, rank, W), peer_group="l0.experts.fc1",
                         peer_mode="share"),
         amaxd.Quantizer("l0.fc3.weight", [6], amaxd.Recipe.mxfp8("modelopt"),
+                        P.row_parallel([6], rank, W)),
+        amaxd.Quantizer("l0.fc4.weight", [6], amaxd.Recipe.mxfp8("te_2_18"),
                         P.row_parallel([6], rank, W)),
     ]
 
@@ -62,6 +65,8 @@ def amax_of(epoch, rank):
         # 448 * 2^k plus 1 ulp: ModelOpt's E8M0 is k where TE's is k + 1
         "l0.fc3.weight": (np.ldexp(np.float32(448), rng.integers(-20, 20, 6).astype(np.int32))
                           .astype(np.float32).view(np.uint32) + 1).view(np.float32),
+        # some zero blocks: E8M0 byte 0 (scale 2^127, scale_inv 0.0 in TE 2.13-2.18)
+        "l0.fc4.weight": (rng.uniform(0, 2, 6) * (rng.random(6) > 0.4)).astype(np.float32),
     }
 
 
