@@ -249,6 +249,41 @@ def test_drop_removes_the_snapshot(start_daemon, tmp_path):
         assert list(c.status().jobs) == []
 
 
+def test_mxfp8_te_in_a_snapshot_is_the_current_rule(start_daemon, tmp_path):
+    """A snapshot stores the MXFP8 convention's number; value 1 (`te`) is
+    read as TE main's rule after a restart (docs/NUMERICS.md, "MXFP8 byte
+    0"): a zero block answers 2^127 / 2^-127. The old rule is a different
+    recipe: registering `te_legacy` over the restored quantizer is refused,
+    and accepted after the job is dropped."""
+    state = str(tmp_path / "state")
+    amax = np.array([0, 1, 448], np.float32)
+    d = start_daemon(f"--state-dir={state}")
+    with d.client("mx", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("w", [3], amaxd.Recipe.mxfp8())])
+        c.send({"w": amax})
+        c.reconcile()
+    d.check_clean_exit(d.stop())
+    d2 = start_daemon(f"--state-dir={state}")
+    with d2.client("mx", 0, 1) as c:
+        assert c.join().rejoined
+        got = c.get_scales()["w"]
+        assert got.block_scales.tolist() == [0, 119, 127]  # 1/448 = 2^-8.8 rounds up to 2^-8
+        assert got.scale.view(np.uint32).tolist()[0] == 0x7F000000
+        assert got.scale_inv.view(np.uint32).tolist()[0] == 0x00400000
+        with pytest.raises(amaxd.errors.FailedPrecondition):
+            c.register([amaxd.Quantizer("w", [3], amaxd.Recipe.mxfp8("te_legacy"))])
+        c.reset(drop_job=True)
+    with d2.client("mx", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("w", [3], amaxd.Recipe.mxfp8("te_legacy"))])
+        c.send({"w": amax})
+        c.reconcile()
+        got = c.get_scales()["w"]
+        assert got.scale.view(np.uint32).tolist()[0] == 0x3F800000
+        assert got.scale_inv.view(np.uint32).tolist()[0] == 0
+
+
 def test_idle_job_snapshot_is_kept_aside(start_daemon, tmp_path):
     state = str(tmp_path / "state")
     d = start_daemon(f"--state-dir={state}", "--job-idle-timeout-ms=300")
