@@ -136,10 +136,11 @@ static amx_status_t normalize_recipe(const char *qname, const amx_recipe_in_t *i
         (uint8_t)(out->rule == AMX_RULE_DELAYED
                       ? (in->history_convention == 0 ? AMX_HISTCONV_TE : in->history_convention)
                       : 0);
-    if (in->mxfp8_convention < 0 || in->mxfp8_convention > 3)
+    if (in->mxfp8_convention < 0 || in->mxfp8_convention > AMX_MX_TE_2_18)
         return amx_err_set(err, AMX_EINVAL,
                            "quantizer '%s': recipe.mxfp8_convention %d is unknown (use "
-                           "MXFP8_TRANSFORMER_ENGINE, MXFP8_OCP or MXFP8_MODELOPT)",
+                           "MXFP8_TRANSFORMER_ENGINE, MXFP8_OCP, MXFP8_MODELOPT, "
+                           "MXFP8_TRANSFORMER_ENGINE_LEGACY or MXFP8_TRANSFORMER_ENGINE_2_18)",
                            qname, in->mxfp8_convention);
     if (in->mxfp8_convention != 0 && in->format != AMX_FMT_MXFP8)
         return amx_err_set(err, AMX_EINVAL,

@@ -99,7 +99,8 @@ AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, fl
         b = amx_nvfp4_block(r->nvfp4_convention, v, g, s_enc);
         /* scale_inv is the E4M3 block decode scale (TE's scale_inv bytes);
          * scale is the block encode scale a quantizer multiplies by, TE's
-         * compute_scaling_coefficient: 1 / (S_dec_b * (1 / S_enc)). */
+         * block_scale_inverse (cast/nvfp4/quantize_transpose_nvfp4.cuh):
+         * min(1 / (S_dec_b * (1 / S_enc)), FLT_MAX). */
         i = amx_e4m3_to_float(b);
         s = amx_nvfp4_block_encode(i, s_dec);
     } else if (r->format == AMX_FMT_MXFP8) {

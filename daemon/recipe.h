@@ -45,10 +45,20 @@ enum { AMX_OUT_TE = 1, AMX_OUT_MODELOPT = 2 };
  * amax is 0 leaves the history alone), or TE's unfused per-tensor update
  * (every epoch rolls the window). */
 enum { AMX_HISTCONV_TE = 1, AMX_HISTCONV_TE_UNFUSED = 2 };
-/* MXFP8: TE (E8M0 rounded up; byte 0 encodes 1.0, decodes 0.0), OCP MX (TE's
- * exponent; byte 0 is 2^127 / 2^-127), ModelOpt (ceil of the float32 log2,
- * MXFP8QTensor._compute_e8m0_exponent; scales as OCP). */
-enum { AMX_MX_TE = 1, AMX_MX_OCP = 2, AMX_MX_MODELOPT = 3 };
+/* MXFP8: every TE convention takes TE's E8M0 exponent (float_to_e8m0, rounded
+ * up) and differs only in the scales of bytes 0 and 254 (docs/NUMERICS.md):
+ * TE main (>= 2.19: 2^(127-e) / 2^(e-127) for every byte, byte 0 is 2^-127),
+ * OCP MX (the same scales), ModelOpt (ceil of the float32 log2,
+ * MXFP8QTensor._compute_e8m0_exponent; scales as OCP), TE <= 2.12 (byte 0
+ * encodes 1.0 and decodes 0.0, byte 254 encodes 0.0), TE 2.13-2.18 (byte 0
+ * encodes 2^127 but decodes 0.0). */
+enum {
+    AMX_MX_TE = 1,
+    AMX_MX_OCP = 2,
+    AMX_MX_MODELOPT = 3,
+    AMX_MX_TE_LEGACY = 4,
+    AMX_MX_TE_2_18 = 5
+};
 enum { AMX_ACC_RUNNING_MAX = 1, AMX_ACC_PER_EPOCH = 2 };
 /* Peer group modes: fill cells without data with the group's max, or give
  * every cell the group's max (ModelOpt's MoE rule). */
@@ -157,8 +167,11 @@ AMX_HD float amx_e4m3_to_float(uint8_t v)
 
 /*
  * float32 -> E8M0 biased exponent, rounding up (TransformerEngine's
- * float_to_e8m0 for pre-Blackwell GPUs): NaN -> 0xff, inf -> 0xfe,
- * 0 -> 0x00.
+ * float_to_e8m0, the software branch that GPUs before Blackwell run;
+ * Blackwell's branch is the instruction cvt.rp.satfinite.ue8m0x2.f32. In
+ * common/util/ptx_arch_spec.cuh since #3392, before in util/ptx.cuh, the
+ * same body in every TE 2.x): NaN -> 0xff, inf -> 0xfe, 0 -> 0x00, at most
+ * 2^-127 -> 0x00, a finite value above 2^127 saturates at 0xfe.
  */
 AMX_HD uint8_t amx_e8m0_from_float(float val)
 {
@@ -342,7 +355,8 @@ AMX_HD float amx_nvfp4_block_encode(float s_dec_b, float s_dec)
     return r < FLT_MAX ? r : FLT_MAX;
 }
 
-/* MXFP8: the E8M0 exponent of amax * (1/448) rounded up (TE). */
+/* MXFP8: the E8M0 exponent of amax * float(1/448) rounded up (TE's quantize
+ * kernels: float_to_e8m0(amax * Quantized_Limits<fp8e4m3>::max_norm_rcp)). */
 AMX_HD uint8_t amx_mxfp8_e8m0(float amax)
 {
     return amx_e8m0_from_float(amax * (float)(1.0 / 448.0));
@@ -419,39 +433,58 @@ AMX_HD uint8_t amx_mxfp8_e8m0_conv(int conv, float amax)
     return conv == AMX_MX_MODELOPT ? amx_mxfp8_e8m0_modelopt(amax) : amx_mxfp8_e8m0(amax);
 }
 
+/* 2^-127, the float32 subnormal 0x00400000: the value of E8M0 byte 0. */
+#define AMX_E8M0_MIN_BITS 0x00400000u
+
 /*
- * MXFP8 encode scale from the E8M0 exponent: 2^(127-e). TE (util/ptx.cuh
- * exp2f_rcp) answers 1 for e = 0; OCP MX (`ocp`) 2^127. e = 254 gives 0.0
- * in TE (the bit pattern 0) and 2^-127 in OCP. ModelOpt
- * (MXFP8QTensor.quantize_with_scale: exp2(127 - e)) is OCP's.
+ * MXFP8 encode scale from the E8M0 byte e: 2^(127-e), the factor a
+ * quantizer multiplies by.
+ * - TE main (util/ptx.cuh exp2f_rcp<float>, unchanged since #2647, TE 2.13):
+ *   the bit pattern (254 - e) << 23, except e = 254 -> 2^-127 (0x00400000)
+ *   and e = 255 -> NaN (0x7fffffff); e = 0 gives 2^127. TE 2.13-2.18
+ *   (`te_2_18`) had the same function.
+ * - TE <= 2.12 (`te_legacy`): e = 0 -> 1, else (254 - e) << 23, which is
+ *   0.0 for e = 254.
+ * - OCP MX and ModelOpt (MXFP8QTensor.quantize_with_scale: exp2(127 - e)):
+ *   2^(127-e) for every byte amaxd produces (0..254).
+ * Byte 255 (NaN) never comes out of a finite amax.
  */
 AMX_HD float amx_e8m0_encode_conv(int conv, uint8_t e)
 {
-    if (conv == AMX_MX_OCP || conv == AMX_MX_MODELOPT)
-        return e == 254 ? amx_u2f(0x00400000u) : amx_u2f((uint32_t)(254u - e) << 23);
-    return e == 0 ? 1.0f : amx_u2f((uint32_t)(254u - e) << 23);
+    switch (conv) {
+    case AMX_MX_TE_LEGACY:
+        return e == 0 ? 1.0f : amx_u2f((uint32_t)(254u - e) << 23);
+    case AMX_MX_TE:
+    case AMX_MX_TE_2_18:
+        if (e == 255)
+            return amx_u2f(0x7fffffffu);
+        /* fall through */
+    default:
+        return e == 254 ? amx_u2f(AMX_E8M0_MIN_BITS) : amx_u2f((uint32_t)(254u - e) << 23);
+    }
 }
 
 /*
- * MXFP8 decode scale 2^(e-127): TE (util/ptx.cuh exp2f, the bit pattern
- * e << 23) reads e = 0 as 0.0; OCP MX as 2^-127, and so does ModelOpt
- * (MXFP8QTensor.dequantize: exp2(e - 127)).
+ * MXFP8 decode scale from the E8M0 byte e: 2^(e-127), the factor a
+ * dequantizer multiplies by.
+ * - TE main (util/ptx.cuh exp2f, since #3262 of 2026-08-05, TE 2.19): the bit
+ *   pattern e << 23, except e = 0 -> 2^-127 and e = 255 -> NaN.
+ * - TE <= 2.18 (`te_legacy`, `te_2_18`): e << 23, which is 0.0 for e = 0.
+ * - OCP MX and ModelOpt (MXFP8QTensor.dequantize: exp2(e - 127)): 2^(e-127).
  */
 AMX_HD float amx_e8m0_decode_conv(int conv, uint8_t e)
 {
-    if ((conv == AMX_MX_OCP || conv == AMX_MX_MODELOPT) && e == 0)
-        return amx_u2f(0x00400000u);
-    return amx_u2f((uint32_t)e << 23);
-}
-
-AMX_HD float amx_e8m0_encode(uint8_t e)
-{
-    return amx_e8m0_encode_conv(AMX_MX_TE, e);
-}
-
-AMX_HD float amx_e8m0_decode(uint8_t e)
-{
-    return amx_e8m0_decode_conv(AMX_MX_TE, e);
+    switch (conv) {
+    case AMX_MX_TE_LEGACY:
+    case AMX_MX_TE_2_18:
+        return amx_u2f((uint32_t)e << 23);
+    case AMX_MX_TE:
+        if (e == 255)
+            return amx_u2f(0x7fffffffu);
+        /* fall through */
+    default:
+        return e == 0 ? amx_u2f(AMX_E8M0_MIN_BITS) : amx_u2f((uint32_t)e << 23);
+    }
 }
 
 #endif

@@ -184,23 +184,41 @@ def mxfp8_modelopt(amax):
     return (e + 127).astype(np.uint8)
 
 
+# The float32 NaN TE's exp2f_rcp / exp2f return for byte 255 (0x7fffffff).
+_NAN_7FFFFFFF = np.array([0x7FFFFFFF], dtype=np.uint32).view(np.float32)[0]
+
+
 def e8m0_encode(e, conv="te"):
-    """2^(127-e). TE util/ptx.cuh exp2f_rcp: e == 0 -> 1; OCP: 2^127."""
+    """The encode scale 2^(127-e) of E8M0 byte e, as an exact power of two
+    (float64 power rounded once to float32; 2^-127 is a float32 subnormal).
+    te (TE main common/util/ptx.cuh exp2f_rcp<float>, since #2647 / TE 2.13),
+    te_2_18 (the same function), ocp, modelopt (quantize_with_scale:
+    exp2(127 - e)): that power for bytes 0..254; TE's byte 255 is NaN.
+    te_legacy (TE <= 2.12 exp2f_rcp): byte 0 -> 1.0, byte 254 -> 0.0 (its
+    bit pattern (254 - 254) << 23)."""
     e = np.asarray(e, dtype=np.int64)
     p = np.power(np.float64(2.0), (127 - e).astype(np.float64)).astype(np.float32)
-    if conv in ("ocp", "modelopt"):  # ModelOpt quantize_with_scale: exp2(127 - e)
-        return p
-    return np.where(e == 0, F32(1.0), np.where(e == 254, F32(0.0), p)).astype(np.float32)
+    if conv == "te_legacy":
+        return np.where(e == 0, F32(1.0), np.where(e == 254, F32(0.0), p)).astype(np.float32)
+    if conv in ("te", "te_2_18"):
+        return np.where(e == 255, _NAN_7FFFFFFF, p).astype(np.float32)
+    return p
 
 
 def e8m0_decode(e, conv="te"):
-    """2^(e-127). TE util/ptx.cuh exp2f: the bit pattern e << 23 (0.0 for
-    e == 0); OCP: 2^-127."""
+    """The decode scale 2^(e-127) of E8M0 byte e. te (TE main util/ptx.cuh
+    exp2f, since #3262 of 2026-08-05 / TE 2.19), ocp, modelopt (dequantize:
+    exp2(e - 127)): that power, 2^-127 for byte 0; TE's byte 255 is NaN.
+    te_legacy and te_2_18 (TE <= 2.18 exp2f, the bit pattern e << 23): byte 0
+    -> 0.0."""
     e = np.asarray(e, dtype=np.int64)
-    p = np.power(np.float64(2.0), (e - 127).astype(np.float64)).astype(np.float32)
-    if conv in ("ocp", "modelopt"):  # ModelOpt dequantize: exp2(e - 127)
-        return p
-    return np.where(e == 0, F32(0.0), p).astype(np.float32)
+    with np.errstate(over="ignore"):
+        p = np.power(np.float64(2.0), (e - 127).astype(np.float64)).astype(np.float32)
+    if conv in ("te_legacy", "te_2_18"):
+        return np.where(e == 0, F32(0.0), p).astype(np.float32)
+    if conv == "te":
+        return np.where(e == 255, _NAN_7FFFFFFF, p).astype(np.float32)
+    return p
 
 
 NVFP4_BLOCK = {"te": lambda a, g, s: nvfp4_te(a, s), "te_legacy": lambda a, g, s: nvfp4_te_legacy(a, s),

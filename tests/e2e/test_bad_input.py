@@ -125,8 +125,9 @@ CASES = [
          format=pb.FP8_E4M3, history_convention=pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED))]),
      C.INVALID_ARGUMENT, "recipe.history_convention applies to FP8 DELAYED scaling only"),
     ("mxfp8-convention-unknown", "RegisterQuantizers",
-     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.MXFP8, mxfp8_convention=5))]),
-     C.INVALID_ARGUMENT, "recipe.mxfp8_convention 5 is unknown (use MXFP8_TRANSFORMER_ENGINE, MXFP8_OCP or MXFP8_MODELOPT)"),
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.MXFP8, mxfp8_convention=6))]),
+     C.INVALID_ARGUMENT, "recipe.mxfp8_convention 6 is unknown (use MXFP8_TRANSFORMER_ENGINE, MXFP8_OCP, "
+     "MXFP8_MODELOPT, MXFP8_TRANSFORMER_ENGINE_LEGACY or MXFP8_TRANSFORMER_ENGINE_2_18)"),
     ("mxfp8-convention-on-nvfp4", "RegisterQuantizers",
      pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.NVFP4, mxfp8_convention=pb.MXFP8_OCP))]),
      C.INVALID_ARGUMENT, "recipe.mxfp8_convention applies to MXFP8 only"),
@@ -230,7 +231,7 @@ def test_unknown_convention_names_in_the_client():
     """The Python client refuses a convention name it does not know, naming the choices."""
     with pytest.raises(ValueError, match="unknown NVFP4 convention 'trt': use one of"):
         amaxd.Recipe.nvfp4("trt")
-    with pytest.raises(ValueError, match=r"\['modelopt', 'ocp', 'te'\]"):
+    with pytest.raises(ValueError, match=r"\['modelopt', 'ocp', 'te', 'te_2_18', 'te_legacy'\]"):
         amaxd.Recipe.mxfp8("ieee")
     with pytest.raises(ValueError, match="unknown history convention"):
         amaxd.Recipe.fp8_delayed(history="legacy")

@@ -22,9 +22,10 @@ JOB = "durable"
 def quantizers(rank):
     """A mix of everything that carries state across epochs: a delayed-scaling
     history, running maxima, per-epoch accumulation, NVFP4 blocks with a
-    global amax, MXFP8 blocks (TE's and ModelOpt's E8M0), a peer group with a
-    cold expert, a share-mode peer group and per-expert NVFP4 globals
-    (global_axes)."""
+    global amax, MXFP8 blocks (TE's and ModelOpt's E8M0, and TE 2.13-2.18's
+    byte-0 scales, the highest convention number a snapshot stores), a peer
+    group with a cold expert, a share-mode peer group and per-expert NVFP4
+    globals (global_axes)."""
     return [
         amaxd.Quantizer("l0.fc1.weight", [8], amaxd.Recipe.fp8_current(),
                         P.column_parallel([8], rank, W)),
@@ -42,6 +43,8 @@ def quantizers(rank):
                         P.per_expert(E, rank, W), peer_group="l0.experts.fc1",
                         peer_mode="share"),
         amaxd.Quantizer("l0.fc3.weight", [6], amaxd.Recipe.mxfp8("modelopt"),
+                        P.row_parallel([6], rank, W)),
+        amaxd.Quantizer("l0.fc4.weight", [6], amaxd.Recipe.mxfp8("te_2_18"),
                         P.row_parallel([6], rank, W)),
     ]
 
@@ -62,6 +65,8 @@ def amax_of(epoch, rank):
         # 448 * 2^k plus 1 ulp: ModelOpt's E8M0 is k where TE's is k + 1
         "l0.fc3.weight": (np.ldexp(np.float32(448), rng.integers(-20, 20, 6).astype(np.int32))
                           .astype(np.float32).view(np.uint32) + 1).view(np.float32),
+        # some zero blocks: E8M0 byte 0 (scale 2^127, scale_inv 0.0 in TE 2.13-2.18)
+        "l0.fc4.weight": (rng.uniform(0, 2, 6) * (rng.random(6) > 0.4)).astype(np.float32),
     }
 
 
@@ -242,6 +247,41 @@ def test_drop_removes_the_snapshot(start_daemon, tmp_path):
     d2 = start_daemon(f"--state-dir={state}")
     with d2.client(JOB, 0, W) as c:
         assert list(c.status().jobs) == []
+
+
+def test_mxfp8_te_in_a_snapshot_is_the_current_rule(start_daemon, tmp_path):
+    """A snapshot stores the MXFP8 convention's number; value 1 (`te`) is
+    read as TE main's rule after a restart (docs/NUMERICS.md, "MXFP8 byte
+    0"): a zero block answers 2^127 / 2^-127. The old rule is a different
+    recipe: registering `te_legacy` over the restored quantizer is refused,
+    and accepted after the job is dropped."""
+    state = str(tmp_path / "state")
+    amax = np.array([0, 1, 448], np.float32)
+    d = start_daemon(f"--state-dir={state}")
+    with d.client("mx", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("w", [3], amaxd.Recipe.mxfp8())])
+        c.send({"w": amax})
+        c.reconcile()
+    d.check_clean_exit(d.stop())
+    d2 = start_daemon(f"--state-dir={state}")
+    with d2.client("mx", 0, 1) as c:
+        assert c.join().rejoined
+        got = c.get_scales()["w"]
+        assert got.block_scales.tolist() == [0, 119, 127]  # 1/448 = 2^-8.8 rounds up to 2^-8
+        assert got.scale.view(np.uint32).tolist()[0] == 0x7F000000
+        assert got.scale_inv.view(np.uint32).tolist()[0] == 0x00400000
+        with pytest.raises(amaxd.errors.FailedPrecondition):
+            c.register([amaxd.Quantizer("w", [3], amaxd.Recipe.mxfp8("te_legacy"))])
+        c.reset(drop_job=True)
+    with d2.client("mx", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("w", [3], amaxd.Recipe.mxfp8("te_legacy"))])
+        c.send({"w": amax})
+        c.reconcile()
+        got = c.get_scales()["w"]
+        assert got.scale.view(np.uint32).tolist()[0] == 0x3F800000
+        assert got.scale_inv.view(np.uint32).tolist()[0] == 0
 
 
 def test_idle_job_snapshot_is_kept_aside(start_daemon, tmp_path):

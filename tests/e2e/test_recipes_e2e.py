@@ -32,6 +32,8 @@ RECIPES = {
     "nvfp4_te": (amaxd.Recipe.nvfp4(), amaxd.RUNNING_MAX),
     "nvfp4_modelopt": (amaxd.Recipe.nvfp4("modelopt"), amaxd.PER_EPOCH),
     "mxfp8": (amaxd.Recipe.mxfp8(), amaxd.RUNNING_MAX),
+    "mxfp8_te_legacy": (amaxd.Recipe.mxfp8("te_legacy"), amaxd.RUNNING_MAX),
+    "mxfp8_te_2_18": (amaxd.Recipe.mxfp8("te_2_18"), amaxd.PER_EPOCH),
 }
 EPOCHS = 4
 
@@ -109,8 +111,9 @@ def test_all_recipes_over_epochs(daemon):
                 out = "modelopt" if recipe.output_convention == pb.OUTPUT_MODELOPT else "te"
                 s, si, b, gs, gsi = ref.scales("nvfp4", amax, g, nvfp4=conv, output=out)
             else:
-                conv = {pb.MXFP8_OCP: "ocp", pb.MXFP8_MODELOPT: "modelopt"}.get(
-                    recipe.mxfp8_convention, "te")
+                conv = {pb.MXFP8_OCP: "ocp", pb.MXFP8_MODELOPT: "modelopt",
+                        pb.MXFP8_TRANSFORMER_ENGINE_LEGACY: "te_legacy",
+                        pb.MXFP8_TRANSFORMER_ENGINE_2_18: "te_2_18"}.get(recipe.mxfp8_convention, "te")
                 s, si, b, gs, gsi = ref.scales("mxfp8", amax, g, mxfp8_conv=conv)
             assert got.block_scales.tobytes() == np.asarray(b, np.uint8).tobytes(), f"epoch {e} {n} bytes"
             assert got.scale.tobytes() == np.asarray(s, np.float32).tobytes(), f"epoch {e} {n} scale"

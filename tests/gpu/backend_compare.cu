@@ -44,7 +44,11 @@ enum {
     K_DEC_OCP,
     K_MX_MO,
     K_ENC_MO,
-    K_DEC_MO
+    K_DEC_MO,
+    K_ENC_TE_LEG,
+    K_DEC_TE_LEG,
+    K_ENC_TE_218,
+    K_DEC_TE_218
 };
 static const char *kinds[] = {"e4m3",
                               "e8m0",
@@ -68,7 +72,11 @@ static const char *kinds[] = {"e4m3",
                               "e8m0_dec_ocp",
                               "mxfp8_modelopt",
                               "e8m0_enc_modelopt",
-                              "e8m0_dec_modelopt"};
+                              "e8m0_dec_modelopt",
+                              "e8m0_enc_te_legacy",
+                              "e8m0_dec_te_legacy",
+                              "e8m0_enc_te_2_18",
+                              "e8m0_dec_te_2_18"};
 
 __global__ void k_vectors(const int *kind, const float *x, const float *p, uint32_t *out, int n,
                           float scaled_max_m1)
@@ -147,6 +155,18 @@ __global__ void k_vectors(const int *kind, const float *x, const float *p, uint3
         break;
     case K_DEC_MO:
         r = amx_f2u(amx_e8m0_decode_conv(AMX_MX_MODELOPT, (uint8_t)amx_f2u(a)));
+        break;
+    case K_ENC_TE_LEG:
+        r = amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE_LEGACY, (uint8_t)amx_f2u(a)));
+        break;
+    case K_DEC_TE_LEG:
+        r = amx_f2u(amx_e8m0_decode_conv(AMX_MX_TE_LEGACY, (uint8_t)amx_f2u(a)));
+        break;
+    case K_ENC_TE_218:
+        r = amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE_2_18, (uint8_t)amx_f2u(a)));
+        break;
+    case K_DEC_TE_218:
+        r = amx_f2u(amx_e8m0_decode_conv(AMX_MX_TE_2_18, (uint8_t)amx_f2u(a)));
         break;
     }
     out[i] = r;
@@ -531,7 +551,7 @@ int main(int argc, char **argv)
     int bad = run_vectors(vec);
 
     /* One quantizer per recipe and convention. */
-    enum { NREC = 17 };
+    enum { NREC = 19 };
     amx_recipe_t rec[NREC];
     memset(rec, 0, sizeof(rec));
     rec[0].format = AMX_FMT_FP8_E4M3, rec[0].rule = AMX_RULE_CURRENT;
@@ -562,6 +582,8 @@ int main(int argc, char **argv)
     rec[15].format = AMX_FMT_FP8_E4M3, rec[15].rule = AMX_RULE_DELAYED, rec[15].history_len = 16,
     rec[15].history_reduce = AMX_HIST_MAX;
     rec[16].format = AMX_FMT_MXFP8, rec[16].mxfp8_convention = AMX_MX_MODELOPT;
+    rec[17].format = AMX_FMT_MXFP8, rec[17].mxfp8_convention = AMX_MX_TE_LEGACY;
+    rec[18].format = AMX_FMT_MXFP8, rec[18].mxfp8_convention = AMX_MX_TE_2_18;
     const char *names[NREC] = {"fp8-e4m3-current",
                                "fp8-e5m2-current-pow2-eps",
                                "fp8-delayed-H4-m1",
@@ -578,7 +600,9 @@ int main(int argc, char **argv)
                                "mxfp8-ocp",
                                "fp8-delayed-H3-most-recent",
                                "fp8-delayed-H16",
-                               "mxfp8-modelopt"};
+                               "mxfp8-modelopt",
+                               "mxfp8-te-legacy",
+                               "mxfp8-te-2.18"};
     for (int i = 0; i < NREC; i++)
         init_recipe(&rec[i]);
     {
@@ -595,7 +619,7 @@ int main(int argc, char **argv)
         pair_t p;
         if (setup(&p, ncells, nhist, nq))
             return 2;
-        plan_t plan = {"17 recipes", 6, silent8, reset8};
+        plan_t plan = {"19 recipes", 6, silent8, reset8};
         bad |= run_catalog(&plan, q, nq, ncells, nhist, 1, 3, &p);
         for (uint32_t i = 0; i < nq; i++)
             printf("  %-28s global_amax %-14.7g global_scale %-14.7g\n", names[i],

@@ -55,6 +55,14 @@ static int eval_row(const char *kind, float x, float p, uint32_t *out)
         *out = amx_f2u(amx_e8m0_encode_conv(AMX_MX_OCP, (uint8_t)amx_f2u(x)));
     else if (!strcmp(kind, "e8m0_dec_ocp"))
         *out = amx_f2u(amx_e8m0_decode_conv(AMX_MX_OCP, (uint8_t)amx_f2u(x)));
+    else if (!strcmp(kind, "e8m0_enc_te_legacy"))
+        *out = amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE_LEGACY, (uint8_t)amx_f2u(x)));
+    else if (!strcmp(kind, "e8m0_dec_te_legacy"))
+        *out = amx_f2u(amx_e8m0_decode_conv(AMX_MX_TE_LEGACY, (uint8_t)amx_f2u(x)));
+    else if (!strcmp(kind, "e8m0_enc_te_2_18"))
+        *out = amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE_2_18, (uint8_t)amx_f2u(x)));
+    else if (!strcmp(kind, "e8m0_dec_te_2_18"))
+        *out = amx_f2u(amx_e8m0_decode_conv(AMX_MX_TE_2_18, (uint8_t)amx_f2u(x)));
     else if (!strcmp(kind, "e8m0_enc_modelopt"))
         *out = amx_f2u(amx_e8m0_encode_conv(AMX_MX_MODELOPT, (uint8_t)amx_f2u(x)));
     else if (!strcmp(kind, "e8m0_dec_modelopt"))
@@ -145,15 +153,16 @@ START_TEST(no_recipe_returns_nonfinite)
         ck_assert(isfinite(amx_nvfp4_global_decode(AMX_OUT_TE, g)));
         ck_assert(isfinite(amx_nvfp4_global_decode(AMX_OUT_MODELOPT, g)));
         ck_assert(isfinite(amx_fp8_scale_inv_modelopt(a, AMX_E4M3_MAX)));
-        uint8_t e = amx_mxfp8_e8m0(a);
-        ck_assert_uint_lt(e, 0xfe);
-        ck_assert(isfinite(amx_e8m0_encode(e)) && isfinite(amx_e8m0_decode(e)));
-        ck_assert(amx_e8m0_encode_conv(AMX_MX_OCP, e) > 0 &&
-                  amx_e8m0_decode_conv(AMX_MX_OCP, e) > 0);
-        e = amx_mxfp8_e8m0_modelopt(a);
-        ck_assert_uint_lt(e, 0xfe);
-        ck_assert(amx_e8m0_encode_conv(AMX_MX_MODELOPT, e) > 0 &&
-                  amx_e8m0_decode_conv(AMX_MX_MODELOPT, e) > 0);
+        for (int mx = AMX_MX_TE; mx <= AMX_MX_TE_2_18; mx++) {
+            uint8_t e = amx_mxfp8_e8m0_conv(mx, a);
+            ck_assert_uint_lt(e, 0xfe);
+            float es = amx_e8m0_encode_conv(mx, e), ds = amx_e8m0_decode_conv(mx, e);
+            ck_assert(isfinite(es) && isfinite(ds));
+            /* Only TE <= 2.18 read byte 0 as the scale 0.0; current TE, OCP
+             * and ModelOpt give a non-zero scale for every byte. */
+            if (mx == AMX_MX_TE || mx == AMX_MX_OCP || mx == AMX_MX_MODELOPT)
+                ck_assert(es > 0 && ds > 0);
+        }
     }
 }
 END_TEST
@@ -236,6 +245,147 @@ START_TEST(mxfp8_modelopt_is_ceil_log2)
     /* The example of docs/NUMERICS.md: TE rounds up, ModelOpt's log2 is -14. */
     ck_assert_uint_eq(amx_mxfp8_e8m0(bits(0x3ce00001u)), 114);
     ck_assert_uint_eq(amx_mxfp8_e8m0_modelopt(bits(0x3ce00001u)), 113);
+}
+END_TEST
+
+/*
+ * The MXFP8 scales of every convention against its peer's functions,
+ * transcribed here line for line (with __int_as_float as a bit copy) from
+ * the source named on each, for every E8M0 byte. TE's functions give NaN
+ * for byte 255 and so does `te`; OCP and ModelOpt are compared on the bytes
+ * a finite amax can produce (0..254).
+ */
+static float i2f(int32_t i)
+{
+    float f;
+    memcpy(&f, &i, 4);
+    return f;
+}
+
+/* TransformerEngine main d0067d0da6cb (2026-08-22, build_tools/VERSION.txt
+ * 2.20.0.dev0) and release_v2.19 b44757633 (2.19.0),
+ * transformer_engine/common/util/ptx.cuh: exp2f_rcp<float> (unchanged since
+ * 71971e33dc01, #2647, 2026-02-05) and exp2f (since 4ff5fdfed0c1, #3262,
+ * 2026-08-05). */
+static float te_main_exp2f_rcp(uint8_t biased_exp)
+{
+    if (biased_exp == 255)
+        return i2f(0x7fffffff);
+    if (biased_exp == 254)
+        return i2f(0x00400000);
+    return i2f((254 - biased_exp) << 23);
+}
+
+static float te_main_exp2f(uint8_t biased_exp)
+{
+    if (biased_exp == 255)
+        return i2f(0x7fffffff);
+    if (biased_exp == 0)
+        return i2f(0x00400000);
+    return i2f(biased_exp << 23);
+}
+
+/* TransformerEngine v2.12 (5671fd367590, 2026-01-27) util/ptx.cuh: exp2f_rcp
+ * before #2647 and exp2f before #3262 (the latter also in v2.13..v2.18, e.g.
+ * v2.18 27486e03cfc1, whose exp2f_rcp<float> is te_main_exp2f_rcp). */
+static float te_2_12_exp2f_rcp(uint8_t biased_exp)
+{
+    return (biased_exp == 0) ? 1 : i2f((254 - biased_exp) << 23);
+}
+
+static float te_2_18_exp2f(uint8_t biased_exp)
+{
+    return i2f(biased_exp << 23);
+}
+
+/* ModelOpt 0.47.0 modelopt/torch/quantization/qtensor/mxfp8_tensor.py:
+ * MXFP8QTensor.quantize_with_scale torch.exp2(127 - e) and dequantize
+ * torch.exp2(e - 127) in float32: exact powers of two (2^-127 a float32
+ * subnormal); the OCP MX scale X = 2^(e-127) is the same. */
+static float pow2(int k)
+{
+    return (float)ldexp(1.0, k);
+}
+
+START_TEST(mxfp8_scales_match_peer_sources)
+{
+    struct {
+        int conv;
+        float (*enc)(uint8_t);
+        float (*dec)(uint8_t);
+        int last;
+    } peers[] = {
+        {AMX_MX_TE, te_main_exp2f_rcp, te_main_exp2f, 255},
+        {AMX_MX_TE_2_18, te_main_exp2f_rcp, te_2_18_exp2f, 255},
+        {AMX_MX_TE_LEGACY, te_2_12_exp2f_rcp, te_2_18_exp2f, 255},
+        {AMX_MX_OCP, NULL, NULL, 254},
+        {AMX_MX_MODELOPT, NULL, NULL, 254},
+    };
+    int bad = 0;
+    for (size_t p = 0; p < sizeof(peers) / sizeof(peers[0]); p++) {
+        for (int e = 0; e <= peers[p].last; e++) {
+            float we = peers[p].enc ? peers[p].enc((uint8_t)e) : pow2(127 - e);
+            float wd = peers[p].dec ? peers[p].dec((uint8_t)e) : pow2(e - 127);
+            uint32_t ge = amx_f2u(amx_e8m0_encode_conv(peers[p].conv, (uint8_t)e));
+            uint32_t gd = amx_f2u(amx_e8m0_decode_conv(peers[p].conv, (uint8_t)e));
+            if (ge != amx_f2u(we) || gd != amx_f2u(wd)) {
+                bad++;
+                fprintf(stderr, "convention %d byte %d: 0x%08x/0x%08x, peer 0x%08x/0x%08x\n",
+                        peers[p].conv, e, ge, gd, amx_f2u(we), amx_f2u(wd));
+            }
+        }
+    }
+    ck_assert_int_eq(bad, 0);
+    /* The bytes that tell the TE conventions apart. */
+    ck_assert_uint_eq(amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE, 0)), 0x7f000000u);
+    ck_assert_uint_eq(amx_f2u(amx_e8m0_decode_conv(AMX_MX_TE, 0)), 0x00400000u);
+    ck_assert_uint_eq(amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE, 254)), 0x00400000u);
+    ck_assert_uint_eq(amx_f2u(amx_e8m0_decode_conv(AMX_MX_TE_2_18, 0)), 0u);
+    ck_assert_uint_eq(amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE_LEGACY, 0)), 0x3f800000u);
+    ck_assert_uint_eq(amx_f2u(amx_e8m0_encode_conv(AMX_MX_TE_LEGACY, 254)), 0u);
+}
+END_TEST
+
+/* TransformerEngine main d0067d0da6cb
+ * transformer_engine/common/util/ptx_arch_spec.cuh float_to_e8m0 (moved
+ * there from util/ptx.cuh by 4670342ae6c0, #3392, 2026-08-21; the software
+ * branch unchanged since TE 2.0), transcribed. */
+static uint8_t te_float_to_e8m0(float val)
+{
+    if (isnan(val))
+        return 0xFF;
+    if (isinf(val))
+        return 0xFE;
+    if (val == 0.0f)
+        return 0x00;
+    uint32_t val_u32 = amx_f2u(val);
+    uint8_t exponent = (uint8_t)(val_u32 >> 23);
+    uint32_t mantissa = val_u32 & 0x7FFFFF;
+    if ((mantissa > 0 && exponent != 0xFE) && !(exponent == 0 && mantissa <= 0x400000))
+        ++exponent;
+    return exponent;
+}
+
+/* Every TE convention's byte is TE's float_to_e8m0(amax *
+ * Quantized_Limits<fp8e4m3>::max_norm_rcp) (cast/mxfp8/quantize_mxfp8.cuh);
+ * every amax below 2^-100 step 7 (the bytes 0 and 1 region), and a stride
+ * over all the others, inf and NaN included. */
+START_TEST(mxfp8_byte_matches_te_float_to_e8m0)
+{
+    const float rcp =
+        (float)(1.0 / 448.0); /* static constexpr float max_norm_rcp = 1.0 / max_norm */
+    long n = 0, bad = 0;
+    for (uint64_t u = 0; u <= 0xffffffffull; u += (u < 0x0d800000u ? 7 : 997), n++) {
+        float a = bits((uint32_t)u);
+        uint8_t want = te_float_to_e8m0(a * rcp);
+        if (amx_e8m0_from_float(a * rcp) != want)
+            bad++;
+        if (!isnan(a) && a >= 0 && a < INFINITY)
+            for (int mx = AMX_MX_TE; mx <= AMX_MX_TE_2_18; mx++)
+                if (mx != AMX_MX_MODELOPT && amx_mxfp8_e8m0_conv(mx, a) != want)
+                    bad++;
+    }
+    ck_assert_msg(bad == 0, "%ld of %ld differ", bad, n);
 }
 END_TEST
 
@@ -377,6 +527,8 @@ int main(void)
     tcase_add_test(tc, delayed_history_conventions);
     tcase_add_test(tc, mxfp8_modelopt_log2_table);
     tcase_add_test(tc, mxfp8_modelopt_is_ceil_log2);
+    tcase_add_test(tc, mxfp8_scales_match_peer_sources);
+    tcase_add_test(tc, mxfp8_byte_matches_te_float_to_e8m0);
     tcase_add_test(tc, host_vector_fp8_current_matches_scalar);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);

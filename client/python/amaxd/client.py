@@ -28,7 +28,8 @@ _OUTPUT_CONV = {"te": pb.OUTPUT_TRANSFORMER_ENGINE, "modelopt": pb.OUTPUT_MODELO
 _HISTORY_CONV = {"te": pb.HISTORY_TRANSFORMER_ENGINE,
                  "te_unfused": pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED}
 _MXFP8_CONV = {"te": pb.MXFP8_TRANSFORMER_ENGINE, "ocp": pb.MXFP8_OCP,
-               "modelopt": pb.MXFP8_MODELOPT}
+               "modelopt": pb.MXFP8_MODELOPT, "te_legacy": pb.MXFP8_TRANSFORMER_ENGINE_LEGACY,
+               "te_2_18": pb.MXFP8_TRANSFORMER_ENGINE_2_18}
 _PEER_MODE = {"fill": pb.PEER_FILL, "share": pb.PEER_SHARE}
 
 
@@ -89,9 +90,11 @@ class Recipe:
 
     @staticmethod
     def mxfp8(convention="te"):
-        """convention: "te" (TE's E8M0, rounded up; byte 0: encode 1, decode 0), "ocp" (TE's
-        E8M0; byte 0: 2^127 / 2^-127) or "modelopt" (ModelOpt's ceil(log2(amax/448)) in
-        float32; scales as "ocp")."""
+        """convention: "te" (TE main, 2.19 on: TE's E8M0, rounded up; scales 2^(127-e) /
+        2^(e-127) for every byte, byte 0: 2^127 / 2^-127), "ocp" (the same), "modelopt"
+        (ModelOpt's ceil(log2(amax/448)) in float32; scales as "ocp"), "te_legacy" (TE <= 2.12:
+        byte 0 encodes 1 and decodes 0, byte 254 encodes 0) or "te_2_18" (TE 2.13 to 2.18:
+        byte 0 encodes 2^127 but decodes 0)."""
         return Recipe(format=MXFP8, mxfp8_convention=_conv(_MXFP8_CONV, "MXFP8", convention))
 
     def to_pb(self):
