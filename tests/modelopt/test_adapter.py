@@ -14,7 +14,6 @@ reference's, restricted to the rank's shard, bit for bit. The daemon's own
 scales (scale_inv, block scales, global_scale_inv in the modelopt
 conventions) must equal ModelOpt's exported ones too.
 """
-import copy
 import functools
 import os
 import sys
@@ -34,33 +33,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import toy  # noqa: E402
+from common import CONFIGS, block as _block, quantize, quantizers as _quantizers, same  # noqa: E402
 from amaxd_proc import Daemon  # noqa: E402
 
 torch.set_num_threads(1)
-
-
-def _nvfp4_static_cfg():
-    """NVFP4_DEFAULT_CFG with static weight blocks (ModelOpt's nvfp4_static
-    numerics): per-block `_amax` and a `_global_amax` per weight."""
-    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
-    for entry in cfg["quant_cfg"]:
-        if entry.get("quantizer_name") == "*weight_quantizer":
-            entry["cfg"]["block_sizes"]["type"] = "static"
-    return cfg
-
-
-CONFIGS = {
-    "fp8": mtq.FP8_DEFAULT_CFG,
-    "fp8_channel": mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG,
-    "nvfp4": mtq.NVFP4_DEFAULT_CFG,
-    "nvfp4_static": _nvfp4_static_cfg(),
-    "mxfp8": mtq.MXFP8_DEFAULT_CFG,
-}
 SHARE = amo.supports_share()
-
-
-def quantize(model, cfg_name, loop):
-    return mtq.quantize(model, copy.deepcopy(CONFIGS[cfg_name]), loop)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,11 +61,6 @@ def daemon(tmp_path_factory):
     d = Daemon(str(tmp_path_factory.mktemp("amaxd")))
     yield d
     d.check_clean_exit(d.stop())
-
-
-def _quantizers(model):
-    TQ = mtq.nn.TensorQuantizer
-    return {n: q for n, q in model.named_modules() if isinstance(q, TQ)}
 
 
 def _is_expert_input(name):
@@ -127,36 +99,6 @@ def run_layout(daemon, cfg_name, layout, weight_blocks=True):
     with daemon.client(job, 0, toy.W) as c:
         c.reset(drop_job=True)
     return [(models[r], *outs[r], had_amax[r]) for r in range(toy.W)]
-
-
-def _np(t):
-    if not isinstance(t, torch.Tensor):
-        return np.asarray(t)
-    if t.dtype == torch.float8_e4m3fn:
-        t = t.view(torch.uint8)
-    return t.detach().cpu().numpy()
-
-
-def same(got, want, where):
-    got, want = np.ascontiguousarray(_np(got)), np.ascontiguousarray(_np(want))
-    assert got.shape == want.shape or got.size == want.size == 1, \
-        f"{where}: shape {got.shape}, expected {want.shape}"
-    g, w = got.reshape(-1), want.reshape(-1)
-    if g.dtype != w.dtype:
-        raise AssertionError(f"{where}: dtype {g.dtype}, expected {w.dtype}")
-    if g.tobytes() != w.tobytes():
-        i = int(np.flatnonzero(g.view(np.uint8 if g.itemsize == 1 else np.uint32)
-                               != w.view(np.uint8 if w.itemsize == 1 else np.uint32))[0])
-        raise AssertionError(f"{where}: cell {i} of {g.size}: got {g[i]!r}, expected {w[i]!r}")
-
-
-def _block(ref, grid):
-    """The part of a whole tensor of the amax grid (global shape, placement)
-    that the rank's placement covers."""
-    shape, pl = grid
-    ref = ref.reshape(shape)
-    sl = tuple(slice(o, o + n) for o, n in zip(pl.offset, pl.local_shape))
-    return ref[sl]
 
 
 def _export(module):
