@@ -37,13 +37,15 @@ from common import CONFIGS, block as _block, quantize, quantizers as _quantizers
 from amaxd_proc import Daemon  # noqa: E402
 
 torch.set_num_threads(1)
+
+
 SHARE = amo.supports_share()
 
 
 @functools.lru_cache(maxsize=None)
-def reference(cfg_name):
+def reference(cfg_name, router="gate"):
     """(the single-process calibrated model, what each of its linears saw)."""
-    model, x = toy.full_model(), toy.batch()
+    model, x = toy.full_model(router), toy.batch()
     captured = {}
 
     def loop(m):
@@ -67,18 +69,18 @@ def _is_expert_input(name):
     return ".experts." in name and "input_quantizer" in name
 
 
-def run_layout(daemon, cfg_name, layout, weight_blocks=True):
+def run_layout(daemon, cfg_name, layout, weight_blocks=True, router="gate", **plan_kw):
     """Calibrates the 4 shards of `layout` and syncs them through amaxd;
     returns [(shard model, entries, results, amax present before sync)]."""
-    _, captured = reference(cfg_name)
+    _, captured = reference(cfg_name, router)
     models = []
     for r in range(toy.W):
-        m = toy.shard_model(toy.full_model(), layout, r)
+        m = toy.shard_model(toy.full_model(router), layout, r)
         quantize(m, cfg_name, lambda mm, r=r: toy.replay(mm, captured, layout, r))
         models.append(m)
     had_amax = [{n: getattr(q, "_amax", None) is not None for n, q in _quantizers(m).items()}
                 for m in models]
-    job = f"{cfg_name}-{layout}-{int(weight_blocks)}".replace("_", "-")
+    job = f"{cfg_name}-{layout}-{int(weight_blocks)}-{router}-{len(plan_kw)}".replace("_", "-")
 
     def rank(r):
         tp, ep, tpr, epr = toy.coords(layout, r)
@@ -87,7 +89,7 @@ def run_layout(daemon, cfg_name, layout, weight_blocks=True):
         with daemon.client(job, r, toy.W) as c:
             c.join()
             entries = amo.plan(models[r], lay, column=toy.COLUMN, row=toy.ROW, moe_share=SHARE,
-                               weight_blocks=weight_blocks)
+                               weight_blocks=weight_blocks, **plan_kw)
             amo.register(c, entries)
             amo.send(c, entries)
             results = amo.reconcile(c, entries)
@@ -107,8 +109,8 @@ def _export(module):
             "input_scale": quant_utils.get_activation_scaling_factor(module)}
 
 
-def check_rank(cfg_name, layout, rank, model, entries, results, had_amax):
-    ref_model, _ = reference(cfg_name)
+def check_rank(cfg_name, layout, rank, model, entries, results, had_amax, router="gate"):
+    ref_model, _ = reference(cfg_name, router)
     ref_q = _quantizers(ref_model)
     ref_mods = dict(ref_model.named_modules())
     by_local = {e.local_name: e for e in entries}
@@ -171,6 +173,10 @@ def check_daemon_numerics(cfg_name, layout, rank, model, entries, results):
         where = f"{cfg_name} {layout} rank {rank} {e.name}"
         exp = _export(e.module)
         is_weight = e.local_name.endswith("weight_quantizer")
+        if not is_weight and r.missing:  # no rank fed it: nothing to export either
+            if exp["input_scale"] is not None:
+                bad.append(f"{where}: no data, but ModelOpt exports {exp['input_scale']}")
+            continue
         try:
             if e.kind == "fp8_tensor":
                 want = exp["weight_scale" if is_weight else "input_scale"]
@@ -249,6 +255,64 @@ def test_expert_inputs_share(daemon, cfg_name):
         for n, q in _quantizers(m).items():
             if _is_expert_input(n) and "down_proj" in n:
                 same(q._amax, want, f"rank {r} {n}")
+
+
+def _expert_inputs(qs, experts, proj):
+    return [qs[f"block_sparse_moe.experts.{e}.{proj}.input_quantizer"] for e in experts]
+
+
+@pytest.mark.parametrize("layout", sorted(toy.LAYOUTS))
+@pytest.mark.parametrize("cfg_name", ["fp8", "nvfp4"])
+def test_cold_experts_keep_no_amax(daemon, cfg_name, layout):
+    """Issue 19, item 2. With the router named `router` ModelOpt does not
+    unify the block's experts, so in one process the cold experts' input
+    quantizers keep no `_amax` (and ModelOpt's export gives them no
+    input_scale). After the sync they have none either — not 0, which the
+    export would turn into input_scale 1.0 (FP8) / 6/2688 (NVFP4) — and every
+    quantizer and exported scale of every rank is the single process's
+    (TP=1 x EP=4: rank 3 holds only the cold experts)."""
+    ref_model, _ = reference(cfg_name, "router")
+    assert type(ref_model.block_sparse_moe) is toy.RoutedMoe  # not wrapped by ModelOpt
+    ref_q = _quantizers(ref_model)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert all(getattr(q, "_amax", None) is None for q in _expert_inputs(ref_q, toy.COLD, proj))
+    ranks = run_layout(daemon, cfg_name, layout, router="router")
+    cold_seen = 0
+    for r, (model, entries, results, _) in enumerate(ranks):
+        assert not any(e.spec.peer_group for e in entries)
+        assert check_rank(cfg_name, layout, r, model, entries, results, None, router="router") > 0
+        bad = check_daemon_numerics(cfg_name, layout, r, model, entries, results)
+        assert not bad, "\n".join(bad[:20])
+        for e in entries:
+            if _is_expert_input(e.local_name) and e.expert in toy.COLD:
+                assert results[e.name].missing == 1
+                assert getattr(e.quantizer, "_amax", None) is None, f"rank {r} {e.name}"
+                assert quant_utils.get_activation_scaling_factor(e.module) is None
+                cold_seen += 1
+    assert cold_seen == len(toy.COLD) * 3 * toy.LAYOUTS[layout][0]  # 3 projections x TP
+
+
+def test_cold_experts_fill(daemon):
+    """plan(cold_experts="fill"): the peer rule asked for — a cold expert's
+    input quantizer takes the max over the layer's experts that got tokens
+    (one peer group per projection); the others keep their own."""
+    ref_q = _quantizers(reference("fp8", "router")[0])
+    hot = [e for e in range(toy.E) if e not in toy.COLD]
+    ranks = run_layout(daemon, "fp8", "tp1ep4", router="router", cold_experts="fill")
+    for r, (model, entries, results, _) in enumerate(ranks):
+        for e in entries:
+            if not _is_expert_input(e.local_name):
+                continue
+            proj = e.name.split(".")[-2]
+            assert e.spec.peer_group == f"block_sparse_moe.experts.*.{proj}.input_quantizer"
+            if e.expert in toy.COLD:
+                want = max(float(q._amax) for q in _expert_inputs(ref_q, hot, proj))
+                assert results[e.name].missing == 0 and bool(results[e.name].peer_filled)
+            else:
+                want = float(ref_q[e.name]._amax)
+            same(e.quantizer._amax, np.float32(want), f"rank {r} {e.name}")
+    with pytest.raises(ValueError, match="cold_experts"):
+        amo.plan(ranks[0][0], cold_experts="zero")
 
 
 def test_masked_torch_bool(daemon):
@@ -332,3 +396,4 @@ def test_refuses_other_calibrations():
             q._amax.view(-1)[0] *= 0.5
         with pytest.raises(ValueError, match="mlp.up_proj.weight_quantizer: _amax is not"):
             amo.send(NoClient(), entries)
+

@@ -50,6 +50,10 @@ What is registered, per quantizer (docs/MODELOPT.md has the table):
   take the layer's max too.
 - Dynamic quantizers (per-token inputs, MX activations) have nothing to
   reconcile and are left alone; other formats raise ``ValueError``.
+
+A quantizer no rank fed (a cold expert's input quantizer where ModelOpt
+does not unify the experts) is left as ModelOpt leaves it, without
+``_amax``, unless ``plan(cold_experts="fill")`` asks for the layer's max.
 """
 import fnmatch
 import math
@@ -271,7 +275,8 @@ def _shared_groups(model, patterns) -> Dict[str, Tuple[int, str]]:
 
 def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_COLUMN,
          row: Sequence[str] = DEFAULT_ROW, moe_share: bool = True, weight_blocks: bool = True,
-         shared_patterns: Optional[Sequence[str]] = None) -> List[Entry]:
+         shared_patterns: Optional[Sequence[str]] = None,
+         cold_experts: str = "leave") -> List[Entry]:
     """The quantizers of `model` (this rank's shard) that amaxd reconciles,
     with their specs and placements. `column` / `row`: name patterns
     (fnmatch, on the full module name or its last component) of column- and
@@ -281,7 +286,14 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
     `weight_blocks=False` registers NVFP4 weights as their per-tensor amax
     only (what ModelOpt's export needs reconciled: the blocks of a shard are
     its own) and leaves MXFP8 weights out: a catalog of one cell per weight
-    instead of one per 16 weights."""
+    instead of one per 16 weights. `cold_experts`: what an input quantizer
+    of a routed expert that no rank fed gets when ModelOpt does not unify
+    the block's experts: "leave" (the default) leaves it without ``_amax``,
+    as a single-process ModelOpt calibration does; "fill" gives it the max
+    over the layer's experts that got tokens (a peer group per projection,
+    ``peer_mode="fill"``)."""
+    if cold_experts not in ("leave", "fill"):
+        raise ValueError(f"cold_experts={cold_experts!r}: use 'leave' or 'fill'")
     TensorQuantizer = _tensor_quantizer_cls()
     if shared_patterns is None:
         from modelopt.torch.quantization.utils import SHARED_PATTERNS
@@ -311,9 +323,12 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
         tp_rank, tp = layout.etp if expert is not None else (layout.tp_rank, layout.tp_size)
         peer_share = False
         peer_group = ""
+        peer_mode = None
         scale_group = ""
         if expert is not None and not is_weight:
             owner_mod = model.get_submodule(owner) if owner else model
+            rel = gname[len(owner) + 1:] if owner else gname
+            rel = _EXPERTS.sub(r"\1\2.*", rel, count=1)
             if (hasattr(owner_mod, "layer_sync_moe_local_experts_amax")
                     and getattr(owner_mod, "_moe_calib_experts_ratio", None) is None):
                 if not moe_share:
@@ -323,10 +338,11 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
                         f"{qname}: ModelOpt gives every expert of {owner or 'the model'} the "
                         "max over experts; that needs a peer group in share mode, which this "
                         "amaxd client lacks (pass moe_share=False to leave these quantizers out)")
-                rel = gname[len(owner) + 1:] if owner else gname
-                rel = _EXPERTS.sub(r"\1\2.*", rel, count=1)
                 peer_group = (owner + "." if owner else "") + rel
                 peer_share = True
+                peer_mode = "share"
+            elif cold_experts == "fill":
+                peer_group = (owner + "." if owner else "") + rel
         if kind == "mxfp8_blocks" and not weight_blocks:
             continue
         if kind == "nvfp4_static" and mod_name in shared:
@@ -371,8 +387,8 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
         else:
             recipe = Recipe.mxfp8("modelopt")
         kw = {}
-        if peer_share:
-            kw["peer_mode"] = "share"
+        if peer_mode is not None:
+            kw["peer_mode"] = peer_mode
         spec = Quantizer(gname, gshape, recipe, pl, peer_group=peer_group,
                          scale_group=scale_group, **kw)
         entries.append(Entry(qname, gname, q, module, kind, spec, weight, par, expert, peer_share,
@@ -447,15 +463,49 @@ def _set_amax(q, values):
         q.amax = values
 
 
+def _no_data(r: Result) -> np.ndarray:
+    """The cells of a result that no rank fed (and no peer group filled),
+    as a bool array shaped like r.amax. The daemon reports how many there
+    are (``missing``) and gives them amax 0; when the zero cells are exactly
+    that many they are those cells, otherwise which ones they are is not
+    known and this raises rather than guess."""
+    amax = np.asarray(r.amax)
+    if not r.missing:
+        return np.zeros(amax.shape, dtype=bool)
+    zero = amax == 0
+    if int(zero.sum()) != int(r.missing):
+        raise RuntimeError(f"{r.name}: {r.missing} cells got no data from any rank but "
+                           f"{int(zero.sum())} cells read 0; amaxd.modelopt cannot tell which "
+                           "ones had no data and will not write 0 into them")
+    return zero
+
+
+def _whole_or_nothing(name: str, nodata: np.ndarray) -> bool:
+    """True when a quantizer's cells all had data, False when none had
+    (leave it as it is); raises for a partly fed per-channel/block amax,
+    which ModelOpt cannot hold."""
+    if not nodata.any():
+        return True
+    if nodata.all():
+        return False
+    raise RuntimeError(f"{name}: {int(nodata.sum())} of {nodata.size} cells got no data from "
+                       "any rank; ModelOpt's _amax cannot be partly absent and amaxd.modelopt "
+                       "will not write 0 into it")
+
+
 def write_back(entries: Sequence[Entry], results: Dict[str, Result]):
     """Writes the reconciled amax into the quantizers: ``_amax`` of
     per-tensor and per-channel quantizers and of dynamic NVFP4 weights (the
     global amax), ``_amax`` (blocks) and ``_global_amax`` of static NVFP4
-    weights. MXFP8 weights keep no amax in ModelOpt."""
+    weights. MXFP8 weights keep no amax in ModelOpt. A quantizer that no
+    rank fed (and no peer group filled) is left as it is, without
+    ``_amax``, as a single-process calibration leaves it: never 0."""
     torch = _torch()
     for e in entries:
         r = results[e.name]
         if e.kind == "mxfp8_blocks":
+            continue
+        if not _whole_or_nothing(e.local_name, _no_data(r)):
             continue
         if e.kind in ("fp8_tensor", "nvfp4_tensor"):
             _set_amax(e.quantizer, torch.tensor(np.float32(r.amax.reshape(())), dtype=torch.float32))
