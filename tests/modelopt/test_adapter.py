@@ -397,3 +397,59 @@ def test_refuses_other_calibrations():
         with pytest.raises(ValueError, match="mlp.up_proj.weight_quantizer: _amax is not"):
             amo.send(NoClient(), entries)
 
+
+def test_refuses_unknown_modules():
+    """A quantizer whose module amaxd.modelopt does not know is refused
+    (amo.Unsupported, a ValueError) with a message naming the quantizer,
+    its module and type and what was not understood, instead of being
+    registered as a guess (a replicated per-tensor amax under its local name,
+    as fused experts' per-expert quantizers were before issue 19)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
+
+    def refused(model, match, **kw):
+        with pytest.raises(amo.Unsupported, match=match):
+            amo.plan(model, **kw)
+
+    # transformers' Llama4TextExperts: ModelOpt's _QuantLlama4TextExperts
+    # quantizes the 3-D weights of all experts with one quantizer each.
+    cfg = transformers.Llama4TextConfig(hidden_size=32, intermediate_size=32, num_local_experts=4,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, vocab_size=32)
+    m = torch.nn.Module()
+    m.experts = Llama4TextExperts(cfg)
+    torch.nn.init.normal_(m.experts.gate_up_proj)
+    torch.nn.init.normal_(m.experts.down_proj)
+    quantize(m, "fp8", lambda mm: mm.experts(torch.randn(8, 32)))
+    refused(m, r"experts\.gate_up_proj_input_quantizer: QuantLlama4TextExperts 'experts' has a "
+               r"quantizer 'gate_up_proj_input_quantizer' that amaxd\.modelopt does not know")
+    # A convolution: its 4-D weight is no [out, in] matrix.
+    m = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3))
+    quantize(m, "fp8", lambda mm: mm(torch.randn(1, 4, 8, 8)))
+    refused(m, r"0\.input_quantizer: QuantConv2d '0' has no 2-D weight \(weight shape \(4, 4, 3, 3\)\)")
+    # Per-item quantizers in a ModuleList that is not ModelOpt's fused experts.
+    m = toy.shard_model(toy.full_model(), "tp2ep2", 0)
+    quantize(m, "fp8", None)
+    fp8 = QuantizerAttributeConfig(num_bits=(4, 3), axis=None)
+    m.mlp.extra_quantizers = torch.nn.ModuleList([TensorQuantizer(fp8) for _ in range(2)])
+    refused(m, r"mlp\.extra_quantizers\.0: quantizer 0 of the ModuleList 'mlp\.extra_quantizers' "
+               r"in MLP")
+    del m.mlp.extra_quantizers
+    # A quantizer chain (W4A8's SequentialQuantizer).
+    m.mlp.up_proj.weight_quantizer = SequentialQuantizer(TensorQuantizer(fp8), TensorQuantizer(fp8))
+    refused(m, r"mlp\.up_proj\.weight_quantizer\.0: part of a SequentialQuantizer")
+    # A linear indexed inside an experts container other than experts.<i>
+    # (ModelOpt's unrolled DBRX experts.mlp.w1_linear.<i>): with EP > 1 the
+    # index cannot be mapped to a global expert.
+    m = torch.nn.Module()
+    m.experts = torch.nn.Module()
+    m.experts.mlp = torch.nn.Module()
+    m.experts.mlp.w1_linear = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(2)])
+    quantize(m, "fp8", lambda mm: [lin(torch.randn(2, 32)) for lin in mm.experts.mlp.w1_linear])
+    refused(m, r"experts\.mlp\.w1_linear\.0\.input_quantizer: the linear 'experts\.mlp\.w1_linear\.0' "
+               r"is indexed w1_linear\.0 inside the experts container 'experts\.mlp'",
+            layout=amo.Layout(ep_size=2))
+    assert len(amo.plan(m)) == 4  # EP = 1: local indices are the global ones
+    assert issubclass(amo.Unsupported, ValueError)
