@@ -330,3 +330,72 @@ def test_fused_plan():
     assert len(ents) == 4
     assert amo.global_name(model, f"{FUSED}.down_proj_weight_quantizers.1",
                            amo_layout("etp2ep2", 3)) == f"{FUSED}.down_proj_weight_quantizers.5"
+
+
+@pytest.mark.parametrize("cfg_name", ["fp8_channel", "nvfp4_static"])
+def test_non_gated_fused_experts(daemon, cfg_name):
+    """transformers' NemotronHExperts (``up_proj`` / ``down_proj``, no gate),
+    which ModelOpt wraps as _QuantNonGatedFusedExperts, TP=2 x EP=2,
+    calibrated on the weights only (no forward): every per-expert _amax /
+    _global_amax is the single process's part (``up_proj`` rows and
+    ``down_proj`` columns split over expert-TP), and the input quantizers,
+    which no rank fed, keep no _amax, as in the single process."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    e, h, inter, etp, ep = 8, 32, 64, 2, 2
+    cfg = NemotronHConfig(hidden_size=h, moe_intermediate_size=inter, n_routed_experts=e,
+                          num_hidden_layers=1, vocab_size=32)
+
+    def model(n, i):
+        m = torch.nn.Module()
+        cfg.n_routed_experts, cfg.moe_intermediate_size = n, i
+        m.experts = NemotronHExperts(cfg)
+        return m
+
+    g = torch.Generator().manual_seed(ft.SEED + 2)
+    ref = model(e, inter)
+    with torch.no_grad():
+        ref.experts.up_proj.copy_(ft._blocks(g, (e, inter, h), -6, 3))
+        ref.experts.down_proj.copy_(ft._blocks(g, (e, h, inter), -6, 3))
+        ref.experts.down_proj[5] *= 2.0 ** -12
+    quantize(ref, cfg_name, None)
+    shards = []
+    for r in range(etp * ep):
+        er, epr = r % etp, r // etp
+        m = model(e // ep, inter // etp)
+        mine, part = slice(epr * e // ep, (epr + 1) * e // ep), ft._part(inter, er, etp)
+        with torch.no_grad():
+            m.experts.up_proj.copy_(ref.experts.up_proj[mine][:, part])
+            m.experts.down_proj.copy_(ref.experts.down_proj[mine][:, :, part])
+        quantize(m, cfg_name, None)
+        shards.append(m)
+    job = f"nongated-{cfg_name}".replace("_", "-")
+
+    def rank(r):
+        lay = amo.Layout(tp_rank=r % etp, tp_size=etp, ep_rank=r // etp, ep_size=ep)
+        with daemon.client(job, r, etp * ep) as c:
+            c.join()
+            return amo.sync(c, shards[r], lay), amo.plan(shards[r], lay)
+
+    with ThreadPoolExecutor(etp * ep) as ex:
+        outs = list(ex.map(rank, range(etp * ep)))
+    ref_q = quantizers(ref)
+    for r, (m, (_, entries)) in enumerate(zip(shards, outs)):
+        lay = amo.Layout(tp_rank=r % etp, tp_size=etp, ep_rank=r // etp, ep_size=ep)
+        by_list = {en.local_name: en for en in entries}
+        assert by_list["experts.up_proj_weight_quantizers"].parallel == "column"
+        assert by_list["experts.down_proj_weight_quantizers"].parallel == "row"
+        for name, q in quantizers(m).items():
+            gname = amo.global_name(m, name, lay)
+            rq = ref_q[gname]
+            where = f"{cfg_name} rank {r} {gname}"
+            if "input_quantizer" in name:
+                assert getattr(q, "_amax", None) is None and getattr(rq, "_amax", None) is None
+                continue
+            en = by_list[name.rsplit(".", 1)[0]]
+            want = block(np.stack([ref_q[f"{en.name}.{x}"]._amax.float().numpy().reshape(
+                en.grid[0][1:]) for x in range(e)]), en.grid)[int(name.rsplit(".", 1)[1])]
+            same(q._amax.reshape(want.shape), want, where + " _amax")
+            if cfg_name == "nvfp4_static":
+                same(q._global_amax, rq._global_amax, where + " _global_amax")
