@@ -14,7 +14,6 @@ reference's, restricted to the rank's shard, bit for bit. The daemon's own
 scales (scale_inv, block scales, global_scale_inv in the modelopt
 conventions) must equal ModelOpt's exported ones too.
 """
-import copy
 import functools
 import os
 import sys
@@ -34,39 +33,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
 import toy  # noqa: E402
+from common import CONFIGS, block as _block, quantize, quantizers as _quantizers, same  # noqa: E402
 from amaxd_proc import Daemon  # noqa: E402
 
 torch.set_num_threads(1)
 
 
-def _nvfp4_static_cfg():
-    """NVFP4_DEFAULT_CFG with static weight blocks (ModelOpt's nvfp4_static
-    numerics): per-block `_amax` and a `_global_amax` per weight."""
-    cfg = copy.deepcopy(mtq.NVFP4_DEFAULT_CFG)
-    for entry in cfg["quant_cfg"]:
-        if entry.get("quantizer_name") == "*weight_quantizer":
-            entry["cfg"]["block_sizes"]["type"] = "static"
-    return cfg
-
-
-CONFIGS = {
-    "fp8": mtq.FP8_DEFAULT_CFG,
-    "fp8_channel": mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG,
-    "nvfp4": mtq.NVFP4_DEFAULT_CFG,
-    "nvfp4_static": _nvfp4_static_cfg(),
-    "mxfp8": mtq.MXFP8_DEFAULT_CFG,
-}
 SHARE = amo.supports_share()
 
 
-def quantize(model, cfg_name, loop):
-    return mtq.quantize(model, copy.deepcopy(CONFIGS[cfg_name]), loop)
-
-
 @functools.lru_cache(maxsize=None)
-def reference(cfg_name):
+def reference(cfg_name, router="gate"):
     """(the single-process calibrated model, what each of its linears saw)."""
-    model, x = toy.full_model(), toy.batch()
+    model, x = toy.full_model(router), toy.batch()
     captured = {}
 
     def loop(m):
@@ -86,27 +65,22 @@ def daemon(tmp_path_factory):
     d.check_clean_exit(d.stop())
 
 
-def _quantizers(model):
-    TQ = mtq.nn.TensorQuantizer
-    return {n: q for n, q in model.named_modules() if isinstance(q, TQ)}
-
-
 def _is_expert_input(name):
     return ".experts." in name and "input_quantizer" in name
 
 
-def run_layout(daemon, cfg_name, layout, weight_blocks=True):
+def run_layout(daemon, cfg_name, layout, weight_blocks=True, router="gate", **plan_kw):
     """Calibrates the 4 shards of `layout` and syncs them through amaxd;
     returns [(shard model, entries, results, amax present before sync)]."""
-    _, captured = reference(cfg_name)
+    _, captured = reference(cfg_name, router)
     models = []
     for r in range(toy.W):
-        m = toy.shard_model(toy.full_model(), layout, r)
+        m = toy.shard_model(toy.full_model(router), layout, r)
         quantize(m, cfg_name, lambda mm, r=r: toy.replay(mm, captured, layout, r))
         models.append(m)
     had_amax = [{n: getattr(q, "_amax", None) is not None for n, q in _quantizers(m).items()}
                 for m in models]
-    job = f"{cfg_name}-{layout}-{int(weight_blocks)}".replace("_", "-")
+    job = f"{cfg_name}-{layout}-{int(weight_blocks)}-{router}-{len(plan_kw)}".replace("_", "-")
 
     def rank(r):
         tp, ep, tpr, epr = toy.coords(layout, r)
@@ -115,7 +89,7 @@ def run_layout(daemon, cfg_name, layout, weight_blocks=True):
         with daemon.client(job, r, toy.W) as c:
             c.join()
             entries = amo.plan(models[r], lay, column=toy.COLUMN, row=toy.ROW, moe_share=SHARE,
-                               weight_blocks=weight_blocks)
+                               weight_blocks=weight_blocks, **plan_kw)
             amo.register(c, entries)
             amo.send(c, entries)
             results = amo.reconcile(c, entries)
@@ -129,44 +103,14 @@ def run_layout(daemon, cfg_name, layout, weight_blocks=True):
     return [(models[r], *outs[r], had_amax[r]) for r in range(toy.W)]
 
 
-def _np(t):
-    if not isinstance(t, torch.Tensor):
-        return np.asarray(t)
-    if t.dtype == torch.float8_e4m3fn:
-        t = t.view(torch.uint8)
-    return t.detach().cpu().numpy()
-
-
-def same(got, want, where):
-    got, want = np.ascontiguousarray(_np(got)), np.ascontiguousarray(_np(want))
-    assert got.shape == want.shape or got.size == want.size == 1, \
-        f"{where}: shape {got.shape}, expected {want.shape}"
-    g, w = got.reshape(-1), want.reshape(-1)
-    if g.dtype != w.dtype:
-        raise AssertionError(f"{where}: dtype {g.dtype}, expected {w.dtype}")
-    if g.tobytes() != w.tobytes():
-        i = int(np.flatnonzero(g.view(np.uint8 if g.itemsize == 1 else np.uint32)
-                               != w.view(np.uint8 if w.itemsize == 1 else np.uint32))[0])
-        raise AssertionError(f"{where}: cell {i} of {g.size}: got {g[i]!r}, expected {w[i]!r}")
-
-
-def _block(ref, grid):
-    """The part of a whole tensor of the amax grid (global shape, placement)
-    that the rank's placement covers."""
-    shape, pl = grid
-    ref = ref.reshape(shape)
-    sl = tuple(slice(o, o + n) for o, n in zip(pl.offset, pl.local_shape))
-    return ref[sl]
-
-
 def _export(module):
     return {"weight_scale": quant_utils.get_weight_scaling_factor(module),
             "weight_scale_2": quant_utils.get_weight_scaling_factor_2(module),
             "input_scale": quant_utils.get_activation_scaling_factor(module)}
 
 
-def check_rank(cfg_name, layout, rank, model, entries, results, had_amax):
-    ref_model, _ = reference(cfg_name)
+def check_rank(cfg_name, layout, rank, model, entries, results, had_amax, router="gate"):
+    ref_model, _ = reference(cfg_name, router)
     ref_q = _quantizers(ref_model)
     ref_mods = dict(ref_model.named_modules())
     by_local = {e.local_name: e for e in entries}
@@ -229,6 +173,10 @@ def check_daemon_numerics(cfg_name, layout, rank, model, entries, results):
         where = f"{cfg_name} {layout} rank {rank} {e.name}"
         exp = _export(e.module)
         is_weight = e.local_name.endswith("weight_quantizer")
+        if not is_weight and r.missing:  # no rank fed it: nothing to export either
+            if exp["input_scale"] is not None:
+                bad.append(f"{where}: no data, but ModelOpt exports {exp['input_scale']}")
+            continue
         try:
             if e.kind == "fp8_tensor":
                 want = exp["weight_scale" if is_weight else "input_scale"]
@@ -307,6 +255,64 @@ def test_expert_inputs_share(daemon, cfg_name):
         for n, q in _quantizers(m).items():
             if _is_expert_input(n) and "down_proj" in n:
                 same(q._amax, want, f"rank {r} {n}")
+
+
+def _expert_inputs(qs, experts, proj):
+    return [qs[f"block_sparse_moe.experts.{e}.{proj}.input_quantizer"] for e in experts]
+
+
+@pytest.mark.parametrize("layout", sorted(toy.LAYOUTS))
+@pytest.mark.parametrize("cfg_name", ["fp8", "nvfp4"])
+def test_cold_experts_keep_no_amax(daemon, cfg_name, layout):
+    """Issue 19, item 2. With the router named `router` ModelOpt does not
+    unify the block's experts, so in one process the cold experts' input
+    quantizers keep no `_amax` (and ModelOpt's export gives them no
+    input_scale). After the sync they have none either — not 0, which the
+    export would turn into input_scale 1.0 (FP8) / 6/2688 (NVFP4) — and every
+    quantizer and exported scale of every rank is the single process's
+    (TP=1 x EP=4: rank 3 holds only the cold experts)."""
+    ref_model, _ = reference(cfg_name, "router")
+    assert type(ref_model.block_sparse_moe) is toy.RoutedMoe  # not wrapped by ModelOpt
+    ref_q = _quantizers(ref_model)
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        assert all(getattr(q, "_amax", None) is None for q in _expert_inputs(ref_q, toy.COLD, proj))
+    ranks = run_layout(daemon, cfg_name, layout, router="router")
+    cold_seen = 0
+    for r, (model, entries, results, _) in enumerate(ranks):
+        assert not any(e.spec.peer_group for e in entries)
+        assert check_rank(cfg_name, layout, r, model, entries, results, None, router="router") > 0
+        bad = check_daemon_numerics(cfg_name, layout, r, model, entries, results)
+        assert not bad, "\n".join(bad[:20])
+        for e in entries:
+            if _is_expert_input(e.local_name) and e.expert in toy.COLD:
+                assert results[e.name].missing == 1
+                assert getattr(e.quantizer, "_amax", None) is None, f"rank {r} {e.name}"
+                assert quant_utils.get_activation_scaling_factor(e.module) is None
+                cold_seen += 1
+    assert cold_seen == len(toy.COLD) * 3 * toy.LAYOUTS[layout][0]  # 3 projections x TP
+
+
+def test_cold_experts_fill(daemon):
+    """plan(cold_experts="fill"): the peer rule asked for — a cold expert's
+    input quantizer takes the max over the layer's experts that got tokens
+    (one peer group per projection); the others keep their own."""
+    ref_q = _quantizers(reference("fp8", "router")[0])
+    hot = [e for e in range(toy.E) if e not in toy.COLD]
+    ranks = run_layout(daemon, "fp8", "tp1ep4", router="router", cold_experts="fill")
+    for r, (model, entries, results, _) in enumerate(ranks):
+        for e in entries:
+            if not _is_expert_input(e.local_name):
+                continue
+            proj = e.name.split(".")[-2]
+            assert e.spec.peer_group == f"block_sparse_moe.experts.*.{proj}.input_quantizer"
+            if e.expert in toy.COLD:
+                want = max(float(q._amax) for q in _expert_inputs(ref_q, hot, proj))
+                assert results[e.name].missing == 0 and bool(results[e.name].peer_filled)
+            else:
+                want = float(ref_q[e.name]._amax)
+            same(e.quantizer._amax, np.float32(want), f"rank {r} {e.name}")
+    with pytest.raises(ValueError, match="cold_experts"):
+        amo.plan(ranks[0][0], cold_experts="zero")
 
 
 def test_masked_torch_bool(daemon):
@@ -390,3 +396,60 @@ def test_refuses_other_calibrations():
             q._amax.view(-1)[0] *= 0.5
         with pytest.raises(ValueError, match="mlp.up_proj.weight_quantizer: _amax is not"):
             amo.send(NoClient(), entries)
+
+
+def test_refuses_unknown_modules():
+    """A quantizer whose module amaxd.modelopt does not know is refused
+    (amo.Unsupported, a ValueError) with a message naming the quantizer,
+    its module and type and what was not understood, instead of being
+    registered as a guess (a replicated per-tensor amax under its local name,
+    as fused experts' per-expert quantizers were before issue 19)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+    from modelopt.torch.quantization.config import QuantizerAttributeConfig
+    from modelopt.torch.quantization.nn import SequentialQuantizer, TensorQuantizer
+
+    def refused(model, match, **kw):
+        with pytest.raises(amo.Unsupported, match=match):
+            amo.plan(model, **kw)
+
+    # transformers' Llama4TextExperts: ModelOpt's _QuantLlama4TextExperts
+    # quantizes the 3-D weights of all experts with one quantizer each.
+    cfg = transformers.Llama4TextConfig(hidden_size=32, intermediate_size=32, num_local_experts=4,
+                                        num_hidden_layers=1, num_attention_heads=2,
+                                        num_key_value_heads=1, vocab_size=32)
+    m = torch.nn.Module()
+    m.experts = Llama4TextExperts(cfg)
+    torch.nn.init.normal_(m.experts.gate_up_proj)
+    torch.nn.init.normal_(m.experts.down_proj)
+    quantize(m, "fp8", lambda mm: mm.experts(torch.randn(8, 32)))
+    refused(m, r"experts\.gate_up_proj_input_quantizer: QuantLlama4TextExperts 'experts' has a "
+               r"quantizer 'gate_up_proj_input_quantizer' that amaxd\.modelopt does not know")
+    # A convolution: its 4-D weight is no [out, in] matrix.
+    m = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 3))
+    quantize(m, "fp8", lambda mm: mm(torch.randn(1, 4, 8, 8)))
+    refused(m, r"0\.input_quantizer: QuantConv2d '0' has no 2-D weight \(weight shape \(4, 4, 3, 3\)\)")
+    # Per-item quantizers in a ModuleList that is not ModelOpt's fused experts.
+    m = toy.shard_model(toy.full_model(), "tp2ep2", 0)
+    quantize(m, "fp8", None)
+    fp8 = QuantizerAttributeConfig(num_bits=(4, 3), axis=None)
+    m.mlp.extra_quantizers = torch.nn.ModuleList([TensorQuantizer(fp8) for _ in range(2)])
+    refused(m, r"mlp\.extra_quantizers\.0: quantizer 0 of the ModuleList 'mlp\.extra_quantizers' "
+               r"in MLP")
+    del m.mlp.extra_quantizers
+    # A quantizer chain (W4A8's SequentialQuantizer).
+    m.mlp.up_proj.weight_quantizer = SequentialQuantizer(TensorQuantizer(fp8), TensorQuantizer(fp8))
+    refused(m, r"mlp\.up_proj\.weight_quantizer\.0: part of a SequentialQuantizer")
+    # A linear indexed inside an experts container other than experts.<i>
+    # (ModelOpt's unrolled DBRX experts.mlp.w1_linear.<i>): with EP > 1 the
+    # index cannot be mapped to a global expert.
+    m = torch.nn.Module()
+    m.experts = torch.nn.Module()
+    m.experts.mlp = torch.nn.Module()
+    m.experts.mlp.w1_linear = torch.nn.ModuleList([torch.nn.Linear(32, 32) for _ in range(2)])
+    quantize(m, "fp8", lambda mm: [lin(torch.randn(2, 32)) for lin in mm.experts.mlp.w1_linear])
+    refused(m, r"experts\.mlp\.w1_linear\.0\.input_quantizer: the linear 'experts\.mlp\.w1_linear\.0' "
+               r"is indexed w1_linear\.0 inside the experts container 'experts\.mlp'",
+            layout=amo.Layout(ep_size=2))
+    assert len(amo.plan(m)) == 4  # EP = 1: local indices are the global ones
+    assert issubclass(amo.Unsupported, ValueError)

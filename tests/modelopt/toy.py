@@ -13,7 +13,10 @@ sequential MoE (a `gate` with `top_k` and `num_experts`, an iterable
 `experts`), so ModelOpt wraps it and, after calibration, gives every
 expert's input quantizers the max over experts (`sync_moe_expert_amax`).
 The router is not quantized (ModelOpt's default config disables
-`*block_sparse_moe.gate*`).
+`*block_sparse_moe.gate*`). `full_model(router="router")` names the router
+`router` instead: ModelOpt then neither wraps the block nor unifies its
+experts, and the cold experts' input quantizers keep no `_amax` (and
+`*router*` is disabled too).
 
 Shards. The world is W = 4 ranks, TP x EP = 4 (Megatron order, TP fastest:
 tp_rank = r % TP, ep_rank = r // TP). Dense layers have W / TP replicas
@@ -91,11 +94,16 @@ class MLP(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, n_experts=E, ff=FF_E):
+    def __init__(self, n_experts=E, ff=FF_E, router="gate"):
         super().__init__()
-        self.gate = nn.Linear(H, E, bias=False)
-        self.gate.top_k = TOP_K
-        self.gate.num_experts = E
+        # The router's name: ModelOpt's HF plugin recognizes (and unifies the
+        # experts' input amax of) a sparse MoE by a `gate` with top_k and
+        # num_experts; under another name the block stays as it is.
+        self.router_name = router
+        lin = nn.Linear(H, E, bias=False)
+        lin.top_k = TOP_K
+        lin.num_experts = E
+        setattr(self, router, lin)
         self.experts = nn.ModuleList([MLP(ff) for _ in range(n_experts)])
         self.register_buffer("cold", torch.zeros(E))
         self.cold[list(COLD)] = float("-inf")
@@ -103,7 +111,7 @@ class SparseMoe(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, H)
-        logits = self.gate(x) + self.cold
+        logits = getattr(self, self.router_name)(x) + self.cold
         weights, chosen = logits.softmax(-1).topk(TOP_K, dim=-1)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
@@ -113,16 +121,27 @@ class SparseMoe(nn.Module):
         return out.reshape(shape)
 
 
+class RoutedMoe(SparseMoe):
+    """SparseMoe with a router not named `gate`. A class of its own: ModelOpt
+    registers a module class it detected as a sparse MoE for good (and every
+    subclass that shares its forward), so SparseMoe wrapped once would be
+    wrapped again here."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
 class Block(nn.Module):
     def __init__(self, q_out=HEADS * HEAD_DIM, kv_out=KV_HEADS * HEAD_DIM, ff=FF, n_experts=E,
-                 ff_e=FF_E):
+                 ff_e=FF_E, router="gate"):
         super().__init__()
         self.input_layernorm = RMSNorm(H)
         self.self_attn = Attention(q_out, kv_out)
         self.post_attention_layernorm = RMSNorm(H)
         self.mlp = MLP(ff)
         self.pre_moe_layernorm = RMSNorm(H)
-        self.block_sparse_moe = SparseMoe(n_experts, ff_e)
+        moe = SparseMoe if router == "gate" else RoutedMoe
+        self.block_sparse_moe = moe(n_experts, ff_e, router)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -138,10 +157,11 @@ def _weight(g, shape, lo, hi, block=16):
     return torch.randn(shape, generator=g) * mag.repeat_interleave(block, dim=1)
 
 
-def full_model():
-    """The single-process model, with fixed weights and a few edge cases."""
+def full_model(router="gate"):
+    """The single-process model, with fixed weights and a few edge cases
+    (the same whatever the router's name)."""
     g = torch.Generator().manual_seed(SEED)
-    m = Block()
+    m = Block(router=router)
     with torch.no_grad():
         for name, lin in m.named_modules():
             if isinstance(lin, nn.Linear):
@@ -183,7 +203,7 @@ def shard_model(full, layout, rank):
     """The rank's shard of `full` (an unquantized Block with its weights)."""
     tp, ep, tpr, epr = coords(layout, rank)
     m = Block(q_out=HEADS * HEAD_DIM // tp, kv_out=KV_HEADS * HEAD_DIM // tp, ff=FF // tp,
-              n_experts=E // ep, ff_e=FF_E // tp)
+              n_experts=E // ep, ff_e=FF_E // tp, router=full.block_sparse_moe.router_name)
     src = dict(full.named_modules())
     mine = range(E)[_part(E, epr, ep)]
     with torch.no_grad():
@@ -224,8 +244,9 @@ def replay(model, captured, layout, rank):
     replicas = W // tp
     seqs = _part(B, rank // tp, replicas)  # this dense replica's sequences
     mine = range(E)[_part(E, epr, ep)]
+    router = "block_sparse_moe." + model.block_sparse_moe.router_name
     for name, lin in model.named_modules():
-        if not isinstance(lin, nn.Linear) or name.endswith("block_sparse_moe.gate"):
+        if not isinstance(lin, nn.Linear) or name == router:
             continue
         sname = name
         if ".experts." in name:

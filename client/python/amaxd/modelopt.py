@@ -48,13 +48,28 @@ What is registered, per quantizer (docs/MODELOPT.md has the table):
   every expert takes the max over experts, ``sync_moe_expert_amax``) form a
   peer group in ``share`` mode, so experts without tokens, on any EP rank,
   take the layer's max too.
+- Fused 3-D experts (transformers 5.x ``MixtralExperts`` & co., which
+  ModelOpt wraps as ``_QuantFusedExperts``: ``gate_up_proj`` /
+  ``down_proj`` of shape ``[E_local, out, in]`` with one weight quantizer
+  per expert in ``gate_up_proj_weight_quantizers.<i>``): one amaxd
+  quantizer per projection whose first axis is the global expert index
+  (``[E]``, ``[E, C_out]``, ``[E, R, C/16]``...; a gated ``gate_up_proj``
+  keeps its gate and up halves apart, ``[E, 2, I, ...]``), placed at
+  ``ep_rank * E_local`` and split over the expert-TP group; NVFP4 blocks
+  get one global amax per expert (``global_axes=1``). The two input
+  quantizers, shared by all experts, are ``[]``.
 - Dynamic quantizers (per-token inputs, MX activations) have nothing to
   reconcile and are left alone; other formats raise ``ValueError``.
+
+A quantizer no rank fed (a cold expert's input quantizer where ModelOpt
+does not unify the experts) is left as ModelOpt leaves it, without
+``_amax``, unless ``plan(cold_experts="fill")`` asks for the layer's max.
+Any quantizer whose module the adapter does not know (its placement would
+be a guess) makes ``plan`` raise :class:`Unsupported`.
 """
 import fnmatch
-import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -62,8 +77,9 @@ import numpy as np
 from . import placement as P
 from .client import Masked, Quantizer, Recipe, Result
 
-__all__ = ["Layout", "Entry", "plan", "register", "send", "reconcile", "write_back", "sync",
-           "supports_share", "DEFAULT_COLUMN", "DEFAULT_ROW"]
+__all__ = ["Layout", "Entry", "Unsupported", "plan", "register", "send", "reconcile",
+           "write_back", "sync", "supports_share", "global_name", "DEFAULT_COLUMN",
+           "DEFAULT_ROW"]
 
 # Last name component of a linear whose output features are split over TP
 # (column-parallel) or whose input features are (row-parallel): the usual
@@ -75,6 +91,19 @@ DEFAULT_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "w1", "w
 DEFAULT_ROW = ("o_proj", "down_proj", "w2", "fc2", "linear_fc2", "linear_proj",
                "dense_4h_to_h")
 _EXPERTS = re.compile(r"(^|\.)(experts|local_experts)\.(\d+)(?=\.|$)")
+# Quantizers of a linear-like module (ModelOpt's QuantLinear and its
+# Megatron / HF / TE wrappers: quantizer_attr_names("weight")).
+_LINEAR_ATTRS = ("weight_quantizer", "input_quantizer", "output_quantizer")
+# Activation quantizers of ModelOpt's attention wrappers (plugins/attention.py,
+# huggingface.py _QuantAttention, megatron.py): per-tensor amax of the
+# query/key/value/probabilities, whose heads TP splits.
+_ATTENTION_ATTR = re.compile(r"([a-z_]+_bmm_quantizer|softmax_quantizer)$")
+_PER_TENSOR = ("fp8_tensor", "nvfp4_tensor")
+
+
+class Unsupported(ValueError):
+    """plan() met a quantizer it cannot place without guessing: the message
+    names the quantizer, its module (type) and what was not understood."""
 
 
 @dataclass(frozen=True)
@@ -139,22 +168,34 @@ class Entry:
 
     local_name: str  # the quantizer's module name in this rank's model
     name: str  # the logical (global) name: expert indices made global
-    quantizer: object  # the TensorQuantizer
-    module: object  # the module that owns it (a quantized linear)
-    kind: str  # fp8_tensor, fp8_channel, nvfp4_blocks, nvfp4_static, nvfp4_tensor, mxfp8_blocks
+    # The TensorQuantizer; for fused experts (kind "fused_..."), the
+    # nn.ModuleList of this rank's per-expert quantizers.
+    quantizer: object
+    module: object  # the module that owns it (a quantized linear, the fused experts)
+    # fp8_tensor, fp8_channel, nvfp4_blocks, nvfp4_static, nvfp4_tensor,
+    # mxfp8_blocks; fused experts' weights: the same prefixed by "fused_".
+    kind: str
     spec: Quantizer
-    weight: object = None  # the module's weight, for block amax
-    parallel: str = "replicated"  # column, row, replicated
+    weight: object = None  # the module's weight (3-D for fused experts), for block amax
+    parallel: str = "replicated"  # column, row, replicated; packed_column (gate|up halves)
     expert: Optional[int] = None
     peer_share: bool = False
     # The geometry of the quantizer's amax grid whether or not it is what
     # amaxd holds: (global shape, this rank's Placement) of the per-channel
     # or block amax (that of ModelOpt's exported weight scales); None for
-    # per-tensor quantizers.
+    # per-tensor quantizers. Fused experts: with the expert axis first.
     grid: Optional[Tuple[tuple, P.Placement]] = None
     # Whether amaxd holds the blocks (False: the weight's per-tensor amax,
     # plan(weight_blocks=False)).
     blocks: bool = True
+
+    @property
+    def fused(self) -> bool:
+        return self.kind.startswith("fused_")
+
+    @property
+    def base_kind(self) -> str:
+        return self.kind[len("fused_"):] if self.fused else self.kind
 
 
 def _torch():
@@ -167,23 +208,77 @@ def _tensor_quantizer_cls():
     return TensorQuantizer
 
 
+def _quantizer_containers():
+    """ModelOpt's quantizer containers (a child quantizer of one is part of
+    a chain or a group, not a quantizer of its own)."""
+    from modelopt.torch.quantization import nn as qnn
+    return tuple(c for c in (getattr(qnn, "SequentialQuantizer", None),
+                             getattr(qnn, "GroupedQuantizer", None)) if c is not None)
+
+
+def _fused_attrs(module) -> Optional[Tuple[str, bool]]:
+    """(first projection, gated) of a ModelOpt fused-experts wrapper
+    (``_QuantFusedExperts`` / ``_QuantNonGatedFusedExperts`` in
+    modelopt/torch/quantization/plugins/huggingface.py, which hold
+    ``<first>_weight_quantizers`` and ``down_proj_weight_quantizers`` as
+    nn.ModuleLists and one ``<first>_input_quantizer`` /
+    ``down_proj_input_quantizer``), or None."""
+    first = getattr(module, "_first_proj_attr", None)
+    if not isinstance(first, str):
+        return None
+    import torch.nn as nn
+    if not (isinstance(getattr(module, f"{first}_weight_quantizers", None), nn.ModuleList)
+            and isinstance(getattr(module, "down_proj_weight_quantizers", None), nn.ModuleList)):
+        return None
+    return first, bool(getattr(module, "_is_gated", True))
+
+
+def _n_local_experts(model, container: str, local_name: str, layout: Layout) -> Optional[int]:
+    try:
+        experts = model.get_submodule(container)
+        return len(experts)
+    except (AttributeError, TypeError):
+        if layout.ep_size > 1:
+            raise Unsupported(
+                f"{local_name}: {container!r} is not a ModuleList of experts (it has no length), "
+                "so amaxd.modelopt cannot tell which global expert the index is; "
+                "it refuses rather than guess the EP placement") from None
+        return None
+
+
 def _global_name(model, local_name: str, layout: Layout) -> Tuple[str, Optional[int], str]:
     """(global name, global expert index or None, the MoE block's name) for a
-    local module name: experts.<i> becomes experts.<ep_rank * n_local + i>."""
+    local module name: experts.<i> becomes experts.<ep_rank * n_local + i>,
+    and a fused-experts per-expert quantizer <experts>.<proj>_weight_quantizers.<i>
+    becomes ...<proj>_weight_quantizers.<ep_rank * n_local + i>."""
     m = None
     for m in _EXPERTS.finditer(local_name):
         pass
-    if m is None:
-        return local_name, None, ""
-    container = local_name[:m.start(3) - 1]  # "...experts"
-    try:
-        experts = model.get_submodule(container)
-        n_local = len(experts)
-    except (AttributeError, TypeError):
-        return local_name, None, ""
-    g = layout.ep_rank * n_local + int(m.group(3))
-    owner = container.rsplit(".", 1)[0] if "." in container else ""
-    return local_name[:m.start(3)] + str(g) + local_name[m.end(3):], g, owner
+    if m is not None:
+        container = local_name[:m.start(3) - 1]  # "...experts"
+        n_local = _n_local_experts(model, container, local_name, layout)
+        if n_local is None:
+            return local_name, None, ""
+        g = layout.ep_rank * n_local + int(m.group(3))
+        owner = container.rsplit(".", 1)[0] if "." in container else ""
+        return local_name[:m.start(3)] + str(g) + local_name[m.end(3):], g, owner
+    parts = local_name.rsplit(".", 2)
+    if len(parts) >= 2 and parts[-1].isdigit() and parts[-2].endswith("_weight_quantizers"):
+        owner = parts[0] if len(parts) == 3 else ""
+        try:
+            fmod = model.get_submodule(owner) if owner else model
+        except AttributeError:
+            fmod = None
+        if fmod is not None and _fused_attrs(fmod) is not None:
+            g = layout.ep_rank * int(fmod.num_experts) + int(parts[-1])
+            return local_name[:-len(parts[-1])] + str(g), g, owner
+    return local_name, None, ""
+
+
+def global_name(model, local_name: str, layout: Layout = Layout()) -> str:
+    """The name a quantizer (or module) of this rank's shard has in the
+    whole model: routed experts' local indices made global."""
+    return _global_name(model, local_name, layout)[0]
 
 
 def _parallel_kind(module, module_name: str, column, row) -> str:
@@ -199,17 +294,11 @@ def _parallel_kind(module, module_name: str, column, row) -> str:
     return "replicated"
 
 
-def _block_size(q) -> Optional[int]:
-    bs = q.block_sizes
-    if not bs:
-        return None
-    return bs.get(-1)
-
-
-def _classify(q, is_weight: bool) -> Optional[str]:
+def _classify(q, is_weight: bool, where: str = "") -> Optional[str]:
     """The kind of amax a quantizer holds, or None when it has none to reconcile."""
     bs = q.block_sizes
     nb = q.num_bits
+    pre = f"{where}: " if where else ""
     if getattr(q, "_dynamic", False):
         return None
     if bs and bs.get("type") == "dynamic":
@@ -218,31 +307,36 @@ def _classify(q, is_weight: bool) -> Optional[str]:
                 return "mxfp8_blocks"
             if not is_weight:
                 return None
-            raise ValueError(f"MX format {nb} of a weight is not supported by amaxd")
+            raise ValueError(f"{pre}MX format {nb} of a weight is not supported by amaxd")
         if nb == (2, 1) and bs.get("scale_bits") == (4, 3):
             if bs.get(-1) != 16:
-                raise ValueError(f"NVFP4 block size {bs.get(-1)} (amaxd's NVFP4 uses 16)")
+                raise ValueError(f"{pre}NVFP4 block size {bs.get(-1)} (amaxd's NVFP4 uses 16)")
             if bs.get("four_over_six"):
-                raise ValueError("NVFP4 four_over_six is not supported by amaxd")
+                raise ValueError(f"{pre}NVFP4 four_over_six is not supported by amaxd")
             return "nvfp4_blocks" if is_weight else "nvfp4_tensor"
-        raise ValueError(f"dynamic block quantization {nb} {dict(bs)} is not supported by amaxd")
+        raise ValueError(f"{pre}dynamic block quantization {nb} {dict(bs)} is not supported "
+                         "by amaxd")
     if bs:
-        if nb == (2, 1) and bs.get("scale_bits") == (4, 3) and bs.get(-1) == 16 and is_weight:
+        if nb == (2, 1) and bs.get("scale_bits") == (4, 3) and bs.get(-1) == 16:
+            if not is_weight:
+                raise ValueError(f"{pre}static NVFP4 blocks of an activation are not supported "
+                                 "by amaxd (only of weights)")
             if bs.get("four_over_six"):
-                raise ValueError("NVFP4 four_over_six is not supported by amaxd")
+                raise ValueError(f"{pre}NVFP4 four_over_six is not supported by amaxd")
             return "nvfp4_static"
         if all(v is None for k, v in bs.items() if isinstance(k, int)):
             pass  # per-channel written as block_sizes: handled through axis below
         else:
-            raise ValueError(f"static block quantization {nb} {dict(bs)} is not supported by amaxd")
+            raise ValueError(f"{pre}static block quantization {nb} {dict(bs)} is not supported "
+                             "by amaxd")
     if nb == (4, 3):
         axis = q.axis
         if axis is None:
             return "fp8_tensor"
         if is_weight and axis in (0, (0,), [0]):
             return "fp8_channel"
-        raise ValueError(f"FP8 with axis {axis} is not supported by the adapter")
-    raise ValueError(f"num_bits {nb} is not supported by amaxd (FP8 E4M3, NVFP4, MXFP8)")
+        raise ValueError(f"{pre}FP8 with axis {axis} is not supported by the adapter")
+    raise ValueError(f"{pre}num_bits {nb} is not supported by amaxd (FP8 E4M3, NVFP4, MXFP8)")
 
 
 def _shared_groups(model, patterns) -> Dict[str, Tuple[int, str]]:
@@ -269,9 +363,188 @@ def _shared_groups(model, patterns) -> Dict[str, Tuple[int, str]]:
     return out
 
 
+def _recipe(kind: str) -> Recipe:
+    if kind in ("fp8_tensor", "fp8_channel"):
+        return Recipe.fp8_current(output="modelopt")
+    if kind == "nvfp4_static":
+        return Recipe.nvfp4("modelopt_static", output="modelopt")
+    if kind.startswith("nvfp4"):
+        return Recipe.nvfp4("modelopt", output="modelopt")
+    return Recipe.mxfp8("modelopt")
+
+
+def _check_expert_indices(qname: str, mod_name: str, model, layout: Layout):
+    """With EP > 1, a linear indexed inside an experts container other than
+    by experts.<i> / local_experts.<i> (e.g. ModelOpt's unrolled DBRX
+    ``experts.mlp.w1_linear.<i>`` or Qwen3-VL ``experts.gate_proj.<i>``)
+    has an index amaxd.modelopt cannot map to a global expert: refuse."""
+    if layout.ep_size <= 1:
+        return
+    comps = mod_name.split(".")
+    for k, c in enumerate(comps):
+        if not c.isdigit() or k == 0:
+            continue
+        if comps[k - 1] in ("experts", "local_experts"):
+            continue
+        if any("expert" in a.lower() for a in comps[:k - 1]):
+            container = ".".join(comps[:k])
+            typ = type(model.get_submodule(".".join(comps[:k - 1]))).__name__
+            raise Unsupported(
+                f"{qname}: the linear {mod_name!r} is indexed {comps[k - 1]}.{c} inside the experts "
+                f"container {'.'.join(comps[:k - 1])!r} ({typ}); amaxd.modelopt knows experts as "
+                "experts.<i> / local_experts.<i> ModuleLists or ModelOpt's fused experts "
+                f"(_QuantFusedExperts) and cannot tell which global expert {container!r} is "
+                f"with ep_size={layout.ep_size}; it refuses rather than guess")
+
+
+def _resolve(model, qname: str, q, layout: Layout):
+    """What a quantizer is: ("linear", owner, owner name, attr),
+    ("fused_input", owner, owner name, attr) or ("attention", owner, owner
+    name, attr); raises Unsupported for anything else."""
+    import torch.nn as nn
+    if "." not in qname:
+        raise Unsupported(f"{qname}: a quantizer at the top of the model has no module "
+                          "amaxd.modelopt could place it by")
+    mod_name, attr = qname.rsplit(".", 1)
+    owner = model.get_submodule(mod_name)
+    typ = type(owner).__name__
+    containers = _quantizer_containers()
+    if containers and isinstance(owner, containers):
+        raise Unsupported(
+            f"{qname}: part of a {typ} ({mod_name}); amaxd.modelopt reconciles single "
+            "TensorQuantizers, not ModelOpt's quantizer chains or groups (W4A8, "
+            "TEGroupedLinear)")
+    fused = _fused_attrs(owner)
+    if fused is not None:
+        first, _ = fused
+        if attr in (f"{first}_input_quantizer", "down_proj_input_quantizer"):
+            return "fused_input", owner, mod_name, attr
+        raise Unsupported(f"{qname}: {typ} {mod_name!r} (fused experts) has no quantizer "
+                          f"{attr!r} that amaxd.modelopt knows (it knows {first}_input_quantizer, "
+                          f"down_proj_input_quantizer and the per-expert {first}_weight_quantizers"
+                          " / down_proj_weight_quantizers)")
+    if isinstance(owner, nn.ModuleList):
+        parent_name = mod_name.rsplit(".", 1)[0] if "." in mod_name else ""
+        parent = model.get_submodule(parent_name) if parent_name else model
+        raise Unsupported(
+            f"{qname}: quantizer {attr} of the ModuleList {mod_name!r} in {type(parent).__name__}; "
+            "amaxd.modelopt does not know this layout of per-item quantizers (it knows "
+            "ModelOpt's fused experts, _QuantFusedExperts)")
+    if attr in _LINEAR_ATTRS:
+        w = getattr(owner, "weight", None)
+        if isinstance(owner, nn.Embedding):
+            raise Unsupported(f"{qname}: {typ} {mod_name!r} is an embedding; amaxd.modelopt "
+                              "knows linear layers (a vocabulary-parallel table would be "
+                              "placed wrongly)")
+        if w is None or not hasattr(w, "dim") or w.dim() != 2:
+            shape = None if w is None or not hasattr(w, "shape") else tuple(w.shape)
+            raise Unsupported(
+                f"{qname}: {typ} {mod_name!r} has no 2-D weight (weight shape {shape}); "
+                "amaxd.modelopt knows linear layers ([out, in] weights) and ModelOpt's fused "
+                "experts")
+        _check_expert_indices(qname, mod_name, model, layout)
+        return "linear", owner, mod_name, attr
+    if _ATTENTION_ATTR.fullmatch(attr):
+        return "attention", owner, mod_name, attr
+    raise Unsupported(f"{qname}: {typ} {mod_name!r} has a quantizer {attr!r} that "
+                      "amaxd.modelopt does not know (it knows weight_quantizer, input_quantizer, "
+                      "output_quantizer of linear layers, *_bmm_quantizer / softmax_quantizer "
+                      "of attention, and ModelOpt's fused experts); it refuses rather than "
+                      "guess its placement")
+
+
+def _plan_fused(model, fname: str, fmod, layout: Layout, weight_blocks: bool,
+                handled: set) -> List[Entry]:
+    """The entries of the per-expert weight quantizers of one fused-experts
+    module: one amaxd quantizer per projection, experts on the first axis."""
+    import torch.nn as nn
+    TensorQuantizer = _tensor_quantizer_cls()
+    first, gated = _fused_attrs(fmod)
+    typ = type(fmod).__name__
+    n = int(getattr(fmod, "num_experts", -1))
+    etp_rank, etp = layout.etp
+    e_glob = n * layout.ep_size
+    out = []
+    for proj in (first, "down_proj"):
+        lname = f"{fname}.{proj}_weight_quantizers".lstrip(".")
+        qs = getattr(fmod, f"{proj}_weight_quantizers")
+        w = getattr(fmod, proj, None)
+        for q in qs.modules():
+            handled.add(id(q))
+        if not isinstance(w, (nn.Parameter, _torch().Tensor)) or w.dim() != 3:
+            raise Unsupported(f"{lname}: {typ} {fname!r} has no 3-D {proj} "
+                              f"(got {None if w is None else tuple(w.shape)})")
+        if not (len(qs) == n == w.shape[0]):
+            raise Unsupported(f"{lname}: {typ} {fname!r} has num_experts={n}, {len(qs)} "
+                              f"quantizers and {proj} of shape {tuple(w.shape)}; they must agree")
+        if not all(isinstance(q, TensorQuantizer) for q in qs):
+            kinds = sorted({type(q).__name__ for q in qs})
+            raise Unsupported(f"{lname}: per-expert quantizers of {typ} {fname!r} are {kinds}; "
+                              "amaxd.modelopt knows single TensorQuantizers")
+        enabled = [bool(q.is_enabled) for q in qs]
+        if not any(enabled):
+            continue
+        if not all(enabled):
+            off = [i for i, on in enumerate(enabled) if not on]
+            raise Unsupported(f"{lname}: experts {off} of {typ} {fname!r} have their weight "
+                              "quantizer disabled and the others not; amaxd.modelopt registers "
+                              "a projection's experts as one tensor and needs them alike")
+        kinds = {_classify(q, True, f"{lname}.{i}") for i, q in enumerate(qs)}
+        if len(kinds) != 1:
+            raise Unsupported(f"{lname}: the experts of {typ} {fname!r} are quantized "
+                              f"differently ({sorted(map(str, kinds))})")
+        kind = kinds.pop()
+        if kind is None or (kind == "mxfp8_blocks" and not weight_blocks):
+            continue
+        rows, cols = int(w.shape[1]), int(w.shape[2])
+        par = "packed_column" if (proj == first and gated) else "column" if proj == first \
+            else "row"
+        if par == "packed_column" and rows % 2:
+            raise Unsupported(f"{lname}: gated {proj} of {typ} {fname!r} has an odd number of "
+                              f"rows ({rows}); its gate and up halves cannot be told apart")
+        lead_g, lead_o, lead_l = (e_glob,), (layout.ep_rank * n,), (n,)
+        if par == "packed_column":
+            half = rows // 2
+            rows_g, rows_o, rows_l = (2, half * etp), (0, etp_rank * half), (2, half)
+        elif par == "column":
+            rows_g, rows_o, rows_l = (rows * etp,), (etp_rank * rows,), (rows,)
+        else:  # row-parallel: every expert-TP rank sees all rows, part of the columns
+            rows_g, rows_o, rows_l = (rows,), (0,), (rows,)
+        grid = None
+        global_axes = 0
+        if kind == "fp8_tensor":
+            gshape, pl = lead_g, P.Placement(lead_o, lead_l)
+        elif kind == "fp8_channel":
+            gshape = lead_g + rows_g
+            pl = P.Placement(lead_o + rows_o, lead_l + rows_l)
+            grid = (gshape, pl)
+        else:
+            bsz = 32 if kind == "mxfp8_blocks" else 16
+            if cols % bsz:
+                raise ValueError(f"{lname}: {cols} input features are not a multiple of {bsz}")
+            nb = cols // bsz
+            if par == "row":
+                cols_g, cols_o = nb * etp, etp_rank * nb
+            else:
+                cols_g, cols_o = nb, 0
+            gshape = lead_g + rows_g + (cols_g,)
+            pl = P.Placement(lead_o + rows_o + (cols_o,), lead_l + rows_l + (nb,))
+            grid = (gshape, pl)
+            if kind.startswith("nvfp4"):
+                global_axes = 1  # one global amax (S_enc) per expert
+            if not weight_blocks:
+                gshape, pl, global_axes = lead_g, P.Placement(lead_o, lead_l), 0
+        spec = Quantizer(global_name(model, lname, layout), gshape, _recipe(kind), pl,
+                         global_axes=global_axes)
+        out.append(Entry(lname, spec.name, qs, fmod, "fused_" + kind, spec, w, par, None, False,
+                         grid, weight_blocks))
+    return out
+
+
 def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_COLUMN,
          row: Sequence[str] = DEFAULT_ROW, moe_share: bool = True, weight_blocks: bool = True,
-         shared_patterns: Optional[Sequence[str]] = None) -> List[Entry]:
+         shared_patterns: Optional[Sequence[str]] = None,
+         cold_experts: str = "leave") -> List[Entry]:
     """The quantizers of `model` (this rank's shard) that amaxd reconciles,
     with their specs and placements. `column` / `row`: name patterns
     (fnmatch, on the full module name or its last component) of column- and
@@ -281,7 +554,15 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
     `weight_blocks=False` registers NVFP4 weights as their per-tensor amax
     only (what ModelOpt's export needs reconciled: the blocks of a shard are
     its own) and leaves MXFP8 weights out: a catalog of one cell per weight
-    instead of one per 16 weights."""
+    instead of one per 16 weights. `cold_experts`: what an input quantizer
+    of a routed expert that no rank fed gets when ModelOpt does not unify
+    the block's experts: "leave" (the default) leaves it without ``_amax``,
+    as a single-process ModelOpt calibration does; "fill" gives it the max
+    over the layer's experts that got tokens (a peer group per projection,
+    ``peer_mode="fill"``). Raises :class:`Unsupported` for a quantizer whose
+    module it does not know."""
+    if cold_experts not in ("leave", "fill"):
+        raise ValueError(f"cold_experts={cold_experts!r}: use 'leave' or 'fill'")
     TensorQuantizer = _tensor_quantizer_cls()
     if shared_patterns is None:
         from modelopt.torch.quantization.utils import SHARED_PATTERNS
@@ -289,31 +570,36 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
     shared = _shared_groups(model, shared_patterns)
     share_ok = supports_share()
     entries = []
+    handled = set()  # quantizers of fused experts' per-expert lists
+    for fname, fmod in model.named_modules():
+        if _fused_attrs(fmod) is not None:
+            entries.extend(_plan_fused(model, fname, fmod, layout, weight_blocks, handled))
     for qname, q in model.named_modules():
-        if not isinstance(q, TensorQuantizer) or not q.is_enabled:
+        if not isinstance(q, TensorQuantizer) or id(q) in handled or not q.is_enabled:
             continue
-        if "." not in qname:
-            continue
-        mod_name, attr = qname.rsplit(".", 1)
-        module = model.get_submodule(mod_name)
-        is_weight = attr.endswith("weight_quantizer")
-        kind = _classify(q, is_weight)
+        role, module, mod_name, attr = _resolve(model, qname, q, layout)
+        is_weight = role == "linear" and attr == "weight_quantizer"
+        kind = _classify(q, is_weight, qname)
         if kind is None:
             continue
-        weight = None
-        if is_weight:
-            wname = attr[:-len("weight_quantizer")].rstrip("_") or "weight"
-            weight = getattr(module, wname, None)
-            if weight is None or weight.dim() != 2:
-                raise ValueError(f"{qname}: a 2-D weight {wname!r} is needed")
+        if not is_weight and kind not in _PER_TENSOR:
+            raise Unsupported(f"{qname}: an activation quantizer with a {kind} amax; "
+                              "amaxd.modelopt knows per-tensor activation amax")
+        par = _parallel_kind(module, mod_name, column, row) if role == "linear" else "replicated"
+        weight = module.weight if is_weight else None
         gname, expert, owner = _global_name(model, qname, layout)
-        par = _parallel_kind(module, mod_name, column, row)
         tp_rank, tp = layout.etp if expert is not None else (layout.tp_rank, layout.tp_size)
+        if attr == "output_quantizer" and par == "row" and tp > 1:
+            raise Unsupported(f"{qname}: the output of row-parallel {mod_name!r} is a partial "
+                              "sum on each TP rank; its amax cannot be reconciled by a max")
         peer_share = False
         peer_group = ""
+        peer_mode = None
         scale_group = ""
         if expert is not None and not is_weight:
             owner_mod = model.get_submodule(owner) if owner else model
+            rel = gname[len(owner) + 1:] if owner else gname
+            rel = _EXPERTS.sub(r"\1\2.*", rel, count=1)
             if (hasattr(owner_mod, "layer_sync_moe_local_experts_amax")
                     and getattr(owner_mod, "_moe_calib_experts_ratio", None) is None):
                 if not moe_share:
@@ -323,10 +609,11 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
                         f"{qname}: ModelOpt gives every expert of {owner or 'the model'} the "
                         "max over experts; that needs a peer group in share mode, which this "
                         "amaxd client lacks (pass moe_share=False to leave these quantizers out)")
-                rel = gname[len(owner) + 1:] if owner else gname
-                rel = _EXPERTS.sub(r"\1\2.*", rel, count=1)
                 peer_group = (owner + "." if owner else "") + rel
                 peer_share = True
+                peer_mode = "share"
+            elif cold_experts == "fill":
+                peer_group = (owner + "." if owner else "") + rel
         if kind == "mxfp8_blocks" and not weight_blocks:
             continue
         if kind == "nvfp4_static" and mod_name in shared:
@@ -335,7 +622,7 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
             scale_group = f"{gparent}.shared_weight_global_amax.{i}".lstrip(".")
 
         grid = None
-        if kind in ("fp8_tensor", "nvfp4_tensor"):
+        if kind in _PER_TENSOR:
             gshape, pl = (), None
         elif kind == "fp8_channel":
             rows = weight.shape[0]
@@ -362,56 +649,97 @@ def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_CO
             grid = (gshape, pl)
             if not weight_blocks:
                 gshape, pl = (), None
-        if kind == "fp8_tensor" or kind == "fp8_channel":
-            recipe = Recipe.fp8_current(output="modelopt")
-        elif kind == "nvfp4_static":
-            recipe = Recipe.nvfp4("modelopt_static", output="modelopt")
-        elif kind.startswith("nvfp4"):
-            recipe = Recipe.nvfp4("modelopt", output="modelopt")
-        else:
-            recipe = Recipe.mxfp8("modelopt")
         kw = {}
-        if peer_share:
-            kw["peer_mode"] = "share"
-        spec = Quantizer(gname, gshape, recipe, pl, peer_group=peer_group,
+        if peer_mode is not None:
+            kw["peer_mode"] = peer_mode
+        spec = Quantizer(gname, gshape, _recipe(kind), pl, peer_group=peer_group,
                          scale_group=scale_group, **kw)
         entries.append(Entry(qname, gname, q, module, kind, spec, weight, par, expert, peer_share,
                              grid, weight_blocks))
     return entries
 
 
+def _block_amax(w, bsz: int):
+    """|w| max over blocks of `bsz` along the last axis (float32)."""
+    a = w.detach().float().abs()
+    return a.reshape(*a.shape[:-1], a.shape[-1] // bsz, bsz).amax(dim=-1)
+
+
+def _check_max_calibrated(name: str, amax, blocks, static: bool):
+    """Max calibration gives the weight's block amax (static) or its max
+    (dynamic); an algorithm that refines them (MSE, AWQ, ...) would be
+    overwritten by the write-back: refuse rather than do that."""
+    torch = _torch()
+    cal = amax.detach().float()
+    ok = (torch.equal(cal.reshape(blocks.shape), blocks) if static
+          else cal.numel() == 1 and torch.equal(cal.reshape(()), blocks.amax()))
+    if not ok:
+        raise ValueError(f"{name}: _amax is not the weight's max calibration "
+                         "(another calibration algorithm?); amaxd.modelopt reconciles "
+                         "max-calibrated weights")
+
+
+def _usable(amax) -> bool:
+    """Whether a quantizer's _amax is data: not absent, meta or NaN
+    (load_calib_amax(strict=False))."""
+    torch = _torch()
+    return amax is not None and not amax.is_meta and not bool(torch.isnan(amax).any())
+
+
+def _fused_local_amax(e: Entry):
+    torch = _torch()
+    kind = e.base_kind
+    qs = list(e.quantizer)
+    n = len(qs)
+    if kind in ("fp8_tensor", "fp8_channel"):
+        local = e.spec.placement.local_shape
+        vals = torch.zeros(local)
+        nodata = torch.zeros(local, dtype=torch.bool)
+        for i, q in enumerate(qs):
+            a = getattr(q, "_amax", None)
+            if _usable(a):
+                vals[i] = a.detach().float().reshape(local[1:])
+            else:
+                nodata[i] = True
+        return Masked(vals, nodata) if bool(nodata.any()) else vals.numpy()
+    bsz = 32 if kind == "mxfp8_blocks" else 16
+    with torch.no_grad():
+        blocks = _block_amax(e.weight, bsz)  # [n, R, C/bsz]
+    if kind != "mxfp8_blocks":
+        for i, q in enumerate(qs):
+            a = getattr(q, "_amax", None)
+            if a is not None:
+                _check_max_calibrated(f"{e.local_name}.{i}", a, blocks[i],
+                                      kind == "nvfp4_static")
+    if not e.blocks:
+        return blocks.reshape(n, -1).amax(dim=1).cpu().numpy()
+    return blocks.reshape(e.grid[1].local_shape).cpu().numpy()
+
+
 def _local_amax(e: Entry):
     """This rank's amax block of an entry (numpy float32), or a Masked one
     when the quantizer saw no data."""
     torch = _torch()
+    if e.fused:
+        return _fused_local_amax(e)
     if e.kind in ("nvfp4_blocks", "nvfp4_static", "mxfp8_blocks"):
         bsz = 32 if e.kind == "mxfp8_blocks" else 16
         with torch.no_grad():
-            w = e.weight.detach().float()
-            a = w.abs().reshape(w.shape[0], w.shape[1] // bsz, bsz).amax(dim=-1)
+            a = _block_amax(e.weight, bsz)
         amax = getattr(e.quantizer, "_amax", None)
         if amax is not None and e.kind != "mxfp8_blocks":
-            # Max calibration gives the weight's block amax (static) or its
-            # max (dynamic); an algorithm that refines them (MSE, AWQ, ...)
-            # would be overwritten by the write-back: refuse rather than do that.
-            cal = amax.detach().float()
-            ok = (torch.equal(cal.reshape(a.shape), a) if e.kind == "nvfp4_static"
-                  else cal.numel() == 1 and torch.equal(cal.reshape(()), a.amax()))
-            if not ok:
-                raise ValueError(f"{e.local_name}: _amax is not the weight's max calibration "
-                                 "(another calibration algorithm?); amaxd.modelopt reconciles "
-                                 "max-calibrated weights")
+            _check_max_calibrated(e.local_name, amax, a, e.kind == "nvfp4_static")
         if not e.blocks:
             return a.amax().cpu().numpy()
         return a.cpu().numpy()
     amax = getattr(e.quantizer, "_amax", None)
     if e.kind == "fp8_channel":
-        if amax is None:
+        if not _usable(amax):
             rows = e.grid[1].local_shape[0]
             return Masked(torch.zeros(rows), torch.ones(rows, dtype=torch.bool))
         return amax.detach().float().reshape(-1).cpu().numpy()
     # Per-tensor: no amax (or NaN from load_calib_amax(strict=False)) = no data.
-    if amax is None or amax.is_meta or bool(torch.isnan(amax).any()):
+    if not _usable(amax):
         return Masked(torch.zeros(()), torch.tensor(True))
     return amax.detach().float().reshape(()).cpu().numpy()
 
@@ -447,17 +775,95 @@ def _set_amax(q, values):
         q.amax = values
 
 
+def _set_global_amax(q, value):
+    torch = _torch()
+    g = torch.tensor(np.float32(value), dtype=torch.float32)
+    old = getattr(q, "_global_amax", None)
+    if old is not None:
+        with torch.no_grad():
+            old.data.copy_(g.to(old.device))  # tied across a shared group: in place
+    else:
+        q.global_amax = g
+
+
+def _no_data(r: Result) -> np.ndarray:
+    """The cells of a result that no rank fed (and no peer group filled),
+    as a bool array shaped like r.amax. The daemon reports how many there
+    are (``missing``) and gives them amax 0; when the zero cells are exactly
+    that many they are those cells, otherwise which ones they are is not
+    known and this raises rather than guess."""
+    amax = np.asarray(r.amax)
+    if not r.missing:
+        return np.zeros(amax.shape, dtype=bool)
+    zero = amax == 0
+    if int(zero.sum()) != int(r.missing):
+        raise RuntimeError(f"{r.name}: {r.missing} cells got no data from any rank but "
+                           f"{int(zero.sum())} cells read 0; amaxd.modelopt cannot tell which "
+                           "ones had no data and will not write 0 into them")
+    return zero
+
+
+def _whole_or_nothing(name: str, nodata: np.ndarray) -> bool:
+    """True when a quantizer's cells all had data, False when none had
+    (leave it as it is); raises for a partly fed per-channel/block amax,
+    which ModelOpt cannot hold."""
+    if not nodata.any():
+        return True
+    if nodata.all():
+        return False
+    raise RuntimeError(f"{name}: {int(nodata.sum())} of {nodata.size} cells got no data from "
+                       "any rank; ModelOpt's _amax cannot be partly absent and amaxd.modelopt "
+                       "will not write 0 into it")
+
+
+def _write_back_fused(e: Entry, r: Result):
+    torch = _torch()
+    kind = e.base_kind
+    if kind == "mxfp8_blocks":
+        return
+    nodata = _no_data(r)
+    for i, q in enumerate(e.quantizer):
+        qn = f"{e.local_name}.{i}"
+        if not _whole_or_nothing(qn, nodata[i]):
+            continue
+        if kind == "fp8_tensor":
+            _set_amax(q, torch.tensor(np.float32(r.amax[i]), dtype=torch.float32))
+        elif kind == "fp8_channel":
+            _set_amax(q, torch.from_numpy(np.array(r.amax[i], np.float32)).reshape(-1, 1))
+        elif not e.blocks:  # NVFP4 as the per-expert amax [E]
+            g = np.float32(r.amax[i])
+            if kind == "nvfp4_blocks":
+                _set_amax(q, torch.tensor(g, dtype=torch.float32))
+            else:
+                _set_global_amax(q, g)
+        else:
+            g = np.float32(r.global_amaxes[i])
+            if kind == "nvfp4_blocks":
+                _set_amax(q, torch.tensor(g, dtype=torch.float32))
+            else:  # static: the expert's blocks, as reconciled, and its own global
+                _set_amax(q, torch.from_numpy(np.array(r.amax[i], np.float32)).reshape(-1, 1))
+                _set_global_amax(q, g)
+
+
 def write_back(entries: Sequence[Entry], results: Dict[str, Result]):
     """Writes the reconciled amax into the quantizers: ``_amax`` of
     per-tensor and per-channel quantizers and of dynamic NVFP4 weights (the
     global amax), ``_amax`` (blocks) and ``_global_amax`` of static NVFP4
-    weights. MXFP8 weights keep no amax in ModelOpt."""
+    weights; fused experts' per-expert quantizers each get their expert's.
+    MXFP8 weights keep no amax in ModelOpt. A quantizer that no rank fed
+    (and no peer group filled) is left as it is, without ``_amax``, as a
+    single-process calibration leaves it: never 0."""
     torch = _torch()
     for e in entries:
         r = results[e.name]
+        if e.fused:
+            _write_back_fused(e, r)
+            continue
         if e.kind == "mxfp8_blocks":
             continue
-        if e.kind in ("fp8_tensor", "nvfp4_tensor"):
+        if not _whole_or_nothing(e.local_name, _no_data(r)):
+            continue
+        if e.kind in _PER_TENSOR:
             _set_amax(e.quantizer, torch.tensor(np.float32(r.amax.reshape(())), dtype=torch.float32))
         elif e.kind == "fp8_channel":
             _set_amax(e.quantizer, torch.from_numpy(r.amax.copy()).reshape(-1, 1))
@@ -466,13 +872,7 @@ def write_back(entries: Sequence[Entry], results: Dict[str, Result]):
         elif e.kind == "nvfp4_static":
             if e.blocks:  # the shard's own blocks, as reconciled
                 _set_amax(e.quantizer, torch.from_numpy(r.amax.copy()).reshape(-1, 1))
-            g = torch.tensor(np.float32(r.global_amax), dtype=torch.float32)
-            old = getattr(e.quantizer, "_global_amax", None)
-            if old is not None:
-                with torch.no_grad():
-                    old.data.copy_(g.to(old.device))  # tied across a shared group: in place
-            else:
-                e.quantizer.global_amax = g
+            _set_global_amax(e.quantizer, r.global_amax)
 
 
 def sync(client, model, layout: Layout = Layout(), **plan_kw) -> Dict[str, Result]:
