@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "log.h"
 
 enum { REQ_JOIN = 1, REQ_SYNC = 2, REQ_KVGET = 3 };
@@ -67,6 +68,7 @@ typedef struct kv_entry {
 
 struct amx_coord {
     uint64_t incarnation;
+    uint64_t started_ms; /* CLOCK_MONOTONIC */
     uint64_t join_timeout_ms;
     cjob_t *jobs;
     uint32_t njobs;
@@ -310,6 +312,7 @@ amx_coord_t *amx_coord_create(uint64_t incarnation, uint64_t join_timeout_ms)
     amx_coord_t *co = calloc(1, sizeof(*co));
     if (co != NULL) {
         co->incarnation = incarnation;
+        co->started_ms = amx_now_ms();
         co->join_timeout_ms = join_timeout_ms;
     }
     return co;
@@ -329,12 +332,17 @@ static void kv_drop_prefix(amx_coord_t *co, const char *prefix)
     co->nkv = k;
 }
 
+void amx_coord_fail_all(amx_coord_t *co, const char *why)
+{
+    while (co->reqs != NULL)
+        req_fail(co, co->reqs, AMX_EUNAVAIL, why);
+}
+
 void amx_coord_destroy(amx_coord_t *co)
 {
     if (co == NULL)
         return;
-    while (co->reqs != NULL)
-        req_fail(co, co->reqs, AMX_EUNAVAIL, "the coordinator is shutting down");
+    amx_coord_fail_all(co, "the coordinator is shutting down");
     while (co->jobs != NULL) {
         cjob_t *j = co->jobs;
         co->jobs = j->next;
@@ -998,13 +1006,21 @@ void amx_coord_expire(amx_coord_t *co, uint64_t now_ms)
         if (r->kind == REQ_JOIN) {
             cjob_t *j = r->job;
             missing_list(j, missing, sizeof(missing));
-            if (missing[0] != '\0')
-                snprintf(msg, sizeof(msg),
-                         "Join of rank %u to job '%s' timed out after %llu ms: ranks %s never "
-                         "joined (check that every trainer of the job started and uses the same "
-                         "world size)",
-                         r->rank, j->name, (unsigned long long)co->join_timeout_ms, missing);
-            else
+            uint64_t up = now_ms > co->started_ms ? now_ms - co->started_ms : 0;
+            if (missing[0] != '\0') {
+                int k =
+                    snprintf(msg, sizeof(msg),
+                             "Join of rank %u to job '%s' timed out after %llu ms: ranks %s "
+                             "never joined (check that every trainer of the job started and "
+                             "uses the same world size)",
+                             r->rank, j->name, (unsigned long long)co->join_timeout_ms, missing);
+                if (up < 2 * co->join_timeout_ms + 1000 && k > 0 && (size_t)k < sizeof(msg))
+                    snprintf(msg + k, sizeof(msg) - (size_t)k,
+                             "; this coordinator started %llu ms ago: if it restarted, ranks "
+                             "that had joined before are known again when their daemons next "
+                             "reach it, at their trainers' next Reconcile",
+                             (unsigned long long)up);
+            } else
                 snprintf(msg, sizeof(msg),
                          "Join of rank %u to job '%s' timed out after %llu ms although every "
                          "rank is known to the coordinator (this is a bug: please report it "

@@ -155,6 +155,10 @@ void amx_coord_set_notify(amx_coord_t *co, amx_coord_notify_fn fn, void *ud);
 
 /* ---- common ---- */
 
+/* Fails every waiting request with UNAVAILABLE and `why` (the daemon is
+ * stopping); the coordinator stays usable. */
+void amx_coord_fail_all(amx_coord_t *co, const char *why);
+
 /* Withdraws a waiting request; its callback is not called. */
 void amx_coord_cancel(amx_coord_t *co, amx_creq_t *h);
 

@@ -56,7 +56,10 @@ struct amx_engine {
     uint64_t epoch, deadline;
     atomic_int abort_flag;
     amx_status_t abort_code; /* with abort_flag: the status to fail with (under mu) */
+    uint32_t abort_from;     /* the daemon that aborted it (AMX_ENGINE_LOCAL: this one) */
     int passed_on;           /* this attempt failed with another daemon's status and sentence */
+    int aborted_here;        /* ... or because this daemon aborted it (peer_why says why) */
+    char peer_why[768];
     char abort_why[768];
     amx_comm_t *comm;
     _Atomic uint64_t comm_gen;
@@ -127,15 +130,25 @@ static amx_status_t fail_aborted(amx_engine_t *e, const char *during)
     char why[sizeof(e->abort_why)];
     pthread_mutex_lock(&e->mu);
     amx_status_t code = e->abort_code;
+    uint32_t from = e->abort_from;
     snprintf(why, sizeof(why), "%s", e->abort_why);
     pthread_mutex_unlock(&e->mu);
+    const char *job = e->job->name;
+    unsigned long long ep = (unsigned long long)e->epoch;
+    if (from == AMX_ENGINE_LOCAL) {
+        if (e->res.st == AMX_OK) {
+            e->aborted_here = 1; /* the others hear `why` itself */
+            snprintf(e->peer_why, sizeof(e->peer_why), "%s", why);
+        }
+        return fail(e, AMX_EABORTED, "job '%s', epoch %llu: %s was aborted: %s", job, ep, during,
+                    why);
+    }
     if (code == AMX_OK || code == AMX_EABORTED)
-        return fail(e, AMX_EABORTED, "job '%s', epoch %llu: %s was aborted: %s", e->job->name,
-                    (unsigned long long)e->epoch, during, why);
+        return fail(e, AMX_EABORTED, "job '%s', epoch %llu: %s was aborted by daemon %u: %s", job,
+                    ep, during, from, why);
     if (e->res.st == AMX_OK)
         e->passed_on = 1; /* explained already by the daemon that failed */
-    return fail(e, code, "job '%s', epoch %llu failed on %s", e->job->name,
-                (unsigned long long)e->epoch, why);
+    return fail(e, code, "job '%s', epoch %llu failed on daemon %u: %s", job, ep, from, why);
 }
 
 /* ---- header ---- */
@@ -507,7 +520,7 @@ static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
     void *blob = NULL;
     size_t len = 0;
     amx_status_t st = amx_peer_call_fetch(j->eng->env.peer, addr, j->name, sr->seq, e->deadline,
-                                          (const volatile int *)&e->abort_flag, &blob, &len, &err);
+                                          &e->abort_flag, &blob, &len, &err);
     if (st != AMX_OK && atomic_load(&e->abort_flag))
         return fail_aborted(e, "fetching the job's state");
     if (st != AMX_OK)
@@ -551,8 +564,13 @@ static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
     e->res.publish = 1;
     amx_jobstate_free(&js);
     free(blob);
-    /* The donor's catalog becomes the working one at once, so that the
-     * replicated state and the job's layout never disagree. */
+    /* With the agreed catalog in this answer, the next step moves the
+     * imported state and the in-flight buffer (in the loop's layout: this
+     * daemon's proposals keep their provisional cells) to it together.
+     * Without one, the donor's catalog becomes the working one at once, so
+     * that the replicated state and the job's layout never disagree. */
+    if (sr->catalog_included)
+        return AMX_OK;
     amx_qspec_t **copy = calloc(e->imp_cat->n ? e->imp_cat->n : 1, sizeof(*copy));
     amx_catalog_t *target = NULL;
     int ok = copy != NULL;
@@ -585,7 +603,7 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
     snprintf(prefix, sizeof(prefix), "comm/%s/%016" PRIx64 "/%" PRIu64 "/", j->name, sr->coord_inc,
              sr->comm_gen);
     amx_kv_t kv;
-    amx_peer_kv(e->env.peer, (const volatile int *)&e->abort_flag, &kv);
+    amx_peer_kv(e->env.peer, &e->abort_flag, &kv);
     amx_comm_params_t p = {
         .rank = me,
         .size = (int)sr->members.npart,
@@ -706,8 +724,7 @@ static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out
     };
     amx_err_t err = {0};
     uint64_t t0 = amx_now_ms();
-    amx_status_t st =
-        amx_peer_call_sync(e->env.peer, &req, (const volatile int *)&e->abort_flag, out, &err);
+    amx_status_t st = amx_peer_call_sync(e->env.peer, &req, &e->abort_flag, out, &err);
     free(prop);
     free(resets);
     if (st != AMX_OK && atomic_load(&e->abort_flag))
@@ -1084,6 +1101,7 @@ static void run_epoch(amx_engine_t *e)
     e->last_reconciled = j->last_reconciled;
     e->synced = 0;
     e->passed_on = 0;
+    e->aborted_here = 0;
     uint64_t full_deadline = e->deadline;
     if (j->mship.npart <= 1) {
         if (j->nprop > 0 && adopt_locally(e) != AMX_OK)
@@ -1145,7 +1163,7 @@ out:
                 gen = e->last_gen;
             if (gen != 0 && !e->passed_on)
                 amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, e->res.st,
-                                    e->res.msg, 500);
+                                    e->aborted_here ? e->peer_why : e->res.msg, 500);
             drop_comm(e);
             e->need_sync = 1;
         }
@@ -1226,6 +1244,7 @@ void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
     atomic_store(&e->abort_flag, 0);
     e->abort_why[0] = '\0';
     e->abort_code = AMX_OK;
+    e->abort_from = AMX_ENGINE_LOCAL;
     e->have_work = 1;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
@@ -1236,7 +1255,8 @@ amx_epoch_result_t *amx_engine_result(amx_engine_t *e)
     return &e->res;
 }
 
-void amx_engine_abort(amx_engine_t *e, uint64_t gen, amx_status_t code, const char *why)
+void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint32_t from, amx_status_t code,
+                      const char *why)
 {
     pthread_mutex_lock(&e->mu);
     uint64_t cur = atomic_load(&e->comm_gen);
@@ -1248,6 +1268,7 @@ void amx_engine_abort(amx_engine_t *e, uint64_t gen, amx_status_t code, const ch
     }
     snprintf(e->abort_why, sizeof(e->abort_why), "%s", why);
     e->abort_code = code;
+    e->abort_from = from;
     if (e->have_work) {
         atomic_store(&e->abort_flag, 1);
         if (e->comm != NULL)

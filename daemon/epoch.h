@@ -84,10 +84,13 @@ amx_epoch_result_t *amx_engine_result(amx_engine_t *e);
 
 /* Any thread: abort the epoch in flight (when it uses communicator `gen`,
  * or any when gen is 0) and drop the communicator; the next epoch agrees
- * again. The epoch fails with `code` and the sentence `why` (another
- * daemon's failure, passed on), or with ABORTED when code is AMX_OK or
- * AMX_EABORTED. */
-void amx_engine_abort(amx_engine_t *e, uint64_t gen, amx_status_t code, const char *why);
+ * again. `from` is the cluster rank of the daemon that asked
+ * (AMX_ENGINE_LOCAL: this one). The epoch fails with ABORTED and `why`, or,
+ * when another daemon passes on its failure, with that `code` and its
+ * sentence `why` ("failed on daemon N: ..."). */
+#define AMX_ENGINE_LOCAL UINT32_MAX /* an abort of this daemon's own */
+void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint32_t from, amx_status_t code,
+                      const char *why);
 
 /* Loop thread, nothing in flight: stops the thread, frees everything. */
 void amx_engine_destroy(amx_engine_t *e);

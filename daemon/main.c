@@ -15,7 +15,9 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "cluster.h"
 #include "config.h"
+#include "coord.h"
 #include "log.h"
 #include "metrics.h"
 #include "notify.h"
@@ -31,8 +33,11 @@ typedef struct amx_daemon {
     uv_loop_t loop;
     amx_config_t cfg;
     amx_cluster_id_t id;
+    amx_cluster_t *cluster;
+    amx_coord_t *coord; /* rank 0 only */
     amx_peer_t *peer;
     amx_registry_t *reg;
+    amx_svc_t *svc;
     amx_rpc_t *rpc;
     amx_notify_t *notify;
     amx_metrics_t *metrics;
@@ -93,7 +98,8 @@ static void on_tick(uv_timer_t *t)
     amx_daemon_t *d = t->data;
     uint64_t now = amx__now_ms();
     amx_registry_expire(d->reg, now);
-    amx_peer_tick(d->peer, now);
+    if (d->coord != NULL)
+        amx_coord_expire(d->coord, now);
     trim_when_idle(d);
     if (d->metrics != NULL)
         amx_metrics_set_daemon(d->metrics, amx_rpc_calls(d->rpc), amx_registry_waiting(d->reg),
@@ -153,6 +159,29 @@ static void on_hup(uv_signal_t *s, int signum)
         AMX_ERROR("main", "SIGHUP: cannot re-open log file %s: %s", d->cfg.log_file, strerror(-rc));
     else
         AMX_INFO("main", "SIGHUP: log re-opened");
+}
+
+/* The cluster's objects, in the order they depend on each other. */
+static void free_cluster(amx_daemon_t *d)
+{
+    amx_peer_destroy(d->peer);
+    amx_coord_destroy(d->coord);
+    amx_cluster_free(d->cluster);
+    d->peer = NULL;
+    d->coord = NULL;
+    d->cluster = NULL;
+}
+
+/* The services and the transport that serves them. */
+static amx_status_t start_services(amx_daemon_t *d, double start, amx_err_t *err)
+{
+    AMX_CHECK(amx_service_create(&d->cfg, d->reg, d->cluster, d->coord, d->peer, start, &d->svc,
+                                 err));
+    amx_rpc_serve_t serve;
+    amx_service_serve(d->svc, &serve);
+    if (serve.peer_methods != NULL)
+        AMX_CHECK(amx_cluster_server_credentials(d->cluster, &serve.peer_creds, err));
+    return amx_rpc_start(&d->loop, &d->cfg, &serve, &d->rpc, err);
 }
 
 /* Start-up failed after the loop was made: closes what is open on it. */
@@ -253,19 +282,29 @@ int main(int argc, char **argv)
     uv_signal_start(&d.sig_int, on_stop_signal, SIGINT);
     uv_signal_start(&d.sig_hup, on_hup, SIGHUP);
     d.notify = amx_notify_create(&d.loop, sample_status, &d);
-    if (amx_peer_create(&d.loop, &d.cfg, &d.id, &d.peer, &err) != AMX_OK) {
+    if (amx_cluster_create(&d.cfg, &d.id, &d.cluster, &err) != AMX_OK) {
         AMX_ERROR("main", "%s", err.msg);
+        return fail_start(&d, err.msg);
+    }
+    if (d.id.rank == 0 &&
+        (d.coord = amx_coord_create(d.id.incarnation, (uint64_t)d.cfg.join_timeout_ms)) == NULL) {
+        amx_cluster_free(d.cluster);
+        return fail_start(&d, "out of memory");
+    }
+    if (amx_peer_create(&d.loop, &d.cfg, d.cluster, d.coord, &d.peer, &err) != AMX_OK) {
+        AMX_ERROR("main", "%s", err.msg);
+        free_cluster(&d);
         return fail_start(&d, err.msg);
     }
     if (amx_registry_create(&d.loop, &d.cfg, backend, d.peer, &d.reg, &err) != AMX_OK) {
         AMX_ERROR("main", "state backend %s: %s", backend, err.msg);
-        amx_peer_destroy(d.peer);
+        free_cluster(&d);
         return fail_start(&d, err.msg);
     }
     if (amx_registry_restore(d.reg, &err) != AMX_OK) {
         AMX_ERROR("main", "%s", err.msg);
         amx_registry_destroy(d.reg);
-        amx_peer_destroy(d.peer);
+        free_cluster(&d);
         return fail_start(&d, err.msg);
     }
     if (d.id.size > 1)
@@ -281,19 +320,20 @@ int main(int argc, char **argv)
             AMX_OK) {
             AMX_ERROR("main", "%s", err.msg);
             amx_registry_destroy(d.reg);
-            amx_peer_destroy(d.peer);
+            free_cluster(&d);
             return fail_start(&d, err.msg);
         }
         amx_registry_set_metrics(d.reg, d.metrics);
     }
-    if (amx_rpc_start(&d.loop, &d.cfg, d.reg, d.peer, start, &d.rpc, &err) != AMX_OK) {
+    if (start_services(&d, start, &err) != AMX_OK) {
         AMX_ERROR("main", "%s", err.msg);
         amx_registry_destroy(d.reg);
-        amx_peer_destroy(d.peer);
+        amx_service_free(d.svc);
+        free_cluster(&d);
         amx_metrics_free(d.metrics);
         return fail_start(&d, err.msg);
     }
-    amx_peer_attach(d.peer, d.reg, d.rpc);
+    amx_peer_set_rpc(d.peer, d.rpc);
     amx_rpc_set_metrics(d.rpc, d.metrics);
     uv_timer_init(&d.loop, &d.tick);
     d.tick.data = &d;
@@ -308,7 +348,8 @@ int main(int argc, char **argv)
 
     amx_registry_destroy(d.reg); /* joins the engine threads */
     uv_run(&d.loop, UV_RUN_DEFAULT);
-    amx_peer_destroy(d.peer);
+    amx_service_free(d.svc); /* after the registry's last drop hook */
+    free_cluster(&d);
     amx_rpc_free(d.rpc);         /* shuts gRPC down */
     amx_metrics_free(d.metrics); /* after the last writer (the loop) is done */
     if (uv_loop_close(&d.loop) != 0)

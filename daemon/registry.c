@@ -170,9 +170,15 @@ amx_status_t amx_registry_create(uv_loop_t *loop, const amx_config_t *cfg, const
 void amx_registry_shutdown(amx_registry_t *reg, const char *why)
 {
     reg->shutting_down = 1;
+    /* What the other daemons of a job in flight hear (the daemon's own
+     * trainers get `why`). */
+    char stop[320];
+    const amx_cluster_id_t *id = amx_peer_id(reg->peer);
+    snprintf(stop, sizeof(stop), "daemon %u (%s) is shutting down", id->rank,
+             id->advertise[0] ? id->advertise : "this host");
     for (amx_job_t *j = reg->jobs; j != NULL; j = j->next) {
         if (j->in_flight && j->eng != NULL)
-            amx_engine_abort(j->eng, 0, AMX_EABORTED, why);
+            amx_engine_abort(j->eng, 0, AMX_ENGINE_LOCAL, AMX_EABORTED, stop);
         amx__fail_all_waiters(reg, j, AMX_EUNAVAIL, why);
     }
 }
@@ -494,9 +500,7 @@ void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen,
              "job %s: daemon %u reports that communicator generation %llu failed "
              "(%s)",
              job, from, (unsigned long long)gen, reason);
-    char why[900];
-    snprintf(why, sizeof(why), "daemon %u: %s", from, reason);
-    amx_engine_abort(j->eng, gen, code, code == AMX_EABORTED ? reason : why);
+    amx_engine_abort(j->eng, gen, from, code, reason);
 }
 
 void amx_registry_peer_drop(amx_registry_t *reg, const char *job, uint32_t from)

@@ -72,9 +72,6 @@
 #include "guard.h"
 #include "metrics.h"
 #include "log.h"
-#include "peer.h"
-#include "service.h"
-#include "shm.h"
 #include "wire.h"
 
 /* absl_tune.cc: Abseil's deadlock detection off (a debugging aid that
@@ -86,7 +83,6 @@ void amx__absl_tune(void);
 #define UNKNOWN_TRAINER -1
 #define UNKNOWN_PEER -2
 #define CQ_THREADS 4
-#define SHM_MAX_REGIONS 4096         /* shared buffers of the packed form at once */
 #define MAX_HEADER_BLOCK (64 * 1024) /* bytes of one HEADERS + CONTINUATION block */
 
 enum { TAG_NEW, TAG_RECV, TAG_SEND, TAG_CLOSE, TAG_SHUTDOWN, TAG_CLIENT };
@@ -144,8 +140,7 @@ typedef struct event {
 struct amx_rpc {
     uv_loop_t *loop;
     const amx_config_t *cfg;
-    amx_svc_t svc;
-    uint32_t shm_max; /* shared buffers at most (descriptors kept from the guard) */
+    amx_rpc_serve_t serve; /* the caller's methods, context and hooks */
     grpc_server *server, *peer_server;
     int nservers, servers_shut;
     grpc_completion_queue *cq;
@@ -339,7 +334,7 @@ static void call_free(amx_call_t *c)
     if (c->waiter.on_cancel != NULL)
         c->waiter.on_cancel(&c->waiter);
     else if (c->waiter.job != NULL)
-        amx_registry_cancel(rpc->svc.reg, &c->waiter);
+        rpc->serve.cancel(rpc->serve.ctx, &c->waiter);
     if (c->request)
         protobuf_c_message_free_unpacked(c->request, NULL);
     amx_arena_free(&c->arena);
@@ -738,7 +733,7 @@ static void start_call(amx_rpc_t *rpc, amx_call_t *c)
             amx__call_reply(c, err.code, err.msg, NULL);
             return;
         }
-        m->raw(&rpc->svc, c, data, len);
+        m->raw(rpc->serve.ctx, c, data, len);
         return;
     }
     if (c->payload == NULL) {
@@ -754,7 +749,7 @@ static void start_call(amx_rpc_t *rpc, amx_call_t *c)
         amx__call_reply(c, err.code, err.msg, NULL);
         return;
     }
-    m->handler(&rpc->svc, c, c->request);
+    m->handler(rpc->serve.ctx, c, c->request);
 }
 
 static void on_recv(amx_call_t *c, int ok)
@@ -789,7 +784,8 @@ static void on_recv(amx_call_t *c, int ok)
     grpc_byte_buffer_destroy(c->recv_buf);
     c->recv_buf = NULL;
     if (st == AMX_OK) {
-        st = meth->raw_stream(&rpc->svc, data, len, &c->stream_accepted, &c->stream_epoch, &err);
+        st = meth->raw_stream(rpc->serve.ctx, data, len, &c->stream_accepted, &c->stream_epoch,
+                              &err);
     } else {
         AMX_WARN("rpc", "%s rejected after %llu accepted updates: %s", meth->path,
                  (unsigned long long)c->stream_accepted, err.msg);
@@ -980,7 +976,7 @@ static void dispatch(amx_rpc_t *rpc, event_t *ev)
             fn(&c->waiter);
         } else if (c->waiter.job != NULL) {
             /* Cancelled or past its deadline while waiting in the registry. */
-            amx_registry_cancel(rpc->svc.reg, &c->waiter);
+            rpc->serve.cancel(rpc->serve.ctx, &c->waiter);
         }
         maybe_free(c);
         break;
@@ -1092,48 +1088,38 @@ static grpc_server *make_server(const amx_config_t *cfg)
     return grpc_server_create(&cargs, NULL);
 }
 
-amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registry_t *reg,
-                           amx_peer_t *peer, double start_time, amx_rpc_t **out, amx_err_t *err)
+amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, const amx_rpc_serve_t *serve,
+                           amx_rpc_t **out, amx_err_t *err)
 {
     amx_status_t st = AMX_OK;
     int stale = 0;
+    grpc_server_credentials *pcreds = serve->peer_creds; /* ours to release from here on */
     if (cfg->socket[0] == '\0' && cfg->tcp[0] == '\0')
-        return amx_err_set(err, AMX_EINVAL, "neither socket nor tcp is set: nothing to listen on");
-    if (cfg->tcp[0] != '\0' && !cfg->allow_remote && !is_loopback(cfg->tcp))
-        return amx_err_set(err, AMX_EINVAL,
-                           "tcp=%s is not a loopback address; the API has no authentication, so "
-                           "set allow_remote=true only on a trusted network",
-                           cfg->tcp);
-    if (cfg->socket[0] != '\0')
-        AMX_CHECK(check_unix_path(cfg->socket, &stale, err));
-    int serve_peer = peer != NULL && amx_peer_id(peer)->size > 1;
-
-    amx_rpc_t *rpc = calloc(1, sizeof(*rpc));
-    if (rpc == NULL)
-        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+        st = amx_err_set(err, AMX_EINVAL, "neither socket nor tcp is set: nothing to listen on");
+    else if (cfg->tcp[0] != '\0' && !cfg->allow_remote && !is_loopback(cfg->tcp))
+        st = amx_err_set(err, AMX_EINVAL,
+                         "tcp=%s is not a loopback address; the API has no authentication, so "
+                         "set allow_remote=true only on a trusted network",
+                         cfg->tcp);
+    else if (cfg->socket[0] != '\0')
+        st = check_unix_path(cfg->socket, &stale, err);
+    int serve_peer = serve->peer_methods != NULL;
+    if (!serve_peer && pcreds != NULL) {
+        grpc_server_credentials_release(pcreds);
+        pcreds = NULL;
+    }
+    amx_rpc_t *rpc = st == AMX_OK ? calloc(1, sizeof(*rpc)) : NULL;
+    if (st == AMX_OK && rpc == NULL)
+        st = amx_err_set(err, AMX_ENOMEM, "out of memory");
+    if (st != AMX_OK) {
+        if (pcreds != NULL)
+            grpc_server_credentials_release(pcreds);
+        return st;
+    }
     rpc->loop = loop;
     rpc->cfg = cfg;
-    rpc->svc.reg = reg;
-    rpc->svc.peer = peer;
-    rpc->svc.cfg = cfg;
-    rpc->svc.start_time = start_time;
-    /* Each shared buffer holds two descriptors: an eighth of the limit at
-     * most, kept out of the socket guard's budget. */
-    struct rlimit rl;
-    rlim_t soft = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? rl.rlim_cur : 1024;
-    rpc->shm_max = soft / 16 < SHM_MAX_REGIONS ? (uint32_t)(soft / 16) : SHM_MAX_REGIONS;
-    if (amx_shm_create(cfg->shm_dir, (unsigned)cfg->socket_mode, rpc->shm_max, &rpc->svc.shm,
-                       err) != AMX_OK) {
-        if (amx_config_is_set(cfg, "shm_dir")) {
-            free(rpc);
-            return err->code;
-        }
-        AMX_WARN("rpc", "%s; shared-memory buffers are off", err->msg);
-        rpc->svc.shm = NULL;
-    }
-    if (rpc->svc.shm == NULL)
-        rpc->shm_max = 0;
-    amx_registry_on_drop(reg, amx_shm_drop_job, rpc->svc.shm);
+    rpc->serve = *serve;
+    rpc->serve.peer_creds = NULL;
     rpc->t_shutdown = (tag_t){NULL, TAG_SHUTDOWN};
     rpc->t_shutdown_peer = (tag_t){NULL, TAG_SHUTDOWN};
     pthread_mutex_init(&rpc->mu, NULL);
@@ -1150,12 +1136,11 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
         rpc->nservers = 2;
         grpc_server_register_completion_queue(rpc->peer_server, rpc->cq, NULL);
     }
-    register_methods(rpc, amx__methods, amx__n_methods);
+    register_methods(rpc, serve->methods, serve->nmethods);
     if (serve_peer)
-        register_methods(rpc, amx__peer_methods, amx__n_peer_methods);
+        register_methods(rpc, serve->peer_methods, serve->npeer_methods);
 
     grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
-    grpc_server_credentials *pcreds = NULL;
     if (cfg->socket[0] != '\0') {
         if (stale) {
             AMX_WARN("rpc", "removing stale socket %s", cfg->socket);
@@ -1184,8 +1169,7 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
         goto fail_creds;
     }
     if (serve_peer) {
-        const char *listen = amx_peer_id(peer)->listen;
-        AMX_CHECK_GOTO(amx_peer_server_credentials(peer, &pcreds, err), st, fail_creds);
+        const char *listen = serve->peer_listen;
         if (grpc_server_add_http2_port(rpc->peer_server, listen, pcreds) == 0) {
             st = amx_err_set(err, AMX_EIO,
                              "cannot listen for peers on %s (address in use, or not an address "
@@ -1205,7 +1189,7 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     rpc->wake.data = rpc;
     if (rpc->unix_path[0] != '\0' && cfg->socket_guard &&
         amx_guard_start(rpc->unix_path, (unsigned)cfg->socket_mode, rpc->server, MAX_HEADER_BLOCK,
-                        (uint32_t)cfg->max_connections, 2 * rpc->shm_max, &rpc->guard,
+                        (uint32_t)cfg->max_connections, serve->reserved_fds, &rpc->guard,
                         err) != AMX_OK) {
         st = err->code;
         goto fail_started;
@@ -1243,7 +1227,7 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registr
     if (cfg->tcp[0] != '\0')
         AMX_INFO("rpc", "listening on tcp %s", cfg->tcp);
     if (serve_peer)
-        AMX_INFO("rpc", "peer service listening on %s", amx_peer_id(peer)->listen);
+        AMX_INFO("rpc", "peer service listening on %s", serve->peer_listen);
     *out = rpc;
     return AMX_OK;
 
@@ -1262,9 +1246,6 @@ fail_creds:
     grpc_shutdown_blocking();
     pthread_mutex_destroy(&rpc->loop_mu);
     pthread_mutex_destroy(&rpc->mu);
-    amx_registry_on_drop(reg, NULL, NULL);
-    amx_shm_free(rpc->svc.shm);
-    amx__service_free(&rpc->svc);
     free(rpc);
     return st;
 fail_started:
@@ -1284,10 +1265,6 @@ fail_started:
     grpc_completion_queue_destroy(rpc->cq);
     grpc_shutdown_blocking();
     uv_close((uv_handle_t *)&rpc->wake, NULL);
-    amx_registry_on_drop(reg, NULL, NULL);
-    amx_shm_free(rpc->svc.shm);
-    rpc->svc.shm = NULL;
-    amx__service_free(&rpc->svc);
     return st; /* rpc is leaked deliberately: the async handle is closing */
 }
 
@@ -1358,7 +1335,7 @@ void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud
     if (rpc->stopping)
         return;
     rpc->stopping = 1;
-    rpc->svc.stopping = 1;
+    rpc->serve.stopping(rpc->serve.ctx);
     rpc->on_stopped = on_stopped;
     rpc->stopped_ud = ud;
     AMX_INFO("rpc", "stopping: %u calls in flight, grace %llu ms", amx_rpc_calls(rpc),
@@ -1368,16 +1345,13 @@ void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud
     grpc_server_shutdown_and_notify(rpc->server, rpc->cq, &rpc->t_shutdown);
     if (rpc->peer_server != NULL)
         grpc_server_shutdown_and_notify(rpc->peer_server, rpc->cq, &rpc->t_shutdown_peer);
-    /* The coordinator's waiting requests are calls of the peer server. */
-    if (rpc->svc.peer != NULL)
-        amx_peer_shutdown(rpc->svc.peer);
     /* Client calls would keep the queue from shutting down. */
     for (amx_ccall_t *cc = rpc->ccalls; cc != NULL; cc = cc->next)
         grpc_call_cancel(cc->call, NULL);
     /* Calls that wait for other ranks would outlast any grace period. */
     for (amx_call_t *c = rpc->calls; c != NULL; c = c->next) {
         if (c->waiter.job != NULL) {
-            amx_registry_cancel(rpc->svc.reg, &c->waiter);
+            rpc->serve.cancel(rpc->serve.ctx, &c->waiter);
             amx__call_reply(c, AMX_EUNAVAIL,
                             "amaxd is shutting down; the job's state is lost unless it was "
                             "snapshotted: re-join after the daemon restarts",
@@ -1448,8 +1422,6 @@ void amx_rpc_free(amx_rpc_t *rpc)
     free(rpc->queue);
     free(rpc->spare);
     free(rpc->scratch);
-    amx_shm_free(rpc->svc.shm); /* after amx_registry_destroy, its last drop hook */
-    amx__service_free(&rpc->svc);
     if (rpc->loop_locked)
         pthread_mutex_unlock(&rpc->loop_mu);
     pthread_mutex_destroy(&rpc->loop_mu);
@@ -1508,8 +1480,7 @@ void amx_rpc_trim(amx_rpc_t *rpc, size_t keep)
         rpc->scratch = NULL;
         rpc->scratch_cap = 0;
     }
-    amx__service_trim(&rpc->svc, keep);
-    amx_shm_trim(rpc->svc.shm, keep);
+    rpc->serve.trim(rpc->serve.ctx, keep);
 }
 
 uint32_t amx_rpc_calls(const amx_rpc_t *rpc)

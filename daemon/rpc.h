@@ -13,23 +13,112 @@
 #define AMX_RPC_H
 
 #include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <protobuf-c/protobuf-c.h>
 #include <uv.h>
 
+#include "arena.h"
 #include "config.h"
-#include "registry.h"
+#include "request.h"
 #include "status.h"
 
 typedef struct amx_rpc amx_rpc_t;
-typedef struct amx_peer amx_peer_t;
+typedef struct amx_call amx_call_t;
+
+/* The handlers' context: the caller's, opaque here (the services' amx_svc_t). */
+typedef struct amx_svc amx_svc_t;
+
+/* ---- the methods a server serves ---- */
+
+typedef void (*amx_handler_fn)(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *req);
+
+/* A method read without protobuf-c (the packed form): `data` is the whole
+ * serialized request, already checked by amx_wire_check against the
+ * method's descriptor, writable, and valid during the call only. */
+typedef void (*amx_raw_fn)(amx_svc_t *svc, amx_call_t *c, uint8_t *data, size_t len);
+
+/* One message of a raw client stream; an error ends the stream. */
+typedef amx_status_t (*amx_raw_stream_fn)(amx_svc_t *svc, uint8_t *data, size_t len,
+                                          uint64_t *accepted, uint64_t *epoch, amx_err_t *err);
+
+enum { AMX_SERVER_TRAINER = 0, AMX_SERVER_PEER = 1 };
+
+typedef struct amx_method {
+    const char *path; /* "/package.Service/Method" */
+    const ProtobufCMessageDescriptor *request;
+    amx_handler_fn handler;       /* unary methods */
+    int client_streaming;         /* StreamAmax, StreamPacked: raw_stream set */
+    int server;                   /* AMX_SERVER_* */
+    amx_raw_fn raw;               /* unary, read without protobuf-c (handler NULL) */
+    amx_raw_stream_fn raw_stream; /* client stream, read without protobuf-c */
+} amx_method_t;
+
+/* What the transport serves and whom it tells; all borrowed, outliving the
+ * server. Hooks run with the loop lock held. */
+typedef struct amx_rpc_serve {
+    const amx_method_t *methods; /* trainer server */
+    size_t nmethods;
+    const amx_method_t *peer_methods; /* peer server; NULL: none */
+    size_t npeer_methods;
+    const char *peer_listen;             /* host:port of the peer server */
+    grpc_server_credentials *peer_creds; /* taken over (released) by amx_rpc_start */
+    amx_svc_t *ctx;                      /* handed to every handler and hook */
+    /* The client of a call waiting in the registry went away (or the
+     * server stops): withdraw the waiter. */
+    void (*cancel)(amx_svc_t *ctx, amx_waiter_t *w);
+    /* Idle: give back what is kept from request to request over `keep`. */
+    void (*trim)(amx_svc_t *ctx, size_t keep);
+    /* The server begins to stop: fail what waits outside the calls. */
+    void (*stopping)(amx_svc_t *ctx);
+    /* Descriptors the caller holds apart from connections (the socket
+     * guard leaves them out of its budget). */
+    uint32_t reserved_fds;
+} amx_rpc_serve_t;
 
 /* Creates the servers, binds the Unix socket and/or TCP address of `cfg`
- * (and the peer service's address when `peer` serves one), starts the
- * completion-queue threads and begins accepting calls on `loop`. Borrowed
- * arguments must outlive the server. On success the calling thread holds
- * the loop lock: it must run `loop` with amx_rpc_run, not uv_run, until the
- * server has stopped, and keeps the lock until amx_rpc_free. Loop thread. */
-amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, amx_registry_t *reg,
-                           amx_peer_t *peer, double start_time, amx_rpc_t **out, amx_err_t *err);
+ * (and the peer service's address when `serve` has peer methods), starts
+ * the completion-queue threads and begins accepting calls on `loop`.
+ * Borrowed arguments must outlive the server. On success the calling
+ * thread holds the loop lock: it must run `loop` with amx_rpc_run, not
+ * uv_run, until the server has stopped, and keeps the lock until
+ * amx_rpc_free. Loop thread. */
+amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, const amx_rpc_serve_t *serve,
+                           amx_rpc_t **out, amx_err_t *err);
+
+/* ---- a call, for its handler (loop lock) ---- */
+
+/* Answers a call: status (AMX_OK with `resp`, or an error with `msg`). Each
+ * call is answered once; a call whose client is gone is dropped silently. */
+void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const ProtobufCMessage *resp);
+
+/*
+ * Answers a call with an already serialized message of `len` bytes in
+ * `buf`, handed to gRPC without a copy. Ownership passes to the call,
+ * which gives the bytes up once sent, whatever happens: release(ud) (from
+ * any thread), or free(buf) when release is NULL.
+ */
+void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len, void (*release)(void *),
+                         void *ud);
+
+/* The waiter embedded in a call, for calls that may wait. */
+amx_waiter_t *amx__call_waiter(amx_call_t *c);
+
+/* The call whose waiter this is. */
+amx_call_t *amx__waiter_call(amx_waiter_t *w);
+
+/* An arena freed with the call: request views that must outlive the
+ * handler (a deferred Register). */
+amx_arena_t *amx__call_arena(amx_call_t *c);
+
+/* The value of request metadata `key` (not NUL-terminated; *len set), or
+ * NULL. */
+const char *amx__call_metadata(amx_call_t *c, const char *key, size_t *len);
+
+/* The caller's address ("ipv4:10.0.0.2:51234"), into buf. */
+void amx__call_peer(amx_call_t *c, char *buf, size_t len);
+
+/* The method path of a call. */
+const char *amx__call_method(amx_call_t *c);
 
 /*
  * Begins a graceful stop: no new calls, waiting calls fail with UNAVAILABLE,

@@ -1,10 +1,12 @@
 /*
- * service.c - one handler per trainer RPC: rpc.c decodes the message, this
- * file maps it to the registry's C request, calls the registry, logs
- * refused requests and maps the answer back to amaxd.v1 messages.
+ * service.c - the trainer-facing service: one handler per amaxd.v1 RPC
+ * (rpc.c decodes the message, the handler maps it to the registry's C
+ * request with codec.h, calls the registry, logs refused requests and
+ * maps the answer back), Health, and the services' object (service.h).
  */
 #include "service.h"
 
+#include <sys/resource.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -178,25 +180,6 @@ static void h_reconcile(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m
         reply_err(c, "Reconcile", &err);
 }
 
-static void recipe_in(const Amaxd__V1__Recipe *r, amx_recipe_in_t *out)
-{
-    memset(out, 0, sizeof(*out));
-    if (r == NULL)
-        return;
-    out->present = 1;
-    out->format = r->format;
-    out->rule = r->rule;
-    out->margin = r->margin;
-    out->history_len = r->history_len;
-    out->history_reduce = r->history_reduce;
-    out->eps = r->eps;
-    out->power_of_2 = r->power_of_2;
-    out->nvfp4_convention = r->nvfp4_convention;
-    out->output_convention = r->output_convention;
-    out->history_convention = r->history_convention;
-    out->mxfp8_convention = r->mxfp8_convention;
-}
-
 static void h_register(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__RegisterRequest *req = (const void *)m;
@@ -212,22 +195,8 @@ static void h_register(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         reply_err(c, "Register", &err);
         return;
     }
-    for (size_t i = 0; i < req->n_quantizers; i++) {
-        const Amaxd__V1__QuantizerSpec *s = req->quantizers[i];
-        in[i].name = s->name;
-        in[i].global_shape = s->global_shape;
-        in[i].ndim = s->n_global_shape;
-        recipe_in(s->recipe, &in[i].recipe);
-        in[i].accumulation = s->accumulation;
-        in[i].peer_group = s->peer_group;
-        in[i].scale_group = s->scale_group;
-        in[i].peer_mode = s->peer_mode;
-        in[i].global_axes = s->global_axes;
-        in[i].offset = s->offset;
-        in[i].n_offset = s->n_offset;
-        in[i].local_shape = s->local_shape;
-        in[i].n_local_shape = s->n_local_shape;
-    }
+    for (size_t i = 0; i < req->n_quantizers; i++)
+        amx_codec_spec_in(req->quantizers[i], &in[i]);
     *q = (amx_register_req_t){req->job, req->rank, in, req->n_quantizers};
     amx_waiter_t *w = amx__call_waiter(c);
     w->done = register_done;
@@ -235,147 +204,14 @@ static void h_register(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         reply_err(c, "Register", &err);
 }
 
-/* ---- reading a SendAmaxRequest in place ---- */
-
-static uint64_t get_varint(const uint8_t *p, size_t n, size_t *i);
-
-/* Skips the value of a field of wire type wt at *i (a message amx_wire_check
- * accepted: no groups, every length within the message). */
-static void skip_field(const uint8_t *d, size_t n, size_t *i, unsigned wt)
-{
-    if (wt == 0)
-        (void)get_varint(d, n, i);
-    else if (wt == 1)
-        *i += 8;
-    else if (wt == 5)
-        *i += 4;
-    else if (wt == 2)
-        *i += (size_t)get_varint(d, n, i);
-}
-
-/* Copies a string field into the request's string space (NUL-terminated). */
-static const char *take_str(amx_svc_t *svc, size_t *at, const uint8_t *p, size_t len)
-{
-    char *s = svc->strs + *at;
-    memcpy(s, p, len);
-    s[len] = '\0';
-    *at += len + 1;
-    return s;
-}
-
-/*
- * The registry's view of a SendAmaxRequest that amx_wire_check accepted,
- * read in place: values and has_data point into `d` (valid while it is),
- * names are copied NUL-terminated into the service's reused string space.
- * Same meaning as protobuf-c's unpacking (the last of a repeated scalar or
- * string wins; absent strings are ""), without an allocation of the
- * message's size.
- */
-amx_status_t amx__service_send_parse(amx_svc_t *svc, const uint8_t *d, size_t n, amx_send_req_t *q,
-                                     amx_err_t *err)
-{
-    /* Pass 1: how many updates, how much string space. */
-    size_t nup = 0, sbytes = 1, i = 0;
-    while (i < n) {
-        uint64_t tag = get_varint(d, n, &i);
-        unsigned wt = (unsigned)(tag & 7);
-        if (wt != 2) {
-            skip_field(d, n, &i, wt);
-            continue;
-        }
-        size_t len = (size_t)get_varint(d, n, &i), end = i + len;
-        if (tag >> 3 == 1) {
-            sbytes += len + 1;
-        } else if (tag >> 3 == 4) {
-            nup++;
-            sbytes += 1;
-            while (i < end) {
-                uint64_t t = get_varint(d, end, &i);
-                if ((t & 7) == 2 && t >> 3 == 1) {
-                    size_t k = (size_t)get_varint(d, end, &i);
-                    sbytes += k;
-                    i += k;
-                } else {
-                    skip_field(d, end, &i, (unsigned)(t & 7));
-                }
-            }
-        }
-        i = end;
-    }
-    if (nup + 1 > svc->ups_cap) {
-        amx_update_in_t *p = realloc(svc->ups, (nup + 1) * sizeof(*p));
-        if (p == NULL)
-            return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu updates", nup);
-        svc->ups = p;
-        svc->ups_cap = nup + 1;
-    }
-    if (sbytes > svc->strs_cap) {
-        char *p = realloc(svc->strs, sbytes);
-        if (p == NULL)
-            return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu updates", nup);
-        svc->strs = p;
-        svc->strs_cap = sbytes;
-    }
-    /* Pass 2: the fields. */
-    size_t at = 0, u = 0;
-    *q = (amx_send_req_t){take_str(svc, &at, (const uint8_t *)"", 0), 0, 0, svc->ups, nup};
-    i = 0;
-    while (i < n) {
-        uint64_t tag = get_varint(d, n, &i);
-        uint64_t f = tag >> 3; /* compared as in pass 1 */
-        unsigned wt = (unsigned)(tag & 7);
-        if (wt == 0 && (f == 2 || f == 3)) {
-            uint64_t v = get_varint(d, n, &i);
-            if (f == 2)
-                q->rank = (uint32_t)v;
-            else
-                q->epoch = v;
-            continue;
-        }
-        if (wt != 2) {
-            skip_field(d, n, &i, wt);
-            continue;
-        }
-        size_t len = (size_t)get_varint(d, n, &i), end = i + len;
-        if (f == 1) {
-            q->job = take_str(svc, &at, d + i, len);
-        } else if (f == 4) {
-            amx_update_in_t *up = &svc->ups[u++];
-            *up = (amx_update_in_t){"", NULL, 0, NULL, 0};
-            const uint8_t *name = NULL;
-            size_t name_len = 0;
-            while (i < end) {
-                uint64_t t = get_varint(d, end, &i);
-                if ((t & 7) != 2) {
-                    skip_field(d, end, &i, (unsigned)(t & 7));
-                    continue;
-                }
-                size_t k = (size_t)get_varint(d, end, &i);
-                if (t >> 3 == 1) {
-                    name = d + i;
-                    name_len = k;
-                } else if (t >> 3 == 2) {
-                    up->values = d + i;
-                    up->values_len = k;
-                } else if (t >> 3 == 3) {
-                    up->has_data = d + i;
-                    up->has_data_len = k;
-                }
-                i += k;
-            }
-            up->name = take_str(svc, &at, name != NULL ? name : (const uint8_t *)"", name_len);
-        }
-        i = end;
-    }
-    return AMX_OK;
-}
+/* ---- named updates ---- */
 
 static void h_send(amx_svc_t *svc, amx_call_t *c, uint8_t *data, size_t len)
 {
     Amaxd__V1__SendAmaxResponse resp = AMAXD__V1__SEND_AMAX_RESPONSE__INIT;
     amx_err_t err = {0};
     amx_send_req_t q;
-    if (amx__service_send_parse(svc, data, len, &q, &err) != AMX_OK ||
+    if (amx_codec_send_parse(&svc->scratch, data, len, &q, &err) != AMX_OK ||
         amx_registry_send(svc->reg, &q, &resp.accepted, &resp.epoch, &err) != AMX_OK)
         reply_err(c, "SendAmax", &err);
     else
@@ -387,7 +223,7 @@ static amx_status_t stream_named(amx_svc_t *svc, uint8_t *data, size_t len, uint
 {
     amx_send_req_t q;
     uint64_t n = 0, e = 0;
-    amx_status_t st = amx__service_send_parse(svc, data, len, &q, err);
+    amx_status_t st = amx_codec_send_parse(&svc->scratch, data, len, &q, err);
     if (st == AMX_OK)
         st = amx_registry_send(svc->reg, &q, &n, &e, err);
     if (st != AMX_OK) {
@@ -398,29 +234,6 @@ static amx_status_t stream_named(amx_svc_t *svc, uint8_t *data, size_t len, uint
     *accepted += n;
     *epoch = e;
     return AMX_OK;
-}
-
-void amx__service_trim(amx_svc_t *svc, size_t keep)
-{
-    if (svc->ups_cap * sizeof(*svc->ups) > keep) {
-        free(svc->ups);
-        svc->ups = NULL;
-        svc->ups_cap = 0;
-    }
-    if (svc->strs_cap > keep) {
-        free(svc->strs);
-        svc->strs = NULL;
-        svc->strs_cap = 0;
-    }
-}
-
-void amx__service_free(amx_svc_t *svc)
-{
-    free(svc->ups);
-    free(svc->strs);
-    svc->ups = NULL;
-    svc->strs = NULL;
-    svc->ups_cap = svc->strs_cap = 0;
 }
 
 static void h_get_scales(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
@@ -493,7 +306,7 @@ static void h_status(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     resp.pid = (uint32_t)getpid();
     resp.backend = (char *)amx_registry_backend(svc->reg);
     resp.collective = (char *)amx_registry_collective(svc->reg);
-    const amx_cluster_id_t *id = amx_peer_id(svc->peer);
+    const amx_cluster_id_t *id = amx_cluster_id(svc->cluster);
     resp.cluster_rank = id->rank;
     resp.cluster_size = id->size;
     resp.coordinator = (char *)id->coordinator;
@@ -579,21 +392,10 @@ static void h_list(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
             break;
         }
         amaxd__v1__quantizer_info__init(info);
-        amaxd__v1__recipe__init(rc);
+        amx_codec_recipe_out(&s->recipe, rc);
         info->name = s->name;
         info->n_global_shape = s->ndim;
         info->global_shape = (uint32_t *)s->shape;
-        rc->format = s->recipe.format;
-        rc->rule = s->recipe.rule;
-        rc->margin = s->recipe.margin;
-        rc->history_len = s->recipe.history_len;
-        rc->history_reduce = s->recipe.history_reduce;
-        rc->eps = s->recipe.eps;
-        rc->power_of_2 = s->recipe.power_of_2;
-        rc->nvfp4_convention = s->recipe.nvfp4_convention;
-        rc->output_convention = s->recipe.output_convention;
-        rc->history_convention = s->recipe.history_convention;
-        rc->mxfp8_convention = s->recipe.mxfp8_convention;
         info->recipe = rc;
         info->accumulation = s->accumulation;
         info->peer_group = s->peer_group;
@@ -614,8 +416,6 @@ static void h_list(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 }
 
 /* ---- the packed form ---- */
-
-static size_t packed_cap(size_t n, size_t q, size_t ns);
 
 static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
@@ -648,7 +448,8 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     amx_shm_region_t g;
     if (req->shm) {
         if (amx_shm_open(svc->shm, req->job, req->rank, l.id, l.total_cells,
-                         packed_cap(l.total_cells, l.n, l.total_slices), &g, &err) != AMX_OK) {
+                         amx_codec_packed_cap(l.total_cells, l.n, l.total_slices), &g,
+                         &err) != AMX_OK) {
             reply_err(c, "GetLayout", &err);
             amx_arena_free(&a);
             return;
@@ -662,62 +463,7 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     amx_arena_free(&a);
 }
 
-/* ---- writing a ReconcilePackedResponse in place ---- */
-
-#define F_ALIGN 31 /* ReconcilePackedResponse.align */
-#define ALIGN_TO 16
-
-static size_t varint_len(uint64_t v)
-{
-    size_t n = 1;
-    while (v >= 0x80) {
-        v >>= 7;
-        n++;
-    }
-    return n;
-}
-
-static size_t put_varint(uint8_t *p, uint64_t v)
-{
-    size_t n = 0;
-    while (v >= 0x80) {
-        p[n++] = (uint8_t)(v | 0x80);
-        v >>= 7;
-    }
-    p[n++] = (uint8_t)v;
-    return n;
-}
-
-/* Room an array field of n bytes may take, padding included. */
-static size_t array_room(size_t n)
-{
-    return 3 + ALIGN_TO + 2 + 10 + n;
-}
-
-/* Writes the header of bytes field `field` of n bytes at *pos, after a
- * padding field when needed so that the data starts ALIGN_TO-aligned in
- * memory; returns where the data goes. */
-static uint8_t *put_array(uint8_t *buf, size_t *pos, uint32_t field, size_t n)
-{
-    uint64_t tag = ((uint64_t)field << 3) | 2;
-    size_t h = varint_len(tag) + varint_len(n);
-    size_t mis = (uintptr_t)(buf + *pos + h) % ALIGN_TO;
-    if (mis != 0 && n > 0) {
-        size_t t = ALIGN_TO - mis; /* total bytes of the padding field, >= 3 */
-        while (t < 3)
-            t += ALIGN_TO;
-        size_t k = *pos;
-        k += put_varint(buf + k, ((uint64_t)F_ALIGN << 3) | 2); /* 2 bytes */
-        buf[k++] = (uint8_t)(t - 3);
-        memset(buf + k, 0, t - 3);
-        *pos = k + t - 3;
-    }
-    *pos += put_varint(buf + *pos, tag);
-    *pos += put_varint(buf + *pos, n);
-    uint8_t *d = buf + *pos;
-    *pos += n;
-    return d;
-}
+/* ---- ReconcilePacked ---- */
 
 typedef struct packed_out {
     amx_replybuf_t *rb; /* the rank's reused buffer (our reference) */
@@ -730,19 +476,11 @@ typedef struct packed_out {
     uint64_t shm_id; /* answer into this shared buffer; 0: over gRPC */
 } packed_out_t;
 
-/* The most bytes a packed answer of n cells, q quantizers and ns global
- * slices takes. */
-static size_t packed_cap(size_t n, size_t q, size_t ns)
-{
-    return 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) +
-           3 * array_room(4 * ns) + 64;
-}
-
 static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
 {
     packed_out_t *o = w->ext;
     size_t n = (size_t)p->ncells, q = p->nq, ns = (size_t)p->nslices;
-    o->cap = packed_cap(n, q, ns);
+    o->cap = amx_codec_packed_cap(n, q, ns);
     o->buf = NULL;
     if (o->shm_id != 0) {
         /* Built in place in the rank's answer file. */
@@ -759,26 +497,7 @@ static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
             return AMX_ENOMEM;
         o->buf = o->rb->data;
     }
-    size_t pos = 0;
-    p->amax = (float *)(void *)put_array(o->buf, &pos, 4, 4 * n);
-    p->scale = (float *)(void *)put_array(o->buf, &pos, 5, 4 * n);
-    p->scale_inv = (float *)(void *)put_array(o->buf, &pos, 6, 4 * n);
-    p->g_amax = (float *)(void *)put_array(o->buf, &pos, 8, 4 * q);
-    p->g_scale = (float *)(void *)put_array(o->buf, &pos, 9, 4 * q);
-    p->g_inv = (float *)(void *)put_array(o->buf, &pos, 10, 4 * q);
-    p->missing = (uint32_t *)(void *)put_array(o->buf, &pos, 11, 4 * q);
-    p->prev_amax = (float *)(void *)put_array(o->buf, &pos, 13, 4 * q);
-    p->prev_scale = (float *)(void *)put_array(o->buf, &pos, 14, 4 * q);
-    if (ns > 0) {
-        p->s_amax = (float *)(void *)put_array(o->buf, &pos, 17, 4 * ns);
-        p->s_scale = (float *)(void *)put_array(o->buf, &pos, 18, 4 * ns);
-        p->s_inv = (float *)(void *)put_array(o->buf, &pos, 19, 4 * ns);
-    }
-    p->block_scales = put_array(o->buf, &pos, 7, n);
-    p->has_previous = put_array(o->buf, &pos, 12, q);
-    o->pos = pos;
-    p->filled = put_array(o->buf, &pos, 16, n);
-    o->end = pos;
+    amx_codec_packed_layout(o->buf, p, &o->pos, &o->end);
     return AMX_OK;
 }
 
@@ -798,17 +517,8 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
     /* The fill marks only when a cell was filled; the scalars after. */
     size_t pos = p->peer_fill_known && p->nfilled > 0 ? o->end : o->pos;
     uint8_t *b = o->buf;
-    b[pos++] = (1 << 3) | 0;
-    pos += put_varint(b + pos, rep->epoch);
-    b[pos++] = (2 << 3) | 0;
-    pos += put_varint(b + pos, rep->next_epoch);
-    b[pos++] = (3 << 3) | 1;
-    memcpy(b + pos, &p->layout_id, 8); /* fixed64, little-endian host */
-    pos += 8;
-    if (p->peer_fill_known) {
-        b[pos++] = (15 << 3) | 0;
-        b[pos++] = 1;
-    }
+    pos = amx_codec_packed_finish(b, pos, rep->epoch, rep->next_epoch, p->layout_id,
+                                  p->peer_fill_known);
     amx_replybuf_t *rb = o->rb;
     o->buf = NULL;
     o->rb = NULL;
@@ -854,94 +564,13 @@ static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMes
         reply_err(c, "ReconcilePacked", &err);
 }
 
-/* ---- reading a SendPackedRequest in place ---- */
-
-typedef struct packed_in {
-    char job[AMX_MAX_JOB_NAME + 2];
-    uint32_t rank;
-    uint64_t epoch, layout_id, shm_id;
-    int shm_has_data;
-    uint8_t *values, *has_data;
-    size_t values_len, has_data_len;
-} packed_in_t;
-
-static uint64_t get_varint(const uint8_t *p, size_t n, size_t *i)
-{
-    uint64_t v = 0;
-    for (int shift = 0; *i < n && shift < 64; shift += 7) {
-        uint8_t b = p[(*i)++];
-        v |= (uint64_t)(b & 0x7f) << shift;
-        if (!(b & 0x80))
-            break;
-    }
-    return v;
-}
-
-/* The fields of a SendPackedRequest that amx_wire_check accepted (so every
- * tag, length and wire type is sound); the last of a repeated scalar
- * wins, as in protobuf. */
-static amx_status_t packed_parse(uint8_t *d, size_t n, packed_in_t *in, amx_err_t *err)
-{
-    memset(in, 0, sizeof(*in));
-    size_t i = 0;
-    while (i < n) {
-        uint64_t tag = get_varint(d, n, &i);
-        uint32_t f = (uint32_t)(tag >> 3);
-        switch (tag & 7) {
-        case 0: {
-            uint64_t v = get_varint(d, n, &i);
-            if (f == 2)
-                in->rank = (uint32_t)v;
-            else if (f == 3)
-                in->epoch = v;
-            else if (f == 8)
-                in->shm_has_data = v != 0;
-            break;
-        }
-        case 1:
-            if (f == 4)
-                memcpy(&in->layout_id, d + i, 8);
-            else if (f == 7)
-                memcpy(&in->shm_id, d + i, 8);
-            i += 8;
-            break;
-        case 5:
-            i += 4;
-            break;
-        case 2: {
-            size_t len = (size_t)get_varint(d, n, &i);
-            uint8_t *v = d + i;
-            i += len;
-            if (f == 1) {
-                if (len > AMX_MAX_JOB_NAME)
-                    return amx_err_set(err, AMX_EINVAL,
-                                       "SendPacked: a job name of %zu bytes; job names have 1..%d "
-                                       "characters",
-                                       len, AMX_MAX_JOB_NAME);
-                memcpy(in->job, v, len);
-                in->job[len] = '\0';
-            } else if (f == 5) {
-                in->values = v;
-                in->values_len = len;
-            } else if (f == 6) {
-                in->has_data = v;
-                in->has_data_len = len;
-            }
-            break;
-        }
-        default:
-            return amx_err_set(err, AMX_EINVAL, "SendPacked: a field of wire type %d",
-                               (int)(tag & 7));
-        }
-    }
-    return AMX_OK;
-}
+/* ---- SendPacked ---- */
 
 static amx_status_t send_packed(amx_svc_t *svc, uint8_t *data, size_t len, uint64_t *accepted,
                                 uint64_t *epoch, amx_err_t *err)
 {
-    packed_in_t in;
-    AMX_CHECK(packed_parse(data, len, &in, err));
+    amx_codec_packed_in_t in;
+    AMX_CHECK(amx_codec_packed_parse(data, len, &in, err));
     if (in.shm_id != 0) {
         if (in.values_len != 0 || in.has_data_len != 0)
             return amx_err_set(err, AMX_EINVAL,
@@ -1055,3 +684,86 @@ const amx_method_t amx__methods[] = {
 };
 #undef T
 const size_t amx__n_methods = sizeof(amx__methods) / sizeof(amx__methods[0]);
+
+/* ---- the services' object ---- */
+
+static void hook_cancel(amx_svc_t *svc, amx_waiter_t *w)
+{
+    amx_registry_cancel(svc->reg, w);
+}
+
+static void hook_trim(amx_svc_t *svc, size_t keep)
+{
+    amx_codec_scratch_trim(&svc->scratch, keep);
+    amx_shm_trim(svc->shm, keep);
+}
+
+static void hook_stopping(amx_svc_t *svc)
+{
+    svc->stopping = 1;
+    /* The coordinator's waiting requests are calls of the peer server. */
+    if (svc->coord != NULL)
+        amx_coord_fail_all(svc->coord, "the coordinator is shutting down");
+}
+
+amx_status_t amx_service_create(const amx_config_t *cfg, amx_registry_t *reg,
+                                const amx_cluster_t *cluster, amx_coord_t *coord, amx_peer_t *peer,
+                                double start_time, amx_svc_t **out, amx_err_t *err)
+{
+    amx_svc_t *svc = calloc(1, sizeof(*svc));
+    if (svc == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    svc->reg = reg;
+    svc->cfg = cfg;
+    svc->cluster = cluster;
+    svc->coord = coord;
+    svc->peer = peer;
+    svc->start_time = start_time;
+    /* Each shared buffer holds two descriptors: an eighth of the limit at
+     * most, kept out of the socket guard's budget. */
+    struct rlimit rl;
+    rlim_t soft = getrlimit(RLIMIT_NOFILE, &rl) == 0 ? rl.rlim_cur : 1024;
+    svc->shm_max = soft / 16 < SHM_MAX_REGIONS ? (uint32_t)(soft / 16) : SHM_MAX_REGIONS;
+    if (amx_shm_create(cfg->shm_dir, (unsigned)cfg->socket_mode, svc->shm_max, &svc->shm, err) !=
+        AMX_OK) {
+        if (amx_config_is_set(cfg, "shm_dir")) {
+            free(svc);
+            return err->code;
+        }
+        AMX_WARN("rpc", "%s; shared-memory buffers are off", err->msg);
+        svc->shm = NULL;
+    }
+    if (svc->shm == NULL)
+        svc->shm_max = 0;
+    amx_registry_on_drop(reg, amx_shm_drop_job, svc->shm);
+    if (coord != NULL)
+        amx_coord_set_notify(coord, amx__service_on_restart, svc);
+    *out = svc;
+    return AMX_OK;
+}
+
+void amx_service_serve(amx_svc_t *svc, amx_rpc_serve_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->methods = amx__methods;
+    out->nmethods = amx__n_methods;
+    if (svc->cluster != NULL && amx_cluster_id(svc->cluster)->size > 1) {
+        out->peer_methods = amx__peer_methods;
+        out->npeer_methods = amx__n_peer_methods;
+        out->peer_listen = amx_cluster_id(svc->cluster)->listen;
+    }
+    out->ctx = svc;
+    out->cancel = hook_cancel;
+    out->trim = hook_trim;
+    out->stopping = hook_stopping;
+    out->reserved_fds = 2 * svc->shm_max;
+}
+
+void amx_service_free(amx_svc_t *svc)
+{
+    if (svc == NULL)
+        return;
+    amx_shm_free(svc->shm);
+    amx_codec_scratch_trim(&svc->scratch, 0);
+    free(svc);
+}

@@ -33,6 +33,9 @@
 
 #include "status.h"
 
+/* Shared buffers of the packed form a daemon keeps at once, at most. */
+#define SHM_MAX_REGIONS 4096
+
 typedef struct amx_shm amx_shm_t;
 
 typedef struct amx_shm_region {

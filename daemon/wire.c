@@ -65,29 +65,9 @@ static amx_status_t bad(walk_t *w, size_t at, const char *what)
                        w->total, what, at);
 }
 
-/* A varint of at most `max` bytes (protobuf-c takes tags and lengths of
- * at most 5, values of at most 10). */
-static int varint_n(const uint8_t *p, size_t n, size_t *i, uint64_t *v, int max)
-{
-    uint64_t r = 0;
-    for (int k = 0, shift = 0; k < max; k++, shift += 7) {
-        if (*i >= n)
-            return -1;
-        uint8_t b = p[(*i)++];
-        if (shift == 63 && b > 1)
-            return -1; /* more than 64 bits */
-        r |= (uint64_t)(b & 0x7f) << shift;
-        if (!(b & 0x80)) {
-            *v = r;
-            return 0;
-        }
-    }
-    return -1;
-}
-
 static int varint(const uint8_t *p, size_t n, size_t *i, uint64_t *v)
 {
-    return varint_n(p, n, i, v, 10);
+    return amx_wire_varint(p, n, i, v, 10);
 }
 
 /* The wire type a (non-packed) value of this field has. */
@@ -193,7 +173,7 @@ static amx_status_t walk_msg(walk_t *w, const ProtobufCMessageDescriptor *d, con
     while (i < n) {
         size_t at = base + i;
         uint64_t tag;
-        if (varint_n(p, n, &i, &tag, 5) != 0 || tag > UINT32_MAX)
+        if (amx_wire_varint(p, n, &i, &tag, 5) != 0 || tag > UINT32_MAX)
             return bad(w, at, "a truncated or overlong field tag");
         uint64_t num = tag >> 3;
         int wt = (int)(tag & 7);
@@ -218,7 +198,7 @@ static amx_status_t walk_msg(walk_t *w, const ProtobufCMessageDescriptor *d, con
             i += 4;
             break;
         case WT_LEN:
-            if (varint_n(p, n, &i, &v, 5) != 0 || v > INT32_MAX || v > n - i)
+            if (amx_wire_varint(p, n, &i, &v, 5) != 0 || v > INT32_MAX || v > n - i)
                 return bad(w, at, "a length past the end of the message");
             val = p + i;
             vlen = (size_t)v;

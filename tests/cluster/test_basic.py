@@ -146,7 +146,8 @@ def test_peer_drop_closes_shared_buffers(make_cluster, tmp_path):
         assert len(buffers(0)) == 2  # slab and answer file of rank 0
         clients[1].reset(drop_job=True)  # on daemon 1
         deadline = time.monotonic() + 10
-        while "job pd dropped" not in c[0].log() and time.monotonic() < deadline:
+        # The drop is logged just before the buffers are closed: wait for both.
+        while ("job pd dropped" not in c[0].log() or buffers(0)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "job pd dropped" in c[0].log(), c.logs()
         assert buffers(0) == []

@@ -248,3 +248,50 @@ def test_coordinator_killed_during_agreement(make_cluster, state):
     check_everywhere(c, cls, want)
     for cl in cls.values():
         cl.close()
+
+
+@pytest.mark.parametrize("who", [0, 1], ids=["coordinator", "member"])
+def test_restarted_daemon_keeps_a_new_quantizer_of_the_epoch_it_catches_up_in(make_cluster, who):
+    """A daemon restarted without state_dir catches up from a donor in the
+    same agreement that adopts a quantizer its trainer has just registered:
+    that trainer's values of the epoch are kept (they were dropped with the
+    layout of the donor's catalog, silently: amax 0, missing 1)."""
+    c = make_cluster(2, f"--reconcile-timeout-ms={TIMEOUT_MS}")
+    fp8 = amaxd.Recipe.fp8_current()
+    a, late = amaxd.Quantizer("a", [], fp8), amaxd.Quantizer("late", [], fp8)
+    cls = [amaxd.Client("nl", r, 2, socket=c.socket(r), timeout=30) for r in range(2)]
+    out, errs = run_threads({r: (lambda r=r: (cls[r].join(), cls[r].register([a]),
+                                              cls[r].send({"a": 1.0 + r}), cls[r].reconcile()))
+                             for r in range(2)})
+    assert not errs, errs
+    other = 1 - who
+    c.kill(who)
+    c.start(who)
+    cls[who].close()
+    cls[who] = amaxd.Client("nl", who, 2, socket=c.socket(who), timeout=30)
+    cls[other].send({"a": 3.0})
+    errors = []
+
+    def restarted():
+        cls[who].join()
+        cls[who].register([a, late])  # 'late' is new, registered here only
+        cls[who].send({"a": 9.0, "late": 5.0})
+        return retry(cls[who].reconcile, errors)
+    fns = {who: restarted, other: lambda: retry(cls[other].reconcile, errors)}
+    out, errs = run_threads(fns)
+    assert not errs, f"{errs}\n{c.logs()}"
+    assert "caught up with daemon" in c[who].log(), c.logs()
+    got = out[who]["late"]
+    assert got.amax[()] == 5.0 and got.missing == 0, (got, c.logs())
+    for r in range(2):
+        assert out[r]["a"].amax[()] == 9.0, out[r]["a"]
+        w = cls[r].get_scales(whole=True)["late"]
+        assert w.amax[()] == 5.0 and w.missing == 0, (r, w)
+    # The running max keeps it.
+    cls[who].send({"late": 1.0})
+    out, errs = run_threads({r: (lambda r=r: cls[r].reconcile()) for r in range(2)})
+    assert not errs, errs
+    assert out[who]["late"].amax[()] == 5.0
+    assert whole(cls[0]) == whole(cls[1])
+    for cl in cls:
+        cl.close()

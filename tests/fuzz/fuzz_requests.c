@@ -14,7 +14,7 @@
  *
  * Oracles, besides the sanitizers: a request the wire check accepts must
  * unpack; its unpacked size must stay within the wire check's estimate; a
- * SendAmax request read in place (amx__service_send_parse) must equal its
+ * SendAmax request read in place (amx_codec_send_parse) must equal its
  * unpacking field for field; an answer must be a valid gRPC status and
  * pack within max_message_bytes.
  *
@@ -170,6 +170,8 @@ static uv_loop_t g_loop;
 static amx_config_t g_config;
 static amx_registry_t *g_reg;
 static amx_cluster_id_t g_id;
+static amx_cluster_t *g_cluster;
+static amx_coord_t *g_coord;
 static amx_peer_t *g_peer;
 static amx_svc_t g_svc;
 
@@ -214,13 +216,17 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
     uv_loop_init(&g_loop);
     if (amx_cluster_resolve(&g_config, (const char *(*)(const char *))getenv, &g_id, &err) !=
             AMX_OK ||
-        amx_peer_create(&g_loop, &g_config, &g_id, &g_peer, &err) != AMX_OK ||
+        amx_cluster_create(&g_config, &g_id, &g_cluster, &err) != AMX_OK ||
+        (g_coord = amx_coord_create(g_id.incarnation, 50)) == NULL ||
+        amx_peer_create(&g_loop, &g_config, g_cluster, g_coord, &g_peer, &err) != AMX_OK ||
         amx_registry_create(&g_loop, &g_config, "host", g_peer, &g_reg, &err) != AMX_OK) {
         fprintf(stderr, "fuzz: %s\n", err.msg);
         exit(2);
     }
     g_svc.reg = g_reg;
     g_svc.peer = g_peer;
+    g_svc.cluster = g_cluster;
+    g_svc.coord = g_coord;
     g_svc.cfg = &g_config;
     return 0;
 }
@@ -242,7 +248,7 @@ static void settle(amx_call_t *c)
     uv_run(&g_loop, UV_RUN_NOWAIT);
 }
 
-/* SendAmax is read in place (amx__service_send_parse): it must mean what
+/* SendAmax is read in place (amx_codec_send_parse): it must mean what
  * protobuf-c's unpacking means, field for field. */
 static int same_bytes(const uint8_t *a, size_t na, const uint8_t *b, size_t nb)
 {
@@ -253,7 +259,7 @@ static void same_as_protobuf_c(const uint8_t *p, size_t n, const Amaxd__V1__Send
 {
     amx_send_req_t q;
     amx_err_t err = {0};
-    if (amx__service_send_parse(&g_svc, p, n, &q, &err) != AMX_OK)
+    if (amx_codec_send_parse(&g_svc.scratch, p, n, &q, &err) != AMX_OK)
         return; /* out of memory: nothing to compare */
     if (strcmp(q.job, m->job) != 0 || q.rank != m->rank || q.epoch != m->epoch ||
         q.n != m->n_updates)

@@ -69,6 +69,8 @@ static rec_t *rec_new(void)
 static uv_loop_t loop;
 static uv_timer_t keep;
 static amx_config_t cfg;
+static amx_cluster_t *cluster;
+static amx_coord_t *coord;
 static amx_peer_t *peer;
 static amx_registry_t *reg;
 
@@ -83,7 +85,10 @@ static void make_registry(void)
     amx_err_t err = {0};
     amx_cluster_id_t id;
     ck_assert_int_eq(amx_cluster_resolve(&cfg, no_env, &id, &err), AMX_OK);
-    ck_assert_int_eq(amx_peer_create(&loop, &cfg, &id, &peer, &err), AMX_OK);
+    ck_assert_int_eq(amx_cluster_create(&cfg, &id, &cluster, &err), AMX_OK);
+    coord = amx_coord_create(id.incarnation, (uint64_t)cfg.join_timeout_ms);
+    ck_assert_ptr_nonnull(coord);
+    ck_assert_int_eq(amx_peer_create(&loop, &cfg, cluster, coord, &peer, &err), AMX_OK);
     ck_assert_int_eq(amx_registry_create(&loop, &cfg, "host", peer, &reg, &err), AMX_OK);
 }
 
@@ -106,6 +111,8 @@ static void teardown(void)
     uv_close((uv_handle_t *)&keep, NULL);
     uv_run(&loop, UV_RUN_DEFAULT);
     amx_peer_destroy(peer);
+    amx_coord_destroy(coord);
+    amx_cluster_free(cluster);
     ck_assert_int_eq(uv_loop_close(&loop), 0);
     for (size_t i = 0; i < ntracked; i++)
         free(tracked[i]);
@@ -264,9 +271,9 @@ START_TEST(join_timeout_names_missing_ranks)
     amx_join_req_t req = {"j", 0, 3};
     amx_err_t err = {0};
     ck_assert_int_eq(amx_registry_join(reg, &req, &a->w, 100, &err), AMX_OK);
-    amx_peer_tick(peer, 1099);
+    amx_coord_expire(coord, 1099);
     ck_assert_int_eq(a->called, 0);
-    amx_peer_tick(peer, 1100);
+    amx_coord_expire(coord, 1100);
     ck_assert_int_eq(a->called, 1);
     ck_assert_int_eq(a->st, AMX_ETIMEDOUT);
     ck_assert_msg(strstr(a->msg, "ranks 1, 2 never joined") != NULL, "%s", a->msg);
