@@ -14,9 +14,10 @@
  * opened with a complete header block that neither side has ended yet:
  * gRPC's frames are followed too, END_STREAM or RST_STREAM ends one),
  * "fresh" (no call open and none ever answered) or "idle" (no call open,
- * at least one answered). The fresh and the idle connections sit in two
- * lists per user and two for everyone, each in the order they entered it,
- * so that the one to evict is always a list head: O(1) per connection.
+ * at least one answered). The fresh and the idle connections of a user
+ * sit in two lists, each in the order they entered it, so that the one to
+ * evict is a list head: O(1) per connection, and O(users) to find the user
+ * holding the most connections at the guard-wide cap.
  * A connection whose answers go by splice (below) is no longer followed
  * and counts as in a call until it closes.
  */
@@ -61,8 +62,6 @@ enum { H2_END_STREAM = 0x1, H2_END_HEADERS = 0x4 };
 
 /* Where a connection stands for eviction: the two lists it may be in. */
 enum { TIER_NONE = -1, TIER_FRESH = 0, TIER_IDLE = 1, NTIERS = 2 };
-/* Each connection is linked twice: in the list of everyone and its user's. */
-enum { ALL = 0, USER = 1 };
 
 struct conn;
 
@@ -110,8 +109,8 @@ typedef struct conn {
     /* Admission (guard.h). */
     peer_t *peer; /* NULL once closing */
     int tier;
-    uint64_t since, born; /* loop ms: entered its tier, accepted */
-    struct conn *tprev[2], *tnext[2];
+    uint64_t since, born;       /* loop ms: entered its tier, accepted */
+    struct conn *tprev, *tnext; /* in its user's list of its tier */
     struct conn *prev, *next;
 } conn_t;
 
@@ -138,7 +137,6 @@ struct amx_guard {
     uint64_t buffered;                     /* bytes read and not yet written on, all connections */
     uint64_t accepted, shed, killed, evicted, last_shed_log, last_kill_log, last_evict_log;
     conn_t *conns;
-    tlist_t tiers[NTIERS]; /* fresh and idle connections of everyone */
     peer_t *peers[PEER_BUCKETS];
     char *spare[SPARE_CHUNKS]; /* free READ_CHUNK buffers */
     int nspare;
@@ -147,44 +145,33 @@ struct amx_guard {
 
 /* ---- admission: users, calls, tiers ---- */
 
-static void tl_push(tlist_t *l, conn_t *c, int k)
-{
-    c->tprev[k] = l->tail;
-    c->tnext[k] = NULL;
-    if (l->tail)
-        l->tail->tnext[k] = c;
-    else
-        l->head = c;
-    l->tail = c;
-}
-
-static void tl_del(tlist_t *l, conn_t *c, int k)
-{
-    if (c->tprev[k])
-        c->tprev[k]->tnext[k] = c->tnext[k];
-    else
-        l->head = c->tnext[k];
-    if (c->tnext[k])
-        c->tnext[k]->tprev[k] = c->tprev[k];
-    else
-        l->tail = c->tprev[k];
-    c->tprev[k] = c->tnext[k] = NULL;
-}
-
 static void set_tier(conn_t *c, int tier)
 {
-    amx_guard_t *g = c->g;
     if (c->tier == tier)
         return;
     if (c->tier != TIER_NONE) {
-        tl_del(&g->tiers[c->tier], c, ALL);
-        tl_del(&c->peer->tiers[c->tier], c, USER);
+        tlist_t *l = &c->peer->tiers[c->tier];
+        if (c->tprev)
+            c->tprev->tnext = c->tnext;
+        else
+            l->head = c->tnext;
+        if (c->tnext)
+            c->tnext->tprev = c->tprev;
+        else
+            l->tail = c->tprev;
+        c->tprev = c->tnext = NULL;
     }
     c->tier = tier;
     if (tier != TIER_NONE) {
-        c->since = uv_now(&g->loop);
-        tl_push(&g->tiers[tier], c, ALL);
-        tl_push(&c->peer->tiers[tier], c, USER);
+        tlist_t *l = &c->peer->tiers[tier];
+        c->since = uv_now(&c->g->loop);
+        c->tprev = l->tail;
+        c->tnext = NULL;
+        if (l->tail)
+            l->tail->tnext = c;
+        else
+            l->head = c;
+        l->tail = c;
     }
 }
 
@@ -686,12 +673,32 @@ static void shed(amx_guard_t *g, int fd, const char *why)
     }
 }
 
-/* The connection to close for a new one, from `tiers` (everyone's or one
- * user's): the fresh one that came first, else the idle one that has been
- * idle longest; NULL when every connection is in a call. */
-static conn_t *victim(const tlist_t *tiers)
+/* The connection of user `u` to close for a new one: the fresh one that
+ * came first, else the one idle longest; NULL when each is in a call. */
+static conn_t *victim(const peer_t *u)
 {
-    return tiers[TIER_FRESH].head != NULL ? tiers[TIER_FRESH].head : tiers[TIER_IDLE].head;
+    return u->tiers[TIER_FRESH].head != NULL ? u->tiers[TIER_FRESH].head : u->tiers[TIER_IDLE].head;
+}
+
+/* At the guard-wide cap: the victim of the user who holds the most
+ * connections and has one to give (on a tie, a fresh one before an idle
+ * one, then the one that entered its list first); NULL when every
+ * connection is in a call. A user under its own cap thus takes from the
+ * largest holder, never from a user who holds fewer. */
+static conn_t *largest_victim(amx_guard_t *g)
+{
+    conn_t *best = NULL;
+    for (int i = 0; i < PEER_BUCKETS; i++)
+        for (peer_t *u = g->peers[i]; u != NULL; u = u->next) {
+            conn_t *v = victim(u);
+            if (v == NULL)
+                continue;
+            if (best == NULL || u->n > best->peer->n ||
+                (u->n == best->peer->n &&
+                 (v->tier < best->tier || (v->tier == best->tier && v->since < best->since))))
+                best = v;
+        }
+    return best;
 }
 
 /* Closes `v` so that a connection of user `uid` gets its place (`limit`
@@ -741,9 +748,10 @@ static int give(amx_guard_t *g, int fd)
     return ok;
 }
 
-/* Admits connection `fd` (guard.h): past its user's cap or the guard's, the
- * oldest fresh connection (else the longest idle one) of that user, or of
- * everyone, makes room; when all of them are in a call, `fd` is refused. */
+/* Admits connection `fd` (guard.h): past its user's cap, the oldest fresh
+ * connection (else the one idle longest) of that user makes room; past the
+ * guard's, one of the user holding the most connections; when each of
+ * those is in a call, `fd` is refused. */
 static void take(amx_guard_t *g, int fd)
 {
     g->accepted++;
@@ -756,7 +764,7 @@ static void take(amx_guard_t *g, int fd)
         /* The per-user cap is the guard's own when nothing made it lower. */
         limit = g->max_per_uid < g->max_conn ? "max_connections_per_uid" : "max_connections";
         value = g->max_per_uid;
-        if ((v = victim(u->tiers)) == NULL) {
+        if ((v = victim(u)) == NULL) {
             char why[128];
             snprintf(why, sizeof(why), "user %u holds %u connections, each in a call (%s=%u)",
                      (unsigned)uid, u->n, limit, value);
@@ -765,7 +773,7 @@ static void take(amx_guard_t *g, int fd)
         }
     } else if (g->nconn >= g->max_conn) {
         limit = "max_connections", value = g->max_conn;
-        if ((v = victim(g->tiers)) == NULL) {
+        if ((v = largest_victim(g)) == NULL) {
             shed(g, fd, "connection limit reached, each connection in a call");
             return;
         }

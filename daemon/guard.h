@@ -17,10 +17,11 @@
  * SO_PEERCRED) at max_per_uid connections, or the guard at its connection
  * cap, one connection makes room: the oldest of those that have no call
  * open and never had a call answered, else the one idle longest since its
- * last call (of that user, resp. of everyone), closed with a log line. A
- * connection with a call open (a stream it opened that neither side has
- * ended) is never closed for another; only when every candidate is in a
- * call is the new connection refused.
+ * last call, of that user (at the guard's cap: of the user holding the
+ * most connections), closed with a log line. A connection with a call
+ * open (a stream it opened that neither side has ended) is never closed
+ * for another; only when every candidate is in a call is the new
+ * connection refused.
  */
 #ifndef AMX_GUARD_H
 #define AMX_GUARD_H

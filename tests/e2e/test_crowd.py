@@ -7,7 +7,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -134,6 +133,31 @@ def test_a_full_budget_of_calls_refuses_the_newcomer(start_daemon):
             rc.close()
 
 
+def test_idle_connections_that_called_make_room_last(start_daemon):
+    """Past the cap, a connection that never had a call answered goes
+    first; when there is none, the one idle longest since its last call."""
+    d = start_daemon("--max-connections=32", "--max-connections-per-uid=32",
+                     "--metrics-listen=127.0.0.1:0")
+    wait_for(lambda: metric(d, "amaxd_connections") == 0, "no connection")
+    conns = [RawConn(d.socket) for _ in range(32)]
+    try:
+        for rc in conns:
+            assert rc.status_of(rc.unary(HEALTH, b""))[0] == 0
+            rc.sock.setblocking(False)
+        newcomer = crowd.hold(d.socket, idle=1, preface=0)   # no fresh one: the oldest idle goes
+        assert crowd.closed([rc.sock for rc in conns], wait=1.0) == [0]
+        lat = crowd.fresh_health(d.socket, timeout=10.0)      # the fresh newcomer goes
+        assert lat is not None and lat < FRESH_LIMIT_S, lat
+        assert crowd.closed(newcomer.socks, wait=1.0) == [0]
+        assert crowd.closed([rc.sock for rc in conns[1:]]) == []
+        assert re.search(r"evicting the oldest idle connection \(user \d+, idle [\d.]+ s since "
+                         r"its last call\)", d.log())
+        newcomer.close()
+    finally:
+        for rc in conns:
+            rc.close()
+
+
 def metric(d, name):
     import test_metrics
     return test_metrics.scrape(test_metrics.port_of(d))[1].get((name, ()))
@@ -146,56 +170,82 @@ socks = []
 for _ in range(n):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
+    s.setblocking(False)
     socks.append(s)
 print("held", flush=True)
-sys.stdin.readline()
-gone = 0
-for s in socks:
-    s.setblocking(False)
-    try:
-        while True:
-            if not s.recv(65536):
-                gone += 1
-                break
-    except BlockingIOError:
-        pass
-    except OSError:
-        gone += 1
-print(gone, flush=True)
-sys.stdin.readline()
+gone = set()
+while sys.stdin.readline():       # each line: how many were closed so far
+    for i, s in enumerate(socks):
+        try:
+            while i not in gone:
+                if not s.recv(65536):
+                    gone.add(i)
+        except BlockingIOError:
+            pass
+        except OSError:
+            gone.add(i)
+    print(len(gone), flush=True)
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as a second user")
+class UserCrowd:
+    """n idle connections held by a child process running as `uid`."""
+
+    def __init__(self, sock, uid, n):
+        self.p = subprocess.Popen(
+            ["/usr/bin/python3", "-c", CHILD, sock, str(n)], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+            preexec_fn=lambda: (os.setgroups([]), os.setgid(uid), os.setuid(uid)))
+        assert self.p.stdout.readline().strip() == "held"
+
+    def closed(self):
+        self.p.stdin.write("\n")
+        self.p.stdin.flush()
+        return int(self.p.stdout.readline())
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait(10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as other users")
 def test_one_user_cannot_take_another_users_connections(start_daemon):
     """User nobody's crowd is capped at max_connections_per_uid and evicts
-    its own oldest connections, not the older idle ones of another user
-    (without the per-user cap, the guard-wide cap would take those first)."""
+    its own oldest connections, not the older idle ones of root (without
+    the per-user cap, the guard-wide cap would take those first); at the
+    guard-wide cap a third user's newcomer takes from the largest holder."""
     top = tempfile.mkdtemp(prefix="amaxd-crowd-")
     os.chmod(top, 0o711)
     sock = os.path.join(top, "amaxd.sock")
     d = start_daemon("--max-connections=64", "--max-connections-per-uid=32", "--socket-mode=0666",
                      socket=sock)
     mine = crowd.hold(sock, idle=8, preface=0)   # root's: older than the crowd, never call
-    child = subprocess.Popen(
-        ["/usr/bin/python3", "-c", CHILD, sock, "100"], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True,
-        preexec_fn=lambda: (os.setgroups([]), os.setgid(65534), os.setuid(65534)))
+    users = []
     try:
-        assert child.stdout.readline().strip() == "held"
+        nobody = UserCrowd(sock, 65534, 100)
+        users.append(nobody)
         crowd.wait_settled(d.proc.pid)
-        child.stdin.write("\n")
-        child.stdin.flush()
-        gone = int(child.stdout.readline())
-        assert gone == 100 - 32, f"{gone} of user nobody's 100 connections were closed"
+        assert nobody.closed() == 100 - 32, "user nobody's crowd is not capped at 32"
         assert crowd.closed(mine.socks, wait=0.5) == [], "another user's crowd evicted root's"
         lat = crowd.fresh_health(sock, timeout=10.0)
         assert lat is not None and lat < FRESH_LIMIT_S, lat
         assert "max_connections_per_uid=32 reached: evicting the oldest idle connection " \
                "(user 65534" in d.log()
+        # 8 + 32 + 24 = 64, the guard-wide cap; then one more of a fourth user.
+        third = UserCrowd(sock, 65533, 24)
+        users.append(third)
+        crowd.wait_settled(d.proc.pid)
+        time.sleep(1.1)   # past the eviction log's rate limit
+        users.append(UserCrowd(sock, 65532, 1))
+        crowd.wait_settled(d.proc.pid)
+        assert nobody.closed() == 100 - 32 + 1, "the largest holder did not make room"
+        assert third.closed() == 0
+        assert crowd.closed(mine.socks) == []
+        assert "max_connections=64 reached: evicting the oldest idle connection (user 65534" \
+            in d.log()
     finally:
-        child.stdin.close()
-        child.wait(10)
+        for u in users:
+            u.close()
         mine.close()
-        d.stop()
-        os.rmdir(top) if not os.listdir(top) else None
+    d.check_clean_exit(d.stop())   # the socket is gone: the directory is empty
+    os.rmdir(top)
