@@ -39,8 +39,8 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
       "call")                                                                                      \
     X(max_connections_per_uid, AMX_CFG_INT, "0", 0, 1048576, NULL, AMX_CFG_IMMUTABLE,              \
       "most connections one user (peer uid) holds on the Unix socket (with socket_guard); a new "  \
-      "one past it evicts that user's oldest connection with no call open (0: half of "            \
-      "max_connections)")                                                                          \
+      "one past it evicts that user's oldest connection with no call open (0: half of the "        \
+      "connection budget, max_connections or less under a low descriptor limit)")                  \
     X(socket_guard, AMX_CFG_BOOL, "true", 0, 1, NULL, AMX_CFG_IMMUTABLE,                           \
       "the daemon listens on the Unix socket itself and relays each connection to gRPC, capping "  \
       "header blocks and connections (docs/SECURITY.md); false: gRPC listens (faster large "       \
