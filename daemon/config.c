@@ -129,6 +129,9 @@ static void apply_typed(amx_config_t *cfg, int i, int64_t iv)
     case AMX_CFG_max_connections:
         cfg->max_connections = iv;
         break;
+    case AMX_CFG_max_connections_per_uid:
+        cfg->max_connections_per_uid = iv;
+        break;
     case AMX_CFG_socket_guard:
         cfg->socket_guard = (int)iv;
         break;

@@ -34,7 +34,13 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
       "allow a non-loopback metrics_listen address (metrics name jobs and have no "                \
       "authentication)")                                                                           \
     X(max_connections, AMX_CFG_INT, "1024", 16, 1048576, NULL, AMX_CFG_IMMUTABLE,                  \
-      "most trainer connections on the Unix socket at once (with socket_guard); more are closed")  \
+      "most trainer connections on the Unix socket at once (with socket_guard); a new one past "   \
+      "it evicts the oldest connection with no call open, or is refused if every one is in a "     \
+      "call")                                                                                      \
+    X(max_connections_per_uid, AMX_CFG_INT, "0", 0, 1048576, NULL, AMX_CFG_IMMUTABLE,              \
+      "most connections one user (peer uid) holds on the Unix socket (with socket_guard); a new "  \
+      "one past it evicts that user's oldest connection with no call open (0: half of the "        \
+      "connection budget, max_connections or less under a low descriptor limit)")                  \
     X(socket_guard, AMX_CFG_BOOL, "true", 0, 1, NULL, AMX_CFG_IMMUTABLE,                           \
       "the daemon listens on the Unix socket itself and relays each connection to gRPC, capping "  \
       "header blocks and connections (docs/SECURITY.md); false: gRPC listens (faster large "       \
@@ -122,7 +128,7 @@ typedef struct amx_config {
     const char *socket, *tcp, *backend, *log_level, *log_file, *metrics_listen, *shm_dir;
     int64_t socket_mode, max_message_bytes, max_cells, max_quantizers, max_jobs, max_world_size;
     int64_t max_request_memory, memory_budget, max_queued_bytes, job_idle_timeout_ms;
-    int64_t max_connections;
+    int64_t max_connections, max_connections_per_uid;
     const char *state_dir;
     int64_t snapshot_interval_ms;
     int64_t join_timeout_ms, reconcile_timeout_ms, shutdown_grace_ms;

@@ -8,6 +8,18 @@
  * gets a socketpair whose other end is given to gRPC
  * (grpc_server_add_channel_from_fd); bytes are copied both ways, with
  * back-pressure, and the client's frames are followed header by header.
+ *
+ * Admission. Each connection belongs to the user at the other end
+ * (SO_PEERCRED) and is, at any moment, in a call (a stream the client
+ * opened with a complete header block that neither side has ended yet:
+ * gRPC's frames are followed too, END_STREAM or RST_STREAM ends one),
+ * "fresh" (no call open and none ever answered) or "idle" (no call open,
+ * at least one answered). The fresh and the idle connections of a user
+ * sit in two lists, each in the order they entered it, so that the one to
+ * evict is a list head: O(1) per connection, and O(users) to find the user
+ * holding the most connections at the guard-wide cap.
+ * A connection whose answers go by splice (below) is no longer followed
+ * and counts as in a call until it closes.
  */
 #define _GNU_SOURCE /* splice, pipe2, F_SETPIPE_SZ */
 #include "guard.h"
@@ -41,8 +53,29 @@
 #define DRAIN_MS 1000             /* at exit, how long answers may drain to slow clients */
 #define FD_RESERVE 128            /* descriptors left for gRPC, logs, peers */
 #define H2_PREFACE_LEN 24
+#define MAX_TRACKED 1024 /* streams followed per connection; more: it counts as in a call */
+#define PEER_BUCKETS 64  /* hash buckets of the per-user table */
+#define LOG_EVERY_MS 1000
 
-enum { H2_HEADERS = 1, H2_PUSH_PROMISE = 5, H2_CONTINUATION = 9 };
+enum { H2_DATA = 0, H2_HEADERS = 1, H2_RST_STREAM = 3, H2_PUSH_PROMISE = 5, H2_CONTINUATION = 9 };
+enum { H2_END_STREAM = 0x1, H2_END_HEADERS = 0x4 };
+
+/* Where a connection stands for eviction: the two lists it may be in. */
+enum { TIER_NONE = -1, TIER_FRESH = 0, TIER_IDLE = 1, NTIERS = 2 };
+
+struct conn;
+
+typedef struct tlist {
+    struct conn *head, *tail; /* head: the one that entered first */
+} tlist_t;
+
+/* The connections of one user (peer uid). */
+typedef struct peer {
+    uid_t uid;
+    uint32_t n; /* its connections, closing ones not counted */
+    tlist_t tiers[NTIERS];
+    struct peer *next; /* hash chain */
+} peer_t;
 
 typedef struct conn {
     uv_pipe_t cl, gr; /* the client's connection, our end of gRPC's socketpair */
@@ -62,6 +95,22 @@ typedef struct conn {
     uint32_t preface_left, payload_left, block;
     uint8_t hdr[9];
     int hdr_have;
+    /* Calls: the client's streams open now (a complete header block seen,
+     * not ended by either side), followed from both sides' frame headers;
+     * gRPC's frames are followed while not in splice mode. */
+    uint32_t hsid;    /* stream of the header block being read (0: none) */
+    uint32_t max_sid; /* highest stream the client opened */
+    uint32_t *open, nopen, capopen;
+    int answered; /* gRPC has ended a call on it (END_STREAM) */
+    int opaque;   /* calls no longer followed (splice mode): never evicted */
+    uint32_t s_payload_left;
+    uint8_t s_hdr[9];
+    int s_hdr_have;
+    /* Admission (guard.h). */
+    peer_t *peer; /* NULL once closing */
+    int tier;
+    uint64_t since, born;       /* loop ms: entered its tier, accepted */
+    struct conn *tprev, *tnext; /* in its user's list of its tier */
     struct conn *prev, *next;
 } conn_t;
 
@@ -84,14 +133,162 @@ struct amx_guard {
     grpc_server *server;
     grpc_server_credentials *creds;
     size_t max_header_block;
-    uint32_t nconn, max_conn;
-    uint64_t buffered; /* bytes read and not yet written on, all connections */
-    uint64_t accepted, shed, killed, last_shed_log, last_kill_log;
+    uint32_t nconn, max_conn, max_per_uid; /* nconn: connections not closing */
+    uint64_t buffered;                     /* bytes read and not yet written on, all connections */
+    uint64_t accepted, shed, killed, evicted, last_shed_log, last_kill_log, last_evict_log;
     conn_t *conns;
+    peer_t *peers[PEER_BUCKETS];
     char *spare[SPARE_CHUNKS]; /* free READ_CHUNK buffers */
     int nspare;
     char path[sizeof(((struct sockaddr_un *)0)->sun_path)];
 };
+
+/* ---- admission: users, calls, tiers ---- */
+
+static void set_tier(conn_t *c, int tier)
+{
+    if (c->tier == tier)
+        return;
+    if (c->tier != TIER_NONE) {
+        tlist_t *l = &c->peer->tiers[c->tier];
+        if (c->tprev)
+            c->tprev->tnext = c->tnext;
+        else
+            l->head = c->tnext;
+        if (c->tnext)
+            c->tnext->tprev = c->tprev;
+        else
+            l->tail = c->tprev;
+        c->tprev = c->tnext = NULL;
+    }
+    c->tier = tier;
+    if (tier != TIER_NONE) {
+        tlist_t *l = &c->peer->tiers[tier];
+        c->since = uv_now(&c->g->loop);
+        c->tprev = l->tail;
+        c->tnext = NULL;
+        if (l->tail)
+            l->tail->tnext = c;
+        else
+            l->head = c;
+        l->tail = c;
+    }
+}
+
+/* Puts `c` in the list its calls say (none while one is open). */
+static void retier(conn_t *c)
+{
+    if (c->peer == NULL)
+        return; /* closing */
+    set_tier(c, c->opaque || c->nopen > 0 ? TIER_NONE : c->answered ? TIER_IDLE : TIER_FRESH);
+}
+
+/* The client opened stream `sid` (its header block is complete). */
+static void stream_open(conn_t *c, uint32_t sid)
+{
+    if ((sid & 1) == 0 || sid <= c->max_sid)
+        return; /* not a new stream of the client's: trailers, or gRPC refuses it */
+    c->max_sid = sid;
+    if (c->nopen == c->capopen) {
+        uint32_t cap = c->capopen ? 2 * c->capopen : 4;
+        uint32_t *p = cap <= MAX_TRACKED ? realloc(c->open, cap * sizeof(*p)) : NULL;
+        if (p == NULL) {
+            c->opaque = 1; /* cannot follow it: take it as in a call */
+            return;
+        }
+        c->open = p, c->capopen = cap;
+    }
+    c->open[c->nopen++] = sid;
+}
+
+/* Stream `sid` ended; 1 if it was open. */
+static int stream_end(conn_t *c, uint32_t sid)
+{
+    for (uint32_t i = 0; i < c->nopen; i++)
+        if (c->open[i] == sid) {
+            c->open[i] = c->open[--c->nopen];
+            return 1;
+        }
+    return 0;
+}
+
+static uint32_t frame_sid(const uint8_t *hdr)
+{
+    return ((uint32_t)hdr[5] << 24 | (uint32_t)hdr[6] << 16 | (uint32_t)hdr[7] << 8 | hdr[8]) &
+           0x7fffffffu;
+}
+
+/* Follows gRPC's frames to `c`'s client: the end of each call. */
+static void follow_server(conn_t *c, const uint8_t *p, size_t n)
+{
+    while (n > 0 && !c->opaque) {
+        if (c->s_payload_left > 0) {
+            size_t k = n < c->s_payload_left ? n : c->s_payload_left;
+            c->s_payload_left -= (uint32_t)k;
+            p += k;
+            n -= k;
+            continue;
+        }
+        c->s_hdr[c->s_hdr_have++] = *p++;
+        n--;
+        if (c->s_hdr_have < 9)
+            continue;
+        c->s_hdr_have = 0;
+        const uint8_t *h = c->s_hdr;
+        c->s_payload_left = (uint32_t)h[0] << 16 | (uint32_t)h[1] << 8 | h[2];
+        if ((h[3] == H2_HEADERS || h[3] == H2_DATA) && (h[4] & H2_END_STREAM)) {
+            if (stream_end(c, frame_sid(h)))
+                c->answered = 1;
+        } else if (h[3] == H2_RST_STREAM) {
+            stream_end(c, frame_sid(h));
+        }
+    }
+}
+
+static peer_t *peer_find(amx_guard_t *g, uid_t uid)
+{
+    peer_t *u = g->peers[uid % PEER_BUCKETS];
+    while (u != NULL && u->uid != uid)
+        u = u->next;
+    return u;
+}
+
+/* The entry of `uid`, made when it has none; NULL when out of memory. */
+static peer_t *peer_get(amx_guard_t *g, uid_t uid)
+{
+    peer_t *u = peer_find(g, uid);
+    if (u == NULL && (u = calloc(1, sizeof(*u))) != NULL) {
+        u->uid = uid;
+        u->next = g->peers[uid % PEER_BUCKETS];
+        g->peers[uid % PEER_BUCKETS] = u;
+    }
+    return u;
+}
+
+/* Frees `u` once it has no connection. */
+static void peer_put(amx_guard_t *g, peer_t *u)
+{
+    if (u->n > 0)
+        return;
+    peer_t **pp = &g->peers[u->uid % PEER_BUCKETS];
+    while (*pp != u)
+        pp = &(*pp)->next;
+    *pp = u->next;
+    free(u);
+}
+
+/* Takes `c` out of the admission counts and lists (it is closing). */
+static void untrack(conn_t *c)
+{
+    amx_guard_t *g = c->g;
+    if (c->peer == NULL)
+        return;
+    set_tier(c, TIER_NONE);
+    c->peer->n--;
+    peer_put(g, c->peer);
+    c->peer = NULL;
+    __atomic_sub_fetch(&g->nconn, 1, __ATOMIC_RELAXED);
+}
 
 /* ---- relay ---- */
 
@@ -115,7 +312,7 @@ static void conn_closed(uv_handle_t *h)
         g->conns = c->next;
     if (c->next)
         c->next->prev = c->prev;
-    __atomic_sub_fetch(&g->nconn, 1, __ATOMIC_RELAXED);
+    free(c->open);
     free(c);
     /* Exiting and every connection has drained: the loop may end. */
     if (g->exiting && g->conns == NULL && !uv_is_closing((uv_handle_t *)&g->drain))
@@ -127,6 +324,7 @@ static void conn_close(conn_t *c)
     if (c->closing)
         return;
     c->closing = 1;
+    untrack(c); /* its descriptors close now (uv_close), its place is free */
     uv_close((uv_handle_t *)&c->cl, conn_closed);
     uv_close((uv_handle_t *)&c->gr, conn_closed);
     if (c->sp_in_init)
@@ -135,7 +333,8 @@ static void conn_close(conn_t *c)
         uv_close((uv_handle_t *)&c->sp_out, conn_closed);
 }
 
-/* Follows the client's frames; -1 when a header block exceeds the cap. */
+/* Follows the client's frames (the streams it opens and resets); -1 when
+ * a header block exceeds the cap. */
 static int inspect(conn_t *c, const uint8_t *p, size_t n)
 {
     size_t max = c->g->max_header_block;
@@ -154,18 +353,27 @@ static int inspect(conn_t *c, const uint8_t *p, size_t n)
             continue;
         c->hdr_have = 0;
         uint32_t len = (uint32_t)c->hdr[0] << 16 | (uint32_t)c->hdr[1] << 8 | c->hdr[2];
-        uint8_t type = c->hdr[3];
+        uint8_t type = c->hdr[3], flags = c->hdr[4];
         c->payload_left = len;
         /* A block is HEADERS (or PUSH_PROMISE) and the CONTINUATION frames
-         * after it; whatever else comes in between, gRPC refuses itself. */
-        if (type == H2_HEADERS || type == H2_PUSH_PROMISE)
+         * after it; whatever else comes in between, gRPC refuses itself. A
+         * call starts once its block is complete (END_HEADERS). */
+        if (type == H2_HEADERS || type == H2_PUSH_PROMISE) {
             c->block = len;
-        else if (type == H2_CONTINUATION)
+            c->hsid = type == H2_HEADERS ? frame_sid(c->hdr) : 0;
+        } else if (type == H2_CONTINUATION) {
             c->block += len;
-        else
+        } else {
+            if (type == H2_RST_STREAM)
+                stream_end(c, frame_sid(c->hdr));
             continue;
+        }
         if (c->block > max)
             return -1;
+        if ((flags & H2_END_HEADERS) && c->hsid != 0) {
+            stream_open(c, c->hsid);
+            c->hsid = 0;
+        }
     }
     return 0;
 }
@@ -343,6 +551,8 @@ static void sp_start(conn_t *c)
     c->sp_room = room > 0 ? (size_t)room : 65536;
     c->sp_rd = p[0], c->sp_wr = p[1];
     c->sp = 1;
+    c->opaque = 1; /* gRPC's frames go by unread: its calls are not followed any more */
+    retier(c);
     uv_read_stop((uv_stream_t *)&c->gr);
     c->paused_gr = 0;
     sp_pump(c);
@@ -405,6 +615,9 @@ static void on_read(uv_stream_t *s, ssize_t nread, const uv_buf_t *buf)
         conn_close(c);
         return;
     }
+    if (!from_client)
+        follow_server(c, (const uint8_t *)buf->base, (size_t)nread);
+    retier(c); /* a call may have started or ended */
     uv_stream_t *dst = from_client ? (uv_stream_t *)&c->gr : (uv_stream_t *)&c->cl;
     wreq_t *w = malloc(sizeof(*w));
     if (w == NULL) {
@@ -451,13 +664,75 @@ static void shed(amx_guard_t *g, int fd, const char *why)
 {
     if (fd >= 0)
         close(fd);
-    g->shed++;
+    uint64_t shed = __atomic_add_fetch(&g->shed, 1, __ATOMIC_RELAXED);
     uint64_t now = uv_now(&g->loop);
-    if (g->last_shed_log == 0 || now - g->last_shed_log >= 1000) {
+    if (g->last_shed_log == 0 || now - g->last_shed_log >= LOG_EVERY_MS) {
         g->last_shed_log = now;
         AMX_WARN("guard", "refusing connections: %s (%llu refused so far, %u open)", why,
-                 (unsigned long long)g->shed, g->nconn);
+                 (unsigned long long)shed, g->nconn);
     }
+}
+
+/* The connection of user `u` to close for a new one: the fresh one that
+ * came first, else the one idle longest; NULL when each is in a call. */
+static conn_t *victim(const peer_t *u)
+{
+    return u->tiers[TIER_FRESH].head != NULL ? u->tiers[TIER_FRESH].head : u->tiers[TIER_IDLE].head;
+}
+
+/* At the guard-wide cap: the victim of the user who holds the most
+ * connections and has one to give (on a tie, a fresh one before an idle
+ * one, then the one that entered its list first); NULL when every
+ * connection is in a call. A user under its own cap thus takes from the
+ * largest holder, never from a user who holds fewer. */
+static conn_t *largest_victim(amx_guard_t *g)
+{
+    conn_t *best = NULL;
+    for (int i = 0; i < PEER_BUCKETS; i++)
+        for (peer_t *u = g->peers[i]; u != NULL; u = u->next) {
+            conn_t *v = victim(u);
+            if (v == NULL)
+                continue;
+            if (best == NULL || u->n > best->peer->n ||
+                (u->n == best->peer->n &&
+                 (v->tier < best->tier || (v->tier == best->tier && v->since < best->since))))
+                best = v;
+        }
+    return best;
+}
+
+/* Closes `v` so that a connection of user `uid` gets its place (`limit`
+ * names the cap that was reached), with a log line at most every second. */
+static void evict(amx_guard_t *g, conn_t *v, uid_t uid, const char *limit, uint32_t value)
+{
+    uint64_t n = __atomic_add_fetch(&g->evicted, 1, __ATOMIC_RELAXED);
+    uint64_t now = uv_now(&g->loop);
+    if (g->last_evict_log == 0 || now - g->last_evict_log >= LOG_EVERY_MS) {
+        g->last_evict_log = now;
+        char what[96];
+        if (v->tier == TIER_FRESH)
+            snprintf(what, sizeof(what), "open %.1f s, never completed a call",
+                     (double)(now - v->born) / 1000.0);
+        else
+            snprintf(what, sizeof(what), "idle %.1f s since its last call",
+                     (double)(now - v->since) / 1000.0);
+        AMX_WARN("guard",
+                 "%s=%u reached: evicting the oldest idle connection (user %u, %s) for a new "
+                 "one of user %u (%llu evicted so far, %u open)",
+                 limit, value, (unsigned)v->peer->uid, what, (unsigned)uid, (unsigned long long)n,
+                 g->nconn);
+    }
+    conn_close(v);
+}
+
+/* The uid of the process at the other end of `fd` ((uid_t)-1 if unknown). */
+static uid_t peer_uid(int fd)
+{
+    struct ucred cr;
+    socklen_t len = sizeof(cr);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0 || len != sizeof(cr))
+        return (uid_t)-1;
+    return cr.uid;
 }
 
 /* Gives `fd` to the server unless stop_listening has run. */
@@ -473,12 +748,35 @@ static int give(amx_guard_t *g, int fd)
     return ok;
 }
 
+/* Admits connection `fd` (guard.h): past its user's cap, the oldest fresh
+ * connection (else the one idle longest) of that user makes room; past the
+ * guard's, one of the user holding the most connections; when each of
+ * those is in a call, `fd` is refused. */
 static void take(amx_guard_t *g, int fd)
 {
     g->accepted++;
-    if (g->nconn >= g->max_conn) {
-        shed(g, fd, "connection limit reached");
-        return;
+    uid_t uid = peer_uid(fd);
+    peer_t *u = peer_find(g, uid);
+    conn_t *v = NULL;
+    const char *limit = NULL;
+    uint32_t value = 0;
+    if (u != NULL && u->n >= g->max_per_uid) {
+        /* The per-user cap is the guard's own when nothing made it lower. */
+        limit = g->max_per_uid < g->max_conn ? "max_connections_per_uid" : "max_connections";
+        value = g->max_per_uid;
+        if ((v = victim(u)) == NULL) {
+            char why[128];
+            snprintf(why, sizeof(why), "user %u holds %u connections, each in a call (%s=%u)",
+                     (unsigned)uid, u->n, limit, value);
+            shed(g, fd, why);
+            return;
+        }
+    } else if (g->nconn >= g->max_conn) {
+        limit = "max_connections", value = g->max_conn;
+        if ((v = largest_victim(g)) == NULL) {
+            shed(g, fd, "connection limit reached, each connection in a call");
+            return;
+        }
     }
     int sv[2];
     if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv) != 0) {
@@ -489,6 +787,15 @@ static void take(amx_guard_t *g, int fd)
     if (c == NULL) {
         close(sv[0]);
         close(sv[1]);
+        shed(g, fd, "out of memory");
+        return;
+    }
+    if (v != NULL)
+        evict(g, v, uid, limit, value); /* may free u */
+    if ((u = peer_get(g, uid)) == NULL) {
+        close(sv[0]);
+        close(sv[1]);
+        free(c);
         shed(g, fd, "out of memory");
         return;
     }
@@ -503,6 +810,11 @@ static void take(amx_guard_t *g, int fd)
         g->conns->prev = c;
     g->conns = c;
     __atomic_add_fetch(&g->nconn, 1, __ATOMIC_RELAXED);
+    c->peer = u;
+    u->n++;
+    c->tier = TIER_NONE;
+    c->born = uv_now(&g->loop);
+    set_tier(c, TIER_FRESH);
     int bad = 0;
     if (uv_pipe_open(&c->cl, fd) != 0) /* an open handle closes its descriptor */
         close(fd), bad = 1;
@@ -648,7 +960,8 @@ static void *guard_main(void *arg)
 
 amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *server,
                              size_t max_header_block, uint32_t max_connections,
-                             uint32_t reserved_fds, amx_guard_t **out, amx_err_t *err)
+                             uint32_t max_per_uid, uint32_t reserved_fds, amx_guard_t **out,
+                             amx_err_t *err)
 {
     struct sockaddr_un sa;
     memset(&sa, 0, sizeof(sa));
@@ -696,6 +1009,11 @@ amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *serve
     g->max_conn = soft > keep + 3 * 16 ? (uint32_t)((soft - keep) / 3) : 16;
     if (max_connections > 0 && g->max_conn > max_connections)
         g->max_conn = max_connections;
+    g->max_per_uid = max_per_uid > 0 ? max_per_uid : g->max_conn / 2;
+    if (g->max_per_uid > g->max_conn)
+        g->max_per_uid = g->max_conn;
+    if (g->max_per_uid == 0)
+        g->max_per_uid = 1;
     pthread_mutex_init(&g->mu, NULL);
     uv_loop_init(&g->loop);
     uv_poll_init(&g->loop, &g->lpoll, fd);
@@ -723,8 +1041,9 @@ amx_status_t amx_guard_start(const char *path, unsigned mode, grpc_server *serve
     }
     AMX_INFO("guard",
              "unix:%s: header blocks capped at %zu bytes, at most %u connections "
-             "(RLIMIT_NOFILE %llu)",
-             path, max_header_block, g->max_conn, (unsigned long long)soft);
+             "(RLIMIT_NOFILE %llu), %u per user; past a cap the oldest idle connection is "
+             "evicted",
+             path, max_header_block, g->max_conn, (unsigned long long)soft, g->max_per_uid);
     *out = g;
     return AMX_OK;
 }
@@ -753,12 +1072,18 @@ void amx_guard_free(amx_guard_t *g)
     uv_loop_close(&g->loop);
     while (g->nspare > 0)
         free(g->spare[--g->nspare]);
+    for (int i = 0; i < PEER_BUCKETS; i++)
+        while (g->peers[i] != NULL) { /* none is left once every connection closed */
+            peer_t *u = g->peers[i];
+            g->peers[i] = u->next;
+            free(u);
+        }
     unlink(g->path);
     AMX_INFO("guard",
-             "stopped: %llu connections accepted, %llu refused, %llu closed by the "
+             "stopped: %llu connections accepted, %llu refused, %llu evicted, %llu closed by the "
              "header guard",
              (unsigned long long)g->accepted, (unsigned long long)g->shed,
-             (unsigned long long)g->killed);
+             (unsigned long long)g->evicted, (unsigned long long)g->killed);
     grpc_server_credentials_release(g->creds);
     pthread_mutex_destroy(&g->mu);
     free(g);
@@ -767,4 +1092,10 @@ void amx_guard_free(amx_guard_t *g)
 uint32_t amx_guard_connections(const amx_guard_t *g)
 {
     return g != NULL ? __atomic_load_n(&g->nconn, __ATOMIC_RELAXED) : 0;
+}
+
+void amx_guard_counts(const amx_guard_t *g, uint64_t *refused, uint64_t *evicted)
+{
+    *refused = g != NULL ? __atomic_load_n(&g->shed, __ATOMIC_RELAXED) : 0;
+    *evicted = g != NULL ? __atomic_load_n(&g->evicted, __ATOMIC_RELAXED) : 0;
 }

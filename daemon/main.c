@@ -101,9 +101,13 @@ static void on_tick(uv_timer_t *t)
     if (d->coord != NULL)
         amx_coord_expire(d->coord, now);
     trim_when_idle(d);
-    if (d->metrics != NULL)
+    if (d->metrics != NULL) {
+        uint64_t refused, evicted;
+        amx_rpc_connection_counts(d->rpc, &refused, &evicted);
         amx_metrics_set_daemon(d->metrics, amx_rpc_calls(d->rpc), amx_registry_waiting(d->reg),
                                amx_rpc_connections(d->rpc));
+        amx_metrics_set_connection_counts(d->metrics, refused, evicted);
+    }
 }
 
 /* The STATUS= line systemd shows (`systemctl status amaxd`). */

@@ -50,6 +50,7 @@ struct amx_metrics {
     method_m_t methods[MAX_METHODS];
     size_t nmethods;
     uint32_t calls, waiting, connections;
+    uint64_t refused, evicted;
     uint64_t scrapes;
     struct MHD_Daemon *http;
     uint16_t port;
@@ -219,6 +220,16 @@ void amx_metrics_set_daemon(amx_metrics_t *m, uint32_t calls, uint32_t waiting,
     pthread_mutex_unlock(&m->mu);
 }
 
+void amx_metrics_set_connection_counts(amx_metrics_t *m, uint64_t refused, uint64_t evicted)
+{
+    if (m == NULL)
+        return;
+    pthread_mutex_lock(&m->mu);
+    m->refused = refused;
+    m->evicted = evicted;
+    pthread_mutex_unlock(&m->mu);
+}
+
 /* ---- rendering ---- */
 
 typedef struct buf {
@@ -352,6 +363,13 @@ amx_status_t amx_metrics_render(amx_metrics_t *m, char **out, size_t *len)
     head(&b, "amaxd_connections", "gauge",
          "Trainer connections on the Unix socket (relayed by the socket guard).");
     put(&b, "amaxd_connections %u\n", m->connections);
+    head(&b, "amaxd_connections_refused_total", "counter",
+         "Unix-socket connections closed at once: a cap reached with every connection in a call, "
+         "or no descriptor left.");
+    put(&b, "amaxd_connections_refused_total %llu\n", (unsigned long long)m->refused);
+    head(&b, "amaxd_connections_evicted_total", "counter",
+         "Idle Unix-socket connections closed to admit a new one (a connection cap reached).");
+    put(&b, "amaxd_connections_evicted_total %llu\n", (unsigned long long)m->evicted);
     head(&b, "amaxd_calls_in_progress", "gauge", "gRPC calls started and not yet ended.");
     put(&b, "amaxd_calls_in_progress %u\n", m->calls);
     head(&b, "amaxd_calls_waiting", "gauge",

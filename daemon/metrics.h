@@ -80,6 +80,10 @@ void amx_metrics_call(amx_metrics_t *m, const char *method, int code);
 void amx_metrics_set_daemon(amx_metrics_t *m, uint32_t calls, uint32_t waiting,
                             uint32_t connections);
 
+/* Unix-socket connections the socket guard has refused and evicted since
+ * the start (counters, sampled by the loop's tick). */
+void amx_metrics_set_connection_counts(amx_metrics_t *m, uint64_t refused, uint64_t evicted);
+
 /* ---- for the HTTP thread and tests ---- */
 
 /* Renders the exposition text into a malloc'd string (*out, *len). ENOMEM

@@ -1189,8 +1189,8 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, const amx_r
     rpc->wake.data = rpc;
     if (rpc->unix_path[0] != '\0' && cfg->socket_guard &&
         amx_guard_start(rpc->unix_path, (unsigned)cfg->socket_mode, rpc->server, MAX_HEADER_BLOCK,
-                        (uint32_t)cfg->max_connections, serve->reserved_fds, &rpc->guard,
-                        err) != AMX_OK) {
+                        (uint32_t)cfg->max_connections, (uint32_t)cfg->max_connections_per_uid,
+                        serve->reserved_fds, &rpc->guard, err) != AMX_OK) {
         st = err->code;
         goto fail_started;
     }
@@ -1466,6 +1466,11 @@ void amx_rpc_set_metrics(amx_rpc_t *rpc, amx_metrics_t *m)
 uint32_t amx_rpc_connections(const amx_rpc_t *rpc)
 {
     return amx_guard_connections(rpc->guard);
+}
+
+void amx_rpc_connection_counts(const amx_rpc_t *rpc, uint64_t *refused, uint64_t *evicted)
+{
+    amx_guard_counts(rpc->guard, refused, evicted);
 }
 
 uint64_t amx_rpc_activity(const amx_rpc_t *rpc)

@@ -147,6 +147,10 @@ void amx_rpc_set_metrics(amx_rpc_t *rpc, amx_metrics_t *m);
  * 0 without it). Any thread. */
 uint32_t amx_rpc_connections(const amx_rpc_t *rpc);
 
+/* Unix-socket connections the socket guard refused and evicted since the
+ * start (0 without it). Any thread. */
+void amx_rpc_connection_counts(const amx_rpc_t *rpc, uint64_t *refused, uint64_t *evicted);
+
 /* Calls that have started and not yet ended (posted requests not counted). */
 uint32_t amx_rpc_calls(const amx_rpc_t *rpc);
 

@@ -16,6 +16,8 @@ START_TEST(defaults)
     ck_assert_str_eq(c.backend, "auto");
     ck_assert_int_eq(c.allow_remote, 0);
     ck_assert_int_eq(c.max_message_bytes, 64 << 20);
+    ck_assert_int_eq(c.max_connections, 1024);
+    ck_assert_int_eq(c.max_connections_per_uid, 0); /* half of the connection budget */
     amx_config_free(&c);
 }
 END_TEST

@@ -53,6 +53,7 @@ START_TEST(counters_and_histogram)
     amx_metrics_call(m, "/amaxd.v1.Calibration/SendAmax", 3);
     amx_metrics_call(m, "unknown", 99); /* out of range: UNKNOWN */
     amx_metrics_set_daemon(m, 4, 2, 9);
+    amx_metrics_set_connection_counts(m, 5, 1234);
     char *t = render(m);
     const char *l = "{job=\"j\\\"1\\\\x\"}";
     char line[256];
@@ -84,6 +85,9 @@ START_TEST(counters_and_histogram)
     has(t, "amaxd_calls_in_progress 4\n");
     has(t, "amaxd_calls_waiting 2\n");
     has(t, "amaxd_connections 9\n");
+    has(t, "amaxd_connections_refused_total 5\n");
+    has(t, "amaxd_connections_evicted_total 1234\n");
+    has(t, "# TYPE amaxd_connections_evicted_total counter\n");
     has(t, "amaxd_build_info{version=");
     has(t, "# TYPE amaxd_job_reconcile_seconds histogram\n");
     has(t, "# HELP amaxd_job_epochs_total ");
