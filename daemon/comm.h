@@ -14,7 +14,7 @@
  *   nccl   device buffers; every NCCL call runs on one thread (comm_nccl.c)
  *
  * Threads: create, allreduce_max and destroy are called on the job's engine
- * thread (epoch.c) and block it, never the loop thread. abort may be called
+ * thread (engine.c) and block it, never the loop thread. abort may be called
  * from any thread; it makes an operation in flight (or the next one) fail
  * promptly where the backend can (NCCL: ncclCommAbort; Gloo: closes the
  * connections). After any failed operation or an abort the communicator is

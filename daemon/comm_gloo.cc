@@ -37,7 +37,7 @@
  *    them gracefully (FIN after the data queued in the kernel), which a
  *    reset would discard: abort+destroy right after a collective that
  *    succeeded here must not fail it on a neighbour still reading our last
- *    segment (epoch.c's drop_comm does abort then destroy).
+ *    segment (engine.c's drop_comm does abort then destroy).
  *  - gloo's own abortWaitRecv/abortWaitSend interrupt one wait, not an
  *    operation (gloo::allreduce ignores their false return and goes on),
  *    and Context::closeConnections closes the sockets without waking local

@@ -1,6 +1,5 @@
 /*
- * comm_local.c - the collective of a job with one participant, and the
- * backend dispatch of comm.h.
+ * comm_local.c - the collective of a job with one participant.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -40,48 +39,4 @@ amx_status_t amx__comm_local_create(const amx_comm_params_t *p, amx_comm_t **out
     (void)p;
     *out = c;
     return AMX_OK;
-}
-
-#ifndef AMX_HAVE_GLOO
-amx_status_t amx__comm_gloo_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
-{
-    (void)p, (void)out;
-    return amx_err_set(err, AMX_EUNAVAIL, "this amaxd was built without Gloo");
-}
-#endif
-
-#ifndef AMX_HAVE_NCCL
-amx_status_t amx__comm_nccl_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
-{
-    (void)p, (void)out;
-    return amx_err_set(err, AMX_EUNAVAIL,
-                       "this amaxd was built without NCCL (build with -DAMAXD_CUDA=ON)");
-}
-#endif
-
-int amx_comm_available(const char *name)
-{
-    if (strcmp(name, "local") == 0)
-        return 1;
-#ifdef AMX_HAVE_GLOO
-    if (strcmp(name, "gloo") == 0)
-        return 1;
-#endif
-#ifdef AMX_HAVE_NCCL
-    if (strcmp(name, "nccl") == 0)
-        return 1;
-#endif
-    return 0;
-}
-
-amx_status_t amx_comm_create(const char *name, const amx_comm_params_t *p, amx_comm_t **out,
-                             amx_err_t *err)
-{
-    if (strcmp(name, "local") == 0)
-        return amx__comm_local_create(p, out, err);
-    if (strcmp(name, "gloo") == 0)
-        return amx__comm_gloo_create(p, out, err);
-    if (strcmp(name, "nccl") == 0)
-        return amx__comm_nccl_create(p, out, err);
-    return amx_err_set(err, AMX_EINVAL, "unknown collective backend '%s'", name);
 }

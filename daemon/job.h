@@ -1,6 +1,6 @@
 /*
- * job.h - a job as one daemon holds it (internal to registry.c, epoch.c and
- * jobstate.c).
+ * job.h - a job as one daemon holds it: what the registry's files (job.c
+ * owns its life) and the job's engine (engine.c) share.
  *
  * Ownership and threads. The loop thread owns the job. While an epoch is in
  * flight (job->in_flight), the job's engine thread reads the catalog, the
@@ -19,7 +19,7 @@
 #include "catalog.h"
 #include "coord.h"
 #include "placement.h"
-#include "registry.h"
+#include "request.h"
 #include "state.h"
 #include "strmap.h"
 

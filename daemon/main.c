@@ -179,8 +179,8 @@ static void free_cluster(amx_daemon_t *d)
 /* The services and the transport that serves them. */
 static amx_status_t start_services(amx_daemon_t *d, double start, amx_err_t *err)
 {
-    AMX_CHECK(amx_service_create(&d->cfg, d->reg, d->cluster, d->coord, d->peer, start, &d->svc,
-                                 err));
+    AMX_CHECK(
+        amx_service_create(&d->cfg, d->reg, d->cluster, d->coord, d->peer, start, &d->svc, err));
     amx_rpc_serve_t serve;
     amx_service_serve(d->svc, &serve);
     if (serve.peer_methods != NULL)

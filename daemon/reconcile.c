@@ -1,6 +1,6 @@
 /*
  * reconcile.c - Reconcile and the end of an epoch: when every local rank
- * has entered Reconcile the epoch goes to the job's engine (epoch.c);
+ * has entered Reconcile the epoch goes to the job's engine (engine.c);
  * its outcome comes back through amx__epoch_done, which installs a new
  * catalog, publishes or rolls back, and answers the waiting ranks.
  */

@@ -21,7 +21,7 @@
 #include <stdint.h>
 #include <uv.h>
 
-#include "epoch.h"
+#include "engine.h"
 #include "job.h"
 #include "metrics.h"
 #include "peer.h"

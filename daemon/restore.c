@@ -5,6 +5,8 @@
  */
 #include "registry_impl.h"
 
+#include "job_snap.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <float.h>
@@ -59,14 +61,14 @@ static void flush_snapshot(amx_registry_t *reg, amx_job_t *j)
     size_t mlen = 0, blen = 0;
     amx_status_t st = amx_jobstate_export(j->name, j->last_reconciled, j->cat, j->desc, j->state, 0,
                                           &blob, &blen, &err);
-    if (st == AMX_OK && (st = amx__snapshot_meta(j, j->cat, &m)) != AMX_OK)
+    if (st == AMX_OK && (st = amx_job_snap_meta(j, j->cat, &m)) != AMX_OK)
         amx_err_set(&err, st, "out of memory");
     if (st == AMX_OK && (st = previous_by_catalog(j, &m)) != AMX_OK)
         amx_err_set(&err, st, "out of memory");
     m.state_len = blen;
     if (st == AMX_OK)
         st = amx_snapshot_encode_meta(&m, &meta, &mlen, &err);
-    amx__snapshot_meta_free(&m);
+    amx_job_snap_meta_free(&m);
     if (st == AMX_OK)
         st = amx_snapshot_write(reg->cfg->state_dir, j->name, meta, mlen, blob, blen, &err);
     free(meta);

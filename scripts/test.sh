@@ -6,6 +6,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+echo "== layers of daemon/ (docs/ARCHITECTURE.md)"
+python3 scripts/check_layers.py
 scripts/deps.sh build
 echo "== tests (build/)"
 ctest --test-dir build --output-on-failure

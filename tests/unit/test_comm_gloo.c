@@ -542,7 +542,7 @@ END_TEST
 /*
  * The end of a job: every rank destroys its communicator right after a
  * collective that succeeded, half of the rounds with abort first (as
- * epoch.c's drop_comm does). A rank that finishes first closes its
+ * engine.c's drop_comm does). A rank that finishes first closes its
  * connections while a neighbour may still be finishing; that must not fail
  * the neighbour's collective. Rank 1 is sometimes slow to enter (2 ms);
  * many rounds, two sizes.

@@ -1,5 +1,5 @@
 /*
- * epoch.c - the epoch engine of one job (epoch.h, docs/CLUSTER.md).
+ * engine.c - the epoch engine of one job (engine.h, docs/CLUSTER.md).
  *
  * One thread per job runs each epoch as straight-line blocking code:
  *
@@ -16,7 +16,8 @@
  * reads (never writes) the job's catalog, quantizer table and membership,
  * which the loop thread leaves alone while the job is in flight.
  */
-#include "epoch.h"
+#include "engine.h"
+#include "job_snap.h"
 
 #include <inttypes.h>
 #include <pthread.h>
@@ -936,53 +937,6 @@ static amx_status_t finish(amx_engine_t *e, int from_send)
 
 /* ---- durability ---- */
 
-/* The job section of a snapshot: every local rank's placements of the
- * quantizers of the catalog `cat`. The loop defers Register while the job
- * is in flight, so the ranks' tables hold still. Free with free_meta. */
-amx_status_t amx__snapshot_meta(const amx_job_t *j, const amx_catalog_t *cat, amx_snap_meta_t *m)
-{
-    memset(m, 0, sizeof(*m));
-    m->job = j->name;
-    m->world = j->world;
-    m->epochs_ok = j->epochs_ok;
-    m->epochs_failed = j->epochs_failed;
-    m->ranks = calloc(j->nlocal ? j->nlocal : 1, sizeof(*m->ranks));
-    if (m->ranks == NULL)
-        return AMX_ENOMEM;
-    m->nranks = j->nlocal;
-    for (uint32_t i = 0; i < j->nlocal; i++) {
-        const amx_lrank_t *r = &j->lr[i];
-        amx_snap_rank_t *sr = &m->ranks[i];
-        sr->rank = r->rank;
-        sr->pls = calloc(r->npls ? r->npls : 1, sizeof(*sr->pls));
-        if (sr->pls == NULL)
-            return AMX_ENOMEM;
-        for (uint32_t k = 0; k < r->npls; k++) {
-            uint32_t lid = r->pl_lid[k];
-            if (lid >= r->cap_of || r->pl_of[lid] != k + 1)
-                continue; /* superseded */
-            const char *name = j->lq[lid].spec->name;
-            if (amx_catalog_find(cat, name) < 0)
-                continue; /* not agreed (rejected, or dead) */
-            sr->pls[sr->n].name = name;
-            sr->pls[sr->n].pl = r->pls[k];
-            sr->n++;
-        }
-    }
-    return AMX_OK;
-}
-
-void amx__snapshot_meta_free(amx_snap_meta_t *m)
-{
-    for (uint32_t i = 0; m->ranks != NULL && i < m->nranks; i++)
-        free(m->ranks[i].pls);
-    free(m->ranks);
-    free(m->prev_ok);
-    free(m->prev_ga);
-    free(m->prev_gs);
-    memset(m, 0, sizeof(*m));
-}
-
 /* The epoch before the one being written: the published (front) globals,
  * in the layout of the job's installed catalog, for the catalog `cat` the
  * epoch ran with (a quantizer new this epoch has none). Engine thread,
@@ -1048,7 +1002,7 @@ static void write_snapshot(amx_engine_t *e)
     size_t mlen = 0, blen = 0;
     amx_status_t st = amx_jobstate_export(j->name, e->epoch, e->w_cat, e->w_desc, j->state, 1,
                                           &blob, &blen, &err);
-    if (st == AMX_OK && (st = amx__snapshot_meta(j, e->w_cat, &m)) != AMX_OK)
+    if (st == AMX_OK && (st = amx_job_snap_meta(j, e->w_cat, &m)) != AMX_OK)
         amx_err_set(&err, st, "out of memory");
     if (st == AMX_OK && (st = snapshot_previous(j, e->w_cat, &e->res, &m)) != AMX_OK)
         amx_err_set(&err, st, "out of memory");
@@ -1056,7 +1010,7 @@ static void write_snapshot(amx_engine_t *e)
     m.state_len = blen;
     if (st == AMX_OK)
         st = amx_snapshot_encode_meta(&m, &meta, &mlen, &err);
-    amx__snapshot_meta_free(&m);
+    amx_job_snap_meta_free(&m);
     if (st == AMX_OK)
         st = amx_snapshot_write(cfg->state_dir, j->name, meta, mlen, blob, blen, &err);
     free(meta);

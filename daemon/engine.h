@@ -1,5 +1,5 @@
 /*
- * epoch.h - the epoch engine of one job: a thread that runs the blocking
+ * engine.h - the epoch engine of one job: a thread that runs the blocking
  * part of each epoch (agreement, state transfer, rendezvous, the packed
  * collective, finish) while the loop thread goes on serving
  * (docs/CLUSTER.md, "An epoch").
@@ -11,14 +11,15 @@
  * owns the job's communicator; it keeps it across epochs and drops it after
  * any failure.
  */
-#ifndef AMX_EPOCH_H
-#define AMX_EPOCH_H
+#ifndef AMX_ENGINE_H
+#define AMX_ENGINE_H
 
 #include <stdint.h>
 
 #include "catalog.h"
 #include "config.h"
 #include "job.h"
+#include "peer.h"
 #include "status.h"
 
 typedef struct amx_engine amx_engine_t;
@@ -97,14 +98,6 @@ void amx_engine_destroy(amx_engine_t *e);
 
 /* The communicator generation in use (0: none). Any thread. */
 uint64_t amx_engine_comm_gen(const amx_engine_t *e);
-
-/* The job section of a snapshot of `j` over catalog `cat` (placements of
- * every local rank by name, borrowed from the job); engine thread while in
- * flight, or the loop. Free with amx__snapshot_meta_free. */
-struct amx_snap_meta;
-amx_status_t amx__snapshot_meta(const amx_job_t *j, const amx_catalog_t *cat,
-                                struct amx_snap_meta *m);
-void amx__snapshot_meta_free(struct amx_snap_meta *m);
 
 /* A donor's published state for sync `seq` (see registry.h,
  * amx_registry_fetch_state). Any thread. */

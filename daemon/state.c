@@ -1,0 +1,155 @@
+/*
+ * state.c - what every state backend shares (state.h): the factory that
+ * picks one by name, the per-quantizer and per-slice result arrays both
+ * fill (in host memory the backend may pin), and the stand-ins of the
+ * CUDA backend in a build without it.
+ */
+#include "state.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static void *globals_alloc(amx_state_t *st, size_t bytes)
+{
+    return st->host_alloc != NULL ? st->host_alloc(st, bytes) : malloc(bytes);
+}
+
+static void globals_free(amx_state_t *st, void *p)
+{
+    if (p == NULL)
+        return;
+    if (st->host_free != NULL)
+        st->host_free(st, p);
+    else
+        free(p);
+}
+
+amx_status_t amx__state_grow_globals(amx_state_t *st, int k, uint32_t nq, amx_err_t *err)
+{
+    if (nq <= st->out_nq[k])
+        return AMX_OK;
+    float **arr[3] = {&st->g_amax[k], &st->g_scale[k], &st->g_inv[k]};
+    static const float init[3] = {0.0f, 1.0f, 1.0f};
+    if (nq > st->g_cap[k] || st->g_amax[k] == NULL) {
+        /* Capacity doubles: a catalog that grows a little at a time does
+         * not reallocate (pinned, for the CUDA backend) every time. */
+        uint32_t cap = st->g_cap[k] > UINT32_MAX / 2 ? UINT32_MAX : 2 * st->g_cap[k];
+        cap = cap > nq ? cap : nq;
+        float *grown[3];
+        for (int a = 0; a < 3; a++) {
+            grown[a] = globals_alloc(st, (size_t)cap * sizeof(float));
+            if (grown[a] == NULL) {
+                while (a-- > 0)
+                    globals_free(st, grown[a]);
+                return amx_err_set(err, AMX_ENOMEM, "out of host memory for %u quantizer results",
+                                   nq);
+            }
+        }
+        for (int a = 0; a < 3; a++) {
+            if (*arr[a] != NULL && st->out_nq[k] > 0)
+                memcpy(grown[a], *arr[a], (size_t)st->out_nq[k] * sizeof(float));
+            globals_free(st, *arr[a]);
+            *arr[a] = grown[a];
+        }
+        st->g_cap[k] = cap;
+    }
+    for (int a = 0; a < 3; a++)
+        for (uint32_t q = st->out_nq[k]; q < nq; q++)
+            (*arr[a])[q] = init[a];
+    st->out_nq[k] = nq;
+    return AMX_OK;
+}
+
+amx_status_t amx__state_size_slices(amx_state_t *st, int k, uint64_t ns, amx_err_t *err)
+{
+    float **arr[3] = {&st->s_amax[k], &st->s_scale[k], &st->s_inv[k]};
+    static const float init[3] = {0.0f, 1.0f, 1.0f};
+    if (ns > st->s_cap[k] || st->s_amax[k] == NULL) {
+        uint64_t cap = ns > 2 * st->s_cap[k] ? ns : 2 * st->s_cap[k];
+        float *grown[3];
+        for (int a = 0; a < 3; a++) {
+            grown[a] = globals_alloc(st, (size_t)(cap ? cap : 1) * sizeof(float));
+            if (grown[a] == NULL) {
+                while (a-- > 0)
+                    globals_free(st, grown[a]);
+                return amx_err_set(err, AMX_ENOMEM,
+                                   "out of host memory for %llu global slice results",
+                                   (unsigned long long)ns);
+            }
+        }
+        for (int a = 0; a < 3; a++) {
+            uint64_t keep = st->out_ns[k] < ns ? st->out_ns[k] : ns;
+            if (*arr[a] != NULL && keep > 0)
+                memcpy(grown[a], *arr[a], (size_t)keep * sizeof(float));
+            globals_free(st, *arr[a]);
+            *arr[a] = grown[a];
+        }
+        st->s_cap[k] = cap;
+    }
+    for (int a = 0; a < 3; a++)
+        for (uint64_t i = st->out_ns[k]; i < ns; i++)
+            (*arr[a])[i] = init[a];
+    st->out_ns[k] = ns;
+    return AMX_OK;
+}
+
+#ifndef AMX_HAVE_CUDA
+amx_status_t amx__state_cuda_create(int device, amx_state_t **out, amx_err_t *err)
+{
+    (void)device, (void)out;
+    return amx_err_set(err, AMX_EUNAVAIL,
+                       "this amaxd was built without CUDA; use --backend=host or rebuild with "
+                       "-DAMAXD_CUDA=ON");
+}
+
+int amx__state_cuda_probe(void)
+{
+    return 0;
+}
+
+uint64_t amx__state_cuda_memory(int device)
+{
+    (void)device;
+    return 0;
+}
+#endif
+
+uint64_t amx_state_memory(const char *backend, int device)
+{
+    if (strcmp(backend, "cuda") == 0)
+        return amx__state_cuda_memory(device);
+    long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && size > 0 ? (uint64_t)pages * (uint64_t)size : 0;
+}
+
+int amx_state_cuda_available(void)
+{
+    return amx__state_cuda_probe();
+}
+
+amx_status_t amx_state_create(const char *backend, int device, amx_state_t **out, amx_err_t *err)
+{
+    if (strcmp(backend, "host") == 0)
+        return amx__state_host_create(out, err);
+    if (strcmp(backend, "cuda") == 0)
+        return amx__state_cuda_create(device, out, err);
+    return amx_err_set(err, AMX_EINVAL, "unknown state backend '%s' (host or cuda)", backend);
+}
+
+void amx_state_destroy(amx_state_t *st)
+{
+    if (st == NULL)
+        return;
+    /* Before the backend goes: its host_free may need it. */
+    for (int k = 0; k < 2; k++) {
+        globals_free(st, st->g_amax[k]);
+        globals_free(st, st->g_scale[k]);
+        globals_free(st, st->g_inv[k]);
+        globals_free(st, st->s_amax[k]);
+        globals_free(st, st->s_scale[k]);
+        globals_free(st, st->s_inv[k]);
+    }
+    st->ops->destroy(st);
+    free(st);
+}
