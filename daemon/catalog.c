@@ -72,7 +72,8 @@ static amx_status_t normalize_recipe(const char *qname, const amx_recipe_in_t *i
         return amx_err_set(err, AMX_EINVAL,
                            "quantizer '%s': recipe.margin applies to FP8 DELAYED scaling only",
                            qname);
-    out->margin = in->margin;
+    /* -0 is 0: equal recipes must hash alike (amx_catalog_hash reads bytes). */
+    out->margin = in->margin + 0.0f;
     out->history_len = in->history_len == 0 ? 1 : in->history_len;
     if (out->history_len > AMX_HISTORY_MAX)
         return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.history_len %u exceeds %u",
@@ -94,7 +95,7 @@ static amx_status_t normalize_recipe(const char *qname, const amx_recipe_in_t *i
                            "quantizer '%s': recipe.eps and power_of_2 apply to FP8 CURRENT scaling "
                            "only",
                            qname);
-    out->eps = in->eps;
+    out->eps = in->eps + 0.0f;
     out->power_of_2 = (uint8_t)(in->power_of_2 != 0);
     if (in->nvfp4_convention < 0 || in->nvfp4_convention > 4)
         return amx_err_set(err, AMX_EINVAL,

@@ -225,6 +225,37 @@ START_TEST(catalog_is_canonical)
 }
 END_TEST
 
+/* -0 and 0 are the same recipe field: parsed alike, so equal specs hash
+ * alike on every daemon (the hash reads the bytes). */
+START_TEST(negative_zero_recipe_fields_hash_alike)
+{
+    amx_err_t err = {0};
+    uint32_t shape[1] = {2};
+    amx_qspec_in_t in;
+    memset(&in, 0, sizeof(in));
+    in.name = "q";
+    in.global_shape = shape;
+    in.ndim = 1;
+    in.recipe.present = 1;
+    in.recipe.format = AMX_FMT_FP8_E4M3;
+    in.recipe.rule = AMX_RULE_CURRENT;
+    amx_qspec_t s0, s1;
+    in.recipe.eps = 0.0f;
+    ck_assert_int_eq(amx_qspec_parse(&in, UINT64_MAX, &s0, &err), AMX_OK);
+    in.recipe.eps = -0.0f;
+    ck_assert_int_eq(amx_qspec_parse(&in, UINT64_MAX, &s1, &err), AMX_OK);
+    ck_assert(!signbit(s1.recipe.eps));
+    amx_qspec_t *a[1] = {amx_qspec_dup(&s0)}, *b[1] = {amx_qspec_dup(&s1)};
+    amx_catalog_t *ca, *cb;
+    ck_assert_int_eq(amx_catalog_build(a, 1, &ca, &err), AMX_OK);
+    ck_assert_int_eq(amx_catalog_build(b, 1, &cb, &err), AMX_OK);
+    ck_assert(amx_qspec_equal(ca->q[0], cb->q[0]));
+    ck_assert_uint_eq(ca->hash, cb->hash);
+    amx_catalog_free(ca);
+    amx_catalog_free(cb);
+}
+END_TEST
+
 /* ---- job state ---- */
 
 START_TEST(jobstate_round_trip_and_corruption)
@@ -805,6 +836,7 @@ int main(void)
     tcase_add_test(tc, identity_sources);
     tcase_add_test(tc, auth_tokens);
     tcase_add_test(tc, catalog_is_canonical);
+    tcase_add_test(tc, negative_zero_recipe_fields_hash_alike);
     tcase_add_test(tc, jobstate_round_trip_and_corruption);
     tcase_add_test(tc, spec_peer_mode_and_global_axes);
     tcase_add_test(tc, host_finish_fill_and_share);
