@@ -11,11 +11,12 @@
 """
 from . import errors, placement
 from ._gen import amaxd_pb2 as pb
-from .client import (FP8_E4M3, FP8_E5M2, MXFP8, NVFP4, PER_EPOCH, RUNNING_MAX, Client, Masked,
-                     Quantizer, Recipe, Result)
-from .packed import Layout, PackedResult
+from .client import Client
 from .errors import AmaxdError
+from .packed import Layout, PackedResult
 from .placement import Placement
+from .types import (FP8_E4M3, FP8_E5M2, MXFP8, NVFP4, PER_EPOCH, RUNNING_MAX, Masked, Quantizer,
+                    Recipe, Result)
 
 __version__ = "0.1.0"
 __all__ = ["Client", "Quantizer", "Recipe", "Result", "Masked", "Layout", "PackedResult", "Placement",

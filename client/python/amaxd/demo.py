@@ -10,7 +10,7 @@ import numpy as np
 
 from . import Client, Quantizer, Recipe
 from . import placement as P
-from .client import FP8_E4M3
+from .types import FP8_E4M3
 
 TP = 2
 EXPERTS = 4

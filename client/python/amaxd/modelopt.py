@@ -75,7 +75,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import placement as P
-from .client import Masked, Quantizer, Recipe, Result
+from .types import Masked, Quantizer, Recipe, Result
 
 __all__ = ["Layout", "Entry", "Unsupported", "plan", "register", "send", "reconcile",
            "write_back", "sync", "supports_share", "global_name", "DEFAULT_COLUMN",
