@@ -295,9 +295,9 @@ class Client:
             infos = [q for q in infos if q.name in want]
         if not infos:
             jobs = self.status(self.job).jobs
-            epoch = jobs[0].reconciled_epochs if jobs else 0
-            ex.write(path, {}, ex.metadata(self.job, epoch, []))
-            return epoch
+            last = jobs[0].reconciled_epochs if jobs else 0
+            ex.write(path, {}, ex.metadata(self.job, last, []))
+            return last
         mmb = self.max_message_bytes
         window = max(1, (mmb - min(mmb // 8, 1 << 20)) // 14)
         for _ in range(8):

@@ -9,7 +9,7 @@ once (gRPC's channel is thread-safe; the method cache is filled with
 idempotent entries).
 """
 import os
-from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional
 
 import grpc
 import numpy as np
@@ -82,7 +82,7 @@ class Channel:
             raise from_rpc_error(e) from None
         return parse(out) if parse is not None else out
 
-    def stream(self, method: str, requests: Iterable[Any], parse: Callable[[bytes], Any],
+    def stream(self, method: str, requests: Iterator[Any], parse: Callable[[bytes], Any],
                serialize: Optional[Callable[[Any], bytes]] = None) -> Any:
         """A client-streaming call: `requests` are protobuf messages, or
         bytes serialized already when `serialize` is None."""

@@ -7,7 +7,7 @@ The mapping of these types to protobuf messages (`to_pb`, `from_pb`) goes
 through protobuf's own classes; the hand-written encoders are in wire.py.
 """
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -38,9 +38,12 @@ _MXFP8_CONV = {"te": pb.MXFP8_TRANSFORMER_ENGINE, "ocp": pb.MXFP8_OCP,
 _PEER_MODE = {"fill": pb.PEER_FILL, "share": pb.PEER_SHARE}
 
 _F4 = np.dtype("<f4")
+# protobuf takes ints for enum fields; its generated stubs name only the
+# enum types: the messages Recipe and Quantizer build are made through this.
+_pb: Any = pb
 
 
-def _conv(table: Dict[str, int], what: str, name: str) -> int:
+def _conv(table: Mapping[str, int], what: str, name: str) -> int:
     try:
         return table[name]
     except KeyError:
@@ -105,7 +108,7 @@ class Recipe:
         return Recipe(format=MXFP8, mxfp8_convention=_conv(_MXFP8_CONV, "MXFP8", convention))
 
     def to_pb(self) -> pb.Recipe:
-        return pb.Recipe(format=self.format, rule=self.rule, margin=self.margin,
+        return _pb.Recipe(format=self.format, rule=self.rule, margin=self.margin,
                          history_len=self.history_len, history_reduce=self.history_reduce,
                          eps=self.eps, power_of_2=self.power_of_2,
                          nvfp4_convention=self.nvfp4_convention,
@@ -139,7 +142,7 @@ class Quantizer:
 
     def to_pb(self) -> pb.QuantizerSpec:
         mode = 0 if self.peer_mode is None else peer_mode_value(self.peer_mode)
-        q = pb.QuantizerSpec(name=self.name, global_shape=[int(d) for d in self.global_shape],
+        q: pb.QuantizerSpec = _pb.QuantizerSpec(name=self.name, global_shape=[int(d) for d in self.global_shape],
                              recipe=self.recipe.to_pb(), accumulation=self.accumulation,
                              peer_group=self.peer_group, scale_group=self.scale_group,
                              peer_mode=mode, global_axes=int(self.global_axes))
@@ -234,7 +237,7 @@ class Result:
 
         # One window (the usual case): read-only views of the message's
         # bytes, no copy; several: one concatenation each.
-        def cat(field: str, dtype: object) -> np.ndarray:
+        def cat(field: str, dtype: Any) -> np.ndarray:
             if len(parts) == 1:
                 return np.frombuffer(getattr(r, field), dtype=dtype).reshape(shape)
             b = b"".join(getattr(p, field) for p in parts)

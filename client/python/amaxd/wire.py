@@ -68,7 +68,9 @@ _WIRE_TYPE = {
 
 def _is_repeated(f: FieldDescriptor) -> bool:
     rep = getattr(f, "is_repeated", None)  # protobuf >= 6; `label` before
-    return bool(rep) if rep is not None else f.label == FieldDescriptor.LABEL_REPEATED
+    if rep is None:
+        rep = getattr(f, "label") == FieldDescriptor.LABEL_REPEATED
+    return bool(rep)
 
 
 def _key(msg: Any, name: str) -> bytes:
