@@ -19,6 +19,7 @@ bytes, except for the two health messages, whose .proto this package does
 not load. tests/e2e/test_wire.py compares every field written or read here
 with protobuf's own serialization and parsing.
 """
+import math
 import struct
 from typing import Any, Dict, Iterable, MutableMapping, Optional, Tuple
 
@@ -127,10 +128,14 @@ def spec_bytes(q: Quantizer, cache: MutableMapping[Any, bytes]) -> bytes:
     protobuf serializes it (defaults left out, fields in number order; the
     name is written even when empty). `cache` maps recipes to their
     encoded field: pass the same dict for all quantizers of one request."""
-    rb = cache.get(q.recipe)
+    r = q.recipe
+    # Recipe(margin=-0.0) == Recipe(margin=0.0), but protobuf writes -0.0
+    # and leaves 0.0 out: the signs keep the two apart in the cache.
+    ck = (r, math.copysign(1.0, r.margin), math.copysign(1.0, r.eps))
+    rb = cache.get(ck)
     if rb is None:
-        rb = _len_field(_QS_RECIPE, q.recipe.to_pb().SerializeToString())
-        cache[q.recipe] = rb
+        rb = _len_field(_QS_RECIPE, r.to_pb().SerializeToString())
+        cache[ck] = rb
     parts = [_str_field(_QS_NAME, q.name)]
     if len(q.global_shape):
         parts.append(_packed_uints(_QS_GLOBAL_SHAPE, q.global_shape))
