@@ -20,10 +20,13 @@ class BuildWithProto(build_py):
         os.makedirs(out, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             src = os.path.join(PROTO_ROOT, "amaxd", "v1", "amaxd.proto")
-            rc = protoc.main(["protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}", src])
+            # The .pyi stub gives type checkers the messages' fields (py.typed).
+            rc = protoc.main(["protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}",
+                              f"--pyi_out={tmp}", src])
             if rc != 0:
                 raise RuntimeError(f"protoc failed on {src}")
-            shutil.copy(os.path.join(tmp, "amaxd", "v1", "amaxd_pb2.py"), out)
+            for name in ("amaxd_pb2.py", "amaxd_pb2.pyi"):
+                shutil.copy(os.path.join(tmp, "amaxd", "v1", name), out)
         with open(os.path.join(out, "__init__.py"), "w") as f:
             f.write("# Generated at build time from proto/amaxd/v1/amaxd.proto.\n")
 

@@ -5,18 +5,19 @@ toy MoE layer against a running amaxd and print the reconciled scales.
 """
 import argparse
 import threading
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
 from . import Client, Quantizer, Recipe
 from . import placement as P
-from .client import FP8_E4M3
+from .types import FP8_E4M3, Result
 
 TP = 2
 EXPERTS = 4
 
 
-def layer(rank, tp):
+def layer(rank: int, tp: int) -> List[Quantizer]:
     return [
         Quantizer("decoder.layers.0.self_attention.linear_qkv.weight_quantizer", [12],
                   Recipe.fp8_current(FP8_E4M3), P.column_parallel([12], rank, tp)),
@@ -29,7 +30,8 @@ def layer(rank, tp):
     ]
 
 
-def rank_main(socket, job, rank, results, epochs):
+def rank_main(socket: Optional[str], job: str, rank: int,
+              results: Dict[int, Dict[str, Result]], epochs: int) -> None:
     rng = np.random.default_rng(100 + rank)
     with Client(job, rank, TP, socket=socket, timeout=60) as c:
         c.join()
@@ -51,13 +53,13 @@ def rank_main(socket, job, rank, results, epochs):
         results[rank] = c.get_scales(whole=True)
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--socket", default=None, help="daemon socket (default $AMAXD_SOCKET)")
     ap.add_argument("--job", default="demo")
     ap.add_argument("--epochs", type=int, default=3)
     args = ap.parse_args(argv)
-    results = {}
+    results: Dict[int, Dict[str, Result]] = {}
     threads = [threading.Thread(target=rank_main, args=(args.socket, args.job, r, results,
                                                         args.epochs)) for r in range(TP)]
     for t in threads:

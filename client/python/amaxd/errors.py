@@ -1,16 +1,18 @@
 """Typed exceptions, one per gRPC status the daemon returns."""
+from typing import Any, Tuple
+
 import grpc
 
 
 class AmaxdError(Exception):
     """Base class: `code` is the grpc.StatusCode, `message` the daemon's sentence."""
 
-    def __init__(self, code, message):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
 
-    def __reduce__(self):
+    def __reduce__(self) -> Tuple[Any, ...]:
         # Picklable, so that an error raised in a worker process (e.g. a
         # ProcessPoolExecutor of trainer ranks) arrives as itself.
         return (type(self), (self.code, self.message))
@@ -65,7 +67,7 @@ _BY_CODE = {
 }
 
 
-def from_rpc_error(err):
+def from_rpc_error(err: grpc.RpcError) -> AmaxdError:
     """Turns a grpc.RpcError into the matching AmaxdError subclass."""
-    code = err.code()
-    return _BY_CODE.get(code, AmaxdError)(code, err.details() or "")
+    code = err.code()  # type: ignore[attr-defined]  # a call's error is a grpc.Call too
+    return _BY_CODE.get(code, AmaxdError)(code, err.details() or "")  # type: ignore[attr-defined]

@@ -19,16 +19,19 @@ file.
 import json
 import os
 import struct
-from typing import Dict, Mapping
+from typing import Any, Dict, List, Mapping, Sequence
 
 import numpy as np
+
+from ._gen import amaxd_pb2 as pb
 
 FORMATS = {1: "fp8_e4m3", 2: "fp8_e5m2", 3: "nvfp4", 4: "mxfp8"}
 BLOCK = {3: "e4m3", 4: "e8m0"}
 
 
-def tensors(results: Mapping[str, object], formats: Mapping[str, int]):
-    """{tensor name: numpy array} of whole-tensor results, in file order."""
+def tensors(results: Mapping[str, Any], formats: Mapping[str, int]) -> Dict[str, np.ndarray]:
+    """{tensor name: numpy array} of whole-tensor results (amaxd.Result or
+    anything with its attributes), in file order."""
     out: Dict[str, np.ndarray] = {}
     for name in sorted(results):
         r = results[name]
@@ -48,9 +51,9 @@ def tensors(results: Mapping[str, object], formats: Mapping[str, int]):
     return out
 
 
-def write(path: str, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]):
+def write(path: str, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
     """Writes a safetensors file atomically (PATH.tmp, fsync, rename)."""
-    header = {"__metadata__": dict(metadata)}
+    header: Dict[str, Any] = {"__metadata__": dict(metadata)}
     off = 0
     for k, a in arrays.items():
         dtype = {np.dtype("<f4"): "F32", np.dtype(np.uint8): "U8"}[a.dtype]
@@ -69,8 +72,9 @@ def write(path: str, arrays: Mapping[str, np.ndarray], metadata: Mapping[str, st
     os.replace(tmp, path)
 
 
-def metadata(job: str, epoch: int, infos) -> Dict[str, str]:
-    qs = [{"name": q.name, "shape": list(q.global_shape), "format": FORMATS[q.recipe.format],
+def metadata(job: str, epoch: int, infos: Sequence[pb.QuantizerInfo]) -> Dict[str, str]:
+    """The file's __metadata__ for the job's quantizers `infos`."""
+    qs: List[Dict[str, Any]] = [{"name": q.name, "shape": list(q.global_shape), "format": FORMATS[q.recipe.format],
            "block_scale": BLOCK.get(q.recipe.format, "")} for q in infos]
     for d, q in zip(qs, infos):
         if getattr(q, "global_axes", 0):

@@ -70,12 +70,18 @@ be a guess) makes ``plan`` raise :class:`Unsupported`.
 import fnmatch
 import re
 from dataclasses import dataclass, fields
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import placement as P
-from .client import Masked, Quantizer, Recipe, Result
+from ._gen import amaxd_pb2 as pb
+from .types import Masked, Quantizer, Recipe, Result
+
+if TYPE_CHECKING:  # torch is imported when first needed
+    import torch
+
+    from .client import Client
 
 __all__ = ["Layout", "Entry", "Unsupported", "plan", "register", "send", "reconcile",
            "write_back", "sync", "supports_share", "global_name", "DEFAULT_COLUMN",
@@ -120,7 +126,7 @@ class Layout:
     etp_rank: Optional[int] = None
     etp_size: Optional[int] = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for r, n, what in ((self.tp_rank, self.tp_size, "tp"), (self.ep_rank, self.ep_size, "ep"),
                            (self.dp_rank, self.dp_size, "dp"),
                            (self.etp[0], self.etp[1], "etp")):
@@ -134,7 +140,7 @@ class Layout:
         return (self.etp_rank or 0), self.etp_size
 
     @staticmethod
-    def from_megatron(parallel_state=None) -> "Layout":
+    def from_megatron(parallel_state: Any = None) -> "Layout":
         """The layout from Megatron-core's ``parallel_state`` (initialized
         model parallel); `parallel_state` may be given (a module with the
         same functions)."""
@@ -275,7 +281,7 @@ def _global_name(model, local_name: str, layout: Layout) -> Tuple[str, Optional[
     return local_name, None, ""
 
 
-def global_name(model, local_name: str, layout: Layout = Layout()) -> str:
+def global_name(model: "torch.nn.Module", local_name: str, layout: Layout = Layout()) -> str:
     """The name a quantizer (or module) of this rank's shard has in the
     whole model: routed experts' local indices made global."""
     return _global_name(model, local_name, layout)[0]
@@ -541,7 +547,7 @@ def _plan_fused(model, fname: str, fmod, layout: Layout, weight_blocks: bool,
     return out
 
 
-def plan(model, layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_COLUMN,
+def plan(model: "torch.nn.Module", layout: Layout = Layout(), *, column: Sequence[str] = DEFAULT_COLUMN,
          row: Sequence[str] = DEFAULT_ROW, moe_share: bool = True, weight_blocks: bool = True,
          shared_patterns: Optional[Sequence[str]] = None,
          cold_experts: str = "leave") -> List[Entry]:
@@ -744,7 +750,7 @@ def _local_amax(e: Entry):
     return amax.detach().float().reshape(()).cpu().numpy()
 
 
-def register(client, entries: Sequence[Entry]):
+def register(client: "Client", entries: Sequence[Entry]) -> Optional[pb.RegisterResponse]:
     """Registers the entries (nothing when there are none: a rank without
     quantizers to reconcile still takes part in reconcile())."""
     if entries:
@@ -752,14 +758,14 @@ def register(client, entries: Sequence[Entry]):
     return None
 
 
-def send(client, entries: Sequence[Entry]):
+def send(client: "Client", entries: Sequence[Entry]) -> Optional[pb.SendAmaxResponse]:
     """Sends this rank's local amax of every entry, in one request."""
     if entries:
         return client.send({e.name: _local_amax(e) for e in entries})
     return None
 
 
-def reconcile(client, entries: Sequence[Entry]) -> Dict[str, Result]:
+def reconcile(client: "Client", entries: Sequence[Entry]) -> Dict[str, Result]:
     return client.reconcile([e.name for e in entries])
 
 
@@ -845,7 +851,7 @@ def _write_back_fused(e: Entry, r: Result):
                 _set_global_amax(q, g)
 
 
-def write_back(entries: Sequence[Entry], results: Dict[str, Result]):
+def write_back(entries: Sequence[Entry], results: Dict[str, Result]) -> None:
     """Writes the reconciled amax into the quantizers: ``_amax`` of
     per-tensor and per-channel quantizers and of dynamic NVFP4 weights (the
     global amax), ``_amax`` (blocks) and ``_global_amax`` of static NVFP4
@@ -875,7 +881,8 @@ def write_back(entries: Sequence[Entry], results: Dict[str, Result]):
             _set_global_amax(e.quantizer, r.global_amax)
 
 
-def sync(client, model, layout: Layout = Layout(), **plan_kw) -> Dict[str, Result]:
+def sync(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
+         **plan_kw: Any) -> Dict[str, Result]:
     """Registers, sends, reconciles and writes back in one call (after
     this rank's calibration); returns {global name: Result}."""
     entries = plan(model, layout, **plan_kw)

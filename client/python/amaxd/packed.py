@@ -1,42 +1,24 @@
-"""The packed per-rank form: a rank's slab layout, requests encoded by hand
-around one float32 buffer, and answers read as numpy views of the bytes
-that came off the wire (no per-quantizer work, no copies beyond the one
-into the request and gRPC's own).
-
-Wire format notes (proto/amaxd/v1/amaxd.proto): SendPackedRequest puts the
-values last, after an `align` padding field chosen so that they start
-16-byte aligned in the message (the daemon then reads them in place);
-ReconcilePackedResponse is parsed field by field here, each array becoming
-a numpy view at its offset.
+"""The packed per-rank form: a rank's slab layout (Layout) and its answers
+in layout order (PackedResult: numpy views of the bytes that came off the
+wire, no per-quantizer work, no copies beyond the one into the request and
+gRPC's own). The requests and the answer are encoded and parsed by hand in
+wire.py (proto/amaxd/v1/amaxd.proto: SendPackedRequest,
+ReconcilePackedResponse).
 """
-import struct
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ._gen import amaxd_pb2 as pb
+from .types import Masked, Result, as_f32, as_mask, to_bool_array
+from .wire import encode_send_packed, parse_reconcile_packed, read_varint, varint
+
+# Layout and PackedResult live here; the rest is importable from here too,
+# as it was before wire.py and types.py.
 __all__ = ["Layout", "PackedResult", "encode_send_packed", "parse_reconcile_packed",
            "varint", "as_f32", "as_mask"]
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _read_varint(b, i):
-    v = shift = 0
-    while True:
-        c = b[i]
-        i += 1
-        v |= (c & 0x7F) << shift
-        if c < 0x80:
-            return v, i
-        shift += 7
+_read_varint = read_varint
 
 
 @dataclass
@@ -55,11 +37,11 @@ class Layout:
     formats: List[int]
     # Per quantizer: its global_axes k and its first global slice in the
     # answer's per-slice arrays (prod(block_shape[:k]) slices when k > 0).
-    global_axes: List[int] = None
-    slice_offsets: np.ndarray = None  # uint64
+    global_axes: List[int] = None  # type: ignore[assignment]  # None: all 0
+    slice_offsets: np.ndarray = None  # type: ignore[assignment]  # uint64; None: all 0
     total_slices: int = 0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.global_axes is None:
             self.global_axes = [0] * len(self.names)
         if self.slice_offsets is None:
@@ -67,7 +49,7 @@ class Layout:
         self.index: Dict[str, int] = {n: i for i, n in enumerate(self.names)}
 
     @staticmethod
-    def from_pb(r) -> "Layout":
+    def from_pb(r: pb.GetLayoutResponse) -> "Layout":
         ndim = list(r.ndim)
         bo, bs, gs = list(r.block_offset), list(r.block_shape), list(r.global_shape)
         offs, shapes, gshapes = [], [], []
@@ -85,7 +67,7 @@ class Layout:
                       np.array(r.slice_offset or [0] * n, dtype=np.uint64),
                       r.total_slices)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.names)
 
     def span(self, name: str) -> Tuple[int, int]:
@@ -102,17 +84,16 @@ class Layout:
         """A slab to fill in place (float32, total_cells)."""
         return np.full(self.total_cells, fill, dtype=np.float32)
 
-    def pack(self, amax: Dict[str, object]) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+    def pack(self, amax: Mapping[str, object]) -> Tuple[np.ndarray, Optional[np.ndarray]]:
         """{name: block} -> (slab, has_data); quantizers not named, and masked
         cells (amaxd.Masked or numpy masked arrays), have no data."""
-        from .client import Masked, _to_bool_array
         slab = np.zeros(self.total_cells, dtype=np.float32)
         has = np.zeros(self.total_cells, dtype=np.uint8) if len(amax) < len(self.names) else None
         for name, v in amax.items():
             a, b = self.span(name)
             if isinstance(v, Masked):
                 data = as_f32(v.values).reshape(-1)
-                mask = _to_bool_array(v.no_data)
+                mask = to_bool_array(v.no_data)
                 if mask.size != data.size:
                     raise ValueError(f"{name}: no-data mask of {mask.size} cells for "
                                      f"{data.size} values")
@@ -131,58 +112,9 @@ class Layout:
         return slab, has
 
 
-def as_f32(values) -> np.ndarray:
-    """A contiguous little-endian float32 numpy array of `values`: a numpy
-    array as it is when it already is one; a torch tensor (CPU or CUDA)
-    copied once to host memory as float32."""
-    if hasattr(values, "detach") and hasattr(values, "cpu"):  # a torch tensor
-        import torch  # only when one was given
-        t = values.detach()
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            t = t.to(device="cpu", dtype=torch.float32)
-        values = t.contiguous().numpy()
-    return np.ascontiguousarray(values, dtype="<f4").reshape(-1)
-
-
-def as_mask(has_data) -> np.ndarray:
-    if hasattr(has_data, "detach") and hasattr(has_data, "cpu"):
-        has_data = has_data.detach().cpu().numpy()
-    a = np.ascontiguousarray(has_data).reshape(-1)
-    if a.dtype != np.uint8:
-        a = a.astype(np.uint8) if a.dtype == np.bool_ else (a != 0).astype(np.uint8)
-    return a
-
-
-def encode_send_packed(job: str, rank: int, epoch: int, layout_id: int, values: np.ndarray,
-                       has_data: Optional[np.ndarray] = None) -> bytes:
-    """A serialized SendPackedRequest; `values` (float32, contiguous) is
-    copied once, into the message, 16-byte aligned in it."""
-    jb = job.encode()
-    head = [b"\x0a", varint(len(jb)), jb]
-    if rank:
-        head += [b"\x10", varint(rank)]
-    if epoch:
-        head += [b"\x18", varint(epoch)]
-    head += [b"\x21", struct.pack("<Q", layout_id)]
-    parts = [b"".join(head)]
-    pos = len(parts[0])
-    if has_data is not None:
-        h = b"\x32" + varint(has_data.nbytes)
-        parts += [h, memoryview(has_data).cast("B")]
-        pos += len(h) + has_data.nbytes
-    nbytes = values.nbytes
-    vh = b"\x2a" + varint(nbytes)
-    # align field (15): tag 0x7a, a 1-byte length, padding: 2..17 bytes.
-    need = (-(pos + 2 + len(vh))) % 16
-    parts += [b"\x7a" + bytes([need]) + bytes(need), vh, memoryview(values).cast("B")]
-    return b"".join(parts)
-
-
-# ReconcilePackedResponse fields (amaxd.proto).
-_F32_CELL = {4: "amax", 5: "scale", 6: "scale_inv"}
-_F32_Q = {8: "global_amax", 9: "global_scale", 10: "global_scale_inv",
-          13: "previous_global_amax", 14: "previous_global_scale"}
-_F32_SLICE = {17: "global_amaxes", 18: "global_scales", 19: "global_scale_invs"}
+_F32_ARRAYS = ("amax", "scale", "scale_inv", "global_amax", "global_scale", "global_scale_inv",
+               "previous_global_amax", "previous_global_scale", "global_amaxes", "global_scales",
+               "global_scale_invs")
 
 
 class PackedResult:
@@ -195,54 +127,46 @@ class PackedResult:
     read-only numpy views of the answer's bytes. result(name) gives one
     quantizer's views."""
 
-    def __init__(self, raw: bytes, layout: Layout):
+    epoch: int
+    next_epoch: int
+    layout_id: int
+    shm_bytes: int
+    peer_fill_known: bool
+    amax: np.ndarray
+    scale: np.ndarray
+    scale_inv: np.ndarray
+    block_scales: np.ndarray
+    global_amax: np.ndarray
+    global_scale: np.ndarray
+    global_scale_inv: np.ndarray
+    missing: np.ndarray
+    has_previous: np.ndarray
+    previous_global_amax: np.ndarray
+    previous_global_scale: np.ndarray
+    filled: Optional[np.ndarray]  # None unless peer_fill_known
+    global_amaxes: np.ndarray
+    global_scales: np.ndarray
+    global_scale_invs: np.ndarray
+
+    def __init__(self, raw: Any, layout: Layout) -> None:
+        """raw: a serialized ReconcilePackedResponse (bytes or memoryview),
+        kept alive by the arrays that view it."""
         self.raw = raw
         self.layout = layout
-        self.epoch = self.next_epoch = self.layout_id = 0
-        self.peer_fill_known = False
         n, q = layout.total_cells, len(layout)
         f32, u8 = np.dtype("<f4"), np.dtype(np.uint8)
+        # Fields the answer leaves out keep protobuf's defaults (0, empty).
+        self.epoch = self.next_epoch = self.layout_id = self.shm_bytes = 0
+        self.peer_fill_known = False
         empty_f = np.zeros(0, dtype=f32)
-        for a in list(_F32_CELL.values()) + list(_F32_Q.values()) + list(_F32_SLICE.values()):
+        for a in _F32_ARRAYS:
             setattr(self, a, empty_f)
         self.block_scales = np.zeros(0, dtype=u8)
         self.missing = np.zeros(0, dtype="<u4")
         self.has_previous = np.zeros(0, dtype=u8)
         self.filled = None
-        b, i, end = raw, 0, len(raw)
-        while i < end:
-            tag, i = _read_varint(b, i)
-            f, wt = tag >> 3, tag & 7
-            if wt == 0:
-                v, i = _read_varint(b, i)
-                if f == 1:
-                    self.epoch = v
-                elif f == 2:
-                    self.next_epoch = v
-                elif f == 15:
-                    self.peer_fill_known = bool(v)
-            elif wt == 1:
-                if f == 3:
-                    self.layout_id = struct.unpack_from("<Q", b, i)[0]
-                i += 8
-            elif wt == 5:
-                i += 4
-            elif wt == 2:
-                ln, i = _read_varint(b, i)
-                if f in _F32_CELL or f in _F32_Q or f in _F32_SLICE:
-                    setattr(self, (_F32_CELL.get(f) or _F32_Q.get(f) or _F32_SLICE[f]),
-                            np.frombuffer(b, dtype=f32, count=ln // 4, offset=i))
-                elif f == 7:
-                    self.block_scales = np.frombuffer(b, dtype=u8, count=ln, offset=i)
-                elif f == 11:
-                    self.missing = np.frombuffer(b, dtype="<u4", count=ln // 4, offset=i)
-                elif f == 12:
-                    self.has_previous = np.frombuffer(b, dtype=u8, count=ln, offset=i)
-                elif f == 16:
-                    self.filled = np.frombuffer(b, dtype=u8, count=ln, offset=i)
-                i += ln
-            else:
-                raise ValueError(f"ReconcilePackedResponse: wire type {wt} at byte {i}")
+        for name, v in parse_reconcile_packed(raw).items():
+            setattr(self, name, v)
         if self.layout_id == layout.id and (len(self.amax) != n or len(self.global_amax) != q or
                                             len(self.global_amaxes) != layout.total_slices):
             raise ValueError(f"ReconcilePackedResponse: {len(self.amax)} cells, "
@@ -251,18 +175,17 @@ class PackedResult:
         if self.peer_fill_known and self.filled is None:
             self.filled = np.zeros(n, dtype=u8)
 
-    def result(self, name: str):
+    def result(self, name: str) -> Result:
         """Quantizer `name`'s Result, its arrays views into this answer."""
-        from .client import Result
         L = self.layout
         i = L.index[name]
         a, b = L.span(name)
         shape = L.block_shapes[i]
         has_prev = bool(self.has_previous[i])
         filled = None
-        if self.peer_fill_known:
+        if self.filled is not None and self.peer_fill_known:
             filled = self.filled[a:b].reshape(shape).view(np.bool_)
-        slices = [None, None, None]
+        slices: List[Optional[np.ndarray]] = [None, None, None]
         k = L.global_axes[i]
         if k > 0 and b == a:  # an empty block overlaps no slice
             slices = [np.zeros(shape[:k], dtype=np.float32)] * 3
@@ -280,10 +203,10 @@ class PackedResult:
                       float(self.previous_global_amax[i]) if has_prev else None,
                       float(self.previous_global_scale[i]) if has_prev else None, *slices)
 
-    def __getitem__(self, name: str):
+    def __getitem__(self, name: str) -> Result:
         return self.result(name)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.layout)
 
     def keys(self) -> Sequence[str]:
