@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "grow.h"
+
 typedef struct amx_wbuf {
     unsigned char *p;
     size_t len, cap;
@@ -26,16 +28,10 @@ static inline int amx_wbuf_grow(amx_wbuf_t *w, size_t n)
         return -1;
     if (w->len + n <= w->cap)
         return 0;
-    size_t cap = w->cap ? w->cap : 1024;
-    while (cap < w->len + n)
-        cap *= 2;
-    unsigned char *q = realloc(w->p, cap);
-    if (q == NULL) {
+    if (n > SIZE_MAX - w->len || amx_grow(&w->p, &w->cap, w->len + n, 1, 1024, 0) != 0) {
         w->oom = 1;
         return -1;
     }
-    w->p = q;
-    w->cap = cap;
     return 0;
 }
 

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "grow.h"
 
 #define AUTH_SKEW_S 300
 
@@ -322,16 +323,11 @@ static char *slurp(const char *path, amx_err_t *err)
     char *buf = NULL;
     size_t len = 0, cap = 0;
     for (;;) {
-        if (len + 4096 + 1 > cap) {
-            cap = cap ? cap * 2 : 8192;
-            char *q = realloc(buf, cap);
-            if (q == NULL) {
-                free(buf);
-                fclose(f);
-                amx_err_set(err, AMX_ENOMEM, "out of memory reading %s", path);
-                return NULL;
-            }
-            buf = q;
+        if (amx_grow(&buf, &cap, len + 4096 + 1, 1, 8192, 0) != 0) {
+            free(buf);
+            fclose(f);
+            amx_err_set(err, AMX_ENOMEM, "out of memory reading %s", path);
+            return NULL;
         }
         size_t n = fread(buf + len, 1, 4096, f);
         len += n;

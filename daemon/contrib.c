@@ -96,46 +96,21 @@ static amx_status_t validate_item(amx_registry_t *reg, amx_job_t *j, amx_lrank_t
 
 amx_status_t amx__rank_reserve(amx_lrank_t *r, uint32_t nlq, uint32_t npls)
 {
-    if (nlq > r->cap_of) {
-        uint32_t cap = r->cap_of ? r->cap_of : 64;
-        while (cap < nlq)
-            cap *= 2;
-        uint32_t *p = realloc(r->pl_of, cap * sizeof(uint32_t));
-        if (p == NULL)
-            return AMX_ENOMEM;
-        memset(p + r->cap_of, 0, (cap - r->cap_of) * sizeof(uint32_t));
-        r->pl_of = p;
-        r->cap_of = cap;
-    }
-    if (npls > r->cap_pls) {
-        uint32_t cap = r->cap_pls ? r->cap_pls : 64;
-        while (cap < npls)
-            cap *= 2;
-        amx_placement_t *p = realloc(r->pls, cap * sizeof(amx_placement_t));
-        if (p == NULL)
-            return AMX_ENOMEM;
-        r->pls = p;
-        uint32_t *l = realloc(r->pl_lid, cap * sizeof(uint32_t));
-        if (l == NULL)
-            return AMX_ENOMEM;
-        r->pl_lid = l;
-        r->cap_pls = cap;
-    }
+    if (amx_grow(&r->pl_of, &r->cap_of, nlq, sizeof(uint32_t), 64, 1) != 0)
+        return AMX_ENOMEM;
+    /* pls and pl_lid share one capacity: it moves once both have grown. */
+    size_t c1 = r->cap_pls, c2 = r->cap_pls;
+    if (amx_grow(&r->pls, &c1, npls, sizeof(amx_placement_t), 64, 0) != 0 ||
+        amx_grow(&r->pl_lid, &c2, npls, sizeof(uint32_t), 64, 0) != 0)
+        return AMX_ENOMEM;
+    r->cap_pls = c1;
     return AMX_OK;
 }
 
 amx_status_t amx__job_reserve_lq(amx_job_t *j, uint32_t n)
 {
-    if (n > j->cap_lq) {
-        uint32_t cap = j->cap_lq ? j->cap_lq : 64;
-        while (cap < n)
-            cap *= 2;
-        amx_lq_t *q = realloc(j->lq, cap * sizeof(amx_lq_t));
-        if (q == NULL)
-            return AMX_ENOMEM;
-        j->lq = q;
-        j->cap_lq = cap;
-    }
+    if (amx_grow(&j->lq, &j->cap_lq, n, sizeof(amx_lq_t), 64, 0) != 0)
+        return AMX_ENOMEM;
     return amx_strmap_reserve(&j->lqmap, n) == 0 ? AMX_OK : AMX_ENOMEM;
 }
 
@@ -483,26 +458,10 @@ static void stage_row(void *ud, uint64_t dst, uint64_t src, uint64_t len)
 
 amx_status_t amx__stage_reserve(amx_registry_t *reg, uint64_t nvals, size_t nruns)
 {
-    if (nvals > reg->stage_cap) {
-        uint64_t cap = reg->stage_cap ? reg->stage_cap : 4096;
-        while (cap < nvals)
-            cap *= 2;
-        float *p = realloc(reg->stage, cap * sizeof(float));
-        if (p == NULL)
-            return AMX_ENOMEM;
-        reg->stage = p;
-        reg->stage_cap = cap;
-    }
-    if (nruns > reg->runs_cap) {
-        size_t cap = reg->runs_cap ? reg->runs_cap : 1024;
-        while (cap < nruns)
-            cap *= 2;
-        amx_run_t *p = realloc(reg->runs, cap * sizeof(amx_run_t));
-        if (p == NULL)
-            return AMX_ENOMEM;
-        reg->runs = p;
-        reg->runs_cap = cap;
-    }
+    if (nvals > SIZE_MAX / sizeof(float) ||
+        amx_grow(&reg->stage, &reg->stage_cap, (size_t)nvals, sizeof(float), 4096, 0) != 0 ||
+        amx_grow(&reg->runs, &reg->runs_cap, nruns, sizeof(amx_run_t), 1024, 0) != 0)
+        return AMX_ENOMEM;
     return AMX_OK;
 }
 
@@ -532,16 +491,8 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
             j->lq[i].stamp = 0;
         j->batch = 1;
     }
-    if (req->n > reg->lids_cap) {
-        size_t cap = reg->lids_cap ? reg->lids_cap : 1024;
-        while (cap < req->n)
-            cap *= 2;
-        uint32_t *p = realloc(reg->lids, cap * sizeof(uint32_t));
-        if (p == NULL)
-            return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu updates", req->n);
-        reg->lids = p;
-        reg->lids_cap = cap;
-    }
+    if (amx_grow(&reg->lids, &reg->lids_cap, req->n, sizeof(uint32_t), 1024, 0) != 0)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory reading %zu updates", req->n);
     for (size_t u = 0; u < req->n; u++) {
         const amx_update_in_t *up = &req->u[u];
         uint32_t lid;

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "clock.h"
+#include "grow.h"
 #include "log.h"
 
 enum { REQ_JOIN = 1, REQ_SYNC = 2, REQ_KVGET = 3 };
@@ -51,7 +52,8 @@ struct cjob {
     uint32_t njoined;
     int ready;
     cdaemon_t *dm;
-    uint32_t ndm, cap_dm;
+    uint32_t ndm;
+    size_t cap_dm;
     amx_membership_t mship; /* valid when ready */
     int mship_dirty;
     amx_catalog_t *master;
@@ -179,14 +181,8 @@ static int note_daemon(cjob_t *j, uint32_t d, uint64_t inc, const char *addr)
 {
     cdaemon_t *x = daemon_of(j, d);
     if (x == NULL) {
-        if (j->ndm == j->cap_dm) {
-            uint32_t cap = j->cap_dm ? j->cap_dm * 2 : 8;
-            cdaemon_t *p = realloc(j->dm, cap * sizeof(*p));
-            if (p == NULL)
-                return 0;
-            j->dm = p;
-            j->cap_dm = cap;
-        }
+        if (amx_grow(&j->dm, &j->cap_dm, j->ndm + 1, sizeof(*j->dm), 8, 0) != 0)
+            return 0;
         x = &j->dm[j->ndm++];
         memset(x, 0, sizeof(*x));
         x->daemon = d;
@@ -568,14 +564,9 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
                     other = adds[a].spec;
                     other_d = adds[a].origin;
                 } else {
-                    if (nadd == cap_add) {
-                        cap_add = cap_add ? cap_add * 2 : 64;
-                        add_t *q = realloc(adds, cap_add * sizeof(*q));
-                        if (q == NULL) {
-                            oom = "out of memory merging proposals";
-                            goto fail;
-                        }
-                        adds = q;
+                    if (amx_grow(&adds, &cap_add, nadd + 1, sizeof(*adds), 64, 0) != 0) {
+                        oom = "out of memory merging proposals";
+                        goto fail;
                     }
                     if (amx_strmap_put(&add_idx, s->name, (uint32_t)nadd) != 0) {
                         oom = "out of memory merging proposals";
@@ -932,15 +923,9 @@ void amx_coord_kv_set(amx_coord_t *co, const char *key, const void *val, size_t 
     if (len > 0)
         memcpy(copy, val, len);
     if (e == NULL) {
-        if (co->nkv == co->cap_kv) {
-            size_t cap = co->cap_kv ? co->cap_kv * 2 : 64;
-            kv_entry_t *p = realloc(co->kv, cap * sizeof(*p));
-            if (p == NULL) {
-                free(copy);
-                return;
-            }
-            co->kv = p;
-            co->cap_kv = cap;
+        if (amx_grow(&co->kv, &co->cap_kv, co->nkv + 1, sizeof(*co->kv), 64, 0) != 0) {
+            free(copy);
+            return;
         }
         e = &co->kv[co->nkv];
         if ((e->key = strdup(key)) == NULL) {

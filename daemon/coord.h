@@ -12,10 +12,11 @@
  *               store, the NCCL unique id)
  *
  * Cluster rank 0 creates the one coordinator (a single daemon is a cluster
- * of one). Loop thread only. Requests come from the peer service (peer.c)
- * for remote daemons and through peer.c's local path for rank 0 itself.
- * Callbacks are called exactly once (unless the request is cancelled) on
- * the loop thread.
+ * of one). Loop lock only (the loop thread, or a completion-queue thread
+ * that holds the lock: rpc.h). Requests come from the peer service
+ * (service_peer.c) for remote daemons and through peer.c's local path for
+ * rank 0 itself. Callbacks are called exactly once (unless the request is
+ * cancelled), under the same lock.
  */
 #ifndef AMX_COORD_H
 #define AMX_COORD_H
@@ -55,7 +56,8 @@ typedef struct amx_coord amx_coord_t;
 typedef struct amx_creq amx_creq_t; /* a waiting request */
 
 amx_coord_t *amx_coord_create(uint64_t incarnation, uint64_t join_timeout_ms);
-void amx_coord_destroy(amx_coord_t *co); /* fails every waiting request with EUNAVAIL */
+/* Frees it, failing every waiting request with UNAVAILABLE first. */
+void amx_coord_destroy(amx_coord_t *co);
 uint64_t amx_coord_incarnation(const amx_coord_t *co);
 
 /* ---- membership ---- */
@@ -137,6 +139,8 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
 typedef void (*amx_coord_kv_cb)(void *ud, amx_status_t st, const char *msg, const void *val,
                                 size_t len);
 
+/* Sets `key` (a copy of val) and answers the gets waiting for it; out of
+ * memory, the key stays unset (its gets time out). */
 void amx_coord_kv_set(amx_coord_t *co, const char *key, const void *val, size_t len);
 
 /* Answers at once when the key exists, else when it is set or at the

@@ -16,7 +16,8 @@
  * reads (never writes) the job's catalog, quantizer table and membership,
  * which the loop thread leaves alone while the job is in flight.
  */
-#include "engine.h"
+#include "engine_impl.h"
+
 #include "job_snap.h"
 
 #include <inttypes.h>
@@ -32,64 +33,6 @@
 #include "log.h"
 #include "peer.h"
 #include "snapshot.h"
-
-/* Header cells (AMX_HDR_CELLS = 32): each field as 16-bit pieces and their
- * complements, so that after an element-wise MAX max(piece) == 65535 -
- * max(complement) holds exactly when every daemon sent the same value. */
-enum {
-    H_EPOCH = 0,  /* 4 pieces + 4 complements */
-    H_HASH = 8,   /* 4 + 4 */
-    H_GEN = 16,   /* 4 + 4 */
-    H_CELLS = 24, /* 3 + 3 */
-    H_FLAG = 30,  /* max: some daemon needs an agreement round */
-    H_VERSION = 31,
-};
-#define HDR_VERSION 1.0f
-
-struct amx_engine {
-    amx_job_t *job;
-    amx_engine_env_t env;
-    pthread_t th;
-    int started;
-    pthread_mutex_t mu; /* work hand-off, comm pointer, abort */
-    pthread_cond_t cv;
-    int have_work, quit;
-    uint64_t epoch, deadline;
-    atomic_int abort_flag;
-    amx_status_t abort_code; /* with abort_flag: the status to fail with (under mu) */
-    uint32_t abort_from;     /* the daemon that aborted it (AMX_ENGINE_LOCAL: this one) */
-    int passed_on;           /* this attempt failed with another daemon's status and sentence */
-    int aborted_here;        /* ... or because this daemon aborted it (peer_why says why) */
-    char peer_why[768];
-    char abort_why[768];
-    amx_comm_t *comm;
-    _Atomic uint64_t comm_gen;
-    uint64_t last_gen;  /* the generation of the last communicator held (engine thread) */
-    int need_sync;      /* agree before the next collective */
-    uint64_t coord_inc; /* the coordinator incarnation of our last agreement */
-    amx_epoch_result_t res;
-    /* A donor's state, published for FetchState. */
-    pthread_mutex_t blob_mu;
-    void *blob;
-    size_t blob_len;
-    uint64_t blob_seq;
-    /* Working layout of this attempt. */
-    amx_catalog_t *w_cat; /* the agreed catalog as this attempt knows it */
-    amx_qdesc_t *w_desc;
-    int w_owned;            /* w_cat/w_desc were made here (res.cat/res.desc) */
-    int pend_original;      /* the in-flight buffer still has the loop's layout */
-    amx_catalog_t *imp_cat; /* an imported catalog (the state's layout), owned */
-    amx_qdesc_t *imp_desc;
-    uint64_t last_reconciled; /* of the state, as this attempt knows it */
-    int synced;               /* an agreement round happened in this attempt */
-    /* Descriptor generations: bumped by every layout change; the backend
-     * may keep a copy of the descriptors the last finish saw. */
-    uint64_t desc_gen, fin_gen;
-    int fin_had_reset;
-    int marked;       /* some w_desc[].reset may be set: clean epochs skip the O(n) scans */
-    int fin_ok;       /* the last finish succeeded (its descriptors may be reused) */
-    uint64_t snap_ms; /* when this engine last wrote the job's snapshot (0: never) */
-};
 
 /* ---- results ---- */
 
@@ -107,10 +50,7 @@ static void res_clear(amx_epoch_result_t *r)
     memset(r, 0, sizeof(*r));
 }
 
-static amx_status_t fail(amx_engine_t *e, amx_status_t st, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static amx_status_t fail(amx_engine_t *e, amx_status_t st, const char *fmt, ...)
+amx_status_t amx__engine_fail(amx_engine_t *e, amx_status_t st, const char *fmt, ...)
 {
     if (e->res.st == AMX_OK) {
         va_list ap;
@@ -126,7 +66,7 @@ static amx_status_t fail(amx_engine_t *e, amx_status_t st, const char *fmt, ...)
  * with the status another daemon's epoch failed with, passing on its
  * sentence (which names the daemon or rank that did not come), or with
  * ABORTED. */
-static amx_status_t fail_aborted(amx_engine_t *e, const char *during)
+amx_status_t amx__engine_fail_aborted(amx_engine_t *e, const char *during)
 {
     char why[sizeof(e->abort_why)];
     pthread_mutex_lock(&e->mu);
@@ -141,15 +81,17 @@ static amx_status_t fail_aborted(amx_engine_t *e, const char *during)
             e->aborted_here = 1; /* the others hear `why` itself */
             snprintf(e->peer_why, sizeof(e->peer_why), "%s", why);
         }
-        return fail(e, AMX_EABORTED, "job '%s', epoch %llu: %s was aborted: %s", job, ep, during,
-                    why);
+        return amx__engine_fail(e, AMX_EABORTED, "job '%s', epoch %llu: %s was aborted: %s", job,
+                                ep, during, why);
     }
     if (code == AMX_OK || code == AMX_EABORTED)
-        return fail(e, AMX_EABORTED, "job '%s', epoch %llu: %s was aborted by daemon %u: %s", job,
-                    ep, during, from, why);
+        return amx__engine_fail(e, AMX_EABORTED,
+                                "job '%s', epoch %llu: %s was aborted by daemon %u: %s", job, ep,
+                                during, from, why);
     if (e->res.st == AMX_OK)
         e->passed_on = 1; /* explained already by the daemon that failed */
-    return fail(e, code, "job '%s', epoch %llu failed on daemon %u: %s", job, ep, from, why);
+    return amx__engine_fail(e, code, "job '%s', epoch %llu failed on daemon %u: %s", job, ep, from,
+                            why);
 }
 
 /* ---- header ---- */
@@ -191,7 +133,7 @@ static void make_header(float *h, uint64_t epoch, uint64_t hash, uint64_t gen, u
 
 /* ---- communicator ---- */
 
-static void drop_comm(amx_engine_t *e)
+void amx__engine_drop_comm(amx_engine_t *e)
 {
     pthread_mutex_lock(&e->mu);
     amx_comm_t *c = e->comm;
@@ -270,7 +212,7 @@ static amx_status_t pend_runs_original(const amx_job_t *j, const amx_catalog_t *
  * replicated state (laid out as the import's catalog, or the working one)
  * and the results.
  */
-static amx_status_t change_layout(amx_engine_t *e, amx_catalog_t *to)
+amx_status_t amx__engine_change_layout(amx_engine_t *e, amx_catalog_t *to)
 {
     amx_job_t *j = e->job;
     amx_err_t err = {0};
@@ -328,8 +270,8 @@ static amx_status_t change_layout(amx_engine_t *e, amx_catalog_t *to)
     };
     st = j->state->ops->remap(j->state, &lc, &err);
     if (st != AMX_OK) {
-        fail(e, st, "remapping the amax state of job '%s' to %u quantizers failed: %s", j->name,
-             to->n, err.msg);
+        amx__engine_fail(e, st, "remapping the amax state of job '%s' to %u quantizers failed: %s",
+                         j->name, to->n, err.msg);
         goto out;
     }
     /* The loop moves its active buffer from its own layout at the end. */
@@ -364,7 +306,7 @@ static amx_status_t change_layout(amx_engine_t *e, amx_catalog_t *to)
     st = AMX_OK;
 out:
     if (st == AMX_ENOMEM && e->res.st == AMX_OK)
-        fail(e, st, "out of memory changing the layout of job '%s'", j->name);
+        amx__engine_fail(e, st, "out of memory changing the layout of job '%s'", j->name);
     if (pend != pend_loop)
         free(pend);
     free(pend_loop);
@@ -383,7 +325,7 @@ static amx_status_t adopt_locally(amx_engine_t *e)
     uint32_t n = j->cat->n + j->nprop, k = 0;
     amx_qspec_t **specs = calloc(n ? n : 1, sizeof(*specs));
     if (specs == NULL)
-        return fail(e, AMX_ENOMEM, "out of memory adopting %u proposals", j->nprop);
+        return amx__engine_fail(e, AMX_ENOMEM, "out of memory adopting %u proposals", j->nprop);
     for (uint32_t i = 0; i < j->cat->n; i++)
         specs[k++] = amx_qspec_dup(j->cat->q[i]);
     for (uint32_t lid = 0; lid < j->nlq; lid++)
@@ -398,17 +340,17 @@ static amx_status_t adopt_locally(amx_engine_t *e)
         for (uint32_t i = 0; i < k; i++)
             amx_qspec_free(specs[i]);
         free(specs);
-        return fail(e, AMX_ENOMEM, "out of memory adopting %u proposals", j->nprop);
+        return amx__engine_fail(e, AMX_ENOMEM, "out of memory adopting %u proposals", j->nprop);
     }
     free(specs);
-    amx_status_t st = change_layout(e, c);
+    amx_status_t st = amx__engine_change_layout(e, c);
     if (st != AMX_OK)
         amx_catalog_free(c);
     return st;
 }
 
 /* Sets desc.reset for the named quantizers of the working catalog. */
-static void mark_resets_by_name(amx_engine_t *e, char **names, size_t n)
+void amx__engine_mark_resets(amx_engine_t *e, char **names, size_t n)
 {
     for (size_t i = 0; i < n; i++) {
         int64_t k = amx_catalog_find(e->w_cat, names[i]);
@@ -435,397 +377,6 @@ static void mark_local_resets(amx_engine_t *e)
         }
 }
 
-/* ---- agreement ---- */
-
-static int my_index(const amx_membership_t *m, uint32_t me)
-{
-    for (uint32_t p = 0; p < m->npart; p++)
-        if (m->part[p].daemon == me)
-            return (int)p;
-    return -1;
-}
-
-/* The donor publishes its state for those behind. */
-static amx_status_t publish_state(amx_engine_t *e, uint64_t seq)
-{
-    amx_job_t *j = e->job;
-    amx_err_t err = {0};
-    void *blob;
-    size_t len;
-    amx_status_t st = amx_jobstate_export(j->name, e->last_reconciled, e->w_cat, e->w_desc,
-                                          j->state, 0, &blob, &len, &err);
-    if (st != AMX_OK)
-        return fail(e, st, "job '%s': preparing the state for daemons that are behind: %s", j->name,
-                    err.msg);
-    pthread_mutex_lock(&e->blob_mu);
-    free(e->blob);
-    e->blob = blob;
-    e->blob_len = len;
-    e->blob_seq = seq;
-    pthread_mutex_unlock(&e->blob_mu);
-    AMX_INFO("epoch", "job %s: serving my state (epoch %llu, %zu bytes) to daemons behind", j->name,
-             (unsigned long long)e->last_reconciled, len);
-    return AMX_OK;
-}
-
-/* Keeps the donor's published globals (its last epoch's) for the loop to
- * use as the previous epoch's once this epoch is published; the state's
- * own front results are this daemon's, from before it fell behind. */
-static amx_status_t stash_previous(amx_engine_t *e, const amx_jobstate_t *js)
-{
-    uint32_t n = js->cat->n;
-    amx_qspec_t **copy = calloc(n ? n : 1, sizeof(*copy));
-    float *ga = malloc((n ? n : 1) * sizeof(float)), *gs = malloc((n ? n : 1) * sizeof(float));
-    amx_catalog_t *c = NULL;
-    amx_err_t err = {0};
-    int ok = copy != NULL && ga != NULL && gs != NULL;
-    for (uint32_t i = 0; ok && i < n; i++)
-        ok = (copy[i] = amx_qspec_dup(js->cat->q[i])) != NULL;
-    if (ok)
-        ok = amx_catalog_build(copy, n, &c, &err) == AMX_OK;
-    if (!ok) {
-        for (uint32_t i = 0; copy != NULL && i < n; i++)
-            amx_qspec_free(copy[i]);
-        free(copy);
-        free(ga);
-        free(gs);
-        return AMX_ENOMEM;
-    }
-    free(copy);
-    for (uint32_t i = 0; i < n; i++) {
-        int64_t k = amx_catalog_find(c, js->cat->q[i]->name);
-        ga[k] = js->a.g_amax[i];
-        gs[k] = js->a.g_scale[i];
-    }
-    amx_catalog_free(e->res.prev_cat);
-    free(e->res.prev_ga);
-    free(e->res.prev_gs);
-    e->res.prev_cat = c;
-    e->res.prev_ga = ga;
-    e->res.prev_gs = gs;
-    return AMX_OK;
-}
-
-/* Fetches and imports the donor's state. */
-static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
-{
-    amx_job_t *j = e->job;
-    const char *addr = NULL;
-    for (uint32_t p = 0; p < sr->members.npart; p++)
-        if (sr->members.part[p].daemon == sr->donor)
-            addr = sr->members.part[p].addr;
-    if (addr == NULL)
-        return fail(e, AMX_EINTERNAL, "job '%s': the donor daemon %u is not a participant", j->name,
-                    sr->donor);
-    amx_err_t err = {0};
-    void *blob = NULL;
-    size_t len = 0;
-    amx_status_t st = amx_peer_call_fetch(j->eng->env.peer, addr, j->name, sr->seq, e->deadline,
-                                          &e->abort_flag, &blob, &len, &err);
-    if (st != AMX_OK && atomic_load(&e->abort_flag))
-        return fail_aborted(e, "fetching the job's state");
-    if (st != AMX_OK)
-        return fail(e, st, "job '%s': fetching the job's state from daemon %u (%s) failed: %s",
-                    j->name, sr->donor, addr, err.msg);
-    amx_jobstate_t js;
-    st = amx_jobstate_parse(blob, len, &js, &err);
-    if (st == AMX_OK && strcmp(js.job, j->name) != 0)
-        st = amx_err_set(&err, AMX_EINVAL, "it is the state of job '%s'", js.job);
-    if (st == AMX_OK)
-        st = j->state->ops->import_state(j->state, js.cat->ncells, js.cat->nhist, js.cat->n,
-                                         js.cat->nslices, &js.a, &err);
-    if (st != AMX_OK) {
-        amx_jobstate_free(&js);
-        free(blob);
-        return fail(e, st, "job '%s': the state from daemon %u could not be used: %s", j->name,
-                    sr->donor, err.msg);
-    }
-    amx_qdesc_t *d = malloc((js.cat->n ? js.cat->n : 1) * sizeof(amx_qdesc_t));
-    if (d == NULL || stash_previous(e, &js) != AMX_OK) {
-        free(d);
-        amx_jobstate_free(&js);
-        free(blob);
-        return fail(e, AMX_ENOMEM, "out of memory importing the state of job '%s'", j->name);
-    }
-    amx_catalog_layout(js.cat, d);
-    for (uint32_t i = 0; i < js.cat->n; i++)
-        d[i].hist_head = js.hist_head[i];
-    amx_catalog_free(e->imp_cat);
-    free(e->imp_desc);
-    e->imp_cat = js.cat;
-    e->imp_desc = d;
-    js.cat = NULL;
-    AMX_INFO("epoch", "job %s: caught up with daemon %u: epoch %llu -> %llu (%zu bytes)", j->name,
-             sr->donor, (unsigned long long)e->last_reconciled,
-             (unsigned long long)js.last_reconciled, len);
-    e->last_reconciled = js.last_reconciled;
-    e->epoch = js.last_reconciled + 1;
-    e->res.imported = 1;
-    e->res.last_reconciled = js.last_reconciled;
-    e->res.publish = 1;
-    amx_jobstate_free(&js);
-    free(blob);
-    /* With the agreed catalog in this answer, the next step moves the
-     * imported state and the in-flight buffer (in the loop's layout: this
-     * daemon's proposals keep their provisional cells) to it together.
-     * Without one, the donor's catalog becomes the working one at once, so
-     * that the replicated state and the job's layout never disagree. */
-    if (sr->catalog_included)
-        return AMX_OK;
-    amx_qspec_t **copy = calloc(e->imp_cat->n ? e->imp_cat->n : 1, sizeof(*copy));
-    amx_catalog_t *target = NULL;
-    int ok = copy != NULL;
-    for (uint32_t i = 0; ok && i < e->imp_cat->n; i++)
-        ok = (copy[i] = amx_qspec_dup(e->imp_cat->q[i])) != NULL;
-    if (ok)
-        ok = amx_catalog_build(copy, e->imp_cat->n, &target, &err) == AMX_OK;
-    if (!ok || change_layout(e, target) != AMX_OK) {
-        /* The state was replaced but cannot follow: nothing sane remains. */
-        AMX_ERROR("epoch",
-                  "job %s: out of memory adopting the imported state's layout; "
-                  "aborting",
-                  j->name);
-        abort();
-    }
-    free(copy);
-    return AMX_OK;
-}
-
-static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
-{
-    amx_job_t *j = e->job;
-    drop_comm(e);
-    const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
-    int me = my_index(&sr->members, id->rank);
-    if (me < 0)
-        return fail(e, AMX_EINTERNAL, "job '%s': this daemon is not among the participants",
-                    j->name);
-    char prefix[256];
-    snprintf(prefix, sizeof(prefix), "comm/%s/%016" PRIx64 "/%" PRIu64 "/", j->name, sr->coord_inc,
-             sr->comm_gen);
-    amx_kv_t kv;
-    amx_peer_kv(e->env.peer, &e->abort_flag, &kv);
-    amx_comm_params_t p = {
-        .rank = me,
-        .size = (int)sr->members.npart,
-        .kv = &kv,
-        .prefix = prefix,
-        .host = e->env.gloo_host,
-        .cuda_device = e->env.cuda_device,
-        .deadline_ms = e->deadline,
-    };
-    amx_err_t err = {0};
-    amx_comm_t *c = NULL;
-    uint64_t t0 = amx_now_ms();
-    amx_status_t st = amx_comm_create(e->env.collective, &p, &c, &err);
-    if (st != AMX_OK && atomic_load(&e->abort_flag))
-        return fail_aborted(e, "making the communicator");
-    if (st != AMX_OK)
-        return fail(e, st,
-                    "job '%s': creating the %s communicator (generation %llu, %u daemons) "
-                    "failed: %s",
-                    j->name, e->env.collective, (unsigned long long)sr->comm_gen, sr->members.npart,
-                    err.msg);
-    pthread_mutex_lock(&e->mu);
-    e->comm = c;
-    atomic_store(&e->comm_gen, sr->comm_gen);
-    int aborted = atomic_load(&e->abort_flag);
-    pthread_mutex_unlock(&e->mu);
-    if (aborted) {
-        drop_comm(e);
-        return fail_aborted(e, "making the communicator");
-    }
-    AMX_INFO("epoch", "job %s: %s communicator generation %llu ready (%d of %u) in %llu ms",
-             j->name, e->env.collective, (unsigned long long)sr->comm_gen, me, sr->members.npart,
-             (unsigned long long)(amx_now_ms() - t0));
-    return AMX_OK;
-}
-
-static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out);
-static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *sr);
-
-/* One agreement round at the coordinator, and what follows from it. */
-static amx_status_t agree(amx_engine_t *e)
-{
-    amx_job_t *j = e->job;
-    /* A job restored from a snapshot brings its catalog to its first
-     * agreement, as does a daemon that knows the coordinator restarted;
-     * otherwise the coordinator asks for it (send_catalog) when this
-     * daemon's agreed catalog is not its master. */
-    int full = (e->coord_inc != 0 && e->coord_inc != j->mship.coord_inc) ||
-               (e->coord_inc == 0 && j->restored && e->w_cat->n > 0);
-    amx_sync_result_t sr;
-    for (;;) {
-        amx_status_t st = sync_round(e, full, &sr);
-        if (st != AMX_OK)
-            return st;
-        if (!sr.send_catalog)
-            break;
-        amx_sync_result_free(&sr);
-        if (full)
-            return fail(e, AMX_EINTERNAL,
-                        "job '%s': the coordinator asked for the whole catalog although it was "
-                        "sent",
-                        j->name);
-        AMX_INFO("epoch",
-                 "job %s: the coordinator does not hold this daemon's catalog (%u quantizers, "
-                 "%016" PRIx64 "): sending it whole",
-                 j->name, e->w_cat->n, e->w_cat->hash);
-        full = 1;
-    }
-    return after_sync(e, &sr);
-}
-
-/* One Sync call: this daemon's proposals, resets and (with `full`) its
- * whole agreed catalog. */
-static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out)
-{
-    amx_job_t *j = e->job;
-    const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
-    /* Proposals: this daemon's, or (after the coordinator restarted, or
-     * restored from a snapshot) the whole agreed catalog as well. */
-    uint32_t cap = j->nprop + (full ? e->w_cat->n : 0);
-    amx_qspec_t **prop = calloc(cap ? cap : 1, sizeof(*prop));
-    char **resets = calloc(j->nlq ? j->nlq : 1, sizeof(char *));
-    if (prop == NULL || resets == NULL) {
-        free(prop);
-        free(resets);
-        return fail(e, AMX_ENOMEM, "out of memory preparing the agreement of job '%s'", j->name);
-    }
-    uint32_t np = 0;
-    size_t nr = 0;
-    if (full)
-        for (uint32_t i = 0; i < e->w_cat->n; i++)
-            prop[np++] = e->w_cat->q[i];
-    for (uint32_t lid = 0; lid < j->nlq; lid++) {
-        const amx_lq_t *q = &j->lq[lid];
-        if (q->status == LQ_PROPOSED)
-            prop[np++] = q->spec;
-        if (q->reset && (q->status == LQ_AGREED || q->status == LQ_PROPOSED))
-            resets[nr++] = q->spec->name;
-    }
-    const amx_part_t *mine = j->me >= 0 ? &j->mship.part[j->me] : NULL;
-    amx_coord_sync_req_t req = {
-        .job = j->name,
-        .daemon = id->rank,
-        .incarnation = id->incarnation,
-        .last_reconciled = e->last_reconciled,
-        .catalog_hash = e->w_cat->hash,
-        .proposals = prop,
-        .nprop = np,
-        .full_catalog = full,
-        .resets = resets,
-        .nresets = nr,
-        .need_comm = e->comm == NULL,
-        .world = j->world,
-        .ranks = mine ? mine->ranks : NULL,
-        .nranks = mine ? mine->nranks : 0,
-        .addr = id->advertise,
-        .deadline_ms = e->deadline,
-    };
-    amx_err_t err = {0};
-    uint64_t t0 = amx_now_ms();
-    amx_status_t st = amx_peer_call_sync(e->env.peer, &req, &e->abort_flag, out, &err);
-    free(prop);
-    free(resets);
-    if (st != AMX_OK && atomic_load(&e->abort_flag))
-        return fail_aborted(e, "the agreement round");
-    if (st != AMX_OK)
-        return fail(e, st,
-                    "job '%s', epoch %llu: the agreement round at the coordinator failed: "
-                    "%s",
-                    j->name, (unsigned long long)e->epoch, err.msg);
-    if (!out->send_catalog)
-        AMX_DEBUG("epoch",
-                  "job %s: agreement %llu in %llu ms: catalog %016" PRIx64 "%s, target "
-                  "epoch %llu, %zu behind, comm generation %llu%s",
-                  j->name, (unsigned long long)out->seq, (unsigned long long)(amx_now_ms() - t0),
-                  out->catalog_hash, out->catalog_included ? " (sent)" : "",
-                  (unsigned long long)out->target_epoch, out->nbehind,
-                  (unsigned long long)out->comm_gen, out->new_comm ? " (new)" : "");
-    return AMX_OK;
-}
-
-/* What follows from the coordinator's answer `sr` (freed here). */
-static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
-{
-    amx_job_t *j = e->job;
-    const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
-    amx_sync_result_t sr = *srp;
-    amx_err_t err = {0};
-    e->synced = 1;
-    e->coord_inc = sr.coord_inc;
-    int behind = 0;
-    for (size_t i = 0; i < sr.nbehind; i++)
-        behind |= sr.behind[i] == id->rank;
-    /* 1. The donor serves its state before it changes anything. */
-    if (sr.nbehind > 0 && sr.donor == id->rank && publish_state(e, sr.seq) != AMX_OK)
-        goto out;
-    /* 2. Those behind catch up. */
-    if (behind && catch_up(e, &sr) != AMX_OK)
-        goto out;
-    /* 3. The catalog. */
-    amx_catalog_t *target = NULL;
-    if (sr.catalog_included) {
-        if (amx_catalog_build(sr.catalog, sr.ncatalog, &target, &err) != AMX_OK) {
-            fail(e, AMX_ENOMEM, "out of memory building the agreed catalog of job '%s'", j->name);
-            goto out;
-        }
-        sr.ncatalog = 0; /* the catalog owns the specs */
-    }
-    if (target == NULL && e->w_cat->hash != sr.catalog_hash) {
-        fail(e, AMX_EINTERNAL,
-             "job '%s': the coordinator's catalog %016" PRIx64 " was not sent "
-             "although this daemon holds %016" PRIx64,
-             j->name, sr.catalog_hash, e->w_cat->hash);
-        goto out;
-    }
-    if (target == NULL && e->pend_original && j->nprop > 0) {
-        /* Every proposal was rejected: the catalog stays, the provisional
-         * cells go. */
-        amx_qspec_t **copy = calloc(e->w_cat->n ? e->w_cat->n : 1, sizeof(*copy));
-        int ok = copy != NULL;
-        for (uint32_t i = 0; ok && i < e->w_cat->n; i++)
-            ok = (copy[i] = amx_qspec_dup(e->w_cat->q[i])) != NULL;
-        if (!ok || amx_catalog_build(copy, e->w_cat->n, &target, &err) != AMX_OK) {
-            for (uint32_t i = 0; copy && i < e->w_cat->n; i++)
-                amx_qspec_free(copy[i]);
-            free(copy);
-            fail(e, AMX_ENOMEM, "out of memory copying the catalog of job '%s'", j->name);
-            goto out;
-        }
-        free(copy);
-    }
-    if (target != NULL && change_layout(e, target) != AMX_OK) {
-        amx_catalog_free(target);
-        goto out;
-    }
-    /* 4. Rejected proposals. */
-    if (sr.nrejected > 0) {
-        char **r = realloc(e->res.rejected, (e->res.nrejected + sr.nrejected) * sizeof(char *));
-        if (r != NULL) {
-            e->res.rejected = r;
-            for (size_t i = 0; i < sr.nrejected; i++)
-                if ((r[e->res.nrejected] = strdup(sr.rejected[i])) != NULL)
-                    e->res.nrejected++;
-        }
-    }
-    /* 5. Resets of every daemon, applied by finish. */
-    mark_resets_by_name(e, sr.resets, sr.nresets);
-    if (sr.conflict != NULL) {
-        fail(e, AMX_EPRECOND, "%s", sr.conflict);
-        goto out;
-    }
-    /* 6. The communicator. */
-    if (sr.new_comm || e->comm == NULL || atomic_load(&e->comm_gen) != sr.comm_gen)
-        if (make_comm(e, &sr) != AMX_OK)
-            goto out;
-    e->need_sync = 0;
-out:
-    amx_sync_result_free(&sr);
-    return e->res.st;
-}
-
 /* ---- the epoch ---- */
 
 static amx_status_t check_header(amx_engine_t *e, const float *h, uint64_t cells, int *flag)
@@ -833,23 +384,23 @@ static amx_status_t check_header(amx_engine_t *e, const float *h, uint64_t cells
     amx_job_t *j = e->job;
     uint64_t ep, hash, gen, nc;
     if (h[H_VERSION] != HDR_VERSION)
-        return fail(e, AMX_EINTERNAL,
-                    "job '%s': a daemon of another amaxd version took part in "
-                    "the collective",
-                    j->name);
+        return amx__engine_fail(e, AMX_EINTERNAL,
+                                "job '%s': a daemon of another amaxd version took part in "
+                                "the collective",
+                                j->name);
     if (get_pieces(h, H_EPOCH, 4, &ep) != 0)
-        return fail(e, AMX_EINTERNAL,
-                    "job '%s': the daemons reduced different epochs together; "
-                    "they will agree again at the next epoch",
-                    j->name);
+        return amx__engine_fail(e, AMX_EINTERNAL,
+                                "job '%s': the daemons reduced different epochs together; "
+                                "they will agree again at the next epoch",
+                                j->name);
     if (get_pieces(h, H_HASH, 4, &hash) != 0 || get_pieces(h, H_CELLS, 3, &nc) != 0 || nc != cells)
-        return fail(e, AMX_EINTERNAL,
-                    "job '%s': the daemons reduced different catalogs together "
-                    "(this must not happen; the results were discarded)",
-                    j->name);
+        return amx__engine_fail(e, AMX_EINTERNAL,
+                                "job '%s': the daemons reduced different catalogs together "
+                                "(this must not happen; the results were discarded)",
+                                j->name);
     if (get_pieces(h, H_GEN, 4, &gen) != 0)
-        return fail(e, AMX_EINTERNAL, "job '%s': the daemons used different communicators",
-                    j->name);
+        return amx__engine_fail(e, AMX_EINTERNAL,
+                                "job '%s': the daemons used different communicators", j->name);
     *flag = h[H_FLAG] != 0.0f;
     return AMX_OK;
 }
@@ -868,7 +419,7 @@ static amx_status_t collective(amx_engine_t *e, int *flag)
     uint64_t tp = amx_now_us();
     amx_status_t st = j->state->ops->prepare(j->state, hdr, cells, &send, &recv, &stream, &err);
     if (st != AMX_OK)
-        return fail(e, st, "job '%s': %s", j->name, err.msg);
+        return amx__engine_fail(e, st, "job '%s': %s", j->name, err.msg);
     uint64_t t0 = amx_now_us();
     e->res.prepare_us += t0 - tp;
     st = e->comm->ops->allreduce_max(e->comm, send, recv, AMX_HDR_CELLS + cells, stream,
@@ -878,17 +429,17 @@ static amx_status_t collective(amx_engine_t *e, int *flag)
     e->res.collectives++;
     if (st != AMX_OK) {
         if (atomic_load(&e->abort_flag))
-            return fail_aborted(e, "the collective");
-        return fail(e, st,
-                    "job '%s', epoch %llu: the %s all-reduce of %llu cells across %u "
-                    "daemons failed: %s",
-                    j->name, (unsigned long long)e->epoch, e->env.collective,
-                    (unsigned long long)cells, j->mship.npart, err.msg);
+            return amx__engine_fail_aborted(e, "the collective");
+        return amx__engine_fail(e, st,
+                                "job '%s', epoch %llu: the %s all-reduce of %llu cells across %u "
+                                "daemons failed: %s",
+                                j->name, (unsigned long long)e->epoch, e->env.collective,
+                                (unsigned long long)cells, j->mship.npart, err.msg);
     }
     float rh[AMX_HDR_CELLS];
     st = j->state->ops->read_header(j->state, rh, &err);
     if (st != AMX_OK)
-        return fail(e, st, "job '%s': %s", j->name, err.msg);
+        return amx__engine_fail(e, st, "job '%s': %s", j->name, err.msg);
     e->res.header_us += amx_now_us() - t1;
     return check_header(e, rh, cells, flag);
 }
@@ -918,8 +469,8 @@ static amx_status_t finish(amx_engine_t *e, int from_send)
     e->fin_ok = st == AMX_OK;
     e->res.finish_us = amx_now_us() - t0;
     if (st != AMX_OK)
-        return fail(e, st, "job '%s', epoch %llu: finishing failed: %s", j->name,
-                    (unsigned long long)e->epoch, err.msg);
+        return amx__engine_fail(e, st, "job '%s', epoch %llu: finishing failed: %s", j->name,
+                                (unsigned long long)e->epoch, err.msg);
     if (e->marked || e->w_cat->nhist > 0)
         for (uint32_t i = 0; i < e->w_cat->n; i++) {
             amx_qdesc_t *d = &e->w_desc[i];
@@ -1072,11 +623,11 @@ static void run_epoch(amx_engine_t *e)
         e->deadline -= spare < 1500 ? spare : 1500;
     }
     if (atomic_load(&e->abort_flag)) {
-        fail_aborted(e, "the epoch");
+        amx__engine_fail_aborted(e, "the epoch");
         goto out;
     }
     if (e->comm == NULL || e->need_sync) {
-        if (agree(e) != AMX_OK)
+        if (amx__engine_agree(e) != AMX_OK)
             goto out;
     }
     for (int round = 0;; round++) {
@@ -1086,11 +637,12 @@ static void run_epoch(amx_engine_t *e)
         if (!flag)
             break;
         if (round > 0 || e->synced) {
-            fail(e, AMX_EINTERNAL, "job '%s': a daemon asked for a second agreement in one epoch",
-                 j->name);
+            amx__engine_fail(e, AMX_EINTERNAL,
+                             "job '%s': a daemon asked for a second agreement in one epoch",
+                             j->name);
             goto out;
         }
-        if (agree(e) != AMX_OK)
+        if (amx__engine_agree(e) != AMX_OK)
             goto out;
     }
     if (finish(e, 0) != AMX_OK)
@@ -1118,7 +670,7 @@ out:
             if (gen != 0 && !e->passed_on)
                 amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, e->res.st,
                                     e->aborted_here ? e->peer_why : e->res.msg, 500);
-            drop_comm(e);
+            amx__engine_drop_comm(e);
             e->need_sync = 1;
         }
         for (uint32_t i = 0; e->marked && i < e->w_cat->n; i++)
@@ -1157,7 +709,7 @@ static void *engine_main(void *arg)
         pthread_mutex_lock(&e->mu);
     }
     pthread_mutex_unlock(&e->mu);
-    drop_comm(e);
+    amx__engine_drop_comm(e);
     return NULL;
 }
 

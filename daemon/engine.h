@@ -36,7 +36,7 @@ typedef struct amx_engine_env {
     void *ud;
 } amx_engine_env_t;
 
-/* The outcome of an epoch, read by the loop thread after env.post. */
+/* The outcome of an epoch, read under the loop lock after env.post. */
 typedef struct amx_epoch_result {
     amx_status_t st;
     char msg[1536];
@@ -71,14 +71,15 @@ typedef struct amx_epoch_result {
     uint64_t snapshot_us, snapshot_bytes;
 } amx_epoch_result_t;
 
+/* Loop lock: the engine of `job` and its thread (idle until started). */
 amx_status_t amx_engine_create(amx_job_t *job, const amx_engine_env_t *env, amx_engine_t **out,
                                amx_err_t *err);
 
-/* Loop thread: runs one epoch of the job (job->in_flight must be set and
+/* Loop lock: runs one epoch of the job (job->in_flight must be set and
  * the pending buffers flipped) with a deadline (CLOCK_MONOTONIC ms). */
 void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms);
 
-/* Loop thread: the outcome, valid from env.post until the next start.
+/* Loop lock: the outcome, valid from env.post until the next start.
  * The loop may take the pointers it owns (cat, desc, pend_runs, rejected)
  * and set them to NULL. */
 amx_epoch_result_t *amx_engine_result(amx_engine_t *e);
@@ -93,7 +94,7 @@ amx_epoch_result_t *amx_engine_result(amx_engine_t *e);
 void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint32_t from, amx_status_t code,
                       const char *why);
 
-/* Loop thread, nothing in flight: stops the thread, frees everything. */
+/* Loop lock, nothing in flight: stops the thread, frees everything. */
 void amx_engine_destroy(amx_engine_t *e);
 
 /* The communicator generation in use (0: none). Any thread. */

@@ -240,14 +240,8 @@ amx_lrank_t *amx__add_local_rank(amx_job_t *j, uint32_t r)
     amx_lrank_t *lr = amx__local_rank(j, r);
     if (lr != NULL)
         return lr;
-    if (j->nlocal == j->cap_local) {
-        uint32_t cap = j->cap_local ? j->cap_local * 2 : 8;
-        amx_lrank_t *p = realloc(j->lr, cap * sizeof(*p));
-        if (p == NULL)
-            return NULL;
-        j->lr = p;
-        j->cap_local = cap;
-    }
+    if (amx_grow(&j->lr, &j->cap_local, j->nlocal + 1, sizeof(*j->lr), 8, 0) != 0)
+        return NULL;
     lr = &j->lr[j->nlocal];
     memset(lr, 0, sizeof(*lr));
     lr->rank = r;

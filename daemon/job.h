@@ -2,7 +2,7 @@
  * job.h - a job as one daemon holds it: what the registry's files (job.c
  * owns its life) and the job's engine (engine.c) share.
  *
- * Ownership and threads. The loop thread owns the job. While an epoch is in
+ * Ownership and threads. The loop lock's holder (rpc.h) owns the job. While an epoch is in
  * flight (job->in_flight), the job's engine thread reads the catalog, the
  * quantizer table and the membership, and alone writes job->desc, the
  * state backend's in-flight and replicated buffers and the engine fields;
@@ -78,10 +78,11 @@ typedef struct amx_lrank {
     void *cjoin;     /* the coordinator join in progress (peer.c handle) */
     void *jctx;      /* its callback context, freed when it is cancelled */
     uint32_t *pl_of; /* per lid: index + 1 into pls, 0 = none */
-    uint32_t cap_of;
+    size_t cap_of;
     amx_placement_t *pls;
     uint32_t *pl_lid; /* lid of pls[i] */
-    uint32_t npls, cap_pls;
+    uint32_t npls;
+    size_t cap_pls;
     amx_slab_t *slab; /* NULL until the packed form is used */
     /* ReconcilePacked answers of this rank: one buffer reused from epoch
      * to epoch while gRPC does not hold it any more (bytebuf.h). */
@@ -112,13 +113,15 @@ typedef struct amx_job {
     void *grow_wake; /* the registry's uv_async_t the thread signals */
     /* Membership. */
     amx_lrank_t *lr; /* local ranks, nlocal of them (grown as ranks join) */
-    uint32_t nlocal, cap_local;
+    uint32_t nlocal;
+    size_t cap_local;
     int32_t *slot;          /* per trainer rank: index into lr, or -1 */
     amx_membership_t mship; /* participants (mship.part, mship.npart) */
     int32_t me;             /* my index in mship.part, -1 before ready */
     /* Catalog. */
     amx_lq_t *lq;
-    uint32_t nlq, cap_lq;
+    uint32_t nlq;
+    size_t cap_lq;
     amx_strmap_t lqmap;  /* name -> lid */
     amx_catalog_t *cat;  /* agreed; never NULL */
     uint32_t *lid_of;    /* per catalog index: lid, or UINT32_MAX (known only to peers) */
@@ -154,7 +157,8 @@ typedef struct amx_job {
      * global scale by catalog index (< prev_n), for previous_* fields. */
     float *prev_ga, *prev_gs;
     uint8_t *prev_ok;
-    uint32_t prev_n, prev_cap;
+    uint32_t prev_n;
+    size_t prev_cap;
     struct amx_job *next;
 } amx_job_t;
 

@@ -2,7 +2,8 @@
  * metrics.h - Prometheus metrics over HTTP (text format 0.0.4), served by
  * libmicrohttpd from a thread of its own.
  *
- * Threads. The loop thread (and only it) records: each call below takes the
+ * Threads. The holder of the loop lock (the loop thread or a completion-
+ * queue thread, rpc.h), and only it, records: each call below takes the
  * metrics' mutex for a few counter updates and returns. The HTTP thread
  * takes the same mutex only to render the page from those counters; it
  * never calls into the loop, the registry or gRPC, and the loop never

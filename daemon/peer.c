@@ -20,6 +20,7 @@
 #include "amaxd/peer/v1/peer.pb-c.h"
 #include "clock.h"
 #include "codec.h"
+#include "grow.h"
 #include "log.h"
 #include "rpc.h"
 
@@ -97,15 +98,9 @@ static grpc_channel *channel_to(amx_peer_t *p, const char *addr)
             pthread_mutex_unlock(&p->ch_mu);
             return ch;
         }
-    if (p->nchans == p->cap_chans) {
-        size_t cap = p->cap_chans ? p->cap_chans * 2 : 8;
-        chan_t *c = realloc(p->chans, cap * sizeof(*c));
-        if (c == NULL) {
-            pthread_mutex_unlock(&p->ch_mu);
-            return NULL;
-        }
-        p->chans = c;
-        p->cap_chans = cap;
+    if (amx_grow(&p->chans, &p->cap_chans, p->nchans + 1, sizeof(*p->chans), 8, 0) != 0) {
+        pthread_mutex_unlock(&p->ch_mu);
+        return NULL;
     }
     grpc_arg args[3];
     args[0].type = GRPC_ARG_INTEGER;

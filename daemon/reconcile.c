@@ -312,26 +312,27 @@ void amx__install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_t 
  * the previous epoch's, in catalog order, before the epoch that just ended
  * is published: two copies of the catalog's globals, no per-quantizer work
  * (amx__install_catalog carries them over to a new catalog's order). */
+/* Room for the previous globals of n quantizers (-1: out of memory; the
+ * three arrays share prev_cap, which moves once all have grown). */
+static int reserve_previous(amx_job_t *j, uint32_t n)
+{
+    size_t c1 = j->prev_cap, c2 = j->prev_cap, c3 = j->prev_cap;
+    if (amx_grow(&j->prev_ga, &c1, n, sizeof(float), 64, 0) != 0 ||
+        amx_grow(&j->prev_gs, &c2, n, sizeof(float), 64, 0) != 0 ||
+        amx_grow(&j->prev_ok, &c3, n, 1, 64, 0) != 0)
+        return -1;
+    j->prev_cap = c1;
+    return 0;
+}
+
 static void save_previous(amx_job_t *j)
 {
     amx_state_t *st = j->state;
     int f = st->front;
     uint32_t n = j->cat->n;
-    if (n > j->prev_cap) {
-        float *ga = realloc(j->prev_ga, n * sizeof(float));
-        if (ga != NULL)
-            j->prev_ga = ga;
-        float *gs = realloc(j->prev_gs, n * sizeof(float));
-        if (gs != NULL)
-            j->prev_gs = gs;
-        uint8_t *ok = realloc(j->prev_ok, n);
-        if (ok != NULL)
-            j->prev_ok = ok;
-        if (ga == NULL || gs == NULL || ok == NULL) {
-            j->prev_n = 0; /* out of memory: no previous values, nothing wrong */
-            return;
-        }
-        j->prev_cap = n;
+    if (reserve_previous(j, n) != 0) {
+        j->prev_n = 0; /* out of memory: no previous values, nothing wrong */
+        return;
     }
     uint32_t have = st->g_amax[f] == NULL ? 0 : n < st->out_nq[f] ? n : (uint32_t)st->out_nq[f];
     if (have > 0) {
@@ -352,20 +353,8 @@ static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res)
     j->prev_n = 0;
     if (res->prev_cat == NULL || n == 0)
         return;
-    if (n > j->prev_cap) {
-        float *ga = realloc(j->prev_ga, n * sizeof(float));
-        if (ga != NULL)
-            j->prev_ga = ga;
-        float *gs = realloc(j->prev_gs, n * sizeof(float));
-        if (gs != NULL)
-            j->prev_gs = gs;
-        uint8_t *ok = realloc(j->prev_ok, n);
-        if (ok != NULL)
-            j->prev_ok = ok;
-        if (ga == NULL || gs == NULL || ok == NULL)
-            return; /* out of memory: no previous values, nothing wrong */
-        j->prev_cap = n;
-    }
+    if (reserve_previous(j, n) != 0)
+        return; /* out of memory: no previous values, nothing wrong */
     for (uint32_t i = 0; i < n; i++) {
         int64_t k = amx_catalog_find(res->prev_cat, j->cat->q[i]->name);
         j->prev_ok[i] = k >= 0;

@@ -65,41 +65,23 @@ void amx__finish_waiter(amx_registry_t *reg, amx_waiter_t *w, amx_status_t st, c
 static void post_done(void *ud, amx_job_t *job)
 {
     amx_registry_t *reg = ud;
-    pthread_mutex_lock(&reg->done_mu);
-    if (reg->ndone == reg->cap_done) {
-        size_t cap = reg->cap_done ? reg->cap_done * 2 : 16;
-        amx_job_t **q = realloc(reg->done_q, cap * sizeof(*q));
-        if (q == NULL) {
-            /* An epoch whose end is never seen would hang its trainers. */
-            AMX_ERROR("registry", "out of memory posting the end of an epoch; aborting");
-            abort();
-        }
-        reg->done_q = q;
-        reg->cap_done = cap;
+    if (amx_swapq_push(&reg->done, &job) != 0) {
+        /* An epoch whose end is never seen would hang its trainers. */
+        AMX_ERROR("registry", "out of memory posting the end of an epoch; aborting");
+        abort();
     }
-    reg->done_q[reg->ndone++] = job;
-    pthread_mutex_unlock(&reg->done_mu);
     uv_async_send(&reg->done_async);
+}
+
+static void epoch_done_item(void *ud, void *item)
+{
+    amx__epoch_done(ud, *(amx_job_t **)item);
 }
 
 static void on_done_async(uv_async_t *h)
 {
     amx_registry_t *reg = h->data;
-    for (;;) {
-        pthread_mutex_lock(&reg->done_mu);
-        amx_job_t **batch = reg->done_q;
-        size_t n = reg->ndone, cap = reg->cap_done;
-        reg->done_q = reg->done_spare;
-        reg->cap_done = reg->cap_spare;
-        reg->ndone = 0;
-        pthread_mutex_unlock(&reg->done_mu);
-        for (size_t i = 0; i < n; i++)
-            amx__epoch_done(reg, batch[i]);
-        reg->done_spare = batch;
-        reg->cap_spare = cap;
-        if (n == 0)
-            return;
-    }
+    amx_swapq_drain(&reg->done, epoch_done_item, reg);
 }
 
 amx_status_t amx_registry_create(uv_loop_t *loop, const amx_config_t *cfg, const char *backend,
@@ -136,7 +118,7 @@ amx_status_t amx_registry_create(uv_loop_t *loop, const amx_config_t *cfg, const
     snprintf(reg->backend, sizeof(reg->backend), "%s", backend);
     snprintf(reg->collective, sizeof(reg->collective), "%s",
              peer != NULL && amx_peer_id(peer)->size > 1 ? coll : "local");
-    pthread_mutex_init(&reg->done_mu, NULL);
+    amx_swapq_init(&reg->done, sizeof(amx_job_t *));
     uv_async_init(loop, &reg->done_async, on_done_async);
     reg->done_async.data = reg;
     uv_async_init(loop, &reg->grow_async, amx__on_grow_async);
@@ -206,9 +188,7 @@ static void on_async_closed(uv_handle_t *h)
     amx_registry_t *reg = h->data;
     if (--reg->open_asyncs > 0)
         return;
-    free(reg->done_q);
-    free(reg->done_spare);
-    pthread_mutex_destroy(&reg->done_mu);
+    amx_swapq_destroy(&reg->done);
     free(reg->stage);
     free(reg->runs);
     free(reg->lids);

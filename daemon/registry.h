@@ -2,9 +2,11 @@
  * registry.h - the jobs this daemon serves: their local ranks, catalogs,
  * placements, contributions and epochs.
  *
- * The registry is owned by the loop thread and every function here must be
- * called on it. It knows nothing of gRPC or protobuf: requests and answers
- * are the C structs of request.h (service.c maps them to amaxd.v1 messages). Calls
+ * The registry is owned by the loop lock's holder: every function here must
+ * be called with the loop lock held (the loop thread, or a completion-queue
+ * thread that took it: rpc.h). It knows nothing of gRPC or protobuf:
+ * requests and answers are the C structs of request.h (service.c maps them
+ * to amaxd.v1 messages). Calls
  * that may wait (Join, Reconcile, and Register/Reset while an epoch of the
  * job is in flight) complete through an amx_waiter_t whose callback the
  * registry calls exactly once, or return an error and never call it.
@@ -66,26 +68,49 @@ const char *amx_registry_backend(const amx_registry_t *reg);
  * or "local" for a single daemon. */
 const char *amx_registry_collective(const amx_registry_t *reg);
 
+/* The requests. Each is validated completely before anything changes (an
+ * error leaves the job as it was). Those that take a waiter either return
+ * an error and never call it, or call w->done exactly once, now or later
+ * (docs/API.md says when each waits). */
+
+/* Joins a rank; completes when all ranks of the job joined some daemon. */
 amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, amx_waiter_t *w,
                                uint64_t now_ms, amx_err_t *err);
+
+/* Registers a rank's quantizers and placements; atomic; waits while an
+ * epoch of the job is in flight (or its buffers grow). */
 amx_status_t amx_registry_register(amx_registry_t *reg, const amx_register_req_t *req,
                                    amx_waiter_t *w, amx_err_t *err);
+
+/* Merges named updates into the open epoch; atomic. The values are read
+ * during the call only. */
 amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, uint64_t *accepted,
                                uint64_t *epoch, amx_err_t *err);
+
 /* The slab layout of a rank (the packed form); arrays in the arena. */
 amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t rank,
                                  amx_layout_t *out, amx_arena_t *arena, amx_err_t *err);
-/* Merges a slab into the open epoch; atomic. A layout id that is not the
- * rank's current one is FAILED_PRECONDITION. */
+
 /* fn(ud, job) is called whenever a job is dropped (Reset, idle timeout,
  * a peer's drop), before it is gone. */
 void amx_registry_on_drop(amx_registry_t *reg, void (*fn)(void *ud, const char *job), void *ud);
+
+/* Merges a slab into the open epoch; atomic. A layout id that is not the
+ * rank's current one is FAILED_PRECONDITION. req->values is normalized in
+ * place. */
 amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed_req_t *req,
                                       uint64_t *accepted, uint64_t *epoch, amx_err_t *err);
+
+/* Ends the rank's epoch; completes with its results (named, or packed
+ * through w->alloc_packed) once every rank of the job entered. */
 amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req_t *req,
                                     amx_waiter_t *w, uint64_t now_ms, amx_err_t *err);
+
+/* The last reconciled results (a window of them), in the arena. */
 amx_status_t amx_registry_get_scales(amx_registry_t *reg, const amx_scales_req_t *req,
                                      amx_reply_t *reply, amx_arena_t *arena, amx_err_t *err);
+
+/* Resets quantizers at the next epoch, or drops the job everywhere. */
 amx_status_t amx_registry_reset(amx_registry_t *reg, const amx_reset_req_t *req, amx_waiter_t *w,
                                 amx_err_t *err);
 

@@ -22,10 +22,12 @@
 #include <uv.h>
 
 #include "engine.h"
+#include "grow.h"
 #include "job.h"
 #include "metrics.h"
 #include "peer.h"
 #include "registry.h"
+#include "swapq.h"
 
 enum { WAIT_JOIN = 1, WAIT_RECONCILE = 2, WAIT_REGISTER = 3, WAIT_RESET = 4 };
 
@@ -44,7 +46,7 @@ struct amx_registry {
     int shutting_down;
     /* Scratch for SendAmax and results: staged values and runs. */
     float *stage;
-    uint64_t stage_cap;
+    size_t stage_cap;
     amx_run_t *runs;
     size_t runs_cap;
     uint32_t *lids; /* SendAmax: each update's lid, found once */
@@ -54,9 +56,7 @@ struct amx_registry {
     int open_asyncs; /* the registry is freed when both asyncs are closed */
     /* Epoch outcomes posted by engine threads. */
     uv_async_t done_async;
-    pthread_mutex_t done_mu;
-    amx_job_t **done_q, **done_spare;
-    size_t ndone, cap_done, cap_spare;
+    amx_swapq_t done; /* amx_job_t * */
     amx_engine_env_t env;
     uint64_t budget;        /* memory_budget resolved: bytes of state all jobs may take */
     char fault[512];        /* a state backend fault (sticky CUDA error): Health says NOT_SERVING */

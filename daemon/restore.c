@@ -281,13 +281,8 @@ amx_status_t amx_registry_restore(amx_registry_t *reg, amx_err_t *err)
         if (!has_suffix(e->d_name, AMX_SNAPSHOT_SUFFIX) &&
             !has_suffix(e->d_name, AMX_SNAPSHOT_SUFFIX ".tmp"))
             continue;
-        if (n == cap) {
-            cap = cap ? cap * 2 : 16;
-            char **q = realloc(names, cap * sizeof(char *));
-            if (q == NULL)
-                break;
-            names = q;
-        }
+        if (amx_grow(&names, &cap, n + 1, sizeof(char *), 16, 0) != 0)
+            break;
         if ((names[n] = strdup(e->d_name)) != NULL)
             n++;
     }

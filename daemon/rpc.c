@@ -45,7 +45,7 @@
  * on it and relays each connection, because gRPC 1.51's listener dies on
  * EMFILE and its HPACK parser has no bound on a header block.
  */
-#include "rpc.h"
+#include "rpc_impl.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -72,115 +72,8 @@
 #include "guard.h"
 #include "metrics.h"
 #include "log.h"
+#include "swapq.h"
 #include "wire.h"
-
-/* absl_tune.cc: Abseil's deadlock detection off (a debugging aid that
- * Debian's build leaves on in every mutex gRPC takes). */
-void amx__absl_tune(void);
-
-#define POSTED_PER_METHOD 8
-#define MAX_METHODS 32
-#define UNKNOWN_TRAINER -1
-#define UNKNOWN_PEER -2
-#define CQ_THREADS 4
-#define MAX_HEADER_BLOCK (64 * 1024) /* bytes of one HEADERS + CONTINUATION block */
-
-enum { TAG_NEW, TAG_RECV, TAG_SEND, TAG_CLOSE, TAG_SHUTDOWN, TAG_CLIENT };
-
-typedef struct tag {
-    void *obj; /* the amx_call_t or amx_ccall_t */
-    int what;
-} tag_t;
-
-struct amx_ccall {
-    tag_t tag;
-    amx_rpc_t *rpc;
-    grpc_call *call;
-    grpc_metadata md;
-    grpc_byte_buffer *send_buf, *recv_buf;
-    grpc_metadata_array init_md, trail_md;
-    grpc_status_code status;
-    grpc_slice details;
-    amx_ccall_cb cb;
-    void *ud;
-    int cancelled;
-    struct amx_ccall *prev, *next;
-};
-
-struct amx_call {
-    amx_waiter_t waiter; /* first member: amx__waiter_call recovers the call */
-    amx_rpc_t *rpc;
-    int method; /* index into rpc->methods, or UNKNOWN_* */
-    grpc_call *call;
-    gpr_timespec deadline;
-    grpc_metadata_array md;
-    grpc_call_details details;
-    grpc_byte_buffer *payload;
-    grpc_byte_buffer *recv_buf;
-    grpc_byte_buffer *send_buf;
-    grpc_slice status_details;
-    int cancelled;
-    int started, replied, closed, recv_pending, send_pending;
-    /* RECV_CLOSE_ON_SERVER posted; close_in_send: as part of the answer's
-     * batch (an answer given at once), whose completion then ends the call. */
-    int close_posted, close_in_send;
-    ProtobufCMessage *request; /* kept while the call waits in the registry */
-    amx_arena_t arena;         /* request views that live as long as the call */
-    uint64_t stream_accepted, stream_epoch;
-    uint64_t queued; /* bytes of its answer counted in rpc->queued */
-    tag_t t_new, t_recv, t_send, t_close;
-    struct amx_call *prev, *next; /* live calls */
-};
-
-typedef struct event {
-    void *tag;
-    int ok;
-} event_t;
-
-struct amx_rpc {
-    uv_loop_t *loop;
-    const amx_config_t *cfg;
-    amx_rpc_serve_t serve; /* the caller's methods, context and hooks */
-    grpc_server *server, *peer_server;
-    int nservers, servers_shut;
-    grpc_completion_queue *cq;
-    const amx_method_t *methods[MAX_METHODS];
-    void *method_handles[MAX_METHODS];
-    size_t nmethods;
-    amx_ccall_t *ccalls; /* client calls in flight */
-    pthread_t cq_threads[CQ_THREADS];
-    int n_cq_threads;    /* started */
-    int cq_threads_live; /* not yet past GRPC_QUEUE_SHUTDOWN; under mu */
-    uv_async_t wake;
-    pthread_mutex_t mu;
-    pthread_mutex_t loop_mu; /* the loop lock (see the top of this file) */
-    uint64_t wait_until;     /* loop time the loop thread sleeps until; under loop_mu */
-    int loop_locked;         /* the loop thread holds loop_mu (set at start) */
-    int cq_shut;             /* the queue has ended; under mu */
-    int loop_wants;          /* the loop thread waits for loop_mu (atomic) */
-    event_t *queue;          /* filled by the CQ thread */
-    size_t qlen, qcap;
-    event_t *spare; /* drained by the loop, then swapped back */
-    size_t spare_cap;
-    amx_call_t *calls; /* live calls */
-    uint32_t ncalls;
-    uint64_t activity; /* calls posted + stream messages read (amx_rpc_activity) */
-    uint64_t queued;   /* answer bytes handed to gRPC and not sent yet */
-    int stopping, cq_done;
-    tag_t t_shutdown, t_shutdown_peer;
-    uv_timer_t grace;
-    int grace_started;
-    void (*on_stopped)(void *);
-    void *stopped_ud;
-    char unix_path[sizeof(((struct sockaddr_un *)0)->sun_path)];
-    amx_guard_t *guard; /* listens on unix_path */
-    /* The bytes of the raw request being handled (loop thread only; a raw
-     * handler does not keep them): reused, so that large requests do not
-     * get fresh pages every time. Grows to the largest raw request. */
-    uint8_t *scratch;
-    size_t scratch_cap;
-    amx_metrics_t *metrics; /* NULL: not recorded */
-};
 
 /* ---- completion-queue threads ---- */
 
@@ -203,52 +96,29 @@ static void wake_if_earlier(amx_rpc_t *rpc)
 /* Appends an event to the queue (any thread). */
 static void push(amx_rpc_t *rpc, void *tag, int ok)
 {
-    pthread_mutex_lock(&rpc->mu);
-    if (rpc->qlen == rpc->qcap) {
-        size_t cap = rpc->qcap ? rpc->qcap * 2 : 256;
-        event_t *q = realloc(rpc->queue, cap * sizeof(event_t));
-        if (q == NULL) {
-            /* Nothing sane remains: an event lost here would hang a call forever. */
-            AMX_ERROR("rpc", "out of memory queueing a completion event; aborting");
-            abort();
-        }
-        rpc->queue = q;
-        rpc->qcap = cap;
+    event_t ev = {tag, ok};
+    if (amx_swapq_push(&rpc->events, &ev) != 0) {
+        /* Nothing sane remains: an event lost here would hang a call forever. */
+        AMX_ERROR("rpc", "out of memory queueing a completion event; aborting");
+        abort();
     }
-    rpc->queue[rpc->qlen].tag = tag;
-    rpc->queue[rpc->qlen].ok = ok;
-    rpc->qlen++;
-    pthread_mutex_unlock(&rpc->mu);
 }
 
 static int queued_events(amx_rpc_t *rpc)
 {
-    pthread_mutex_lock(&rpc->mu);
-    int n = rpc->qlen > 0;
-    pthread_mutex_unlock(&rpc->mu);
-    return n;
+    return amx_swapq_pending(&rpc->events);
+}
+
+static void dispatch_item(void *ud, void *item)
+{
+    dispatch(ud, item);
 }
 
 /* Handles every queued event, the ones queued meanwhile too. Under the
  * loop lock. */
 static void drain(amx_rpc_t *rpc)
 {
-    for (;;) {
-        /* Take the whole queue by swapping buffers: no copy, no allocation. */
-        pthread_mutex_lock(&rpc->mu);
-        event_t *batch = rpc->queue;
-        size_t n = rpc->qlen, cap = rpc->qcap;
-        rpc->queue = rpc->spare;
-        rpc->qcap = rpc->spare_cap;
-        rpc->qlen = 0;
-        pthread_mutex_unlock(&rpc->mu);
-        for (size_t i = 0; i < n; i++)
-            dispatch(rpc, &batch[i]);
-        rpc->spare = batch; /* only the holder of the loop lock touches spare */
-        rpc->spare_cap = cap;
-        if (n == 0)
-            return;
-    }
+    amx_swapq_drain(&rpc->events, dispatch_item, rpc);
 }
 
 /* Whoever holds the loop lock handles the queue; a thread that finds it
@@ -295,669 +165,30 @@ static void *cq_main(void *arg)
     }
 }
 
-/* ---- calls ---- */
-
-static amx_call_t *call_new(amx_rpc_t *rpc, int method)
-{
-    amx_call_t *c = calloc(1, sizeof(*c));
-    if (c == NULL)
-        return NULL;
-    c->rpc = rpc;
-    c->method = method;
-    c->t_new = (tag_t){c, TAG_NEW};
-    c->t_recv = (tag_t){c, TAG_RECV};
-    c->t_send = (tag_t){c, TAG_SEND};
-    c->t_close = (tag_t){c, TAG_CLOSE};
-    c->waiter.job = NULL;
-    grpc_metadata_array_init(&c->md);
-    grpc_call_details_init(&c->details);
-    c->next = rpc->calls;
-    if (rpc->calls)
-        rpc->calls->prev = c;
-    rpc->calls = c;
-    rpc->ncalls++;
-    rpc->activity++;
-    return c;
-}
-
-static void call_free(amx_call_t *c)
-{
-    amx_rpc_t *rpc = c->rpc;
-    if (c->prev)
-        c->prev->next = c->next;
-    else
-        rpc->calls = c->next;
-    if (c->next)
-        c->next->prev = c->prev;
-    rpc->ncalls--;
-    rpc->queued -= c->queued;
-    if (c->waiter.on_cancel != NULL)
-        c->waiter.on_cancel(&c->waiter);
-    else if (c->waiter.job != NULL)
-        rpc->serve.cancel(rpc->serve.ctx, &c->waiter);
-    if (c->request)
-        protobuf_c_message_free_unpacked(c->request, NULL);
-    amx_arena_free(&c->arena);
-    if (c->payload)
-        grpc_byte_buffer_destroy(c->payload);
-    if (c->recv_buf)
-        grpc_byte_buffer_destroy(c->recv_buf);
-    if (c->send_buf)
-        grpc_byte_buffer_destroy(c->send_buf);
-    if (c->replied)
-        grpc_slice_unref(c->status_details);
-    grpc_metadata_array_destroy(&c->md);
-    grpc_call_details_destroy(&c->details);
-    if (c->call)
-        grpc_call_unref(c->call);
-    free(c);
-}
-
-static void maybe_free(amx_call_t *c)
-{
-    if (c->closed && !c->send_pending && !c->recv_pending)
-        call_free(c);
-}
-
-/* Posts one request for `method` so that a new call of it can be accepted. */
-static void post_request(amx_rpc_t *rpc, int method)
-{
-    if (rpc->stopping)
-        return;
-    amx_call_t *c = call_new(rpc, method);
-    if (c == NULL) {
-        AMX_ERROR("rpc", "out of memory posting a request; fewer calls can be accepted");
-        return;
-    }
-    grpc_call_error e;
-    if (method < 0) {
-        grpc_server *srv = method == UNKNOWN_PEER ? rpc->peer_server : rpc->server;
-        e = grpc_server_request_call(srv, &c->call, &c->details, &c->md, rpc->cq, rpc->cq,
-                                     &c->t_new);
-    } else {
-        const amx_method_t *m = rpc->methods[method];
-        grpc_server *srv = m->server == AMX_SERVER_PEER ? rpc->peer_server : rpc->server;
-        e = grpc_server_request_registered_call(
-            srv, rpc->method_handles[method], &c->call, &c->deadline, &c->md,
-            m->client_streaming ? NULL : &c->payload, rpc->cq, rpc->cq, &c->t_new);
-    }
-    if (e != GRPC_CALL_OK) {
-        AMX_ERROR("rpc", "grpc_server_request_call failed: %d", (int)e);
-        call_free(c);
-    }
-}
-
-/* Answers that the cap on unread answer bytes never refuses: small ones
- * (Health, SendAmax, Status...), and those of calls whose work is done and
- * cannot be asked for again the same way (Join, Reconcile: the epoch has
- * been reconciled; both are bounded, one per rank). A client that does not
- * read can only hold back GetScales-sized answers of its own asking. */
-#define QUEUE_EXEMPT_BYTES (64u << 10)
-
-static int reply_is_owed(const amx_call_t *c)
-{
-    if (c->method < 0)
-        return 0;
-    const char *p = c->rpc->methods[c->method]->path;
-    size_t n = strlen(p);
-    return (n >= 9 && strcmp(p + n - 9, "Reconcile") == 0) ||
-           (n >= 5 && strcmp(p + n - 5, "/Join") == 0);
-}
-
-/* Gives up answer bytes that were not handed to gRPC. */
-static void drop_buf(uint8_t *buf, void (*release)(void *), void *ud)
-{
-    if (release != NULL)
-        release(ud);
-    else
-        free(buf);
-}
-
-/* Sends the status, and the answer `buf` of `len` bytes when st is OK and
- * buf is not NULL (buf handed to gRPC without a copy; given up with
- * release(ud), or free() when release is NULL); else packed from `resp`. */
-static void send_reply(amx_call_t *c, amx_status_t st, const char *msg,
-                       const ProtobufCMessage *resp, uint8_t *buf, size_t len,
-                       void (*release)(void *), void *ud)
-{
-    if (c->replied || c->closed) {
-        /* Answered already, or the client is gone: nobody to answer. */
-        if (buf != NULL)
-            drop_buf(buf, release, ud);
-        return;
-    }
-    amx_rpc_t *rpc = c->rpc;
-    char why[400];
-    int have = st == AMX_OK && (resp != NULL || buf != NULL);
-    if (have) {
-        /* Answers are bounded (the registry sizes them beforehand; this is
-         * the last guard), and so are the bytes held for clients that do
-         * not read their answers: gRPC keeps a message until the client's
-         * flow-control window lets it go. */
-        if (buf == NULL)
-            len = protobuf_c_message_get_packed_size(resp);
-        if ((int64_t)len > rpc->cfg->max_message_bytes) {
-            snprintf(why, sizeof(why),
-                     "%s: the answer of %zu bytes exceeds max_message_bytes=%lld; ask for less "
-                     "at a time",
-                     amx__call_method(c), len, (long long)rpc->cfg->max_message_bytes);
-            st = AMX_ENOMEM, msg = why, have = 0;
-        } else if (len > QUEUE_EXEMPT_BYTES && !reply_is_owed(c) &&
-                   rpc->queued + len > (uint64_t)rpc->cfg->max_queued_bytes) {
-            snprintf(why, sizeof(why),
-                     "%s: the daemon already holds %llu bytes of answers that clients have not "
-                     "read yet (max_queued_bytes=%lld); this answer of %zu bytes is refused: "
-                     "read answers before asking for more",
-                     amx__call_method(c), (unsigned long long)rpc->queued,
-                     (long long)rpc->cfg->max_queued_bytes, len);
-            st = AMX_ENOMEM, msg = why, have = 0;
-        } else {
-            rpc->queued += len;
-            c->queued = len;
-        }
-        if (!have)
-            AMX_WARN("rpc", "%s", why);
-    }
-    grpc_op ops[4];
-    size_t n = 0;
-    memset(ops, 0, sizeof(ops));
-    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
-    n++;
-    if (have) {
-        grpc_slice s;
-        if (buf != NULL) {
-            /* No copy: gRPC gives it up when the bytes are sent. */
-            s = release != NULL ? grpc_slice_new_with_user_data(buf, len, release, ud)
-                                : grpc_slice_new(buf, len, free);
-            buf = NULL;
-        } else {
-            s = grpc_slice_malloc(len);
-            protobuf_c_message_pack(resp, GRPC_SLICE_START_PTR(s));
-        }
-        c->send_buf = grpc_raw_byte_buffer_create(&s, 1);
-        grpc_slice_unref(s);
-        ops[n].op = GRPC_OP_SEND_MESSAGE;
-        ops[n].data.send_message.send_message = c->send_buf;
-        n++;
-    }
-    if (buf != NULL)
-        drop_buf(buf, release, ud);
-    /* Unknown methods are counted under one label: their paths are the
-     * client's text, and a label per path would let a client grow the
-     * metrics without bound. */
-    amx_metrics_call(rpc->metrics, c->method >= 0 ? rpc->methods[c->method]->path : "unknown",
-                     amx_status_grpc(st));
-    c->status_details = grpc_slice_from_copied_string(st == AMX_OK ? "" : (msg ? msg : ""));
-    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-    ops[n].data.send_status_from_server.status = (grpc_status_code)amx_status_grpc(st);
-    ops[n].data.send_status_from_server.status_details = &c->status_details;
-    n++;
-    int with_close = !c->close_posted;
-    if (with_close) {
-        ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-        ops[n].data.recv_close_on_server.cancelled = &c->cancelled;
-        n++;
-    }
-    c->replied = 1;
-    c->send_pending = 1;
-    grpc_call_error e = grpc_call_start_batch(c->call, ops, n, &c->t_send, NULL);
-    if (e != GRPC_CALL_OK) {
-        AMX_ERROR("rpc", "sending a status failed: grpc_call_error %d", (int)e);
-        c->send_pending = 0;
-    } else if (with_close) {
-        c->close_posted = c->close_in_send = 1;
-    }
-}
-
-void amx__call_reply(amx_call_t *c, amx_status_t st, const char *msg, const ProtobufCMessage *resp)
-{
-    send_reply(c, st, msg, resp, NULL, 0, NULL, NULL);
-}
-
-void amx__call_reply_raw(amx_call_t *c, uint8_t *buf, size_t len, void (*release)(void *), void *ud)
-{
-    send_reply(c, AMX_OK, NULL, NULL, buf, len, release, ud);
-}
-
-amx_waiter_t *amx__call_waiter(amx_call_t *c)
-{
-    return &c->waiter;
-}
-
-amx_call_t *amx__waiter_call(amx_waiter_t *w)
-{
-    return (amx_call_t *)w; /* the waiter is the call's first member */
-}
-
-amx_arena_t *amx__call_arena(amx_call_t *c)
-{
-    return &c->arena;
-}
-
-const char *amx__call_metadata(amx_call_t *c, const char *key, size_t *len)
-{
-    size_t klen = strlen(key);
-    for (size_t i = 0; i < c->md.count; i++) {
-        const grpc_metadata *m = &c->md.metadata[i];
-        if (GRPC_SLICE_LENGTH(m->key) == klen &&
-            memcmp(GRPC_SLICE_START_PTR(m->key), key, klen) == 0) {
-            *len = GRPC_SLICE_LENGTH(m->value);
-            return (const char *)GRPC_SLICE_START_PTR(m->value);
-        }
-    }
-    return NULL;
-}
-
-void amx__call_peer(amx_call_t *c, char *buf, size_t len)
-{
-    char *p = c->call ? grpc_call_get_peer(c->call) : NULL;
-    snprintf(buf, len, "%s", p ? p : "?");
-    gpr_free(p);
-}
-
-const char *amx__call_method(amx_call_t *c)
-{
-    return c->method >= 0 ? c->rpc->methods[c->method]->path : "(unknown method)";
-}
-
-/* What a request may hold before it is decoded (the configuration may be
- * reloaded, so it is read every time). */
-static amx_wire_limits_t wire_limits(const amx_config_t *cfg)
-{
-    amx_wire_limits_t l;
-    l.max_decoded = (uint64_t)cfg->max_request_memory;
-    l.max_elements = (uint64_t)(cfg->max_quantizers > cfg->cluster_size ? cfg->max_quantizers
-                                                                        : cfg->cluster_size);
-    l.max_scalars = (uint64_t)(cfg->max_world_size > 64 ? cfg->max_world_size : 64);
-    l.max_depth = 8;
-    return l;
-}
-
-/* The bytes of a request (one contiguous copy, ours to change), checked
- * against max_message_bytes and by amx_wire_check; AMX_OK or a sentence. */
-static amx_status_t read_checked(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
-                                 int64_t max_bytes, const amx_wire_limits_t *lim, grpc_slice *out,
-                                 amx_err_t *err)
-{
-    size_t len = grpc_byte_buffer_length(bb);
-    if ((int64_t)len > max_bytes)
-        return amx_err_set(err, AMX_ENOMEM,
-                           "a %s message of %zu bytes exceeds max_message_bytes=%lld; split it "
-                           "into smaller batches (or stream them)",
-                           desc->name, len, (long long)max_bytes);
-    grpc_byte_buffer_reader r;
-    if (!grpc_byte_buffer_reader_init(&r, bb))
-        return amx_err_set(err, AMX_EINVAL, "request payload could not be read (compressed?)");
-    grpc_slice s = grpc_byte_buffer_reader_readall(&r);
-    grpc_byte_buffer_reader_destroy(&r);
-    /* Checked before protobuf-c allocates anything (wire.h). */
-    amx_status_t st =
-        amx_wire_check(desc, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s), lim, NULL, err);
-    if (st != AMX_OK) {
-        grpc_slice_unref(s);
-        return st;
-    }
-    *out = s;
-    return AMX_OK;
-}
-
-/* The bytes of a raw request, checked as read_checked does, copied once
- * into rpc->scratch (valid until the next raw request). */
-static amx_status_t read_raw(amx_rpc_t *rpc, grpc_byte_buffer *bb,
-                             const ProtobufCMessageDescriptor *desc, const amx_wire_limits_t *lim,
-                             uint8_t **data, size_t *len, amx_err_t *err)
-{
-    size_t n = grpc_byte_buffer_length(bb);
-    if ((int64_t)n > rpc->cfg->max_message_bytes)
-        return amx_err_set(err, AMX_ENOMEM,
-                           "a %s message of %zu bytes exceeds max_message_bytes=%lld; split it "
-                           "into smaller batches (or stream them)",
-                           desc->name, n, (long long)rpc->cfg->max_message_bytes);
-    if (n > rpc->scratch_cap || rpc->scratch == NULL) {
-        uint8_t *p = realloc(rpc->scratch, n ? n : 1);
-        if (p == NULL)
-            return amx_err_set(err, AMX_ENOMEM, "out of memory reading a %s message of %zu bytes",
-                               desc->name, n);
-        rpc->scratch = p;
-        rpc->scratch_cap = n ? n : 1;
-    }
-    grpc_byte_buffer_reader r;
-    if (!grpc_byte_buffer_reader_init(&r, bb))
-        return amx_err_set(err, AMX_EINVAL, "request payload could not be read (compressed?)");
-    size_t at = 0;
-    grpc_slice s;
-    while (grpc_byte_buffer_reader_next(&r, &s)) {
-        size_t k = GRPC_SLICE_LENGTH(s);
-        if (k > n - at)
-            k = n - at; /* cannot happen: the length is the slices' sum */
-        memcpy(rpc->scratch + at, GRPC_SLICE_START_PTR(s), k);
-        at += k;
-        grpc_slice_unref(s);
-    }
-    grpc_byte_buffer_reader_destroy(&r);
-    AMX_CHECK(amx_wire_check(desc, rpc->scratch, at, lim, NULL, err));
-    *data = rpc->scratch;
-    *len = at;
-    return AMX_OK;
-}
-
-/* Unpacks a byte buffer into a message; NULL and a sentence when it is not one. */
-static ProtobufCMessage *unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
-                                int64_t max_bytes, const amx_wire_limits_t *lim, amx_err_t *err)
-{
-    grpc_slice s;
-    if (read_checked(bb, desc, max_bytes, lim, &s, err) != AMX_OK)
-        return NULL;
-    ProtobufCMessage *m =
-        protobuf_c_message_unpack(desc, NULL, GRPC_SLICE_LENGTH(s), GRPC_SLICE_START_PTR(s));
-    if (m == NULL)
-        amx_err_set(err, AMX_EINVAL, "request is not a valid %s message (%zu bytes)", desc->name,
-                    (size_t)GRPC_SLICE_LENGTH(s));
-    grpc_slice_unref(s);
-    return m;
-}
-
-static void post_recv(amx_call_t *c)
-{
-    grpc_op op;
-    memset(&op, 0, sizeof(op));
-    op.op = GRPC_OP_RECV_MESSAGE;
-    op.data.recv_message.recv_message = &c->recv_buf;
-    c->recv_pending = 1;
-    if (grpc_call_start_batch(c->call, &op, 1, &c->t_recv, NULL) != GRPC_CALL_OK) {
-        c->recv_pending = 0;
-        amx__call_reply(c, AMX_EINTERNAL, "could not read the stream", NULL);
-    }
-}
-
-static void start_call(amx_rpc_t *rpc, amx_call_t *c);
-
-static void on_new(amx_call_t *c, int ok)
-{
-    amx_rpc_t *rpc = c->rpc;
-    if (!ok) {
-        /* The server is shutting down: this request will never be a call. */
-        call_free(c);
-        return;
-    }
-    post_request(rpc, c->method);
-    c->started = 1;
-    start_call(rpc, c);
-    /* A call answered at once watched for its end in the answer's batch
-     * (one completion less per unary call); one that waits, streams or
-     * could not be answered watches now, so that a client that goes away is
-     * seen. The call cannot have been freed: it is not closed yet. */
-    if (!c->close_posted) {
-        grpc_op op;
-        memset(&op, 0, sizeof(op));
-        op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-        op.data.recv_close_on_server.cancelled = &c->cancelled;
-        c->close_posted = 1;
-        if (grpc_call_start_batch(c->call, &op, 1, &c->t_close, NULL) != GRPC_CALL_OK) {
-            AMX_ERROR("rpc", "could not watch a call for its end; dropping it");
-            c->closed = 1;
-            maybe_free(c);
-        }
-    }
-}
-
-/* Decodes a new call's request and hands it to its method's handler (or
- * answers it at once). */
-static void start_call(amx_rpc_t *rpc, amx_call_t *c)
-{
-    if (c->method < 0) {
-        char path[256];
-        snprintf(path, sizeof(path), "%.*s", (int)GRPC_SLICE_LENGTH(c->details.method),
-                 (const char *)GRPC_SLICE_START_PTR(c->details.method));
-        char msg[400];
-        snprintf(msg, sizeof(msg), "method %s is not served by amaxd (see proto/amaxd)", path);
-        AMX_WARN("rpc", "%s", msg);
-        amx__call_reply(c, AMX_EUNIMPL, msg, NULL);
-        return;
-    }
-    const amx_method_t *m = rpc->methods[c->method];
-    if (m->client_streaming) {
-        post_recv(c);
-        return;
-    }
-    amx_err_t err = {0};
-    if (c->payload != NULL && m->raw != NULL) {
-        amx_wire_limits_t lim = wire_limits(rpc->cfg);
-        uint8_t *data;
-        size_t len;
-        amx_status_t st = read_raw(rpc, c->payload, m->request, &lim, &data, &len, &err);
-        grpc_byte_buffer_destroy(c->payload);
-        c->payload = NULL;
-        if (st != AMX_OK) {
-            AMX_WARN("rpc", "%s rejected: %s", m->path, err.msg);
-            amx__call_reply(c, err.code, err.msg, NULL);
-            return;
-        }
-        m->raw(rpc->serve.ctx, c, data, len);
-        return;
-    }
-    if (c->payload == NULL) {
-        amx_err_set(&err, AMX_EINVAL, "%s: the call carried no request message", m->path);
-    } else {
-        amx_wire_limits_t lim = wire_limits(rpc->cfg);
-        c->request = unpack(c->payload, m->request, rpc->cfg->max_message_bytes, &lim, &err);
-        grpc_byte_buffer_destroy(c->payload);
-        c->payload = NULL;
-    }
-    if (c->request == NULL) {
-        AMX_WARN("rpc", "%s rejected: %s", m->path, err.msg);
-        amx__call_reply(c, err.code, err.msg, NULL);
-        return;
-    }
-    m->handler(rpc->serve.ctx, c, c->request);
-}
-
-static void on_recv(amx_call_t *c, int ok)
-{
-    c->recv_pending = 0;
-    c->rpc->activity++;
-    if (!ok && !c->replied && !c->closed)
-        AMX_WARN("rpc",
-                 "StreamAmax: reading message %llu failed (over twice max_message_bytes, "
-                 "or the client went away)",
-                 (unsigned long long)c->stream_accepted + 1);
-    /* closed: with several CQ threads the call's end may be queued before
-     * this message; the client is gone, so is the stream. */
-    if (!ok || c->replied || c->closed) {
-        maybe_free(c);
-        return;
-    }
-    amx_rpc_t *rpc = c->rpc;
-    if (c->recv_buf == NULL) { /* half-close: the stream is complete */
-        Amaxd__V1__SendAmaxResponse resp = AMAXD__V1__SEND_AMAX_RESPONSE__INIT;
-        resp.accepted = c->stream_accepted;
-        resp.epoch = c->stream_epoch;
-        amx__call_reply(c, AMX_OK, NULL, &resp.base);
-        return;
-    }
-    amx_err_t err = {0};
-    amx_wire_limits_t lim = wire_limits(rpc->cfg);
-    const amx_method_t *meth = rpc->methods[c->method];
-    uint8_t *data;
-    size_t len;
-    amx_status_t st = read_raw(rpc, c->recv_buf, meth->request, &lim, &data, &len, &err);
-    grpc_byte_buffer_destroy(c->recv_buf);
-    c->recv_buf = NULL;
-    if (st == AMX_OK) {
-        st = meth->raw_stream(rpc->serve.ctx, data, len, &c->stream_accepted, &c->stream_epoch,
-                              &err);
-    } else {
-        AMX_WARN("rpc", "%s rejected after %llu accepted updates: %s", meth->path,
-                 (unsigned long long)c->stream_accepted, err.msg);
-    }
-    if (st != AMX_OK) {
-        amx__call_reply(c, st, err.msg, NULL);
-        return;
-    }
-    post_recv(c);
-}
-
-static void check_stopped(amx_rpc_t *rpc);
-
-/* ---- client calls ---- */
-
-static void ccall_free(amx_ccall_t *cc)
-{
-    amx_rpc_t *rpc = cc->rpc;
-    if (cc->prev)
-        cc->prev->next = cc->next;
-    else
-        rpc->ccalls = cc->next;
-    if (cc->next)
-        cc->next->prev = cc->prev;
-    if (cc->send_buf)
-        grpc_byte_buffer_destroy(cc->send_buf);
-    if (cc->recv_buf)
-        grpc_byte_buffer_destroy(cc->recv_buf);
-    grpc_metadata_array_destroy(&cc->init_md);
-    grpc_metadata_array_destroy(&cc->trail_md);
-    grpc_slice_unref(cc->details);
-    grpc_slice_unref(cc->md.key);
-    grpc_slice_unref(cc->md.value);
-    if (cc->call)
-        grpc_call_unref(cc->call);
-    free(cc);
-}
-
-gpr_timespec amx_rpc_deadline(uint64_t deadline_ms)
-{
-    if (deadline_ms == UINT64_MAX)
-        return gpr_inf_future(GPR_CLOCK_MONOTONIC);
-    uint64_t now = amx_now_ms();
-    int64_t left = deadline_ms > now ? (int64_t)(deadline_ms - now) : 0;
-    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(left, GPR_TIMESPAN));
-}
-
-amx_status_t amx_rpc_call(amx_rpc_t *rpc, grpc_channel *ch, const char *method, const uint8_t *req,
-                          size_t len, const char *md_key, const char *md_val, uint64_t deadline_ms,
-                          amx_ccall_cb cb, void *ud, amx_ccall_t **out, amx_err_t *err)
-{
-    if (rpc->stopping)
-        return amx_err_set(err, AMX_EUNAVAIL, "amaxd is shutting down");
-    amx_ccall_t *cc = calloc(1, sizeof(*cc));
-    if (cc == NULL)
-        return amx_err_set(err, AMX_ENOMEM, "out of memory");
-    cc->tag = (tag_t){cc, TAG_CLIENT};
-    cc->rpc = rpc;
-    cc->cb = cb;
-    cc->ud = ud;
-    cc->details = grpc_empty_slice();
-    cc->md.key = grpc_slice_from_copied_string(md_key ? md_key : "");
-    cc->md.value = grpc_slice_from_copied_string(md_val ? md_val : "");
-    grpc_metadata_array_init(&cc->init_md);
-    grpc_metadata_array_init(&cc->trail_md);
-    grpc_slice path = grpc_slice_from_static_string(method);
-    cc->call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, rpc->cq, path, NULL,
-                                        amx_rpc_deadline(deadline_ms), NULL);
-    cc->next = rpc->ccalls;
-    if (rpc->ccalls)
-        rpc->ccalls->prev = cc;
-    rpc->ccalls = cc;
-    if (cc->call == NULL) {
-        ccall_free(cc);
-        return amx_err_set(err, AMX_EINTERNAL, "cannot create a call of %s", method);
-    }
-    grpc_slice s = grpc_slice_from_copied_buffer((const char *)req, len);
-    cc->send_buf = grpc_raw_byte_buffer_create(&s, 1);
-    grpc_slice_unref(s);
-    grpc_op ops[6];
-    memset(ops, 0, sizeof(ops));
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].data.send_initial_metadata.count = md_key ? 1 : 0;
-    ops[0].data.send_initial_metadata.metadata = md_key ? &cc->md : NULL;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = cc->send_buf;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &cc->init_md;
-    ops[4].op = GRPC_OP_RECV_MESSAGE;
-    ops[4].data.recv_message.recv_message = &cc->recv_buf;
-    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    ops[5].data.recv_status_on_client.trailing_metadata = &cc->trail_md;
-    ops[5].data.recv_status_on_client.status = &cc->status;
-    ops[5].data.recv_status_on_client.status_details = &cc->details;
-    if (grpc_call_start_batch(cc->call, ops, 6, &cc->tag, NULL) != GRPC_CALL_OK) {
-        ccall_free(cc);
-        return amx_err_set(err, AMX_EINTERNAL, "cannot start a call of %s", method);
-    }
-    if (out)
-        *out = cc;
-    return AMX_OK;
-}
-
-void amx_rpc_call_cancel(amx_rpc_t *rpc, amx_ccall_t *cc)
-{
-    (void)rpc;
-    cc->cancelled = 1;
-    grpc_call_cancel(cc->call, NULL);
-}
-
-static void on_client(amx_ccall_t *cc, int ok)
-{
-    if (!cc->cancelled) {
-        char msg[1024];
-        amx_status_t st;
-        uint8_t *data = NULL;
-        size_t len = 0;
-        if (!ok) {
-            st = AMX_EINTERNAL;
-            snprintf(msg, sizeof(msg), "the call could not be completed");
-        } else {
-            st = amx_status_from_grpc((int)cc->status);
-            snprintf(msg, sizeof(msg), "%.*s", (int)GRPC_SLICE_LENGTH(cc->details),
-                     (const char *)GRPC_SLICE_START_PTR(cc->details));
-        }
-        grpc_slice all = grpc_empty_slice();
-        if (st == AMX_OK && cc->recv_buf != NULL) {
-            grpc_byte_buffer_reader r;
-            if (grpc_byte_buffer_reader_init(&r, cc->recv_buf)) {
-                all = grpc_byte_buffer_reader_readall(&r);
-                grpc_byte_buffer_reader_destroy(&r);
-                data = GRPC_SLICE_START_PTR(all);
-                len = GRPC_SLICE_LENGTH(all);
-            }
-        } else if (st == AMX_OK) {
-            st = AMX_EINTERNAL;
-            snprintf(msg, sizeof(msg), "the answer carried no message");
-        }
-        cc->cb(cc->ud, st, msg, data, len);
-        grpc_slice_unref(all);
-    }
-    amx_rpc_t *rpc = cc->rpc;
-    ccall_free(cc);
-    if (rpc->stopping)
-        check_stopped(rpc);
-}
-
 static void dispatch(amx_rpc_t *rpc, event_t *ev)
 {
     if (ev->tag == NULL) {
         rpc->cq_done = 1;
-        check_stopped(rpc);
+        amx__rpc_check_stopped(rpc);
         return;
     }
     tag_t *t = ev->tag;
     if (t->what == TAG_SHUTDOWN) {
         rpc->servers_shut++;
-        check_stopped(rpc);
+        amx__rpc_check_stopped(rpc);
         return;
     }
     if (t->what == TAG_CLIENT) {
-        on_client(t->obj, ev->ok);
+        amx__rpc_on_client(t->obj, ev->ok);
         return;
     }
     amx_call_t *c = t->obj;
     switch (t->what) {
     case TAG_NEW:
-        on_new(c, ev->ok);
+        amx__rpc_on_new(c, ev->ok);
         break;
     case TAG_RECV:
-        on_recv(c, ev->ok);
+        amx__rpc_on_recv(c, ev->ok);
         break;
     case TAG_SEND:
         c->send_pending = 0;
@@ -965,7 +196,7 @@ static void dispatch(amx_rpc_t *rpc, event_t *ev)
         c->queued = 0;
         if (c->close_in_send)
             c->closed = 1;
-        maybe_free(c);
+        amx__rpc_maybe_free(c);
         break;
     case TAG_CLOSE:
         c->closed = 1;
@@ -978,7 +209,7 @@ static void dispatch(amx_rpc_t *rpc, event_t *ev)
             /* Cancelled or past its deadline while waiting in the registry. */
             rpc->serve.cancel(rpc->serve.ctx, &c->waiter);
         }
-        maybe_free(c);
+        amx__rpc_maybe_free(c);
         break;
     }
 }
@@ -988,7 +219,7 @@ static void on_wake(uv_async_t *h)
     amx_rpc_t *rpc = h->data;
     drain(rpc);
     pthread_mutex_lock(&rpc->mu);
-    int shut = rpc->cq_shut && rpc->qlen == 0;
+    int shut = rpc->cq_shut && !queued_events(rpc); /* cq_shut is set after the last push */
     rpc->cq_shut = shut ? 0 : rpc->cq_shut;
     pthread_mutex_unlock(&rpc->mu);
     if (shut) {
@@ -1123,6 +354,7 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, const amx_r
     rpc->t_shutdown = (tag_t){NULL, TAG_SHUTDOWN};
     rpc->t_shutdown_peer = (tag_t){NULL, TAG_SHUTDOWN};
     pthread_mutex_init(&rpc->mu, NULL);
+    amx_swapq_init(&rpc->events, sizeof(event_t));
     pthread_mutex_init(&rpc->loop_mu, NULL);
 
     amx__absl_tune(); /* before gRPC takes its first mutex */
@@ -1217,10 +449,10 @@ amx_status_t amx_rpc_start(uv_loop_t *loop, const amx_config_t *cfg, const amx_r
     }
     for (size_t i = 0; i < rpc->nmethods; i++)
         for (int k = 0; k < POSTED_PER_METHOD; k++)
-            post_request(rpc, (int)i);
-    post_request(rpc, UNKNOWN_TRAINER);
+            amx__rpc_post_request(rpc, (int)i);
+    amx__rpc_post_request(rpc, UNKNOWN_TRAINER);
     if (serve_peer)
-        post_request(rpc, UNKNOWN_PEER);
+        amx__rpc_post_request(rpc, UNKNOWN_PEER);
     if (rpc->unix_path[0] != '\0')
         AMX_INFO("rpc", "listening on unix:%s (mode %04llo)", rpc->unix_path,
                  (unsigned long long)cfg->socket_mode);
@@ -1246,6 +478,7 @@ fail_creds:
     grpc_shutdown_blocking();
     pthread_mutex_destroy(&rpc->loop_mu);
     pthread_mutex_destroy(&rpc->mu);
+    amx_swapq_destroy(&rpc->events);
     free(rpc);
     return st;
 fail_started:
@@ -1289,7 +522,7 @@ static void on_closed(uv_handle_t *h)
         rpc->on_stopped(rpc->stopped_ud);
 }
 
-static void check_stopped(amx_rpc_t *rpc)
+void amx__rpc_check_stopped(amx_rpc_t *rpc)
 {
     if (rpc->servers_shut == rpc->nservers && !rpc->cq_done && rpc->server != NULL) {
         if (rpc->ccalls != NULL)
@@ -1314,7 +547,7 @@ static void check_stopped(amx_rpc_t *rpc)
     while (rpc->calls != NULL) {
         rpc->calls->closed = 1;
         rpc->calls->send_pending = rpc->calls->recv_pending = 0;
-        call_free(rpc->calls);
+        amx__rpc_call_free(rpc->calls);
     }
     grpc_completion_queue_destroy(rpc->cq);
     rpc->cq = NULL;
@@ -1419,8 +652,7 @@ void amx_rpc_free(amx_rpc_t *rpc)
 {
     if (rpc == NULL)
         return;
-    free(rpc->queue);
-    free(rpc->spare);
+    amx_swapq_destroy(&rpc->events);
     free(rpc->scratch);
     if (rpc->loop_locked)
         pthread_mutex_unlock(&rpc->loop_mu);

@@ -1,0 +1,419 @@
+/*
+ * engine_agree.c - the agreement side of an epoch (engine_impl.h): one
+ * round at the coordinator (the whole catalog when it asks for it), the
+ * donor's state served and fetched by those behind, the agreed catalog
+ * installed, and a new communicator made through the rendezvous store.
+ * Engine thread.
+ */
+#include "engine_impl.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "clock.h"
+#include "comm.h"
+#include "jobstate.h"
+#include "log.h"
+
+/* ---- agreement ---- */
+
+static int my_index(const amx_membership_t *m, uint32_t me)
+{
+    for (uint32_t p = 0; p < m->npart; p++)
+        if (m->part[p].daemon == me)
+            return (int)p;
+    return -1;
+}
+
+/* The donor publishes its state for those behind. */
+static amx_status_t publish_state(amx_engine_t *e, uint64_t seq)
+{
+    amx_job_t *j = e->job;
+    amx_err_t err = {0};
+    void *blob;
+    size_t len;
+    amx_status_t st = amx_jobstate_export(j->name, e->last_reconciled, e->w_cat, e->w_desc,
+                                          j->state, 0, &blob, &len, &err);
+    if (st != AMX_OK)
+        return amx__engine_fail(e, st,
+                                "job '%s': preparing the state for daemons that are behind: %s",
+                                j->name, err.msg);
+    pthread_mutex_lock(&e->blob_mu);
+    free(e->blob);
+    e->blob = blob;
+    e->blob_len = len;
+    e->blob_seq = seq;
+    pthread_mutex_unlock(&e->blob_mu);
+    AMX_INFO("epoch", "job %s: serving my state (epoch %llu, %zu bytes) to daemons behind", j->name,
+             (unsigned long long)e->last_reconciled, len);
+    return AMX_OK;
+}
+
+/* Keeps the donor's published globals (its last epoch's) for the loop to
+ * use as the previous epoch's once this epoch is published; the state's
+ * own front results are this daemon's, from before it fell behind. */
+static amx_status_t stash_previous(amx_engine_t *e, const amx_jobstate_t *js)
+{
+    uint32_t n = js->cat->n;
+    amx_qspec_t **copy = calloc(n ? n : 1, sizeof(*copy));
+    float *ga = malloc((n ? n : 1) * sizeof(float)), *gs = malloc((n ? n : 1) * sizeof(float));
+    amx_catalog_t *c = NULL;
+    amx_err_t err = {0};
+    int ok = copy != NULL && ga != NULL && gs != NULL;
+    for (uint32_t i = 0; ok && i < n; i++)
+        ok = (copy[i] = amx_qspec_dup(js->cat->q[i])) != NULL;
+    if (ok)
+        ok = amx_catalog_build(copy, n, &c, &err) == AMX_OK;
+    if (!ok) {
+        for (uint32_t i = 0; copy != NULL && i < n; i++)
+            amx_qspec_free(copy[i]);
+        free(copy);
+        free(ga);
+        free(gs);
+        return AMX_ENOMEM;
+    }
+    free(copy);
+    for (uint32_t i = 0; i < n; i++) {
+        int64_t k = amx_catalog_find(c, js->cat->q[i]->name);
+        ga[k] = js->a.g_amax[i];
+        gs[k] = js->a.g_scale[i];
+    }
+    amx_catalog_free(e->res.prev_cat);
+    free(e->res.prev_ga);
+    free(e->res.prev_gs);
+    e->res.prev_cat = c;
+    e->res.prev_ga = ga;
+    e->res.prev_gs = gs;
+    return AMX_OK;
+}
+
+/* Fetches and imports the donor's state. */
+static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
+{
+    amx_job_t *j = e->job;
+    const char *addr = NULL;
+    for (uint32_t p = 0; p < sr->members.npart; p++)
+        if (sr->members.part[p].daemon == sr->donor)
+            addr = sr->members.part[p].addr;
+    if (addr == NULL)
+        return amx__engine_fail(e, AMX_EINTERNAL,
+                                "job '%s': the donor daemon %u is not a participant", j->name,
+                                sr->donor);
+    amx_err_t err = {0};
+    void *blob = NULL;
+    size_t len = 0;
+    amx_status_t st = amx_peer_call_fetch(j->eng->env.peer, addr, j->name, sr->seq, e->deadline,
+                                          &e->abort_flag, &blob, &len, &err);
+    if (st != AMX_OK && atomic_load(&e->abort_flag))
+        return amx__engine_fail_aborted(e, "fetching the job's state");
+    if (st != AMX_OK)
+        return amx__engine_fail(e, st,
+                                "job '%s': fetching the job's state from daemon %u (%s) failed: %s",
+                                j->name, sr->donor, addr, err.msg);
+    amx_jobstate_t js;
+    st = amx_jobstate_parse(blob, len, &js, &err);
+    if (st == AMX_OK && strcmp(js.job, j->name) != 0)
+        st = amx_err_set(&err, AMX_EINVAL, "it is the state of job '%s'", js.job);
+    if (st == AMX_OK)
+        st = j->state->ops->import_state(j->state, js.cat->ncells, js.cat->nhist, js.cat->n,
+                                         js.cat->nslices, &js.a, &err);
+    if (st != AMX_OK) {
+        amx_jobstate_free(&js);
+        free(blob);
+        return amx__engine_fail(e, st, "job '%s': the state from daemon %u could not be used: %s",
+                                j->name, sr->donor, err.msg);
+    }
+    amx_qdesc_t *d = malloc((js.cat->n ? js.cat->n : 1) * sizeof(amx_qdesc_t));
+    if (d == NULL || stash_previous(e, &js) != AMX_OK) {
+        free(d);
+        amx_jobstate_free(&js);
+        free(blob);
+        return amx__engine_fail(e, AMX_ENOMEM, "out of memory importing the state of job '%s'",
+                                j->name);
+    }
+    amx_catalog_layout(js.cat, d);
+    for (uint32_t i = 0; i < js.cat->n; i++)
+        d[i].hist_head = js.hist_head[i];
+    amx_catalog_free(e->imp_cat);
+    free(e->imp_desc);
+    e->imp_cat = js.cat;
+    e->imp_desc = d;
+    js.cat = NULL;
+    AMX_INFO("epoch", "job %s: caught up with daemon %u: epoch %llu -> %llu (%zu bytes)", j->name,
+             sr->donor, (unsigned long long)e->last_reconciled,
+             (unsigned long long)js.last_reconciled, len);
+    e->last_reconciled = js.last_reconciled;
+    e->epoch = js.last_reconciled + 1;
+    e->res.imported = 1;
+    e->res.last_reconciled = js.last_reconciled;
+    e->res.publish = 1;
+    amx_jobstate_free(&js);
+    free(blob);
+    /* With the agreed catalog in this answer, the next step moves the
+     * imported state and the in-flight buffer (in the loop's layout: this
+     * daemon's proposals keep their provisional cells) to it together.
+     * Without one, the donor's catalog becomes the working one at once, so
+     * that the replicated state and the job's layout never disagree. */
+    if (sr->catalog_included)
+        return AMX_OK;
+    amx_qspec_t **copy = calloc(e->imp_cat->n ? e->imp_cat->n : 1, sizeof(*copy));
+    amx_catalog_t *target = NULL;
+    int ok = copy != NULL;
+    for (uint32_t i = 0; ok && i < e->imp_cat->n; i++)
+        ok = (copy[i] = amx_qspec_dup(e->imp_cat->q[i])) != NULL;
+    if (ok)
+        ok = amx_catalog_build(copy, e->imp_cat->n, &target, &err) == AMX_OK;
+    if (!ok || amx__engine_change_layout(e, target) != AMX_OK) {
+        /* The state was replaced but cannot follow: nothing sane remains. */
+        AMX_ERROR("epoch",
+                  "job %s: out of memory adopting the imported state's layout; "
+                  "aborting",
+                  j->name);
+        abort();
+    }
+    free(copy);
+    return AMX_OK;
+}
+
+static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
+{
+    amx_job_t *j = e->job;
+    amx__engine_drop_comm(e);
+    const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
+    int me = my_index(&sr->members, id->rank);
+    if (me < 0)
+        return amx__engine_fail(e, AMX_EINTERNAL,
+                                "job '%s': this daemon is not among the participants", j->name);
+    char prefix[256];
+    snprintf(prefix, sizeof(prefix), "comm/%s/%016" PRIx64 "/%" PRIu64 "/", j->name, sr->coord_inc,
+             sr->comm_gen);
+    amx_kv_t kv;
+    amx_peer_kv(e->env.peer, &e->abort_flag, &kv);
+    amx_comm_params_t p = {
+        .rank = me,
+        .size = (int)sr->members.npart,
+        .kv = &kv,
+        .prefix = prefix,
+        .host = e->env.gloo_host,
+        .cuda_device = e->env.cuda_device,
+        .deadline_ms = e->deadline,
+    };
+    amx_err_t err = {0};
+    amx_comm_t *c = NULL;
+    uint64_t t0 = amx_now_ms();
+    amx_status_t st = amx_comm_create(e->env.collective, &p, &c, &err);
+    if (st != AMX_OK && atomic_load(&e->abort_flag))
+        return amx__engine_fail_aborted(e, "making the communicator");
+    if (st != AMX_OK)
+        return amx__engine_fail(
+            e, st,
+            "job '%s': creating the %s communicator (generation %llu, %u daemons) "
+            "failed: %s",
+            j->name, e->env.collective, (unsigned long long)sr->comm_gen, sr->members.npart,
+            err.msg);
+    pthread_mutex_lock(&e->mu);
+    e->comm = c;
+    atomic_store(&e->comm_gen, sr->comm_gen);
+    int aborted = atomic_load(&e->abort_flag);
+    pthread_mutex_unlock(&e->mu);
+    if (aborted) {
+        amx__engine_drop_comm(e);
+        return amx__engine_fail_aborted(e, "making the communicator");
+    }
+    AMX_INFO("epoch", "job %s: %s communicator generation %llu ready (%d of %u) in %llu ms",
+             j->name, e->env.collective, (unsigned long long)sr->comm_gen, me, sr->members.npart,
+             (unsigned long long)(amx_now_ms() - t0));
+    return AMX_OK;
+}
+
+static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out);
+static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *sr);
+
+/* One agreement round at the coordinator, and what follows from it. */
+amx_status_t amx__engine_agree(amx_engine_t *e)
+{
+    amx_job_t *j = e->job;
+    /* A job restored from a snapshot brings its catalog to its first
+     * agreement, as does a daemon that knows the coordinator restarted;
+     * otherwise the coordinator asks for it (send_catalog) when this
+     * daemon's agreed catalog is not its master. */
+    int full = (e->coord_inc != 0 && e->coord_inc != j->mship.coord_inc) ||
+               (e->coord_inc == 0 && j->restored && e->w_cat->n > 0);
+    amx_sync_result_t sr;
+    for (;;) {
+        amx_status_t st = sync_round(e, full, &sr);
+        if (st != AMX_OK)
+            return st;
+        if (!sr.send_catalog)
+            break;
+        amx_sync_result_free(&sr);
+        if (full)
+            return amx__engine_fail(
+                e, AMX_EINTERNAL,
+                "job '%s': the coordinator asked for the whole catalog although it was "
+                "sent",
+                j->name);
+        AMX_INFO("epoch",
+                 "job %s: the coordinator does not hold this daemon's catalog (%u quantizers, "
+                 "%016" PRIx64 "): sending it whole",
+                 j->name, e->w_cat->n, e->w_cat->hash);
+        full = 1;
+    }
+    return after_sync(e, &sr);
+}
+
+/* One Sync call: this daemon's proposals, resets and (with `full`) its
+ * whole agreed catalog. */
+static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out)
+{
+    amx_job_t *j = e->job;
+    const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
+    /* Proposals: this daemon's, or (after the coordinator restarted, or
+     * restored from a snapshot) the whole agreed catalog as well. */
+    uint32_t cap = j->nprop + (full ? e->w_cat->n : 0);
+    amx_qspec_t **prop = calloc(cap ? cap : 1, sizeof(*prop));
+    char **resets = calloc(j->nlq ? j->nlq : 1, sizeof(char *));
+    if (prop == NULL || resets == NULL) {
+        free(prop);
+        free(resets);
+        return amx__engine_fail(e, AMX_ENOMEM, "out of memory preparing the agreement of job '%s'",
+                                j->name);
+    }
+    uint32_t np = 0;
+    size_t nr = 0;
+    if (full)
+        for (uint32_t i = 0; i < e->w_cat->n; i++)
+            prop[np++] = e->w_cat->q[i];
+    for (uint32_t lid = 0; lid < j->nlq; lid++) {
+        const amx_lq_t *q = &j->lq[lid];
+        if (q->status == LQ_PROPOSED)
+            prop[np++] = q->spec;
+        if (q->reset && (q->status == LQ_AGREED || q->status == LQ_PROPOSED))
+            resets[nr++] = q->spec->name;
+    }
+    const amx_part_t *mine = j->me >= 0 ? &j->mship.part[j->me] : NULL;
+    amx_coord_sync_req_t req = {
+        .job = j->name,
+        .daemon = id->rank,
+        .incarnation = id->incarnation,
+        .last_reconciled = e->last_reconciled,
+        .catalog_hash = e->w_cat->hash,
+        .proposals = prop,
+        .nprop = np,
+        .full_catalog = full,
+        .resets = resets,
+        .nresets = nr,
+        .need_comm = e->comm == NULL,
+        .world = j->world,
+        .ranks = mine ? mine->ranks : NULL,
+        .nranks = mine ? mine->nranks : 0,
+        .addr = id->advertise,
+        .deadline_ms = e->deadline,
+    };
+    amx_err_t err = {0};
+    uint64_t t0 = amx_now_ms();
+    amx_status_t st = amx_peer_call_sync(e->env.peer, &req, &e->abort_flag, out, &err);
+    free(prop);
+    free(resets);
+    if (st != AMX_OK && atomic_load(&e->abort_flag))
+        return amx__engine_fail_aborted(e, "the agreement round");
+    if (st != AMX_OK)
+        return amx__engine_fail(
+            e, st,
+            "job '%s', epoch %llu: the agreement round at the coordinator failed: "
+            "%s",
+            j->name, (unsigned long long)e->epoch, err.msg);
+    if (!out->send_catalog)
+        AMX_DEBUG("epoch",
+                  "job %s: agreement %llu in %llu ms: catalog %016" PRIx64 "%s, target "
+                  "epoch %llu, %zu behind, comm generation %llu%s",
+                  j->name, (unsigned long long)out->seq, (unsigned long long)(amx_now_ms() - t0),
+                  out->catalog_hash, out->catalog_included ? " (sent)" : "",
+                  (unsigned long long)out->target_epoch, out->nbehind,
+                  (unsigned long long)out->comm_gen, out->new_comm ? " (new)" : "");
+    return AMX_OK;
+}
+
+/* What follows from the coordinator's answer `sr` (freed here). */
+static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
+{
+    amx_job_t *j = e->job;
+    const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
+    amx_sync_result_t sr = *srp;
+    amx_err_t err = {0};
+    e->synced = 1;
+    e->coord_inc = sr.coord_inc;
+    int behind = 0;
+    for (size_t i = 0; i < sr.nbehind; i++)
+        behind |= sr.behind[i] == id->rank;
+    /* 1. The donor serves its state before it changes anything. */
+    if (sr.nbehind > 0 && sr.donor == id->rank && publish_state(e, sr.seq) != AMX_OK)
+        goto out;
+    /* 2. Those behind catch up. */
+    if (behind && catch_up(e, &sr) != AMX_OK)
+        goto out;
+    /* 3. The catalog. */
+    amx_catalog_t *target = NULL;
+    if (sr.catalog_included) {
+        if (amx_catalog_build(sr.catalog, sr.ncatalog, &target, &err) != AMX_OK) {
+            amx__engine_fail(e, AMX_ENOMEM, "out of memory building the agreed catalog of job '%s'",
+                             j->name);
+            goto out;
+        }
+        sr.ncatalog = 0; /* the catalog owns the specs */
+    }
+    if (target == NULL && e->w_cat->hash != sr.catalog_hash) {
+        amx__engine_fail(e, AMX_EINTERNAL,
+                         "job '%s': the coordinator's catalog %016" PRIx64 " was not sent "
+                         "although this daemon holds %016" PRIx64,
+                         j->name, sr.catalog_hash, e->w_cat->hash);
+        goto out;
+    }
+    if (target == NULL && e->pend_original && j->nprop > 0) {
+        /* Every proposal was rejected: the catalog stays, the provisional
+         * cells go. */
+        amx_qspec_t **copy = calloc(e->w_cat->n ? e->w_cat->n : 1, sizeof(*copy));
+        int ok = copy != NULL;
+        for (uint32_t i = 0; ok && i < e->w_cat->n; i++)
+            ok = (copy[i] = amx_qspec_dup(e->w_cat->q[i])) != NULL;
+        if (!ok || amx_catalog_build(copy, e->w_cat->n, &target, &err) != AMX_OK) {
+            for (uint32_t i = 0; copy && i < e->w_cat->n; i++)
+                amx_qspec_free(copy[i]);
+            free(copy);
+            amx__engine_fail(e, AMX_ENOMEM, "out of memory copying the catalog of job '%s'",
+                             j->name);
+            goto out;
+        }
+        free(copy);
+    }
+    if (target != NULL && amx__engine_change_layout(e, target) != AMX_OK) {
+        amx_catalog_free(target);
+        goto out;
+    }
+    /* 4. Rejected proposals. */
+    if (sr.nrejected > 0) {
+        char **r = realloc(e->res.rejected, (e->res.nrejected + sr.nrejected) * sizeof(char *));
+        if (r != NULL) {
+            e->res.rejected = r;
+            for (size_t i = 0; i < sr.nrejected; i++)
+                if ((r[e->res.nrejected] = strdup(sr.rejected[i])) != NULL)
+                    e->res.nrejected++;
+        }
+    }
+    /* 5. Resets of every daemon, applied by finish. */
+    amx__engine_mark_resets(e, sr.resets, sr.nresets);
+    if (sr.conflict != NULL) {
+        amx__engine_fail(e, AMX_EPRECOND, "%s", sr.conflict);
+        goto out;
+    }
+    /* 6. The communicator. */
+    if (sr.new_comm || e->comm == NULL || atomic_load(&e->comm_gen) != sr.comm_gen)
+        if (make_comm(e, &sr) != AMX_OK)
+            goto out;
+    e->need_sync = 0;
+out:
+    amx_sync_result_free(&sr);
+    return e->res.st;
+}

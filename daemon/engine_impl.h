@@ -1,0 +1,97 @@
+/*
+ * engine_impl.h - the epoch engine's internals, shared by engine.c (the
+ * thread, the collective, finish, snapshots) and engine_agree.c
+ * (agreement, catch-up, communicators). Engine thread, unless a field says
+ * otherwise.
+ */
+#ifndef AMX_ENGINE_IMPL_H
+#define AMX_ENGINE_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "engine.h"
+
+/* Header cells (AMX_HDR_CELLS = 32): each field as 16-bit pieces and their
+ * complements, so that after an element-wise MAX max(piece) == 65535 -
+ * max(complement) holds exactly when every daemon sent the same value. */
+enum {
+    H_EPOCH = 0,  /* 4 pieces + 4 complements */
+    H_HASH = 8,   /* 4 + 4 */
+    H_GEN = 16,   /* 4 + 4 */
+    H_CELLS = 24, /* 3 + 3 */
+    H_FLAG = 30,  /* max: some daemon needs an agreement round */
+    H_VERSION = 31,
+};
+#define HDR_VERSION 1.0f
+
+#define HDR_VERSION 1.0f
+
+struct amx_engine {
+    amx_job_t *job;
+    amx_engine_env_t env;
+    pthread_t th;
+    int started;
+    pthread_mutex_t mu; /* work hand-off, comm pointer, abort */
+    pthread_cond_t cv;
+    int have_work, quit;
+    uint64_t epoch, deadline;
+    atomic_int abort_flag;
+    amx_status_t abort_code; /* with abort_flag: the status to fail with (under mu) */
+    uint32_t abort_from;     /* the daemon that aborted it (AMX_ENGINE_LOCAL: this one) */
+    int passed_on;           /* this attempt failed with another daemon's status and sentence */
+    int aborted_here;        /* ... or because this daemon aborted it (peer_why says why) */
+    char peer_why[768];
+    char abort_why[768];
+    amx_comm_t *comm;
+    _Atomic uint64_t comm_gen;
+    uint64_t last_gen;  /* the generation of the last communicator held (engine thread) */
+    int need_sync;      /* agree before the next collective */
+    uint64_t coord_inc; /* the coordinator incarnation of our last agreement */
+    amx_epoch_result_t res;
+    /* A donor's state, published for FetchState. */
+    pthread_mutex_t blob_mu;
+    void *blob;
+    size_t blob_len;
+    uint64_t blob_seq;
+    /* Working layout of this attempt. */
+    amx_catalog_t *w_cat; /* the agreed catalog as this attempt knows it */
+    amx_qdesc_t *w_desc;
+    int w_owned;            /* w_cat/w_desc were made here (res.cat/res.desc) */
+    int pend_original;      /* the in-flight buffer still has the loop's layout */
+    amx_catalog_t *imp_cat; /* an imported catalog (the state's layout), owned */
+    amx_qdesc_t *imp_desc;
+    uint64_t last_reconciled; /* of the state, as this attempt knows it */
+    int synced;               /* an agreement round happened in this attempt */
+    /* Descriptor generations: bumped by every layout change; the backend
+     * may keep a copy of the descriptors the last finish saw. */
+    uint64_t desc_gen, fin_gen;
+    int fin_had_reset;
+    int marked;       /* some w_desc[].reset may be set: clean epochs skip the O(n) scans */
+    int fin_ok;       /* the last finish succeeded (its descriptors may be reused) */
+    uint64_t snap_ms; /* when this engine last wrote the job's snapshot (0: never) */
+};
+
+/* Records the epoch's first error (printf-style sentence); returns st. */
+amx_status_t amx__engine_fail(amx_engine_t *e, amx_status_t st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* The epoch was aborted while `during` ran: fails it with the aborting
+ * daemon's status and sentence, or ABORTED. */
+amx_status_t amx__engine_fail_aborted(amx_engine_t *e, const char *during);
+
+/* Moves the in-flight buffer, the replicated state and the results to
+ * catalog `to` (the engine's on success). */
+amx_status_t amx__engine_change_layout(amx_engine_t *e, amx_catalog_t *to);
+
+/* Aborts and frees the communicator (takes the engine mutex). */
+void amx__engine_drop_comm(amx_engine_t *e);
+
+/* Marks the named quantizers of the working catalog for reset. */
+void amx__engine_mark_resets(amx_engine_t *e, char **names, size_t n);
+
+/* One agreement round at the coordinator and what follows from it
+ * (engine_agree.c). */
+amx_status_t amx__engine_agree(amx_engine_t *e);
+
+#endif
