@@ -24,7 +24,8 @@ cd "$root"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
 export PYTHONUNBUFFERED=1
-ngpu=$(nvidia-smi -L | wc -l)
+# AMAXD_CLUSTER_GPUS=2 on a larger host: a cluster of 2 (devices 0 and 1).
+ngpu=${AMAXD_CLUSTER_GPUS:-$(nvidia-smi -L | wc -l)}
 step() { [[ " ${AMAXD_GPU_STEPS:-1 2 3 4 5 6} " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -5
