@@ -1090,6 +1090,9 @@ static amx_status_t cuda_prepare(amx_state_t *st, const float *hdr, uint64_t nce
     CU(cudaMemcpyAsync(c->pend[fl], hdr, AMX_HDR_CELLS * sizeof(float), cudaMemcpyHostToDevice,
                        c->se),
        "cudaMemcpyAsync (header)");
+    /* A receive header nothing wrote fails the engine's check. */
+    CU(cudaMemsetAsync(c->recv, 0, AMX_HDR_CELLS * sizeof(float), c->se),
+       "cudaMemsetAsync (receive header)");
     /* Ordered on the engine stream: the collective runs after the header. */
     CU(cudaStreamSynchronize(c->se), "header");
     *send = c->pend[fl];

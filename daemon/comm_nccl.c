@@ -212,6 +212,16 @@ static int poll_one(nreq_t *r)
             }
             cudaError_t q = cudaEventQuery(r->ev);
             if (q == cudaSuccess) {
+                /* Kernels that NCCL stopped (a peer's failure) end too:
+                 * done only if the communicator is still sound. */
+                ncclResult_t after = ncclSuccess;
+                ncclCommGetAsyncError(c->comm, &after);
+                if (after != ncclSuccess && after != ncclInProgress) {
+                    const char *m = ncclGetErrorString(after);
+                    kill_comm(c, m);
+                    finish(r, AMX_EUNAVAIL, "NCCL: %s after the all-reduce's kernels ended", m);
+                    return 1;
+                }
                 finish(r, AMX_OK, NULL);
                 return 1;
             }

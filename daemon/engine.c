@@ -128,7 +128,7 @@ static void make_header(float *h, uint64_t epoch, uint64_t hash, uint64_t gen, u
     put_pieces(h, H_GEN, gen, 4);
     put_pieces(h, H_CELLS, cells, 3);
     h[H_FLAG] = flag ? 1.0f : 0.0f;
-    h[H_VERSION] = HDR_VERSION;
+    h[H_VERSION] = -HDR_VERSION;
 }
 
 /* ---- communicator ---- */
@@ -383,24 +383,33 @@ static amx_status_t check_header(amx_engine_t *e, const float *h, uint64_t cells
 {
     amx_job_t *j = e->job;
     uint64_t ep, hash, gen, nc;
-    if (h[H_VERSION] != HDR_VERSION)
+    unsigned long long epoch = (unsigned long long)e->epoch;
+    /* A collective that "completes" without every daemon's contribution
+     * (a daemon that died with the communicator, as NCCL peers can) must
+     * be an error, never results: every field is checked against this
+     * daemon's own, and the presence of all in the version cell. */
+    if (h[H_VERSION] > 0.0f)
         return amx__engine_fail(e, AMX_EINTERNAL,
                                 "job '%s': a daemon of another amaxd version took part in "
                                 "the collective",
                                 j->name);
-    if (get_pieces(h, H_EPOCH, 4, &ep) != 0)
+    if (h[H_VERSION] != -HDR_VERSION || get_pieces(h, H_EPOCH, 4, &ep) != 0 || ep != e->epoch)
+        return amx__engine_fail(e, AMX_EUNAVAIL,
+                                "job '%s', epoch %llu: the collective ended without a current "
+                                "contribution of every daemon (one died, restarted or left the "
+                                "communicator); the results were discarded and the daemons agree "
+                                "again at the next attempt",
+                                j->name, epoch);
+    if (get_pieces(h, H_HASH, 4, &hash) != 0 || get_pieces(h, H_CELLS, 3, &nc) != 0 ||
+        nc != cells || hash != e->w_cat->hash)
         return amx__engine_fail(e, AMX_EINTERNAL,
-                                "job '%s': the daemons reduced different epochs together; "
-                                "they will agree again at the next epoch",
-                                j->name);
-    if (get_pieces(h, H_HASH, 4, &hash) != 0 || get_pieces(h, H_CELLS, 3, &nc) != 0 || nc != cells)
-        return amx__engine_fail(e, AMX_EINTERNAL,
-                                "job '%s': the daemons reduced different catalogs together "
-                                "(this must not happen; the results were discarded)",
-                                j->name);
-    if (get_pieces(h, H_GEN, 4, &gen) != 0)
-        return amx__engine_fail(e, AMX_EINTERNAL,
-                                "job '%s': the daemons used different communicators", j->name);
+                                "job '%s', epoch %llu: the daemons reduced different catalogs "
+                                "together (this must not happen; the results were discarded)",
+                                j->name, epoch);
+    if (get_pieces(h, H_GEN, 4, &gen) != 0 || gen != atomic_load(&e->comm_gen))
+        return amx__engine_fail(e, AMX_EUNAVAIL,
+                                "job '%s', epoch %llu: the daemons used different communicators",
+                                j->name, epoch);
     *flag = h[H_FLAG] != 0.0f;
     return AMX_OK;
 }

@@ -16,16 +16,18 @@
  * complements, so that after an element-wise MAX max(piece) == 65535 -
  * max(complement) holds exactly when every daemon sent the same value. */
 enum {
-    H_EPOCH = 0,  /* 4 pieces + 4 complements */
-    H_HASH = 8,   /* 4 + 4 */
-    H_GEN = 16,   /* 4 + 4 */
-    H_CELLS = 24, /* 3 + 3 */
-    H_FLAG = 30,  /* max: some daemon needs an agreement round */
-    H_VERSION = 31,
+    H_EPOCH = 0,    /* 4 pieces + 4 complements */
+    H_HASH = 8,     /* 4 + 4 */
+    H_GEN = 16,     /* 4 + 4 */
+    H_CELLS = 24,   /* 3 + 3 */
+    H_FLAG = 30,    /* max: some daemon needs an agreement round */
+    H_VERSION = 31, /* -HDR_VERSION from every daemon: also its presence */
 };
-#define HDR_VERSION 1.0f
-
-#define HDR_VERSION 1.0f
+/* Written negated, so that after the MAX the cell holds -HDR_VERSION only
+ * when every daemon contributed to it: a contribution that is missing
+ * (reads 0, like the receive header poisoned before the collective) or
+ * from an older version (1.0, written positive) shows. */
+#define HDR_VERSION 2.0f
 
 struct amx_engine {
     amx_job_t *job;

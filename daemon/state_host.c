@@ -386,6 +386,8 @@ static amx_status_t host_prepare(amx_state_t *st, const float *hdr, uint64_t nce
         h->recv_n = ncells;
     }
     memcpy(fl, hdr, AMX_HDR_CELLS * sizeof(float));
+    /* A receive header nothing wrote fails the engine's check. */
+    memset(h->recv, 0, AMX_HDR_CELLS * sizeof(float));
     *send = fl;
     *recv = h->recv;
     *stream = NULL;
