@@ -182,7 +182,8 @@ def te_cast(kind, shards, starts, h, w, *, fp8_max=448.0, pow2=False, eps=0.0):
         s_enc, pbs, tgt, tamax = nvfp4_fused_scale(a, g, h)
         return {"amax": a, "global_amax": np.array([tamax], np.float32),
                 "global_scale": np.array([s_enc], np.float32),
-                "tile_encode_scale": nvfp4_cast_encode(pbs, s_enc), "rowwise_scale_inv": tgt,
+                "tile_encode_scale": nvfp4_cast_encode(pbs, s_enc),
+                "tile_scale_inv": ref.e4m3_value(ref.e4m3_bits(pbs)), "rowwise_scale_inv": tgt,
                 "amax_rowwise": np.array([tamax], np.float32)}
     if kind == "mxfp8":
         parts = [mxfp8_partial_amax(s, h, w, o) for s, o in zip(shards, starts)]

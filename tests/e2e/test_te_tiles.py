@@ -28,8 +28,11 @@ def cuts(rng, numel, dp):
     c = np.sort(rng.integers(0, numel + 1, dp - 1))
     if dp > 2 and rng.random() < 0.5:
         c[rng.integers(0, dp - 1)] = c[0]  # repeated cut: an empty range
+        c = np.sort(c)
     b = np.concatenate([[0], c, [numel]])
-    return [(int(b[k]), int(b[k + 1] - b[k])) for k in range(dp)]
+    out = [(int(b[k]), int(b[k + 1] - b[k])) for k in range(dp)]
+    assert all(n >= 0 for _, n in out) and sum(n for _, n in out) == numel
+    return out
 
 
 def test_block_is_the_bounding_box_of_touched_tiles():
