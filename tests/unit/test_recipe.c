@@ -310,7 +310,9 @@ static float te_main_exp2f(uint8_t biased_exp)
  * v2.18 27486e03cfc1, whose exp2f_rcp<float> is te_main_exp2f_rcp). */
 static float te_2_12_exp2f_rcp(uint8_t biased_exp)
 {
-    return (biased_exp == 0) ? 1 : i2f((254 - biased_exp) << 23);
+    /* (254 - 255) << 23 is -1 << 23, undefined in C (UBSan stops here) and
+     * 0xff800000 on the device: shift the two's complement bits instead. */
+    return (biased_exp == 0) ? 1 : i2f((int32_t)((uint32_t)(254 - biased_exp) << 23));
 }
 
 static float te_2_18_exp2f(uint8_t biased_exp)
