@@ -238,7 +238,10 @@ def fake_te_weight(q, shape):
     dtype, _get_quantizer() and the scale buffers TE allocates (filled with
     0xab so that bytes TE does not write stay visible)."""
     w = types.SimpleNamespace(shape=torch.Size(shape), dtype=torch.bfloat16,
-                              _get_quantizer=lambda: q)
+                              _get_quantizer=lambda: q, calls=[])
+    w.update_usage = lambda **kw: w.calls.append(("update_usage", kw))
+    w._reset_caches = lambda: w.calls.append(("_reset_caches",))
+    w.clear_high_precision_init_val = lambda: w.calls.append(("clear",))
     spec = ate.WeightSpec.from_te("x", w)
     for f, s in ate.scale_inv_shapes(spec).items():
         dt = torch.uint8 if spec.kind in ("nvfp4", "mxfp8") else torch.float32
@@ -288,6 +291,13 @@ def test_drop_in_writes_te_weights(daemon):
         want = expected(spec, vals[i], ranges[i])
         for r in range(dp):
             mw = ws[r][i]
+            # TE's side effects on every model weight, every call.
+            side = {"nvfp4": ("update_usage", {"rowwise_usage": True, "columnwise_usage": False}),
+                    "fp8_block": ("update_usage", {"rowwise_usage": True,
+                                                   "columnwise_usage": False}),
+                    "fp8_current": ("_reset_caches",)}.get(spec.kind)
+            assert mw.calls == [("clear",)] + ([side] if side else []) + [("clear",)] + \
+                ([side] if side else [])
             if spec.kind == "nvfp4":
                 tc = -(-shape[1] // 16)
                 tgt = np.full(ate.scale_inv_shapes(spec)["rowwise_scale_inv"], 0xab, np.uint8)

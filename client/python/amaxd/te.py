@@ -416,14 +416,24 @@ class Caster:
 
     # -- TransformerEngine's model weights --
 
-    def write_te(self, model_weights: Sequence, outputs=None):
+    def write_te(self, model_weights: Sequence, outputs=None,
+                 manual_post_all_gather_processing: bool = False):
         """Stores the last step's scales on TE quantized model weights as
         TE's cast does: _scale_inv (FP8 current), _rowwise_scale_inv (FP8
         block, MXFP8, NVFP4: its first rows_padded * tile_cols bytes, TE's
-        writes), _columnwise_scale_inv (MXFP8), _amax_rowwise (NVFP4)."""
+        writes), _columnwise_scale_inv (MXFP8), _amax_rowwise (NVFP4); and,
+        unless manual_post_all_gather_processing, what TE does to every
+        weight of the bucket besides: _reset_caches() (FP8 current),
+        update_usage(rowwise_usage=True, columnwise_usage=False) (FP8 block,
+        NVFP4)."""
         outputs = outputs or self.outputs
         for spec, mw in zip(self.specs, model_weights):
             o = outputs[spec.name]
+            if not manual_post_all_gather_processing:
+                if spec.kind == "fp8_current" and hasattr(mw, "_reset_caches"):
+                    mw._reset_caches()
+                elif spec.kind in ("fp8_block", "nvfp4") and hasattr(mw, "update_usage"):
+                    mw.update_usage(rowwise_usage=True, columnwise_usage=False)
             if spec.kind == "fp8_current":
                 mw._scale_inv.view(1).copy_(o["scale_inv"])
             elif spec.kind == "fp8_block":
@@ -478,7 +488,8 @@ _CASTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def quantize_master_weights(model_weights, master_weights, start_offsets, group=None, *, client,
-                            names: Optional[Sequence[str]] = None, cast: bool = False):
+                            names: Optional[Sequence[str]] = None, cast: bool = False,
+                            manual_post_all_gather_processing: bool = False):
     """TE's quantize_master_weights through amaxd. model_weights: TE
     quantized tensors (their scales are written in place) or WeightSpecs;
     master_weights: this rank's shards (None or empty where it holds none);
@@ -488,7 +499,10 @@ def quantize_master_weights(model_weights, master_weights, start_offsets, group=
     weight, the same on every rank; default "w0", "w1", ...); later calls
     with the same weights and ranges reuse that registration. Returns
     {name: {field: tensor}}; cast=True also casts the fragments with TE's
-    kernels (TE model weights only)."""
+    kernels (TE model weights only; not FSDP-sharded model weights, nor
+    Float8 weights that keep only a transpose). The per-step tensors of
+    the first call's Caster are reused: copy what must outlive a step.
+    fsdp_shard_model_weights is not supported."""
     del group
     names = list(names) if names is not None else [f"w{i}" for i in range(len(model_weights))]
     specs = [mw if isinstance(mw, WeightSpec) else WeightSpec.from_te(nm, mw)
@@ -503,7 +517,10 @@ def quantize_master_weights(model_weights, master_weights, start_offsets, group=
     out = c.step(master_weights)
     te_weights = [mw for mw in model_weights if not isinstance(mw, WeightSpec)]
     if te_weights and len(te_weights) == len(model_weights):
-        c.write_te(model_weights)
+        for mw in model_weights:  # as TE does first, for every model weight
+            if hasattr(mw, "clear_high_precision_init_val"):
+                mw.clear_high_precision_init_val()
+        c.write_te(model_weights, manual_post_all_gather_processing=manual_post_all_gather_processing)
         if cast:
             c.cast_te(model_weights, master_weights)
     return out
