@@ -55,12 +55,12 @@ slab and the output buffers.
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import tiles as T
-from .client import FP8_E4M3, FP8_E5M2, PER_EPOCH, Quantizer, Recipe
+from .types import FP8_E4M3, FP8_E5M2, PER_EPOCH, Quantizer, Recipe
 
 __all__ = ["WeightSpec", "Caster", "quantize_master_weights", "scale_inv_shapes", "KINDS"]
 
@@ -113,7 +113,7 @@ class WeightSpec:
         return int(self.shape[1])
 
     @staticmethod
-    def from_te(name: str, model_weight) -> "WeightSpec":
+    def from_te(name: str, model_weight: Any) -> "WeightSpec":
         """The spec of a TE quantized model weight (duck-typed: its
         _get_quantizer() class name and the fields TE's cast reads)."""
         q = model_weight._get_quantizer()
@@ -209,8 +209,8 @@ class Caster:
     elements it has (0: none). device: where the outputs live (default:
     the first master weight's device at the first step, else CPU)."""
 
-    def __init__(self, client, specs: Sequence[WeightSpec], start_offsets: Sequence[int],
-                 numels: Sequence[int], device=None):
+    def __init__(self, client: Any, specs: Sequence[WeightSpec], start_offsets: Sequence[int],
+                 numels: Sequence[int], device: Any = None) -> None:
         torch = _torch()
         if not (len(specs) == len(start_offsets) == len(numels)):
             raise ValueError("specs, start_offsets and numels must have one entry per weight")
@@ -365,7 +365,7 @@ class Caster:
             else:
                 self._tile_amax(x, spec, p, blk, s)
 
-    def step(self, master_weights: Sequence) -> Dict[str, Dict[str, object]]:
+    def step(self, master_weights: Sequence[Any]) -> Dict[str, Dict[str, Any]]:
         """One optimizer step: partial amaxes of this rank's master shards
         (torch tensors, or None where the rank holds nothing), one packed
         epoch, and the scales of every weight as TE stores them: {name:
@@ -416,8 +416,8 @@ class Caster:
 
     # -- TransformerEngine's model weights --
 
-    def write_te(self, model_weights: Sequence, outputs=None,
-                 manual_post_all_gather_processing: bool = False):
+    def write_te(self, model_weights: Sequence[Any], outputs: Optional[Dict[str, Any]] = None,
+                 manual_post_all_gather_processing: bool = False) -> None:
         """Stores the last step's scales on TE quantized model weights as
         TE's cast does: _scale_inv (FP8 current), _rowwise_scale_inv (FP8
         block, MXFP8, NVFP4: its first rows_padded * tile_cols bytes, TE's
@@ -449,7 +449,8 @@ class Caster:
                 if getattr(mw, "_amax_rowwise", None) is not None:
                     mw._amax_rowwise.copy_(o["amax_rowwise"])
 
-    def cast_te(self, model_weights: Sequence, master_weights: Sequence, outputs=None):
+    def cast_te(self, model_weights: Sequence[Any], master_weights: Sequence[Any],
+                outputs: Optional[Dict[str, Any]] = None) -> None:
         """Casts each rank's master fragment into TE model weights with TE's
         own partial-cast kernels and the reconciled scales, as utils.py does
         after its all-reduce (needs transformer_engine; not for FSDP-sharded
@@ -487,9 +488,12 @@ class Caster:
 _CASTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def quantize_master_weights(model_weights, master_weights, start_offsets, group=None, *, client,
-                            names: Optional[Sequence[str]] = None, cast: bool = False,
-                            manual_post_all_gather_processing: bool = False):
+def quantize_master_weights(model_weights: Sequence[Any], master_weights: Sequence[Any],
+                            start_offsets: Sequence[Optional[int]], group: Any = None, *,
+                            client: Any, names: Optional[Sequence[str]] = None,
+                            cast: bool = False,
+                            manual_post_all_gather_processing: bool = False
+                            ) -> Dict[str, Dict[str, Any]]:
     """TE's quantize_master_weights through amaxd. model_weights: TE
     quantized tensors (their scales are written in place) or WeightSpecs;
     master_weights: this rank's shards (None or empty where it holds none);

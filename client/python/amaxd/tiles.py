@@ -28,7 +28,7 @@ tile rows of the block can hold untouched cells; a block that spans more
 than one tile row is as wide as the grid.
 """
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -129,7 +129,7 @@ def whole_mask(block: Optional[TileBlock], shape: Tuple[int, int]) -> np.ndarray
     return m
 
 
-def partial_tile_amax(shard, rows: int, cols: int, tile: Tuple[int, int],
+def partial_tile_amax(shard: Any, rows: int, cols: int, tile: Tuple[int, int],
                       start: int) -> Optional[Tuple[TileBlock, np.ndarray]]:
     """numpy: this rank's (block, values) for the flat elements `shard`
     starting at `start`: values[i, j] = max |x| over the shard's elements
