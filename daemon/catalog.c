@@ -58,9 +58,15 @@ static amx_status_t normalize_recipe(const char *qname, const amx_recipe_in_t *i
     int fp8 = in->format == AMX_FMT_FP8_E4M3 || in->format == AMX_FMT_FP8_E5M2;
     out->format = (uint8_t)in->format;
     int rule = in->rule == 0 ? AMX_RULE_CURRENT : in->rule;
-    if (rule != AMX_RULE_CURRENT && rule != AMX_RULE_DELAYED)
-        return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.rule %d is unknown", qname,
-                           in->rule);
+    if (rule < AMX_RULE_CURRENT || rule > AMX_RULE_BLOCK_FP16)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': recipe.rule %d is unknown (use CURRENT, DELAYED, "
+                           "BLOCK_BF16 or BLOCK_FP16)",
+                           qname, in->rule);
+    /* CURRENT and the BLOCK_* rules are one formula (TE's
+     * compute_scale_from_amax) that differs only in what an overflowing
+     * scale becomes; eps and power_of_2 apply to all three. */
+    int current = rule != AMX_RULE_DELAYED;
     if (!fp8 && in->rule != 0)
         return amx_err_set(err, AMX_EINVAL,
                            "quantizer '%s': recipe.rule applies to FP8 formats only", qname);
@@ -90,18 +96,18 @@ static amx_status_t normalize_recipe(const char *qname, const amx_recipe_in_t *i
     if (!isfinite(in->eps) || in->eps < 0.0f)
         return amx_err_set(err, AMX_EINVAL, "quantizer '%s': recipe.eps must be finite and >= 0",
                            qname);
-    if ((in->eps != 0.0f || in->power_of_2) && out->rule != AMX_RULE_CURRENT)
+    if ((in->eps != 0.0f || in->power_of_2) && !(fp8 && current))
         return amx_err_set(err, AMX_EINVAL,
-                           "quantizer '%s': recipe.eps and power_of_2 apply to FP8 CURRENT scaling "
-                           "only",
+                           "quantizer '%s': recipe.eps and power_of_2 apply to FP8 CURRENT "
+                           "(and BLOCK_BF16, BLOCK_FP16) scaling only",
                            qname);
     out->eps = in->eps + 0.0f;
     out->power_of_2 = (uint8_t)(in->power_of_2 != 0);
-    if (in->nvfp4_convention < 0 || in->nvfp4_convention > 4)
+    if (in->nvfp4_convention < 0 || in->nvfp4_convention > AMX_NVFP4_TE_PARTIAL_CAST)
         return amx_err_set(err, AMX_EINVAL,
                            "quantizer '%s': recipe.nvfp4_convention %d is unknown (use "
-                           "TRANSFORMER_ENGINE, MODELOPT, TRANSFORMER_ENGINE_LEGACY or "
-                           "MODELOPT_STATIC)",
+                           "TRANSFORMER_ENGINE, MODELOPT, TRANSFORMER_ENGINE_LEGACY, "
+                           "MODELOPT_STATIC or TRANSFORMER_ENGINE_PARTIAL_CAST)",
                            qname, in->nvfp4_convention);
     if (in->nvfp4_convention != 0 && in->format != AMX_FMT_NVFP4)
         return amx_err_set(err, AMX_EINVAL,
@@ -122,7 +128,10 @@ static amx_status_t normalize_recipe(const char *qname, const amx_recipe_in_t *i
         return amx_err_set(err, AMX_EINVAL,
                            "quantizer '%s': recipe.output_convention OUTPUT_MODELOPT applies to "
                            "NVFP4 and FP8 CURRENT scaling only (ModelOpt has no %s)",
-                           qname, fp8 ? "delayed scaling" : "MXFP8 export factors");
+                           qname,
+                           !fp8                            ? "MXFP8 export factors"
+                           : out->rule == AMX_RULE_DELAYED ? "delayed scaling"
+                                                           : "FP8 block-scaling rules");
     if (in->history_convention < 0 || in->history_convention > 2)
         return amx_err_set(err, AMX_EINVAL,
                            "quantizer '%s': recipe.history_convention %d is unknown (use "

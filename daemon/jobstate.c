@@ -223,9 +223,9 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         s.peer_group = pg;
         s.scale_group = sg;
         out->hist_head[i] = amx_get32(&r);
-        if (r.bad || s.recipe.format < 1 || s.recipe.format > 4 || b[3] > 4 || b[6] > 2 ||
-            b[7] > 2 || b[8] > AMX_MX_TE_2_18 || b[9] > 2 ||
-            (b[9] != 0) != (s.peer_group[0] != '\0') ||
+        if (r.bad || s.recipe.format < 1 || s.recipe.format > 4 ||
+            b[3] > AMX_NVFP4_TE_PARTIAL_CAST || b[6] > 2 || b[7] > 2 || b[8] > AMX_MX_TE_2_18 ||
+            b[9] > 2 || (b[9] != 0) != (s.peer_group[0] != '\0') ||
             (b[10] != 0 && (b[10] >= s.ndim || sg[0] != '\0')) ||
             (s.accumulation != 1 && s.accumulation != 2) || s.recipe.history_len == 0 ||
             s.recipe.history_len > AMX_HISTORY_MAX ||

@@ -102,7 +102,9 @@ AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, fl
          * block_scale_inverse (cast/nvfp4/quantize_transpose_nvfp4.cuh):
          * min(1 / (S_dec_b * (1 / S_enc)), FLT_MAX). */
         i = amx_e4m3_to_float(b);
-        s = amx_nvfp4_block_encode(i, s_dec);
+        s = r->nvfp4_convention == AMX_NVFP4_TE_PARTIAL_CAST
+                ? amx_nvfp4_partial_cast_encode(i, s_enc)
+                : amx_nvfp4_block_encode(i, s_dec);
     } else if (r->format == AMX_FMT_MXFP8) {
         b = amx_mxfp8_e8m0_conv(r->mxfp8_convention, v);
         s = amx_e8m0_encode_conv(r->mxfp8_convention, b);
@@ -112,7 +114,8 @@ AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, fl
             s = amx_fp8_delayed_scale(v, r->scaled_max, *prev);
             *prev = s;
         } else {
-            s = amx_fp8_current_scale(v, amx_fp8_max(r->format), r->power_of_2, r->eps);
+            s = amx_fp8_current_scale_rule(r->rule, v, amx_fp8_max(r->format), r->power_of_2,
+                                           r->eps);
         }
         i = r->output_convention == AMX_OUT_MODELOPT
                 ? amx_fp8_scale_inv_modelopt(v, amx_fp8_max(r->format))
@@ -127,7 +130,7 @@ AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, fl
 AMX_HD void amx_pp_global(const amx_recipe_t *r, float g, float *prev_g, float *gs, float *gsi)
 {
     if (r->format == AMX_FMT_NVFP4) {
-        *gs = amx_nvfp4_global_encode(g);
+        *gs = amx_nvfp4_global_encode_conv(r->nvfp4_convention, g);
         *gsi = amx_nvfp4_global_decode(r->output_convention, g);
     } else if (r->format == AMX_FMT_MXFP8) {
         uint8_t e = amx_mxfp8_e8m0_conv(r->mxfp8_convention, g);
@@ -139,7 +142,8 @@ AMX_HD void amx_pp_global(const amx_recipe_t *r, float g, float *prev_g, float *
             s = amx_fp8_delayed_scale(g, r->scaled_max, *prev_g);
             *prev_g = s;
         } else {
-            s = amx_fp8_current_scale(g, amx_fp8_max(r->format), r->power_of_2, r->eps);
+            s = amx_fp8_current_scale_rule(r->rule, g, amx_fp8_max(r->format), r->power_of_2,
+                                           r->eps);
         }
         *gs = s;
         *gsi = r->output_convention == AMX_OUT_MODELOPT

@@ -28,15 +28,29 @@
 
 /* Values of the wire enums (proto/amaxd/v1/amaxd.proto). */
 enum { AMX_FMT_FP8_E4M3 = 1, AMX_FMT_FP8_E5M2 = 2, AMX_FMT_NVFP4 = 3, AMX_FMT_MXFP8 = 4 };
-enum { AMX_RULE_CURRENT = 1, AMX_RULE_DELAYED = 2 };
+/* FP8 scale rules: TE current scaling (compute_scale_from_amax, an
+ * overflowing scale becomes FLT_MAX; also FP8 block scaling as TE's
+ * master-weight cast computes it), delayed scaling, and TE's FP8
+ * block-scaling quantizer kernels on bf16 / fp16 input
+ * (compute_scale_from_types<IType, OType>: an overflowing scale becomes
+ * the input type's largest value). */
+enum {
+    AMX_RULE_CURRENT = 1,
+    AMX_RULE_DELAYED = 2,
+    AMX_RULE_BLOCK_BF16 = 3,
+    AMX_RULE_BLOCK_FP16 = 4
+};
 enum { AMX_HIST_MAX = 1, AMX_HIST_MOST_RECENT = 2 };
 /* NVFP4 block rule: current TE, ModelOpt's dynamic (fake-quant and
- * weight-export) path, TE <= 2.13, ModelOpt's static-quantizer export. */
+ * weight-export) path, TE <= 2.13, ModelOpt's static-quantizer export,
+ * TE's cast of data-parallel-sharded master weights to NVFP4 2D
+ * (recipe/nvfp4.cu; its own global encode scale). */
 enum {
     AMX_NVFP4_TE = 1,
     AMX_NVFP4_MODELOPT = 2,
     AMX_NVFP4_TE_LEGACY = 3,
-    AMX_NVFP4_MODELOPT_STATIC = 4
+    AMX_NVFP4_MODELOPT_STATIC = 4,
+    AMX_NVFP4_TE_PARTIAL_CAST = 5
 };
 /* Whose dequantization factors (scale_inv, global_scale_inv) an answer carries. */
 enum { AMX_OUT_TE = 1, AMX_OUT_MODELOPT = 2 };
@@ -68,6 +82,11 @@ enum { AMX_PEER_FILL = 1, AMX_PEER_SHARE = 2 };
 #define AMX_E5M2_MAX 57344.0f
 #define AMX_E2M1_MAX 6.0f
 #define AMX_NVFP4_GLOBAL 2688.0f /* 6 * 448 */
+/* The largest finite bfloat16 and float16 values as float32, TE's
+ * TypeExtrema<bf16>::max = 0x1.FEp127 and TypeExtrema<fp16>::max =
+ * 0x1.FFCp15 (common/common.h). */
+#define AMX_BF16_MAX_BITS 0x7f7f0000u
+#define AMX_FP16_MAX 65504.0f
 #define AMX_HISTORY_MAX 1024u
 
 /* A recipe with every default resolved (see amx_recipe_normalize). */
@@ -190,11 +209,13 @@ AMX_HD uint8_t amx_e8m0_from_float(float val)
 }
 
 /*
- * FP8 current scaling (TransformerEngine compute_scale_from_amax): amax
- * below eps becomes eps; 0, inf or NaN amax give 1; an overflowing scale
- * becomes FLT_MAX; power_of_2 keeps only sign and exponent.
+ * TransformerEngine compute_scale_from_amax (common/recipe/recipe_common.cuh):
+ * amax below eps becomes eps; 0, inf or NaN amax give 1; scale = fp8_max /
+ * amax (__fdiv_rn); a scale that is infinite becomes value_for_inf;
+ * power_of_2 then keeps only sign and exponent.
  */
-AMX_HD float amx_fp8_current_scale(float amax, float fp8_max, int power_of_2, float eps)
+AMX_HD float amx_fp8_scale_from_amax(float amax, float fp8_max, int power_of_2, float eps,
+                                     float value_for_inf)
 {
     if (amax < eps)
         amax = eps;
@@ -202,10 +223,42 @@ AMX_HD float amx_fp8_current_scale(float amax, float fp8_max, int power_of_2, fl
         return 1.0f;
     float scale = fp8_max / amax;
     if (!amx_isfinite(scale))
-        scale = FLT_MAX;
+        scale = value_for_inf;
     if (power_of_2)
         scale = amx_u2f(amx_f2u(scale) & 0xff800000u);
     return scale;
+}
+
+/*
+ * FP8 current scaling: compute_scale_from_amax with value_for_inf =
+ * FLT_MAX, as current_scaling.cu and multi_tensor_compute_scale_and_scale_inv
+ * (TE's master-weight cast of current and block scaling) call it.
+ */
+AMX_HD float amx_fp8_current_scale(float amax, float fp8_max, int power_of_2, float eps)
+{
+    return amx_fp8_scale_from_amax(amax, fp8_max, power_of_2, eps, FLT_MAX);
+}
+
+/*
+ * What an overflowing scale becomes under FP8 rule `rule`: TE's block
+ * quantizer kernels call compute_scale_from_types<IType, OType>, whose
+ * value_for_inf is TypeExtrema<IType>::max (the input's largest value);
+ * everything else FLT_MAX (float32 input, current scaling, the cast path).
+ */
+AMX_HD float amx_fp8_value_for_inf(int rule)
+{
+    if (rule == AMX_RULE_BLOCK_BF16)
+        return amx_u2f(AMX_BF16_MAX_BITS);
+    if (rule == AMX_RULE_BLOCK_FP16)
+        return AMX_FP16_MAX;
+    return FLT_MAX;
+}
+
+/* The current-scaling scale of an FP8 cell under rule `rule` (not DELAYED). */
+AMX_HD float amx_fp8_current_scale_rule(int rule, float amax, float fp8_max, int power_of_2,
+                                        float eps)
+{
+    return amx_fp8_scale_from_amax(amax, fp8_max, power_of_2, eps, amx_fp8_value_for_inf(rule));
 }
 
 /*
@@ -239,6 +292,29 @@ AMX_HD float amx_nvfp4_global_encode(float global_amax)
     if (global_amax == 0.0f || s == 0.0f)
         return 1.0f;
     return s;
+}
+
+/*
+ * NVFP4 second-level encode scale of TE's master-weight cast to NVFP4 2D
+ * (common/recipe/nvfp4.cu nvfp4_compute_global_scale_kernel, and the same
+ * lines in nvfp4_fused_scale_kernel): safe = fmaxf(g, FLT_MIN); S_enc =
+ * g > 0 ? fminf(2688 / safe, FLT_MAX) : 1. For every finite g >= 0 this is
+ * amx_nvfp4_global_encode's value; g = inf gives 0 (not 1) and NaN 1 (not
+ * FLT_MAX).
+ */
+AMX_HD float amx_nvfp4_global_encode_partial_cast(float global_amax)
+{
+    float safe = global_amax > FLT_MIN ? global_amax : FLT_MIN; /* fmaxf: NaN -> FLT_MIN */
+    float q = AMX_NVFP4_GLOBAL / safe;
+    q = q < FLT_MAX ? q : FLT_MAX;
+    return global_amax > 0.0f ? q : 1.0f;
+}
+
+/* The NVFP4 global encode scale S_enc of convention `conv`. */
+AMX_HD float amx_nvfp4_global_encode_conv(int conv, float global_amax)
+{
+    return conv == AMX_NVFP4_TE_PARTIAL_CAST ? amx_nvfp4_global_encode_partial_cast(global_amax)
+                                             : amx_nvfp4_global_encode(global_amax);
 }
 
 /* float(1/6) and float(1/2688), rounded once as the references' constexprs are. */
@@ -317,6 +393,7 @@ AMX_HD uint8_t amx_nvfp4_block(int conv, float block_amax, float global_amax, fl
         return amx_nvfp4_block_modelopt_static(block_amax, global_amax);
     case AMX_NVFP4_TE_LEGACY:
         return amx_nvfp4_block_te_legacy(block_amax, s_enc);
+    case AMX_NVFP4_TE_PARTIAL_CAST: /* nvfp4_fused_scale_kernel: the TE expression */
     default:
         return amx_nvfp4_block_te(block_amax, s_enc);
     }
@@ -352,6 +429,21 @@ AMX_HD float amx_fp8_scale_inv_modelopt(float amax, float fp8_max)
 AMX_HD float amx_nvfp4_block_encode(float s_dec_b, float s_dec)
 {
     float r = 1.0f / (s_dec_b * s_dec);
+    return r < FLT_MAX ? r : FLT_MAX;
+}
+
+/*
+ * The same encode scale as TE's master-weight cast uses it
+ * (nvfp4_2d_partial_cast_kernel): a global encode scale <= 0 reads 1,
+ * global_decode = 1 / S_enc, tile_encode = tile_decode > 0 ?
+ * 1 / (tile_decode * global_decode) : FLT_MAX, then fminf(., FLT_MAX).
+ * Equal to amx_nvfp4_block_encode(s_dec_b, 1 / s_enc) for every s_enc > 0.
+ */
+AMX_HD float amx_nvfp4_partial_cast_encode(float s_dec_b, float s_enc)
+{
+    float ges = s_enc <= 0.0f ? 1.0f : s_enc;
+    float gds = 1.0f / ges;
+    float r = s_dec_b > 0.0f ? 1.0f / (s_dec_b * gds) : FLT_MAX;
     return r < FLT_MAX ? r : FLT_MAX;
 }
 

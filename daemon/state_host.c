@@ -519,7 +519,7 @@ static void fp8_current_cells(const amx_recipe_t *r, const float *amax, uint64_t
                               float *inv, uint8_t *bytes)
 {
     const __m128 zero = _mm_setzero_ps(), one = _mm_set1_ps(1.0f), inf = _mm_set1_ps(INFINITY),
-                 big = _mm_set1_ps(FLT_MAX), eps = _mm_set1_ps(r->eps),
+                 big = _mm_set1_ps(amx_fp8_value_for_inf(r->rule)), eps = _mm_set1_ps(r->eps),
                  fmax = _mm_set1_ps(amx_fp8_max(r->format));
     const __m128 p2 = _mm_castsi128_ps(_mm_set1_epi32(r->power_of_2 ? (int)0xff800000u : -1));
     uint64_t c = 0;
@@ -538,7 +538,8 @@ static void fp8_current_cells(const amx_recipe_t *r, const float *amax, uint64_t
     memset(bytes, 0, n);
     for (; c < n; c++) {
         float v = amax[c] > 0.0f ? amax[c] : 0.0f;
-        float s = amx_fp8_current_scale(v, amx_fp8_max(r->format), r->power_of_2, r->eps);
+        float s =
+            amx_fp8_current_scale_rule(r->rule, v, amx_fp8_max(r->format), r->power_of_2, r->eps);
         scale[c] = s;
         inv[c] = amx_fp8_scale_inv(s);
     }

@@ -2,7 +2,8 @@
 # Every test: Check unit tests and the end-to-end pytest suite against the
 # real daemon, once in a normal build and once with ASan+UBSan; the ModelOpt
 # tier (torch + nvidia-modelopt in .venv-modelopt; AMAXD_SKIP_MODELOPT=1
-# leaves it out).
+# leaves it out) and, with the same venv, the TransformerEngine tier
+# (tests/te: amaxd.te against TE's master-weight cast in numpy, torch on CPU).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -15,8 +16,10 @@ if [ "${AMAXD_SKIP_MODELOPT:-0}" != 1 ]; then
   echo "== ModelOpt tier: amaxd.modelopt against nvidia-modelopt on CPU (.venv-modelopt)"
   modelopt_py=$(scripts/modelopt-venv.sh | tail -n 1)
   AMAXD_BIN="$root/build/amaxd" "$modelopt_py" -m pytest -q -p no:cacheprovider tests/modelopt
+  echo "== TE tier: amaxd.te against TransformerEngine's master-weight cast (torch on CPU)"
+  AMAXD_BIN="$root/build/amaxd" "$modelopt_py" -m pytest -q -p no:cacheprovider tests/te
 else
-  echo "== ModelOpt tier skipped (AMAXD_SKIP_MODELOPT=1)"
+  echo "== ModelOpt and TE tiers skipped (AMAXD_SKIP_MODELOPT=1)"
 fi
 echo "== tests under AddressSanitizer + UndefinedBehaviorSanitizer (build-asan/)"
 scripts/deps.sh build-asan -DCMAKE_BUILD_TYPE=Debug -DAMAXD_SANITIZE=address,undefined

@@ -45,7 +45,7 @@ static const char *usage =
     "$AMAXD_SOCKET, then /run/amaxd/amaxd.sock.\n";
 
 static const char *fmt_names[] = {"unspecified", "fp8_e4m3", "fp8_e5m2", "nvfp4", "mxfp8"};
-static const char *rule_names[] = {"", "current", "delayed"};
+static const char *rule_names[] = {"", "current", "delayed", "block_bf16", "block_fp16"};
 static const char *acc_names[] = {"running_max", "running_max", "per_epoch"};
 
 typedef struct ctx {
@@ -187,7 +187,7 @@ static int cmd_list(ctx_t *x, const char *given)
         char shape[64];
         shape_str(shape, sizeof(shape), q->global_shape, q->n_global_shape);
         const char *fmt = fmt_names[q->recipe->format <= 4 ? q->recipe->format : 0];
-        const char *rule = rule_names[q->recipe->rule <= 2 ? q->recipe->rule : 0];
+        const char *rule = rule_names[q->recipe->rule <= 4 ? q->recipe->rule : 0];
         const char *acc = acc_names[q->accumulation <= 2 ? q->accumulation : 0];
         if (x->json) {
             cJSON *o = cJSON_CreateObject();

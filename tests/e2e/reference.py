@@ -39,12 +39,23 @@ def e8m0(val):
     return out.astype(np.uint8)
 
 
-def fp8_current(amax, fp8_max=448.0, pow2=False, eps=0.0):
+# TE common/common.h TypeExtrema<bf16>::max = 0x1.FEp127, <fp16>::max = 0x1.FFCp15:
+# what compute_scale_from_types<IType, OType> (the FP8 block quantizer kernels)
+# puts in place of an infinite scale; float32 input and TE's master-weight
+# cast (multi_tensor_compute_scale_and_scale_inv) use FLT_MAX.
+VALUE_FOR_INF = {"float32": FLT_MAX, "bfloat16": F32(float.fromhex("0x1.FEp127")),
+                 "float16": F32(float.fromhex("0x1.FFCp15"))}
+
+
+def fp8_current(amax, fp8_max=448.0, pow2=False, eps=0.0, input_dtype="float32"):
+    """TE recipe_common.cuh compute_scale_from_amax(amax, max_fp8,
+    force_pow_2_scales, epsilon, value_for_inf); FP8 block scaling is this
+    per block, value_for_inf by the input dtype (VALUE_FOR_INF)."""
     a = f32(amax).copy()
     a = np.where(a < F32(eps), F32(eps), a)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         s = F32(fp8_max) / a
-    s = np.where(np.isinf(s), FLT_MAX, s).astype(np.float32)
+    s = np.where(np.isinf(s), VALUE_FOR_INF[input_dtype], s).astype(np.float32)
     s = np.where((a == 0) | ~np.isfinite(a), F32(1.0), s).astype(np.float32)
     if pow2:
         s = (s.view(np.uint32) & np.uint32(0xFF800000)).view(np.float32)
@@ -87,11 +98,43 @@ def delayed_history(epochs, history_len, reduce="max", conv="te"):
 
 
 def nvfp4_global(g):
+    """TE core_nvfp4.cuh compute_global_encode_scaling_factor_FP4: 2688 / g,
+    fminf(., FLT_MAX) (NaN -> FLT_MAX, as numpy's fmin), 1 for g = 0 or a 0 quotient."""
     g = f32(g)
-    with np.errstate(divide="ignore", over="ignore"):
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         s = F32(2688.0) / g
-    s = np.minimum(s, FLT_MAX).astype(np.float32)
+    s = np.fmin(s, FLT_MAX).astype(np.float32)
     return np.where((g == 0) | (s == 0), F32(1.0), s).astype(np.float32)
+
+
+def nvfp4_global_partial_cast(g):
+    """TE common/recipe/nvfp4.cu nvfp4_compute_global_scale_kernel (TE's cast
+    of sharded master weights to NVFP4 2D): S_enc = g > 0 ? fminf(2688 /
+    fmaxf(g, FLT_MIN), FLT_MAX) : 1. numpy's fmax/fmin drop NaN as CUDA's do."""
+    g = f32(g)
+    safe = np.fmax(g, np.finfo(np.float32).tiny)
+    with np.errstate(divide="ignore", over="ignore"):
+        s = np.fmin(F32(2688.0) / safe, FLT_MAX).astype(np.float32)
+    return np.where(g > 0, s, F32(1.0)).astype(np.float32)
+
+
+def nvfp4_partial_cast(tile_amax, g):
+    """nvfp4_fused_scale_kernel: e4m3(fminf(tile_amax * (S_enc * (1.0f / 6)), FLT_MAX))."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = f32(tile_amax) * (nvfp4_global_partial_cast(g) * RCP_6)
+    return e4m3_bits(np.fmin(v, FLT_MAX).astype(np.float32))
+
+
+def nvfp4_partial_cast_encode(tile_byte, s_enc):
+    """nvfp4_2d_partial_cast_kernel: S_enc <= 0 reads 1; 1 / (tile_decode *
+    (1 / S_enc)) for a tile decode scale > 0, else FLT_MAX; fminf FLT_MAX."""
+    s = f32(s_enc)
+    s = np.where(s <= 0, F32(1.0), s).astype(np.float32)
+    dec = e4m3_value(tile_byte)
+    with np.errstate(divide="ignore", over="ignore"):
+        r = F32(1.0) / (dec * (F32(1.0) / s))
+    r = np.where(dec > 0, r, FLT_MAX).astype(np.float32)
+    return np.fmin(r, FLT_MAX).astype(np.float32)
 
 
 # TransformerEngine main, transformer_engine/common/cast/nvfp4/core_nvfp4.cuh,
@@ -226,7 +269,12 @@ NVFP4_BLOCK = {"te": lambda a, g, s: nvfp4_te(a, s), "te_legacy": lambda a, g, s
                "modelopt_static": lambda a, g, s: nvfp4_modelopt_static(a, g)}
 
 
-def scales(fmt, amax, g, rule="current", nvfp4="te", output="te", mxfp8_conv="te"):
+# FP8 rules: current scaling, and TE's FP8 block quantizer kernels on 16-bit input.
+RULE_INPUT = {"current": "float32", "block_bf16": "bfloat16", "block_fp16": "float16"}
+
+
+def scales(fmt, amax, g, rule="current", nvfp4="te", output="te", mxfp8_conv="te", pow2=False,
+           eps=0.0):
     """(scale, scale_inv, block_bytes, global_scale, global_scale_inv) for
     reconciled amax cells `amax` and (group) global amax `g`, first epoch."""
     amax, g = f32(amax), F32(g)
@@ -235,10 +283,16 @@ def scales(fmt, amax, g, rule="current", nvfp4="te", output="te", mxfp8_conv="te
         if rule == "delayed":
             s, gs = fp8_delayed(amax, 1.0, m), fp8_delayed(g, 1.0, m)
         else:
-            s, gs = fp8_current(amax, m), fp8_current(g, m)
+            s = fp8_current(amax, m, pow2, eps, RULE_INPUT[rule])
+            gs = fp8_current(g, m, pow2, eps, RULE_INPUT[rule])
         if output == "modelopt":
             return s, fp8_inv_modelopt(amax, m), np.zeros(amax.shape, np.uint8), gs, fp8_inv_modelopt(g, m)
         return s, F32(1.0) / s, np.zeros(amax.shape, np.uint8), gs, F32(1.0) / gs
+    if fmt == "nvfp4" and nvfp4 == "te_partial_cast":
+        s_enc = nvfp4_global_partial_cast(g)
+        b = nvfp4_partial_cast(amax, g)
+        return (nvfp4_partial_cast_encode(b, s_enc), e4m3_value(b), b, s_enc,
+                nvfp4_global_inv(g, output))
     if fmt == "nvfp4":
         s_enc = nvfp4_global(g)
         b = NVFP4_BLOCK[nvfp4](amax, g, s_enc)

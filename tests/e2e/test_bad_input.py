@@ -104,7 +104,21 @@ CASES = [
     ("nvfp4-convention-unknown", "RegisterQuantizers",
      pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.NVFP4, nvfp4_convention=9))]),
      C.INVALID_ARGUMENT, "quantizer 'p': recipe.nvfp4_convention 9 is unknown (use TRANSFORMER_ENGINE, MODELOPT, "
-                         "TRANSFORMER_ENGINE_LEGACY or MODELOPT_STATIC)"),
+                         "TRANSFORMER_ENGINE_LEGACY, MODELOPT_STATIC or TRANSFORMER_ENGINE_PARTIAL_CAST)"),
+    ("rule-unknown", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.FP8_E4M3, rule=5))]),
+     C.INVALID_ARGUMENT, "quantizer 'p': recipe.rule 5 is unknown (use CURRENT, DELAYED, BLOCK_BF16 or BLOCK_FP16)"),
+    ("rule-block-on-nvfp4", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.NVFP4, rule=pb.BLOCK_BF16))]),
+     C.INVALID_ARGUMENT, "recipe.rule applies to FP8 formats only"),
+    ("eps-on-delayed", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(
+         format=pb.FP8_E4M3, rule=pb.DELAYED, power_of_2=True))]),
+     C.INVALID_ARGUMENT, "recipe.eps and power_of_2 apply to FP8 CURRENT (and BLOCK_BF16, BLOCK_FP16) scaling only"),
+    ("output-modelopt-block", "RegisterQuantizers",
+     pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(
+         format=pb.FP8_E4M3, rule=pb.BLOCK_FP16, output_convention=pb.OUTPUT_MODELOPT))]),
+     C.INVALID_ARGUMENT, "(ModelOpt has no FP8 block-scaling rules)"),
     ("output-convention-unknown", "RegisterQuantizers",
      pb.RegisterRequest(job="bad", quantizers=[pb.QuantizerSpec(name="p", recipe=pb.Recipe(format=pb.NVFP4, output_convention=3))]),
      C.INVALID_ARGUMENT, "quantizer 'p': recipe.output_convention 3 is unknown"),

@@ -284,6 +284,46 @@ def test_mxfp8_te_in_a_snapshot_is_the_current_rule(start_daemon, tmp_path):
         assert got.scale_inv.view(np.uint32).tolist()[0] == 0
 
 
+def test_block_rules_and_partial_cast_survive_a_restart(start_daemon, tmp_path):
+    """The highest rule and NVFP4 convention numbers a snapshot stores
+    (FP8 BLOCK_BF16 / BLOCK_FP16, NVFP4 TRANSFORMER_ENGINE_PARTIAL_CAST =
+    5) are read back: the restarted daemon answers the same scales, and
+    the next epoch goes on from them."""
+    state = str(tmp_path / "state")
+    qs = [amaxd.Quantizer("nv", [2, 3], amaxd.Recipe.nvfp4("te_partial_cast")),
+          amaxd.Quantizer("b16", [4], amaxd.Recipe.fp8_block(power_of_2=False,
+                                                             input_dtype="bfloat16")),
+          amaxd.Quantizer("f16", [4], amaxd.Recipe.fp8_block(amaxd.FP8_E5M2,
+                                                             input_dtype="float16"),
+                          accumulation=amaxd.PER_EPOCH)]
+    amax = {"nv": np.array([[0, 1, 6], [7, 1e-40, 448]], np.float32),
+            "b16": np.array([0, 1e-37, 1, 3e38], np.float32),
+            "f16": np.array([0, 1e-37, 1, 3e38], np.float32)}
+    d = start_daemon(f"--state-dir={state}")
+    with d.client("blk", 0, 1) as c:
+        c.join()
+        c.register(qs)
+        c.send(amax)
+        c.reconcile()
+        before = c.get_scales()
+    d.check_clean_exit(d.stop())
+    d2 = start_daemon(f"--state-dir={state}")
+    assert "job blk restored from" in d2.log()
+    with d2.client("blk", 0, 1) as c:
+        assert c.join().rejoined
+        got = c.get_scales()
+        for n in amax:
+            for f in ("amax", "scale", "scale_inv", "block_scales"):
+                assert getattr(got[n], f).tobytes() == getattr(before[n], f).tobytes(), (n, f)
+        assert got["b16"].scale.view(np.uint32)[1] == 0x7F7F0000  # bf16 max, not FLT_MAX
+        c.register(qs)
+        c.send(amax)
+        c.reconcile()
+        again = c.get_scales()
+        for n in amax:
+            assert again[n].scale.tobytes() == before[n].scale.tobytes(), n
+
+
 def test_idle_job_snapshot_is_kept_aside(start_daemon, tmp_path):
     state = str(tmp_path / "state")
     d = start_daemon(f"--state-dir={state}", "--job-idle-timeout-ms=300")

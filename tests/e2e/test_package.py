@@ -21,12 +21,12 @@ INSTALLED = os.path.dirname(amaxd.__file__)
 # Bottom to top. A module may import modules of lower layers only.
 LAYERS = [
     {"_gen", "errors", "placement"},
-    {"types"},
+    {"types", "tiles"},  # tiles: placement geometry of flat-sharded weights (numpy only)
     {"wire", "transport", "export"},
     {"packed"},
     {"client"},
     {"__init__"},
-    {"modelopt", "demo"},
+    {"modelopt", "demo", "te"},  # te: a framework adapter, as modelopt
 ]
 LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 

@@ -34,7 +34,14 @@ RECIPES = {
     "mxfp8": (amaxd.Recipe.mxfp8(), amaxd.RUNNING_MAX),
     "mxfp8_te_legacy": (amaxd.Recipe.mxfp8("te_legacy"), amaxd.RUNNING_MAX),
     "mxfp8_te_2_18": (amaxd.Recipe.mxfp8("te_2_18"), amaxd.PER_EPOCH),
+    "fp8_block": (amaxd.Recipe.fp8_block(), amaxd.RUNNING_MAX),
+    "fp8_block_bf16_f32_scales": (amaxd.Recipe.fp8_block(power_of_2=False, input_dtype="bfloat16"),
+                                  amaxd.RUNNING_MAX),
+    "fp8_block_fp16_e5m2": (amaxd.Recipe.fp8_block(amaxd.FP8_E5M2, eps=1e-40, power_of_2=False,
+                                                   input_dtype="float16"), amaxd.PER_EPOCH),
+    "nvfp4_te_partial_cast": (amaxd.Recipe.nvfp4("te_partial_cast"), amaxd.RUNNING_MAX),
 }
+RULE = {pb.CURRENT: "current", pb.BLOCK_BF16: "block_bf16", pb.BLOCK_FP16: "block_fp16", 0: "current"}
 EPOCHS = 4
 
 
@@ -44,6 +51,8 @@ def epoch_data(e):
     out = {}
     for n in RECIPES:
         a = (np.exp(rng.uniform(-8, 8, SHAPE)) * (rng.random(SHAPE) > 0.1)).astype(np.float32)
+        if n.startswith("fp8_block"):
+            a[0, ::3] = np.float32(1e-37)  # 448/amax overflows: the rules' value_for_inf
         if e == 3:
             a[:, :4] = np.nan  # the left half sees nothing in epoch 3
         out[n] = a
@@ -100,14 +109,17 @@ def test_all_recipes_over_epochs(daemon):
                 si, gsi = np.float32(1) / s, np.float32(1) / gs
             elif recipe.format in (amaxd.FP8_E4M3, amaxd.FP8_E5M2):
                 m = 57344.0 if recipe.format == amaxd.FP8_E5M2 else 448.0
-                s = ref.fp8_current(amax, m, recipe.power_of_2, recipe.eps)
-                gs = ref.fp8_current(g, m, recipe.power_of_2, recipe.eps)
+                inp = ref.RULE_INPUT[RULE[recipe.rule]]
+                s = ref.fp8_current(amax, m, recipe.power_of_2, recipe.eps, inp)
+                gs = ref.fp8_current(g, m, recipe.power_of_2, recipe.eps, inp)
                 b, si, gsi = np.zeros(SHAPE, np.uint8), np.float32(1) / s, np.float32(1) / gs
                 if recipe.output_convention == pb.OUTPUT_MODELOPT:
                     si, gsi = ref.fp8_inv_modelopt(amax, m), ref.fp8_inv_modelopt(g, m)
             elif recipe.format == amaxd.NVFP4:
                 conv = {pb.MODELOPT: "modelopt", pb.TRANSFORMER_ENGINE_LEGACY: "te_legacy",
-                        pb.MODELOPT_STATIC: "modelopt_static"}.get(recipe.nvfp4_convention, "te")
+                        pb.MODELOPT_STATIC: "modelopt_static",
+                        pb.TRANSFORMER_ENGINE_PARTIAL_CAST: "te_partial_cast"}.get(
+                            recipe.nvfp4_convention, "te")
                 out = "modelopt" if recipe.output_convention == pb.OUTPUT_MODELOPT else "te"
                 s, si, b, gs, gsi = ref.scales("nvfp4", amax, g, nvfp4=conv, output=out)
             else:

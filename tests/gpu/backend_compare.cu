@@ -48,7 +48,15 @@ enum {
     K_ENC_TE_LEG,
     K_DEC_TE_LEG,
     K_ENC_TE_218,
-    K_DEC_TE_218
+    K_DEC_TE_218,
+    K_BLK_BF16,
+    K_BLK_BF16_P2,
+    K_BLK_FP16,
+    K_BLK_FP16_P2,
+    K_BLK_FP16_E5,
+    K_NVG_PC,
+    K_NVPC,
+    K_NVPC_ENC
 };
 static const char *kinds[] = {"e4m3",
                               "e8m0",
@@ -76,7 +84,15 @@ static const char *kinds[] = {"e4m3",
                               "e8m0_enc_te_legacy",
                               "e8m0_dec_te_legacy",
                               "e8m0_enc_te_2_18",
-                              "e8m0_dec_te_2_18"};
+                              "e8m0_dec_te_2_18",
+                              "fp8_block_bf16",
+                              "fp8_block_bf16_pow2",
+                              "fp8_block_fp16",
+                              "fp8_block_fp16_pow2",
+                              "fp8_block_fp16_e5m2",
+                              "nvfp4_global_partial_cast",
+                              "nvfp4_partial_cast",
+                              "nvfp4_enc_partial_cast"};
 
 __global__ void k_vectors(const int *kind, const float *x, const float *p, uint32_t *out, int n,
                           float scaled_max_m1)
@@ -168,6 +184,34 @@ __global__ void k_vectors(const int *kind, const float *x, const float *p, uint3
     case K_DEC_TE_218:
         r = amx_f2u(amx_e8m0_decode_conv(AMX_MX_TE_2_18, (uint8_t)amx_f2u(a)));
         break;
+    case K_BLK_BF16:
+        r = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_BF16, a, AMX_E4M3_MAX, 0, q));
+        break;
+    case K_BLK_BF16_P2:
+        r = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_BF16, a, AMX_E4M3_MAX, 1, q));
+        break;
+    case K_BLK_FP16:
+        r = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_FP16, a, AMX_E4M3_MAX, 0, q));
+        break;
+    case K_BLK_FP16_P2:
+        r = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_FP16, a, AMX_E4M3_MAX, 1, q));
+        break;
+    case K_BLK_FP16_E5:
+        r = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_FP16, a, AMX_E5M2_MAX, 0, q));
+        break;
+    case K_NVG_PC:
+        r = amx_f2u(amx_nvfp4_global_encode_partial_cast(a));
+        break;
+    case K_NVPC:
+        r = amx_nvfp4_block(AMX_NVFP4_TE_PARTIAL_CAST, a, q,
+                            amx_nvfp4_global_encode_partial_cast(q));
+        break;
+    case K_NVPC_ENC: {
+        float s_enc = amx_nvfp4_global_encode_partial_cast(q);
+        uint8_t b = amx_nvfp4_block(AMX_NVFP4_TE_PARTIAL_CAST, a, q, s_enc);
+        r = amx_f2u(amx_nvfp4_partial_cast_encode(amx_e4m3_to_float(b), s_enc));
+        break;
+    }
     }
     out[i] = r;
 }
@@ -551,7 +595,7 @@ int main(int argc, char **argv)
     int bad = run_vectors(vec);
 
     /* One quantizer per recipe and convention. */
-    enum { NREC = 19 };
+    enum { NREC = 22 };
     amx_recipe_t rec[NREC];
     memset(rec, 0, sizeof(rec));
     rec[0].format = AMX_FMT_FP8_E4M3, rec[0].rule = AMX_RULE_CURRENT;
@@ -584,6 +628,12 @@ int main(int argc, char **argv)
     rec[16].format = AMX_FMT_MXFP8, rec[16].mxfp8_convention = AMX_MX_MODELOPT;
     rec[17].format = AMX_FMT_MXFP8, rec[17].mxfp8_convention = AMX_MX_TE_LEGACY;
     rec[18].format = AMX_FMT_MXFP8, rec[18].mxfp8_convention = AMX_MX_TE_2_18;
+    /* FP8 block scaling as TE's block quantizer kernels on bf16 / fp16
+     * input, and TE's NVFP4 2D master-weight cast. */
+    rec[19].format = AMX_FMT_FP8_E4M3, rec[19].rule = AMX_RULE_BLOCK_BF16;
+    rec[20].format = AMX_FMT_FP8_E5M2, rec[20].rule = AMX_RULE_BLOCK_FP16, rec[20].power_of_2 = 1,
+    rec[20].eps = 1e-40f;
+    rec[21].format = AMX_FMT_NVFP4, rec[21].nvfp4_convention = AMX_NVFP4_TE_PARTIAL_CAST;
     const char *names[NREC] = {"fp8-e4m3-current",
                                "fp8-e5m2-current-pow2-eps",
                                "fp8-delayed-H4-m1",
@@ -602,7 +652,10 @@ int main(int argc, char **argv)
                                "fp8-delayed-H16",
                                "mxfp8-modelopt",
                                "mxfp8-te-legacy",
-                               "mxfp8-te-2.18"};
+                               "mxfp8-te-2.18",
+                               "fp8-block-bf16",
+                               "fp8-e5m2-block-fp16-pow2-eps",
+                               "nvfp4-te-partial-cast"};
     for (int i = 0; i < NREC; i++)
         init_recipe(&rec[i]);
     {
@@ -611,7 +664,7 @@ int main(int argc, char **argv)
         uint64_t ncells = 0, nhist = 0;
         for (uint32_t i = 0; i < nq; i++)
             add_q(q, i, &rec[i], per, &ncells, &nhist,
-                  (i == 4 || i == 5 || i == 6 || i == 10 || i == 13 || i == 16) ? 0 : -1,
+                  (i == 4 || i == 5 || i == 6 || i == 10 || i == 13 || i == 16 || i == 21) ? 0 : -1,
                   (i == 0 || i == 1 || i == 12) ? 0
                   : (i == 2 || i == 3)          ? 1
                   : (i == 9 || i == 11)         ? 2
@@ -619,7 +672,7 @@ int main(int argc, char **argv)
         pair_t p;
         if (setup(&p, ncells, nhist, nq))
             return 2;
-        plan_t plan = {"19 recipes", 6, silent8, reset8};
+        plan_t plan = {"22 recipes", 6, silent8, reset8};
         bad |= run_catalog(&plan, q, nq, ncells, nhist, 1, 3, &p);
         for (uint32_t i = 0; i < nq; i++)
             printf("  %-28s global_amax %-14.7g global_scale %-14.7g\n", names[i],

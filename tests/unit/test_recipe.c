@@ -27,12 +27,32 @@ static int eval_row(const char *kind, float x, float p, uint32_t *out)
         *out = amx_f2u(amx_fp8_current_scale(x, AMX_E4M3_MAX, 1, p));
     else if (!strcmp(kind, "fp8_current_e5m2"))
         *out = amx_f2u(amx_fp8_current_scale(x, AMX_E5M2_MAX, 0, p));
+    else if (!strcmp(kind, "fp8_block_bf16"))
+        *out = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_BF16, x, AMX_E4M3_MAX, 0, p));
+    else if (!strcmp(kind, "fp8_block_bf16_pow2"))
+        *out = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_BF16, x, AMX_E4M3_MAX, 1, p));
+    else if (!strcmp(kind, "fp8_block_fp16"))
+        *out = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_FP16, x, AMX_E4M3_MAX, 0, p));
+    else if (!strcmp(kind, "fp8_block_fp16_pow2"))
+        *out = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_FP16, x, AMX_E4M3_MAX, 1, p));
+    else if (!strcmp(kind, "fp8_block_fp16_e5m2"))
+        *out = amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_FP16, x, AMX_E5M2_MAX, 0, p));
     else if (!strcmp(kind, "fp8_delayed"))
         *out = amx_f2u(amx_fp8_delayed_scale(x, AMX_E4M3_MAX, p));
     else if (!strcmp(kind, "fp8_delayed_margin1"))
         *out = amx_f2u(amx_fp8_delayed_scale(x, AMX_E4M3_MAX * powf(2.0f, -1.0f), p));
     else if (!strcmp(kind, "nvfp4_global"))
         *out = amx_f2u(amx_nvfp4_global_encode(x));
+    else if (!strcmp(kind, "nvfp4_global_partial_cast"))
+        *out = amx_f2u(amx_nvfp4_global_encode_partial_cast(x));
+    else if (!strcmp(kind, "nvfp4_partial_cast"))
+        *out = amx_nvfp4_block(AMX_NVFP4_TE_PARTIAL_CAST, x, p,
+                               amx_nvfp4_global_encode_partial_cast(p));
+    else if (!strcmp(kind, "nvfp4_enc_partial_cast"))
+        *out = amx_f2u(amx_nvfp4_partial_cast_encode(
+            amx_e4m3_to_float(amx_nvfp4_block(AMX_NVFP4_TE_PARTIAL_CAST, x, p,
+                                              amx_nvfp4_global_encode_partial_cast(p))),
+            amx_nvfp4_global_encode_partial_cast(p)));
     else if (!strcmp(kind, "nvfp4_te"))
         *out = amx_nvfp4_block_te(x, p);
     else if (!strcmp(kind, "nvfp4_modelopt"))
@@ -290,7 +310,9 @@ static float te_main_exp2f(uint8_t biased_exp)
  * v2.18 27486e03cfc1, whose exp2f_rcp<float> is te_main_exp2f_rcp). */
 static float te_2_12_exp2f_rcp(uint8_t biased_exp)
 {
-    return (biased_exp == 0) ? 1 : i2f((254 - biased_exp) << 23);
+    /* (254 - 255) << 23 is -1 << 23, undefined in C (UBSan stops here) and
+     * 0xff800000 on the device: shift the two's complement bits instead. */
+    return (biased_exp == 0) ? 1 : i2f((int32_t)((uint32_t)(254 - biased_exp) << 23));
 }
 
 static float te_2_18_exp2f(uint8_t biased_exp)
@@ -389,6 +411,222 @@ START_TEST(mxfp8_byte_matches_te_float_to_e8m0)
 }
 END_TEST
 
+/*
+ * TransformerEngine main d0067d0da6cb (2026-08-22, 2.20.0.dev0),
+ * transformer_engine/common/recipe/recipe_common.cuh, compute_scale_from_amax
+ * (unchanged since 1bbeab1c563e, #1513, 2025-04-03), transcribed; __fdiv_rn
+ * is the IEEE division.
+ */
+static float te_compute_scale_from_amax(float amax, float max_fp8, int force_pow_2_scales,
+                                        float epsilon, float value_for_inf)
+{
+    if (amax < epsilon)
+        amax = epsilon;
+    float scale = 1.f;
+    if (isinf(amax) || amax == 0.f || isnan(amax))
+        return scale;
+    scale = max_fp8 / amax;
+    if (isinf(scale))
+        scale = value_for_inf;
+    if (force_pow_2_scales) {
+        uint32_t scale_bits = amx_f2u(scale);
+        scale_bits &= 0xFF800000;
+        scale = amx_u2f(scale_bits);
+    }
+    return scale;
+}
+
+/* Its callers: multi_tensor/compute_scale.cu ComputeScaleAndScaleInvFunctor
+ * (TE's master-weight cast of current and block scaling) passes
+ * std::numeric_limits<float>::max() and writes scale_inv with
+ * reciprocal<float> = __frcp_rn; compute_scale_from_types<IType, OType>
+ * (the block quantizer kernels quantize_transpose_{square,vector}_blockwise.cu,
+ * scale_inv = 1.0f / scale) passes TypeExtrema<IType>::max (common/common.h:
+ * bf16 0x1.FEp127, fp16 0x1.FFCp15, float FLT_MAX). */
+static const float te_value_for_inf[] = {FLT_MAX, 0x1.FEp127f, 0x1.FFCp15f};
+static const int te_rule_of_input[] = {AMX_RULE_CURRENT, AMX_RULE_BLOCK_BF16, AMX_RULE_BLOCK_FP16};
+
+/* Edge amaxes: 0, -0, subnormals, around 448/FLT_MAX (where the scale
+ * overflows), FLT_MIN, ordinary, FLT_MAX, inf, NaN. */
+static const float edge_amax[] = {0.0f,   -0.0f,       1e-45f,      1e-40f, 1e-38f, FLT_MIN,
+                                  1e-36f, 1.3166e-36f, 1.3167e-36f, 2e-36f, 1e-30f, 1e-7f,
+                                  0.5f,   1.0f,        3.0f,        448.0f, 5e4f,   57344.0f,
+                                  1e30f,  FLT_MAX,     INFINITY,    NAN};
+static const float edge_eps[] = {0.0f, 1e-45f, 1e-38f, 1e-12f, 0.25f, 1.0f};
+
+static float rnd_float(void);
+
+/* FP8 block scaling through amx_pp_cell / amx_pp_global: every rule gives
+ * compute_scale_from_amax with its caller's value_for_inf and scale_inv
+ * 1/scale, for both formats, with and without power-of-2 scales and eps. */
+START_TEST(fp8_block_rules_match_te_compute_scale_from_amax)
+{
+    long n = 0, bad = 0, differ_bf16 = 0;
+    for (int in = 0; in < 3; in++)
+        for (int f = 0; f < 2; f++)
+            for (int p2 = 0; p2 < 2; p2++)
+                for (size_t e = 0; e < sizeof(edge_eps) / sizeof(edge_eps[0]); e++) {
+                    amx_recipe_t r;
+                    memset(&r, 0, sizeof(r));
+                    r.format = f ? AMX_FMT_FP8_E5M2 : AMX_FMT_FP8_E4M3;
+                    r.rule = (uint8_t)te_rule_of_input[in];
+                    r.power_of_2 = (uint8_t)p2;
+                    r.eps = edge_eps[e];
+                    r.output_convention = AMX_OUT_TE;
+                    float m = f ? 57344.0f : 448.0f;
+                    for (int i = 0; i < 20000; i++, n++) {
+                        size_t ne = sizeof(edge_amax) / sizeof(edge_amax[0]);
+                        float a = i < (int)ne ? edge_amax[i] : fabsf(rnd_float());
+                        float want =
+                            te_compute_scale_from_amax(a, m, p2, r.eps, te_value_for_inf[in]);
+                        float s, inv, gs, gsi, prev = 1.0f;
+                        uint8_t b = 0xaa;
+                        /* amx_pp_cell reads a < 0 and no data as 0; TE's
+                         * amax is never negative. */
+                        if (isnan(a) || isinf(a) || a < 0)
+                            s = amx_fp8_current_scale_rule(r.rule, a, m, p2, r.eps), inv = 1 / s,
+                            b = 0;
+                        else
+                            amx_pp_cell(&r, a, 0.0f, 1.0f, 1.0f, &prev, &s, &inv, &b);
+                        if (!isnan(a) && !isinf(a) && a >= 0) {
+                            amx_pp_global(&r, a, &prev, &gs, &gsi);
+                            bad +=
+                                amx_f2u(gs) != amx_f2u(want) || amx_f2u(gsi) != amx_f2u(1 / want);
+                        }
+                        bad += amx_f2u(s) != amx_f2u(want) ||
+                               amx_f2u(inv) != amx_f2u(1.0f / want) || b != 0;
+                        if (in == 1 && !p2 &&
+                            amx_f2u(want) !=
+                                amx_f2u(te_compute_scale_from_amax(a, m, p2, r.eps, FLT_MAX)))
+                            differ_bf16++;
+                    }
+                }
+    ck_assert_msg(bad == 0, "%ld of %ld differ", bad, n);
+    /* The bf16 rule is not CURRENT: it differs where 448/amax overflows. */
+    ck_assert_int_gt(differ_bf16, 0);
+    ck_assert_uint_eq(
+        amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_BF16, 1e-45f, 448.0f, 0, 0)),
+        0x7f7f0000u);
+    ck_assert_uint_eq(
+        amx_f2u(amx_fp8_current_scale_rule(AMX_RULE_BLOCK_FP16, 1e-45f, 448.0f, 1, 0)),
+        0x47000000u); /* 65504 -> 2^15 */
+}
+END_TEST
+
+/*
+ * TransformerEngine main d0067d0da6cb, common/recipe/nvfp4.cu (last changed
+ * by 4670342ae6c0, #3392, 2026-08-21; these kernels since a3bc04068, #2691,
+ * 2026-03-03), transcribed: nvfp4_compute_global_scale_kernel,
+ * nvfp4_fused_scale_kernel (the tile decode scale and its E4M3 byte, which
+ * static_cast<fp8e4m3> rounds as cvt.rn.satfinite: amx_e4m3_from_float,
+ * checked by the vectors), nvfp4_2d_partial_cast_kernel (the encode scale).
+ */
+static float te_nvfp4_compute_global_scale(float amax)
+{
+    const float fp4_max = 6.0f, fp8_max = 448.0f;
+    const float flt_max = 3.402823466e+38F, tiny = 1.17549435e-38f; /* FLT_MIN */
+    float safe_amax = fmaxf(amax, tiny);
+    float scale = (amax > 0.0f) ? fminf((fp8_max * fp4_max) / safe_amax, flt_max) : 1.0f;
+    return scale;
+}
+
+static float te_nvfp4_fused_scale_val(float amax_val, float g_amax)
+{
+    const float fp4_max = 6.0f, fp8_max = 448.0f;
+    const float flt_max = 3.402823466e+38F, tiny = 1.17549435e-38f;
+    float safe_global_amax = fmaxf(g_amax, tiny);
+    float global_scale =
+        (g_amax > 0.0f) ? fminf((fp8_max * fp4_max) / safe_global_amax, flt_max) : 1.0f;
+    const float fp4_max_inv = 1.0f / fp4_max;
+    const float global_scale_multiplier = global_scale * fp4_max_inv;
+    return fminf(amax_val * global_scale_multiplier, flt_max);
+}
+
+static float te_nvfp4_partial_cast_encode(float decode_scale, float global_scale)
+{
+    float global_encode_scale = global_scale;
+    if (global_encode_scale <= 0.f)
+        global_encode_scale = 1.f;
+    const float global_decode_scale = 1.0f / global_encode_scale;
+    float tile_decode_scale = amx_e4m3_to_float(amx_e4m3_from_float(decode_scale));
+    const float kFp32Max = 3.402823466e+38F;
+    float tile_encode_val =
+        (tile_decode_scale > 0.f) ? 1.0f / (tile_decode_scale * global_decode_scale) : kFp32Max;
+    return fminf(tile_encode_val, kFp32Max);
+}
+
+/* The NVFP4 TE_PARTIAL_CAST convention is TE's partial-cast rule for every
+ * tile and global amax, edges, inf and NaN included; through amx_pp_global
+ * and amx_pp_cell (what both backends run) for every finite one. It gives
+ * the bytes of TRANSFORMER_ENGINE for every finite global amax and differs
+ * only at g = inf and NaN. */
+START_TEST(nvfp4_partial_cast_matches_te_nvfp4_cu)
+{
+    amx_recipe_t r;
+    memset(&r, 0, sizeof(r));
+    r.format = AMX_FMT_NVFP4;
+    r.nvfp4_convention = AMX_NVFP4_TE_PARTIAL_CAST;
+    r.output_convention = AMX_OUT_TE;
+    amx_recipe_t te = r;
+    te.nvfp4_convention = AMX_NVFP4_TE;
+    size_t ne = sizeof(edge_amax) / sizeof(edge_amax[0]);
+    long n = 0, bad = 0, differ_te = 0, finite_differ_te = 0;
+    for (int i = 0; i < 400000; i++) {
+        float a = i < (int)(ne * ne) ? edge_amax[i % ne] : fabsf(rnd_float());
+        float g = i < (int)(ne * ne) ? edge_amax[i / ne] : fabsf(rnd_float());
+        if (i >= (int)(ne * ne) && (i & 1) && !isnan(a) && !isnan(g) && g < a)
+            g = a; /* a reconciled global is >= its tiles */
+        float want_g = te_nvfp4_compute_global_scale(g);
+        float want_v = te_nvfp4_fused_scale_val(a, g);
+        uint8_t want_b = amx_e4m3_from_float(want_v);
+        float want_enc = te_nvfp4_partial_cast_encode(want_v, want_g);
+        float s_enc = amx_nvfp4_global_encode_partial_cast(g);
+        uint8_t b = amx_nvfp4_block(AMX_NVFP4_TE_PARTIAL_CAST, a, g, s_enc);
+        float enc = amx_nvfp4_partial_cast_encode(amx_e4m3_to_float(b), s_enc);
+        n++;
+        if (amx_f2u(s_enc) != amx_f2u(want_g) || b != want_b || amx_f2u(enc) != amx_f2u(want_enc)) {
+            if (bad++ < 5)
+                fprintf(stderr, "a %a g %a: S_enc %a/%a byte %02x/%02x enc %a/%a\n", (double)a,
+                        (double)g, (double)s_enc, (double)want_g, b, want_b, (double)enc,
+                        (double)want_enc);
+        }
+        /* What the daemon holds: finite, >= 0, -0 read as +0 (TE's amax is
+         * a fmaxf over fabs from 0.0f: never -0 either). */
+        if (isfinite(g) && isfinite(a) && !signbit(a) && !signbit(g)) {
+            float gs, gsi, prev = 1, s, inv, gs_te, gsi_te, s_te, inv_te;
+            uint8_t bb, bb_te;
+            amx_pp_global(&r, g, &prev, &gs, &gsi);
+            amx_pp_cell(&r, a, g, gs, 1.0f / gs, &prev, &s, &inv, &bb);
+            if (amx_f2u(gs) != amx_f2u(want_g) || bb != want_b || amx_f2u(s) != amx_f2u(want_enc) ||
+                amx_f2u(inv) != amx_f2u(amx_e4m3_to_float(want_b)) ||
+                amx_f2u(gsi) != amx_f2u(g * AMX_RCP_2688)) {
+                if (bad++ < 5)
+                    fprintf(stderr, "pp: a %a g %a: gs %a/%a byte %02x/%02x s %a/%a\n", (double)a,
+                            (double)g, (double)gs, (double)want_g, bb, want_b, (double)s,
+                            (double)want_enc);
+            }
+            amx_pp_global(&te, g, &prev, &gs_te, &gsi_te);
+            amx_pp_cell(&te, a, g, gs_te, 1.0f / gs_te, &prev, &s_te, &inv_te, &bb_te);
+            finite_differ_te += amx_f2u(gs) != amx_f2u(gs_te) || bb != bb_te ||
+                                amx_f2u(s) != amx_f2u(s_te) || amx_f2u(inv) != amx_f2u(inv_te) ||
+                                amx_f2u(gsi) != amx_f2u(gsi_te);
+        } else {
+            float s_te = amx_nvfp4_global_encode(g);
+            differ_te +=
+                amx_f2u(s_te) != amx_f2u(s_enc) || amx_nvfp4_block(AMX_NVFP4_TE, a, g, s_te) != b;
+        }
+    }
+    ck_assert_msg(bad == 0, "%ld of %ld differ from TE's nvfp4.cu", bad, n);
+    ck_assert_msg(finite_differ_te == 0, "%ld finite inputs differ from the te convention",
+                  finite_differ_te);
+    ck_assert_int_gt(differ_te, 0);
+    ck_assert_uint_eq(amx_f2u(amx_nvfp4_global_encode_partial_cast(INFINITY)), 0u);
+    ck_assert_uint_eq(amx_f2u(amx_nvfp4_global_encode(INFINITY)), 0x3f800000u);
+    ck_assert_uint_eq(amx_f2u(amx_nvfp4_global_encode_partial_cast(NAN)), 0x3f800000u);
+    ck_assert_uint_eq(amx_f2u(amx_nvfp4_global_encode(NAN)), 0x7f7fffffu);
+}
+END_TEST
+
 START_TEST(delayed_keeps_previous_for_nonfinite)
 {
     ck_assert_float_eq(amx_fp8_delayed_scale(NAN, 448.0f, 3.0f), 3.0f);
@@ -457,6 +695,12 @@ static uint32_t rnd32(void)
     return (uint32_t)(rng_state >> 16);
 }
 
+/* A random float32 bit pattern (any sign, class and exponent). */
+static float rnd_float(void)
+{
+    return amx_u2f(rnd32());
+}
+
 START_TEST(host_vector_fp8_current_matches_scalar)
 {
     const size_t n = (1u << 20) + 3;
@@ -476,15 +720,16 @@ START_TEST(host_vector_fp8_current_matches_scalar)
         }
     }
     static const uint8_t fmts[] = {AMX_FMT_FP8_E4M3, AMX_FMT_FP8_E5M2};
-    static const float epss[] = {0.0f, 1e-12f, 0.25f};
+    static const float epss[] = {0.0f, 1e-45f, 1e-12f, 0.25f};
+    static const uint8_t rules[] = {AMX_RULE_CURRENT, AMX_RULE_BLOCK_BF16, AMX_RULE_BLOCK_FP16};
     int vector = 0;
-    for (int f = 0; f < 2; f++)
+    for (int f = 0; f < 6; f++)
         for (int p2 = 0; p2 < 2; p2++)
-            for (int e = 0; e < 3; e++) {
+            for (int e = 0; e < 4; e++) {
                 amx_recipe_t r;
                 memset(&r, 0, sizeof(r));
-                r.format = fmts[f];
-                r.rule = AMX_RULE_CURRENT;
+                r.format = fmts[f % 2];
+                r.rule = rules[f / 2];
                 r.power_of_2 = (uint8_t)p2;
                 r.eps = epss[e];
                 memset(b, 0xaa, n);
@@ -502,9 +747,9 @@ START_TEST(host_vector_fp8_current_matches_scalar)
                 }
                 /* (one check per configuration: Check marks every assertion) */
                 ck_assert_msg(bad == 0,
-                              "format %d pow2 %d eps %g: %zu cells differ, the first amax %a "
-                              "(0x%08x)",
-                              r.format, p2, (double)r.eps, bad, (double)amax[first],
+                              "format %d rule %d pow2 %d eps %g: %zu cells differ, the first "
+                              "amax %a (0x%08x)",
+                              r.format, r.rule, p2, (double)r.eps, bad, (double)amax[first],
                               amx_f2u(amax[first]));
             }
     printf("host FP8 current-scaling cells: %s path checked against amx_pp_cell\n",
@@ -530,6 +775,8 @@ int main(void)
     tcase_add_test(tc, mxfp8_scales_match_peer_sources);
     tcase_add_test(tc, mxfp8_byte_matches_te_float_to_e8m0);
     tcase_add_test(tc, host_vector_fp8_current_matches_scalar);
+    tcase_add_test(tc, fp8_block_rules_match_te_compute_scale_from_amax);
+    tcase_add_test(tc, nvfp4_partial_cast_matches_te_nvfp4_cu);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -15,12 +15,14 @@ checks it):
     placement   where a rank's block lies (Placement and the Megatron helpers)
     _gen        amaxd_pb2, generated from proto/ at build time
     types       Recipe, Quantizer, Masked, Result, format constants, array conversions
+    tiles       the tiles a flat-sharded weight's range touches (amaxd.tiles)
     wire        every hand-written protobuf codec (Register, SendPacked, ReconcilePacked, health)
     transport   the gRPC channel, errors mapped once, shared-memory buffers
     export      the safetensors file of Client.export
     packed      Layout and PackedResult, the packed per-rank form
     client      Client
     modelopt    the ModelOpt adapter (amaxd.modelopt)
+    te          TransformerEngine's master-weight cast through amaxd (amaxd.te)
     demo        python -m amaxd.demo
 """
 from . import errors, placement

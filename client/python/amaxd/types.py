@@ -28,7 +28,10 @@ RUNNING_MAX = pb.RUNNING_MAX
 PER_EPOCH = pb.PER_EPOCH
 
 _NVFP4_CONV = {"te": pb.TRANSFORMER_ENGINE, "modelopt": pb.MODELOPT,
-               "te_legacy": pb.TRANSFORMER_ENGINE_LEGACY, "modelopt_static": pb.MODELOPT_STATIC}
+               "te_legacy": pb.TRANSFORMER_ENGINE_LEGACY, "modelopt_static": pb.MODELOPT_STATIC,
+               "te_partial_cast": pb.TRANSFORMER_ENGINE_PARTIAL_CAST}
+# FP8 block scaling: the rule by the quantizer's input dtype (docs/NUMERICS.md).
+_BLOCK_RULE = {"float32": pb.CURRENT, "bfloat16": pb.BLOCK_BF16, "float16": pb.BLOCK_FP16}
 _OUTPUT_CONV = {"te": pb.OUTPUT_TRANSFORMER_ENGINE, "modelopt": pb.OUTPUT_MODELOPT}
 _HISTORY_CONV = {"te": pb.HISTORY_TRANSFORMER_ENGINE,
                  "te_unfused": pb.HISTORY_TRANSFORMER_ENGINE_UNFUSED}
@@ -63,7 +66,7 @@ class Recipe:
     """A scale recipe (see docs/NUMERICS.md for every convention and its source)."""
 
     format: int = FP8_E4M3
-    rule: int = 0  # pb.CURRENT / pb.DELAYED for FP8
+    rule: int = 0  # pb.CURRENT / pb.DELAYED / pb.BLOCK_BF16 / pb.BLOCK_FP16 for FP8
     margin: float = 0.0
     history_len: int = 0
     history_reduce: int = 0  # pb.HISTORY_MAX / pb.MOST_RECENT
@@ -82,6 +85,18 @@ class Recipe:
                       output_convention=_conv(_OUTPUT_CONV, "output", output))
 
     @staticmethod
+    def fp8_block(fmt: int = FP8_E4M3, eps: float = 0.0, power_of_2: bool = True,
+                  input_dtype: str = "float32") -> "Recipe":
+        """TE's FP8 block scaling (1x128 or 128x128 blocks: the quantizer's
+        shape and placements say which): current scaling per block, TE's
+        amax_epsilon and force_pow_2_scales (its default True). input_dtype:
+        "float32" (also TE's master-weight cast, whatever the dtype),
+        "bfloat16" or "float16" (TE's block quantizer kernels on that input:
+        an overflowing scale becomes its largest value, not FLT_MAX)."""
+        return Recipe(format=fmt, rule=_conv(_BLOCK_RULE, "FP8 block input_dtype", input_dtype),
+                      eps=eps, power_of_2=power_of_2)
+
+    @staticmethod
     def fp8_delayed(fmt: int = FP8_E4M3, margin: float = 0.0, history_len: int = 1,
                     reduce: str = "max", history: str = "te") -> "Recipe":
         """history: "te" (TE's fused update: a zero epoch leaves the history alone) or
@@ -94,7 +109,8 @@ class Recipe:
     @staticmethod
     def nvfp4(convention: str = "te", output: str = "te") -> "Recipe":
         """convention: "te" (current TE), "te_legacy" (TE <= 2.13), "modelopt" (dynamic),
-        "modelopt_static" (static export); output: "te" or "modelopt" (global_scale_inv)."""
+        "modelopt_static" (static export), "te_partial_cast" (TE's cast of sharded master
+        weights to NVFP4 2D); output: "te" or "modelopt" (global_scale_inv)."""
         return Recipe(format=NVFP4, nvfp4_convention=_conv(_NVFP4_CONV, "NVFP4", convention),
                       output_convention=_conv(_OUTPUT_CONV, "output", output))
 

@@ -1,0 +1,347 @@
+"""amaxd.te against TransformerEngine's master-weight cast (issue 22, item 3),
+on CPU: torch tensors in, one amaxd daemon, data-parallel ranks as threads.
+
+The reference is tests/e2e/te_reference.py: TE main's partial-amax kernels,
+all_reduce(MAX) and scale kernels transcribed in numpy (file, function and
+commit at each function), independent of amaxd. For NVFP4 2D, FP8 block
+scaling (128x128), MXFP8 and FP8 current scaling, with weight shapes that
+are not multiples of the tile, data-parallel degrees 1..8, random shard
+offsets (empty shards included) and zero, subnormal, huge and NaN weights,
+every field amaxd.te returns is the reference's, byte for byte, on every
+rank; the same weights sharded over 1, 2, 4 and 8 ranks give the same
+bytes; the catalog is registered once for many steps.
+"""
+import os
+import sys
+import threading
+import types
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+import amaxd  # noqa: E402
+import amaxd.te as ate  # noqa: E402
+import te_reference as ter  # noqa: E402
+from amaxd_proc import Daemon  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = Daemon(str(tmp_path_factory.mktemp("amaxd")))
+    yield d
+    d.check_clean_exit(d.stop())
+
+
+def weight_values(rng, numel, kind_of_values):
+    """float32 master values: normal * a random magnitude, with zeros,
+    bf16/fp32 subnormals, huge values (below bf16's max) and NaN."""
+    x = (rng.standard_normal(numel) * np.exp(rng.uniform(-25, 25))).astype(np.float32)
+    if kind_of_values == "zero":
+        return np.zeros(numel, np.float32)
+    x[rng.random(numel) < 0.05] = 0
+    x[rng.random(numel) < 0.01] = np.float32(-0.0)
+    x[rng.random(numel) < 0.01] = np.float32(3e-39)  # a bf16 and fp32 subnormal
+    x[rng.random(numel) < 0.01] = np.float32(1e-45)  # fp32 subnormal; bf16 rounds it to 0
+    if kind_of_values == "huge":
+        x[rng.integers(numel)] = np.float32(-3.0e38)
+    if kind_of_values == "tiny":
+        x = (x * np.float32(1e-30)).astype(np.float32)  # scales near FLT_MAX
+    x[rng.random(numel) < 0.002] = np.nan  # TE's fmaxf skips NaN
+    return x
+
+
+def random_specs(rng, tag):
+    """Weights of every kind, shapes not multiples of their tiles (MXFP8:
+    multiples of 32, as TE requires, not of 128)."""
+    out = []
+    for k, kind in enumerate(ate.KINDS * 2):
+        if kind == "mxfp8":
+            shape = (32 * int(rng.integers(1, 9)), 32 * int(rng.integers(1, 9)))
+        elif kind == "fp8_block":
+            shape = (int(rng.integers(1, 300)), int(rng.integers(1, 400)))
+        else:
+            shape = (int(rng.integers(1, 90)), int(rng.integers(1, 130)))
+        dtype = "float32" if (kind in ("fp8_block", "fp8_current") and k >= 4) else "bfloat16"
+        spec = ate.WeightSpec(f"{tag}.{kind}{k}", shape, kind, dtype,
+                              "e5m2" if k == 3 else "e4m3",
+                              eps=float(rng.choice([0.0, 0.0, 1e-30])) if kind != "nvfp4" else 0.0,
+                              power_of_2=bool(k % 2) if kind.startswith("fp8") else False)
+        vals = weight_values(rng, shape[0] * shape[1], ["normal", "zero", "huge", "tiny"][k % 4])
+        out.append((spec, vals))
+    return out
+
+
+def random_ranges(rng, numel, dp):
+    c = np.sort(rng.integers(0, numel + 1, dp - 1))
+    if dp > 2:
+        c[rng.integers(0, dp - 1)] = c[0]  # an empty shard
+        c = np.sort(c)
+    b = np.concatenate([[0], c, [numel]])
+    out = [(int(b[k]), int(b[k + 1] - b[k])) for k in range(dp)]
+    assert all(n >= 0 for _, n in out) and sum(n for _, n in out) == numel
+    return out
+
+
+def even_ranges(numel, dp):
+    """Megatron's distributed optimizer: a contiguous buffer cut in equal
+    pieces (the last ranks may get less, or nothing)."""
+    per = -(-numel // dp)
+    return [(min(k * per, numel), max(0, min(per, numel - k * per))) for k in range(dp)]
+
+
+def model_dtype_view(spec, vals):
+    """What TE's kernels read: the master values cast to the model dtype."""
+    return torch.from_numpy(vals).to(getattr(torch, spec.dtype)).float().numpy()
+
+
+def expected(spec, vals, ranges):
+    v = model_dtype_view(spec, vals)
+    shards = [v[s:s + n] if n else None for s, n in ranges]
+    return ter.te_cast(spec.kind, shards, [s for s, _ in ranges], spec.rows, spec.cols,
+                       fp8_max=57344.0 if spec.fp8_format == "e5m2" else 448.0,
+                       pow2=spec.power_of_2, eps=spec.eps)
+
+
+def run_ranks(daemon, job, weights, ranges_of, dp, steps=1, device="cpu"):
+    """Each rank: a client, a Caster built once, `steps` steps (step k's
+    master values are vals * 2^-k, exactly); returns per rank per step
+    {name: {field: numpy}}."""
+    errors, out = [], [None] * dp
+
+    def rank(r):
+        try:
+            with daemon.client(job, r, dp) as c:
+                c.join()
+                specs = [w[0] for w in weights]
+                starts = [ranges_of[w[0].name][r][0] for w in weights]
+                numels = [ranges_of[w[0].name][r][1] for w in weights]
+                cast = ate.Caster(c, specs, starts, numels)
+                res = []
+                for k in range(steps):
+                    masters = []
+                    for (spec, vals), s, n in zip(weights, starts, numels):
+                        v = (vals * np.float32(2.0 ** -k)).astype(np.float32)
+                        masters.append(torch.from_numpy(v[s:s + n]).to(device) if n else None)
+                    o = cast.step(masters)
+                    res.append({nm: {f: t.cpu().numpy().copy() for f, t in fields.items()}
+                                for nm, fields in o.items()})
+                out[r] = res
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((r, e))
+
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(dp)]
+    [t.start() for t in ts]
+    [t.join(300) for t in ts]
+    assert not errors, errors
+    return out
+
+
+def assert_same(got, want, what):
+    for f, w in want.items():
+        g = got[f]
+        w = np.asarray(w)
+        assert g.dtype == w.dtype and g.shape == w.shape, (what, f, g.dtype, g.shape, w.dtype, w.shape)
+        if g.tobytes() != w.tobytes():
+            bad = np.flatnonzero(g.reshape(-1).view(np.uint8 if g.dtype == np.uint8 else np.uint32)
+                                 != w.reshape(-1).view(np.uint8 if w.dtype == np.uint8 else np.uint32))
+            raise AssertionError(f"{what} {f}: {bad.size} of {w.size} differ, first at {bad[0]}: "
+                                 f"{g.reshape(-1)[bad[0]]!r} vs TE {w.reshape(-1)[bad[0]]!r}")
+
+
+@pytest.mark.parametrize("dp", range(1, 9))
+def test_parity_with_te(daemon, dp):
+    rng = np.random.default_rng(1000 + dp)
+    weights = random_specs(rng, f"dp{dp}")
+    ranges_of = {s.name: random_ranges(rng, s.rows * s.cols, dp) for s, _ in weights}
+    got = run_ranks(daemon, f"te-parity-{dp}", weights, ranges_of, dp, steps=2)
+    for spec, vals in weights:
+        for k in range(2):
+            want = expected(spec, (vals * np.float32(2.0 ** -k)).astype(np.float32),
+                            ranges_of[spec.name])
+            for r in range(dp):
+                assert_same(got[r][k][spec.name], want, f"dp {dp} rank {r} step {k} {spec.name}")
+
+
+def test_same_bytes_over_1_2_4_8_ranks(daemon):
+    rng = np.random.default_rng(7)
+    weights = random_specs(rng, "layout")
+    results = {}
+    for dp in (1, 2, 4, 8):
+        ranges_of = {s.name: even_ranges(s.rows * s.cols, dp) for s, _ in weights}
+        results[dp] = run_ranks(daemon, f"te-layout-{dp}", weights, ranges_of, dp)
+    for spec, _ in weights:
+        ref0 = results[1][0][0][spec.name]
+        for dp in (2, 4, 8):
+            for r in range(dp):
+                assert_same(results[dp][r][0][spec.name], ref0, f"dp {dp} rank {r} {spec.name}")
+
+
+def test_registered_once_for_many_steps(daemon):
+    """One catalog for the job: the Caster registers in its constructor
+    only; 20 steps reuse the layout; results follow the data."""
+    rng = np.random.default_rng(11)
+    weights = random_specs(rng, "steps")[:4]
+    dp = 2
+    ranges_of = {s.name: random_ranges(rng, s.rows * s.cols, dp) for s, _ in weights}
+    calls = {"register": 0, "layout": 0}
+    orig_reg, orig_layout = amaxd.Client.register, amaxd.Client.layout
+
+    def reg(self, *a, **k):
+        calls["register"] += 1
+        return orig_reg(self, *a, **k)
+
+    def lay(self, refresh=False):
+        calls["layout"] += refresh or self._layout is None
+        return orig_layout(self, refresh)
+
+    amaxd.Client.register, amaxd.Client.layout = reg, lay
+    try:
+        got = run_ranks(daemon, "te-steps", weights, ranges_of, dp, steps=20)
+    finally:
+        amaxd.Client.register, amaxd.Client.layout = orig_reg, orig_layout
+    assert calls == {"register": dp, "layout": dp}
+    with daemon.client("te-steps", 0, dp) as c:
+        assert len(c.list_quantizers().quantizers) == sum(len(ate._parts(s)) for s, _ in weights)
+    for spec, vals in weights:
+        want = expected(spec, (vals * np.float32(2.0 ** -19)).astype(np.float32),
+                        ranges_of[spec.name])
+        assert_same(got[0][19][spec.name], want, spec.name)
+
+
+# -- TE model weights (stand-ins with TE's attribute names) --
+
+class NVFP4Quantizer:
+    with_2d_quantization = True
+
+
+class Float8BlockQuantizer:
+    block_scaling_dim, block_len, dtype = 2, 128, "DType.kFloat8E4M3"
+    force_pow_2_scales, amax_epsilon = True, 0.0
+
+
+class MXFP8Quantizer:
+    dtype = "DType.kFloat8E4M3"
+
+
+class Float8CurrentScalingQuantizer:
+    dtype, force_pow_2_scales, amax_epsilon = "DType.kFloat8E5M2", False, 0.0
+
+
+def fake_te_weight(q, shape):
+    """A TE quantized weight as quantize_master_weights sees it: shape,
+    dtype, _get_quantizer() and the scale buffers TE allocates (filled with
+    0xab so that bytes TE does not write stay visible)."""
+    w = types.SimpleNamespace(shape=torch.Size(shape), dtype=torch.bfloat16,
+                              _get_quantizer=lambda: q, calls=[])
+    w.update_usage = lambda **kw: w.calls.append(("update_usage", kw))
+    w._reset_caches = lambda: w.calls.append(("_reset_caches",))
+    w.clear_high_precision_init_val = lambda: w.calls.append(("clear",))
+    spec = ate.WeightSpec.from_te("x", w)
+    for f, s in ate.scale_inv_shapes(spec).items():
+        dt = torch.uint8 if spec.kind in ("nvfp4", "mxfp8") else torch.float32
+        t = torch.full(s, 0xab, dtype=torch.uint8).view(dt) if dt == torch.uint8 else \
+            torch.full(s, 7.0)
+        setattr(w, "_" + f, t)
+    if spec.kind == "nvfp4":
+        w._amax_rowwise = torch.zeros(1)
+    return w
+
+
+def test_drop_in_writes_te_weights(daemon):
+    """amaxd.te.quantize_master_weights on TE-like weights: specs read from
+    their quantizers, scales written where TE writes them. NVFP4 with
+    ceil(C/16) not a multiple of 4: TE's nvfp4_fused_scale_kernel writes
+    rows_padded * tile_cols bytes with row stride tile_cols, the rest of
+    the buffer keeps its bytes; amaxd.te writes exactly those bytes."""
+    rng = np.random.default_rng(5)
+    shapes = [(40, 72), (200, 130), (64, 96), (30, 50)]  # 72/16 -> 5 tile columns
+    quants = [NVFP4Quantizer(), Float8BlockQuantizer(), MXFP8Quantizer(),
+              Float8CurrentScalingQuantizer()]
+    dp = 3
+    vals = [weight_values(rng, a * b, "normal") for a, b in shapes]
+    ranges = [random_ranges(rng, a * b, dp) for a, b in shapes]
+    errors, ws = [], [None] * dp
+
+    def rank(r):
+        try:
+            with daemon.client("te-dropin", r, dp) as c:
+                c.join()
+                mws = [fake_te_weight(q, s) for q, s in zip(quants, shapes)]
+                for _ in range(2):  # the second call reuses the first's registration
+                    masters = [torch.from_numpy(v[s:s + n]) if n else None
+                               for v, (s, n) in zip(vals, (rg[r] for rg in ranges))]
+                    ate.quantize_master_weights(mws, masters, [rg[r][0] for rg in ranges],
+                                                client=c, names=["a", "b", "c", "d"])
+                ws[r] = mws
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(dp)]
+    [t.start() for t in ts]
+    [t.join(120) for t in ts]
+    assert not errors, errors
+    for i, (q, shape) in enumerate(zip(quants, shapes)):
+        spec = ate.WeightSpec.from_te("x", fake_te_weight(q, shape))
+        want = expected(spec, vals[i], ranges[i])
+        for r in range(dp):
+            mw = ws[r][i]
+            # TE's side effects on every model weight, every call.
+            side = {"nvfp4": ("update_usage", {"rowwise_usage": True, "columnwise_usage": False}),
+                    "fp8_block": ("update_usage", {"rowwise_usage": True,
+                                                   "columnwise_usage": False}),
+                    "fp8_current": ("_reset_caches",)}.get(spec.kind)
+            assert mw.calls == [("clear",)] + ([side] if side else []) + [("clear",)] + \
+                ([side] if side else [])
+            if spec.kind == "nvfp4":
+                tc = -(-shape[1] // 16)
+                tgt = np.full(ate.scale_inv_shapes(spec)["rowwise_scale_inv"], 0xab, np.uint8)
+                _, _, te_bytes, _ = ter.nvfp4_fused_scale(want["amax"], want["global_amax"][0],
+                                                          shape[0], tgt)
+                assert mw._rowwise_scale_inv.numpy().tobytes() == te_bytes.tobytes()
+                assert te_bytes.reshape(-1)[-1] == 0xab and tc % 4 != 0  # TE's stride quirk
+                assert mw._amax_rowwise.numpy().tobytes() == want["amax_rowwise"].tobytes()
+            elif spec.kind == "mxfp8":
+                assert mw._rowwise_scale_inv.numpy().tobytes() == want["rowwise_scale_inv"].tobytes()
+                assert mw._columnwise_scale_inv.numpy().tobytes() == \
+                    want["columnwise_scale_inv"].tobytes()
+            elif spec.kind == "fp8_block":
+                assert spec.power_of_2
+                assert mw._rowwise_scale_inv.numpy().tobytes() == want["rowwise_scale_inv"].tobytes()
+            else:
+                assert spec.fp8_format == "e5m2"
+                assert mw._scale_inv.numpy().tobytes() == want["scale_inv"].tobytes()
+
+
+def test_infinite_weight_is_refused(daemon):
+    """TE would read an inf tile amax as scale 1; amaxd refuses an infinite
+    amax with INVALID_ARGUMENT naming the quantizer, and the epoch stays
+    open for the next try."""
+    spec = ate.WeightSpec("inf", (20, 20), "fp8_block")
+    v = np.ones(400, np.float32)
+    v[17] = np.inf
+    with daemon.client("te-inf", 0, 1) as c:
+        c.join()
+        cast = ate.Caster(c, [spec], [0], [400])
+        with pytest.raises(amaxd.errors.InvalidArgument, match="inf.fp8_block"):
+            cast.step([torch.from_numpy(v)])
+        v[17] = 2
+        out = cast.step([torch.from_numpy(v)])
+        assert out["inf"]["amax"][0, 0].item() == 2
+
+
+def test_bad_specs():
+    with pytest.raises(ValueError, match="divisible by 32"):
+        ate.WeightSpec("m", (33, 64), "mxfp8")
+    with pytest.raises(ValueError, match="kind"):
+        ate.WeightSpec("m", (33, 64), "int8")
+    q = Float8BlockQuantizer()
+    q.block_scaling_dim = 1
+    with pytest.raises(ValueError, match="128x128"):
+        ate.WeightSpec.from_te("b", types.SimpleNamespace(shape=(8, 8), dtype=torch.bfloat16,
+                                                          _get_quantizer=lambda: q))
