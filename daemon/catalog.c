@@ -344,11 +344,13 @@ void amx_qspec_diff(const amx_qspec_t *a, const amx_qspec_t *b, char *buf, size_
 
 /* ---- catalogs ---- */
 
-static int cmp_spec(const void *x, const void *y)
+int amx_qspec_name_cmp(const void *x, const void *y)
 {
     const amx_qspec_t *a = *(amx_qspec_t *const *)x, *b = *(amx_qspec_t *const *)y;
     return strcmp(a->name, b->name);
 }
+
+#define cmp_spec amx_qspec_name_cmp
 
 static int cmp_str(const void *x, const void *y)
 {
@@ -465,6 +467,16 @@ void amx_catalog_free(amx_catalog_t *c)
     free(c->scale);
     amx_strmap_free(&c->map);
     free(c);
+}
+
+amx_qspec_t **amx_catalog_take_specs(amx_catalog_t *c, uint32_t *n)
+{
+    amx_qspec_t **q = c->q;
+    *n = c->n;
+    c->q = NULL;
+    c->n = 0;
+    amx_catalog_free(c);
+    return q;
 }
 
 int64_t amx_catalog_find(const amx_catalog_t *c, const char *name)

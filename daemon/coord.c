@@ -11,6 +11,7 @@
 #include "clock.h"
 #include "grow.h"
 #include "log.h"
+#include "strmap.h"
 
 enum { REQ_JOIN = 1, REQ_SYNC = 2, REQ_KVGET = 3 };
 
@@ -21,6 +22,26 @@ typedef struct cdaemon {
 } cdaemon_t;
 
 typedef struct cjob cjob_t;
+
+typedef amx_coord_version_t cver_t;
+
+/* A distinct offer of an agreement round: specs (owned, sorted by name),
+ * by their catalog hash, with the first daemon that made it. */
+typedef struct coffer {
+    uint64_t hash;
+    amx_qspec_t **specs;
+    uint32_t n;
+    uint32_t origin;
+    int done; /* merged in the round being completed */
+} coffer_t;
+
+typedef struct add {
+    amx_qspec_t *spec; /* borrowed from a request */
+    uint32_t origin;
+} add_t;
+
+/* Versions of a master kept for delta answers. */
+#define KEEP_VERSIONS 64
 
 struct amx_creq {
     int kind;
@@ -35,8 +56,7 @@ struct amx_creq {
     uint32_t rank, daemon; /* join; sync: daemon */
     /* sync */
     uint64_t incarnation, last_reconciled, catalog_hash;
-    amx_qspec_t **prop;
-    size_t nprop;
+    uint64_t offer_hash; /* its offer (coffer_t of the job), 0: none */
     char **resets;
     size_t nresets;
     int need_comm, full;
@@ -57,6 +77,16 @@ struct cjob {
     amx_membership_t mship; /* valid when ready */
     int mship_dirty;
     amx_catalog_t *master;
+    /* The master's history, for answers that carry only what changed:
+     * names in the order they were agreed, and for each of the last
+     * versions its hash and how many of those names it held. */
+    char **added;
+    size_t nadded, cap_added;
+    cver_t *ver;
+    size_t nver, cap_ver;
+    /* The offers of the round in progress, one per distinct hash. */
+    coffer_t *offers;
+    size_t noffers, cap_offers;
     uint64_t seq, comm_gen;
     int comm_dirty;
     cjob_t *next;
@@ -69,6 +99,7 @@ typedef struct kv_entry {
 } kv_entry_t;
 
 struct amx_coord {
+    amx_coord_stats_t stats;
     uint64_t incarnation;
     uint64_t started_ms; /* CLOCK_MONOTONIC */
     uint64_t join_timeout_ms;
@@ -78,6 +109,7 @@ struct amx_coord {
     uint32_t nreqs;
     kv_entry_t *kv;
     size_t nkv, cap_kv;
+    amx_strmap_t kvmap; /* key -> index into kv */
     amx_coord_notify_fn notify;
     void *notify_ud;
 };
@@ -152,10 +184,23 @@ static cjob_t *job_new(amx_coord_t *co, const char *name, uint32_t world)
     }
     j->world = world;
     j->mship_dirty = 1;
+    /* Version 0: the empty catalog (a daemon that has none gets it all). */
+    if (amx_grow(&j->ver, &j->cap_ver, 1, sizeof(cver_t), 8, 0) == 0)
+        j->ver[j->nver++] = (cver_t){amx_catalog_hash(NULL, 0), 0};
     j->next = co->jobs;
     co->jobs = j;
     co->njobs++;
     return j;
+}
+
+static void offers_clear(cjob_t *j)
+{
+    for (size_t i = 0; i < j->noffers; i++) {
+        for (uint32_t k = 0; k < j->offers[i].n; k++)
+            amx_qspec_free(j->offers[i].specs[k]);
+        free(j->offers[i].specs);
+    }
+    j->noffers = 0;
 }
 
 static void job_free(cjob_t *j)
@@ -165,7 +210,79 @@ static void job_free(cjob_t *j)
     free(j->dm);
     amx_membership_free(&j->mship);
     amx_catalog_free(j->master);
+    for (size_t i = 0; i < j->nadded; i++)
+        free(j->added[i]);
+    free(j->added);
+    free(j->ver);
+    offers_clear(j);
+    free(j->offers);
     free(j);
+}
+
+static coffer_t *offer_find(cjob_t *j, uint64_t hash)
+{
+    for (size_t i = 0; i < j->noffers; i++)
+        if (j->offers[i].hash == hash)
+            return &j->offers[i];
+    return NULL;
+}
+
+/* Records an offer (copies of its specs), after checking that they are
+ * what its hash says. */
+static amx_status_t offer_add(amx_coord_t *co, cjob_t *j, const amx_coord_sync_req_t *req,
+                              amx_err_t *err)
+{
+    size_t n = req->nprop;
+    if (n != req->offer_count)
+        return amx_err_set(err, AMX_EINVAL, "an offer of %u specs carries %zu", req->offer_count,
+                           n);
+    amx_qspec_t **specs = calloc(n ? n : 1, sizeof(*specs));
+    if (specs == NULL ||
+        amx_grow(&j->offers, &j->cap_offers, j->noffers + 1, sizeof(coffer_t), 4, 0) != 0) {
+        free(specs);
+        return amx_err_set(err, AMX_ENOMEM, "out of memory recording an offer");
+    }
+    for (size_t i = 0; i < n; i++)
+        if ((specs[i] = amx_qspec_dup(req->proposals[i])) == NULL) {
+            for (size_t k = 0; k < i; k++)
+                amx_qspec_free(specs[k]);
+            free(specs);
+            return amx_err_set(err, AMX_ENOMEM, "out of memory recording an offer");
+        }
+    qsort(specs, n, sizeof(*specs), amx_qspec_name_cmp);
+    if (amx_catalog_hash(specs, (uint32_t)n) != req->offer_hash) {
+        for (size_t k = 0; k < n; k++)
+            amx_qspec_free(specs[k]);
+        free(specs);
+        return amx_err_set(err, AMX_EINVAL,
+                           "daemon %u's offer of %zu specs does not have the hash it names",
+                           req->daemon, n);
+    }
+    j->offers[j->noffers++] = (coffer_t){req->offer_hash, specs, (uint32_t)n, req->daemon, 0};
+    co->stats.specs_received += n;
+    return AMX_OK;
+}
+
+/* The master changed: the names just agreed join the history, and a
+ * version. */
+static void note_version(cjob_t *j, const add_t *adds, size_t nadd)
+{
+    for (size_t a = 0; a < nadd; a++) {
+        char *name = strdup(adds[a].spec->name);
+        if (name == NULL ||
+            amx_grow(&j->added, &j->cap_added, j->nadded + 1, sizeof(char *), 64, 0) != 0) {
+            free(name);
+            j->nver = 0; /* no deltas until the next version: whole catalogs */
+            return;
+        }
+        j->added[j->nadded++] = name;
+    }
+    if (j->nver == KEEP_VERSIONS) {
+        memmove(j->ver, j->ver + 1, (KEEP_VERSIONS - 1) * sizeof(cver_t));
+        j->nver--;
+    }
+    if (amx_grow(&j->ver, &j->cap_ver, j->nver + 1, sizeof(cver_t), 8, 0) == 0)
+        j->ver[j->nver++] = (cver_t){j->master->hash, j->nadded};
 }
 
 static cdaemon_t *daemon_of(cjob_t *j, uint32_t d)
@@ -280,9 +397,6 @@ static void req_unlink(amx_coord_t *co, amx_creq_t *r)
 
 static void req_free(amx_creq_t *r)
 {
-    for (size_t i = 0; i < r->nprop; i++)
-        amx_qspec_free(r->prop[i]);
-    free(r->prop);
     for (size_t i = 0; i < r->nresets; i++)
         free(r->resets[i]);
     free(r->resets);
@@ -326,6 +440,14 @@ static void kv_drop_prefix(amx_coord_t *co, const char *prefix)
         }
     }
     co->nkv = k;
+    /* Indices moved: the map is made again (once per new communicator). */
+    amx_strmap_free(&co->kvmap);
+    memset(&co->kvmap, 0, sizeof(co->kvmap));
+    for (size_t i = 0; i < co->nkv; i++)
+        if (amx_strmap_put(&co->kvmap, co->kv[i].key, (uint32_t)i) != 0)
+            AMX_ERROR("coord",
+                      "out of memory indexing the key-value store; lookups of key '%s' fail",
+                      co->kv[i].key);
 }
 
 void amx_coord_fail_all(amx_coord_t *co, const char *why)
@@ -345,6 +467,7 @@ void amx_coord_destroy(amx_coord_t *co)
         job_free(j);
     }
     kv_drop_prefix(co, "");
+    amx_strmap_free(&co->kvmap);
     free(co->kv);
     free(co);
 }
@@ -506,11 +629,6 @@ static int sync_waiting(amx_coord_t *co, cjob_t *j, uint32_t daemon, amx_creq_t 
     return 0;
 }
 
-typedef struct add {
-    amx_qspec_t *spec; /* borrowed from a request */
-    uint32_t origin;
-} add_t;
-
 static const char *daemon_ranks(cjob_t *j, uint32_t d, char *buf, size_t len)
 {
     for (uint32_t p = 0; p < j->mship.npart; p++)
@@ -544,10 +662,20 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
     for (uint32_t p = 0; p < j->mship.npart; p++)
         sync_waiting(co, j, j->mship.part[p].daemon, &w[p]);
     const amx_catalog_t *master = j->master;
-    /* 1. Proposals against the master and against each other. */
+    /* 1. The offers of this round against the master and against each
+     * other: each distinct one once, in the participants' order (so that
+     * a conflict names the same daemons whatever the order of arrival).
+     * An offer no waiting request names (superseded) is left out. */
+    for (size_t o = 0; o < j->noffers; o++)
+        j->offers[o].done = 0;
     for (uint32_t p = 0; p < j->mship.npart; p++) {
-        for (size_t i = 0; i < w[p]->nprop; i++) {
-            amx_qspec_t *s = w[p]->prop[i];
+        coffer_t *of = w[p]->offer_hash != 0 ? offer_find(j, w[p]->offer_hash) : NULL;
+        if (of == NULL || of->done)
+            continue;
+        of->done = 1;
+        uint32_t origin = w[p]->daemon; /* the first participant that offers it */
+        for (size_t i = 0; i < of->n; i++) {
+            amx_qspec_t *s = of->specs[i];
             int64_t k = master ? amx_catalog_find(master, s->name) : -1;
             const amx_qspec_t *other = NULL;
             uint32_t other_d = UINT32_MAX;
@@ -572,7 +700,7 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
                         oom = "out of memory merging proposals";
                         goto fail;
                     }
-                    adds[nadd++] = (add_t){s, w[p]->daemon};
+                    adds[nadd++] = (add_t){s, origin};
                     continue;
                 }
             }
@@ -598,7 +726,7 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
                     snprintf(d1, sizeof(d1), "the agreed catalog");
                 else
                     daemon_ranks(j, other_d, d1, sizeof(d1));
-                daemon_ranks(j, w[p]->daemon, d2, sizeof(d2));
+                daemon_ranks(j, origin, d2, sizeof(d2));
                 snprintf(conflict, sizeof(conflict),
                          "the catalog of job '%s' cannot be agreed: quantizer '%s' is declared "
                          "with %s by %s and by %s",
@@ -677,24 +805,43 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
             adds[keep++] = adds[a];
     nadd = keep;
     if (nadd > 0 || master == NULL) {
-        uint32_t n0 = master ? master->n : 0;
-        amx_qspec_t **specs = calloc(n0 + nadd + 1, sizeof(*specs));
-        int ok = specs != NULL;
-        for (uint32_t i = 0; ok && i < n0; i++)
-            ok = (specs[i] = amx_qspec_dup(master->q[i])) != NULL;
+        /* The new specs, copied (the offers go at the end of the round);
+         * the master's own move over without a copy. */
+        amx_qspec_t **fresh = calloc(nadd + 1, sizeof(*fresh));
+        int ok = fresh != NULL;
         for (size_t a = 0; ok && a < nadd; a++)
-            ok = (specs[n0 + a] = amx_qspec_dup(adds[a].spec)) != NULL;
-        if (!ok || amx_catalog_build(specs, (uint32_t)(n0 + nadd), &newcat, &err) != AMX_OK) {
-            for (size_t i = 0; specs && i < n0 + nadd; i++)
+            ok = (fresh[a] = amx_qspec_dup(adds[a].spec)) != NULL;
+        uint32_t n0 = master ? master->n : 0;
+        amx_qspec_t **specs = ok ? malloc((n0 + nadd + 1) * sizeof(*specs)) : NULL;
+        if (specs == NULL) {
+            for (size_t a = 0; fresh != NULL && a < nadd; a++)
+                amx_qspec_free(fresh[a]);
+            free(fresh);
+            oom = "out of memory building the master catalog";
+            goto fail;
+        }
+        if (master != NULL) {
+            uint32_t got;
+            amx_qspec_t **old = amx_catalog_take_specs(j->master, &got);
+            memcpy(specs, old, got * sizeof(*specs));
+            free(old);
+            j->master = NULL;
+            master = NULL;
+        }
+        memcpy(specs + n0, fresh, nadd * sizeof(*specs));
+        free(fresh);
+        if (amx_catalog_build(specs, (uint32_t)(n0 + nadd), &newcat, &err) != AMX_OK) {
+            /* Nothing sane remains of the job's agreement. */
+            for (size_t i = 0; i < n0 + nadd; i++)
                 amx_qspec_free(specs[i]);
             free(specs);
             oom = "out of memory building the master catalog";
             goto fail;
         }
         free(specs);
-        amx_catalog_free(j->master);
         j->master = newcat;
         newcat = NULL;
+        note_version(j, adds, nadd);
     }
     /* 3. Resets of every daemon, names of the master only. */
     for (uint32_t p = 0; p < j->mship.npart; p++)
@@ -763,7 +910,14 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
         .comm_gen = j->comm_gen,
         .new_comm = new_comm,
         .members = &j->mship,
+        .members_hash = amx_membership_hash(&j->mship),
         .coord_inc = co->incarnation,
+        .versions = j->ver,
+        .nversions = j->nver,
+        .added = (const char *const *)j->added,
+        .nadded = j->nadded,
+        .stats = &co->stats,
+        .round = ++co->stats.rounds,
     };
     for (uint32_t p = 0; p < j->mship.npart; p++) {
         req_unlink(co, w[p]);
@@ -771,6 +925,7 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
     }
     for (uint32_t p = 0; p < j->mship.npart; p++)
         req_free(w[p]);
+    offers_clear(j); /* the round is over */
     goto out;
 fail:
     AMX_ERROR("coord", "job %s: agreement failed: %s", j->name, oom);
@@ -864,10 +1019,25 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
                  "whole",
                  j->name, req->daemon, (unsigned long long)req->catalog_hash,
                  (unsigned long long)master_hash);
+        co->stats.catalogs_asked++;
         amx_coord_sync_ans_t ans = {.send_catalog = 1, .coord_inc = co->incarnation};
         cb(ud, AMX_OK, NULL, &ans);
         return AMX_OK;
     }
+    /* Its offer, by hash: the coordinator keeps one copy per distinct
+     * offer of the round, and asks for the specs only when it has none. */
+    if (req->offer_count > 0 && offer_find(j, req->offer_hash) == NULL) {
+        if (!req->offer_included) {
+            co->stats.offers_asked++;
+            amx_coord_sync_ans_t ans = {.send_offer = 1, .coord_inc = co->incarnation};
+            cb(ud, AMX_OK, NULL, &ans);
+            return AMX_OK;
+        }
+        AMX_CHECK(offer_add(co, j, req, err));
+    } else if (req->offer_included) {
+        co->stats.offers_known++; /* sent anyway (small), already held */
+    }
+    co->stats.syncs++;
     amx_creq_t *old;
     if (sync_waiting(co, j, req->daemon, &old))
         req_fail(co, old, AMX_EABORTED, "superseded by a newer agreement request");
@@ -880,16 +1050,14 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
     r->incarnation = req->incarnation;
     r->last_reconciled = req->last_reconciled;
     r->catalog_hash = req->catalog_hash;
+    r->offer_hash = req->offer_count > 0 ? req->offer_hash : 0;
     r->need_comm = req->need_comm;
     r->full = req->full_catalog;
     r->deadline = req->deadline_ms;
     r->cb.sync = cb;
     r->ud = ud;
-    r->prop = calloc(req->nprop ? req->nprop : 1, sizeof(*r->prop));
     r->resets = calloc(req->nresets ? req->nresets : 1, sizeof(char *));
-    int ok = r->prop != NULL && r->resets != NULL;
-    for (size_t i = 0; ok && i < req->nprop; i++)
-        ok = (r->prop[r->nprop++] = amx_qspec_dup(req->proposals[i])) != NULL;
+    int ok = r->resets != NULL;
     for (size_t i = 0; ok && i < req->nresets; i++)
         ok = (r->resets[r->nresets++] = strdup(req->resets[i])) != NULL;
     if (!ok) {
@@ -908,10 +1076,8 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
 
 static kv_entry_t *kv_find(amx_coord_t *co, const char *key)
 {
-    for (size_t i = 0; i < co->nkv; i++)
-        if (strcmp(co->kv[i].key, key) == 0)
-            return &co->kv[i];
-    return NULL;
+    uint32_t i;
+    return amx_strmap_get(&co->kvmap, key, &i) ? &co->kv[i] : NULL;
 }
 
 void amx_coord_kv_set(amx_coord_t *co, const char *key, const void *val, size_t len)
@@ -928,7 +1094,9 @@ void amx_coord_kv_set(amx_coord_t *co, const char *key, const void *val, size_t 
             return;
         }
         e = &co->kv[co->nkv];
-        if ((e->key = strdup(key)) == NULL) {
+        if ((e->key = strdup(key)) == NULL ||
+            amx_strmap_put(&co->kvmap, e->key, (uint32_t)co->nkv) != 0) {
+            free(e->key);
             free(copy);
             return;
         }
@@ -1096,4 +1264,35 @@ void amx_coord_counts(const amx_coord_t *co, uint32_t *jobs, uint32_t *waiting, 
     *jobs = co->njobs;
     *waiting = co->nreqs;
     *keys = (uint32_t)co->nkv;
+}
+
+const amx_coord_stats_t *amx_coord_stats(const amx_coord_t *co)
+{
+    return &co->stats;
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
+        h *= 0x100000001b3ull;
+    }
+    return h;
+}
+
+uint64_t amx_membership_hash(const amx_membership_t *m)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    h = fnv(h, &m->world, sizeof(m->world));
+    h = fnv(h, &m->npart, sizeof(m->npart));
+    for (uint32_t p = 0; p < m->npart; p++) {
+        const amx_part_t *x = &m->part[p];
+        h = fnv(h, &x->daemon, sizeof(x->daemon));
+        h = fnv(h, &x->incarnation, sizeof(x->incarnation));
+        h = fnv(h, x->addr, strlen(x->addr) + 1);
+        h = fnv(h, &x->nranks, sizeof(x->nranks));
+        h = fnv(h, x->ranks, x->nranks * sizeof(uint32_t));
+    }
+    return h;
 }

@@ -128,6 +128,16 @@ static int reply_is_owed(const amx_call_t *c)
            (n >= 5 && strcmp(p + n - 5, "/Join") == 0);
 }
 
+/* An answer of the peer service. Neither cap on answers (max_message_bytes,
+ * max_queued_bytes) applies to it: its callers are daemons that proved the
+ * cluster's secret, its size is bounded by the job's catalog limits, and
+ * refusing one (an agreement answer, a donor's state) would fail an epoch
+ * on every daemon of the job for caps meant for trainers. */
+static int peer_answer(const amx_call_t *c)
+{
+    return c->method >= 0 && c->rpc->methods[c->method]->server == AMX_SERVER_PEER;
+}
+
 /* Gives up answer bytes that were not handed to gRPC. */
 static void drop_buf(uint8_t *buf, void (*release)(void *), void *ud)
 {
@@ -160,7 +170,10 @@ static void send_reply(amx_call_t *c, amx_status_t st, const char *msg,
          * flow-control window lets it go. */
         if (buf == NULL)
             len = protobuf_c_message_get_packed_size(resp);
-        if ((int64_t)len > rpc->cfg->max_message_bytes) {
+        if (peer_answer(c)) {
+            rpc->queued += len;
+            c->queued = len;
+        } else if ((int64_t)len > rpc->cfg->max_message_bytes) {
             snprintf(why, sizeof(why),
                      "%s: the answer of %zu bytes exceeds max_message_bytes=%lld; ask for less "
                      "at a time",

@@ -615,10 +615,26 @@ static void join(amx_coord_t *co, uint32_t rank, uint32_t daemon, uint64_t inc, 
     ck_assert_int_eq(amx_coord_join(co, &r, on_join, a, &h, &err), AMX_OK);
 }
 
+/* An offer's hash: the catalog hash of its specs in name order. */
+static uint64_t offer_hash(amx_qspec_t **p, size_t np)
+{
+    if (np == 0)
+        return 0;
+    amx_qspec_t **sorted = malloc(np * sizeof(*sorted));
+    memcpy(sorted, p, np * sizeof(*sorted));
+    qsort(sorted, np, sizeof(*sorted), amx_qspec_name_cmp);
+    uint64_t h = amx_catalog_hash(sorted, (uint32_t)np);
+    free(sorted);
+    return h;
+}
+
 static void sync1(amx_coord_t *co, uint32_t daemon, uint64_t last, amx_qspec_t **p, size_t np,
                   char **resets, size_t nr, answer_t *a)
 {
-    amx_coord_sync_req_t r = {.job = "j",
+    amx_coord_sync_req_t r = {.offer_hash = offer_hash(p, np),
+                              .offer_count = (uint32_t)np,
+                              .offer_included = np > 0,
+                              .job = "j",
                               .daemon = daemon,
                               .incarnation = 1,
                               .last_reconciled = last,
@@ -763,12 +779,18 @@ START_TEST(coordinator_restarted_rebuilds_from_members)
     r.proposals = held;
     r.nprop = 2;
     r.full_catalog = 1;
+    r.offer_hash = offer_hash(held, 2);
+    r.offer_count = 2;
+    r.offer_included = 1;
     answer_t s1b = {0}, s0 = {0};
     ck_assert_int_eq(amx_coord_sync(co, &r, on_sync, &s1b, &h, &err), AMX_OK);
     ck_assert_int_eq(s1b.called, 0);
     amx_qspec_t *p0[1] = {spec("c", 1, NULL)};
     uint32_t ranks0[1] = {0};
-    amx_coord_sync_req_t r0 = {.job = "j",
+    amx_coord_sync_req_t r0 = {.offer_hash = offer_hash(p0, 1),
+                               .offer_count = 1,
+                               .offer_included = 1,
+                               .job = "j",
                                .daemon = 0,
                                .incarnation = 1,
                                .catalog_hash = amx_catalog_hash(NULL, 0),
