@@ -84,9 +84,13 @@ struct cjob {
     size_t nadded, cap_added;
     cver_t *ver;
     size_t nver, cap_ver;
-    /* The offers of the round in progress, one per distinct hash. */
+    /* The offers of the round in progress, one per distinct hash, and the
+     * hashes already asked of some daemon (the others that make the same
+     * offer wait for it instead of sending it too). */
     coffer_t *offers;
     size_t noffers, cap_offers;
+    uint64_t *asked;
+    size_t nasked, cap_asked;
     uint64_t seq, comm_gen;
     int comm_dirty;
     cjob_t *next;
@@ -201,10 +205,12 @@ static void offers_clear(cjob_t *j)
         free(j->offers[i].specs);
     }
     j->noffers = 0;
+    j->nasked = 0;
 }
 
 static void job_free(cjob_t *j)
 {
+    free(j->asked);
     free(j->name);
     free(j->host);
     free(j->dm);
@@ -217,6 +223,14 @@ static void job_free(cjob_t *j)
     offers_clear(j);
     free(j->offers);
     free(j);
+}
+
+static int offer_asked(const cjob_t *j, uint64_t hash)
+{
+    for (size_t i = 0; i < j->nasked; i++)
+        if (j->asked[i] == hash)
+            return 1;
+    return 0;
 }
 
 static coffer_t *offer_find(cjob_t *j, uint64_t hash)
@@ -952,7 +966,24 @@ static void try_sync(amx_coord_t *co, cjob_t *j)
     for (uint32_t p = 0; p < j->mship.npart; p++)
         if (!sync_waiting(co, j, j->mship.part[p].daemon, NULL))
             return;
-    complete_sync(co, j);
+    /* Everyone is here: an offer that another daemon was asked for but
+     * never sent (it went away, or was superseded) is asked of each
+     * participant that waits on it; the round completes when they resend. */
+    int missing = 0;
+    for (uint32_t p = 0; p < j->mship.npart; p++) {
+        amx_creq_t *r;
+        sync_waiting(co, j, j->mship.part[p].daemon, &r);
+        if (r->offer_hash == 0 || offer_find(j, r->offer_hash) != NULL)
+            continue;
+        missing = 1;
+        co->stats.offers_asked++;
+        req_unlink(co, r);
+        amx_coord_sync_ans_t ans = {.send_offer = 1, .coord_inc = co->incarnation};
+        r->cb.sync(r->ud, AMX_OK, NULL, &ans);
+        req_free(r);
+    }
+    if (!missing)
+        complete_sync(co, j);
 }
 
 amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, amx_coord_sync_cb cb,
@@ -1025,15 +1056,22 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
         return AMX_OK;
     }
     /* Its offer, by hash: the coordinator keeps one copy per distinct
-     * offer of the round, and asks for the specs only when it has none. */
+     * offer of the round, and asks for the specs only when it has none
+     * and has not asked another daemon for the same offer already (then
+     * this request waits; should that offer still be missing when every
+     * participant has arrived, try_sync asks this daemon). */
     if (req->offer_count > 0 && offer_find(j, req->offer_hash) == NULL) {
-        if (!req->offer_included) {
+        if (!req->offer_included && !offer_asked(j, req->offer_hash)) {
+            if (amx_grow(&j->asked, &j->cap_asked, j->nasked + 1, sizeof(*j->asked), 8, 0) != 0)
+                return amx_err_set(err, AMX_ENOMEM, "out of memory");
+            j->asked[j->nasked++] = req->offer_hash;
             co->stats.offers_asked++;
             amx_coord_sync_ans_t ans = {.send_offer = 1, .coord_inc = co->incarnation};
             cb(ud, AMX_OK, NULL, &ans);
             return AMX_OK;
         }
-        AMX_CHECK(offer_add(co, j, req, err));
+        if (req->offer_included)
+            AMX_CHECK(offer_add(co, j, req, err));
     } else if (req->offer_included) {
         co->stats.offers_known++; /* sent anyway (small), already held */
     }
