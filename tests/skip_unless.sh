@@ -30,7 +30,7 @@ modelopt)
     venv=${AMAXD_MODELOPT_VENV:-${1:?venv}}
     shift
     if [ "${AMAXD_SKIP_MODELOPT:-0}" = 1 ]; then
-        skip "the ModelOpt tier is turned off (AMAXD_SKIP_MODELOPT=1)"
+        skip "the tiers of the ModelOpt venv are turned off (AMAXD_SKIP_MODELOPT=1)"
     fi
     if [ ! -x "$venv/bin/python" ]; then
         skip "no ModelOpt venv at $venv (make it with scripts/modelopt-venv.sh; about 7 GB)"
