@@ -347,7 +347,9 @@ START_TEST(send_parse_equals_protobuf_c)
                 "try %d, update %zu: has_data differ", t, i);
             /* In place: the values point into the message. */
             if (u->values_len > 0)
-                ck_assert(u->values >= d && u->values + u->values_len <= d + n);
+                ck_assert_msg(u->values >= d && u->values + u->values_len <= d + n,
+                              "try %d: values at offset %td of a %zu-byte message", t,
+                              u->values - d, n);
         }
         amaxd__v1__send_amax_request__free_unpacked(m, NULL);
         free(d);
@@ -398,10 +400,16 @@ START_TEST(packed_parse_equals_protobuf_c)
         ck_assert_uint_eq(in.layout_id, m->layout_id);
         ck_assert_uint_eq(in.shm_id, m->shm_id);
         ck_assert_int_eq(in.shm_has_data, m->shm_has_data);
-        ck_assert(same_bytes(in.values, in.values_len, m->values.data, m->values.len));
-        ck_assert(same_bytes(in.has_data, in.has_data_len, m->has_data.data, m->has_data.len));
+        ck_assert_msg(same_bytes(in.values, in.values_len, m->values.data, m->values.len),
+                      "try %d: values of %zu bytes, protobuf-c %zu", t, in.values_len,
+                      m->values.len);
+        ck_assert_msg(same_bytes(in.has_data, in.has_data_len, m->has_data.data, m->has_data.len),
+                      "try %d: has_data of %zu bytes, protobuf-c %zu", t, in.has_data_len,
+                      m->has_data.len);
         if (in.values_len > 0)
-            ck_assert(in.values > d && in.values + in.values_len <= d + n);
+            ck_assert_msg(in.values > d && in.values + in.values_len <= d + n,
+                          "try %d: values at offset %td of a %zu-byte message", t, in.values - d,
+                          n);
         amaxd__v1__send_packed_request__free_unpacked(m, NULL);
         free(d);
     }
@@ -436,14 +444,17 @@ static void fill_pattern(void *p, size_t bytes, uint8_t seed)
         b[i] = (uint8_t)(seed + 7 * i);
 }
 
-static int has_pattern(const ProtobufCBinaryData *f, size_t bytes, uint8_t seed)
+/* Field `name` holds the bytes fill_pattern wrote with `seed`; on failure
+ * both lengths, or the first differing byte and both values. */
+static void check_field(const char *name, const ProtobufCBinaryData *f, size_t bytes, uint8_t seed,
+                        size_t z)
 {
-    if (f->len != bytes)
-        return 0;
+    ck_assert_msg(f->len == bytes, "size %zu: %s has %zu bytes, expected %zu", z, name, f->len,
+                  bytes);
     for (size_t i = 0; i < bytes; i++)
         if (f->data[i] != (uint8_t)(seed + 7 * i))
-            return 0;
-    return 1;
+            ck_abort_msg("size %zu: %s byte %zu is 0x%02x, expected 0x%02x", z, name, i, f->data[i],
+                         (uint8_t)(seed + 7 * i));
 }
 
 static int aligned(const void *p)
@@ -480,17 +491,22 @@ START_TEST(packed_answer_is_what_protobuf_c_reads)
                     if (bytes > 0)
                         ck_assert_msg(aligned(arrays[a]), "size %zu, shift %zu: array %zu at %p", z,
                                       shift, a, arrays[a]);
-                    ck_assert((uint8_t *)arrays[a] >= buf &&
-                              (uint8_t *)arrays[a] + bytes <= buf + end);
+                    ck_assert_msg((uint8_t *)arrays[a] >= buf &&
+                                      (uint8_t *)arrays[a] + bytes <= buf + end,
+                                  "size %zu: array %zu at offset %td, %zu bytes, end %zu", z, a,
+                                  (uint8_t *)arrays[a] - buf, bytes, end);
                 }
                 if (ns > 0) {
-                    ck_assert(aligned(p.s_amax) && aligned(p.s_scale) && aligned(p.s_inv));
+                    ck_assert_msg(aligned(p.s_amax) && aligned(p.s_scale) && aligned(p.s_inv),
+                                  "size %zu, shift %zu: slice arrays at %p %p %p", z, shift,
+                                  (void *)p.s_amax, (void *)p.s_scale, (void *)p.s_inv);
                 } else {
                     ck_assert_ptr_null(p.s_amax);
                 }
                 if (n > 0) {
-                    ck_assert(aligned(p.block_scales));
-                    ck_assert(aligned(p.filled));
+                    ck_assert_msg(aligned(p.block_scales) && aligned(p.filled),
+                                  "size %zu, shift %zu: byte arrays at %p %p", z, shift,
+                                  (void *)p.block_scales, (void *)p.filled);
                 }
                 /* The registry fills them. */
                 fill_pattern(p.amax, 4 * n, 1);
@@ -522,22 +538,22 @@ START_TEST(packed_answer_is_what_protobuf_c_reads)
                 ck_assert_uint_eq(m->next_epoch, next);
                 ck_assert_uint_eq(m->layout_id, layout);
                 ck_assert_int_eq(m->peer_fill_known, with_fill);
-                ck_assert(has_pattern(&m->amax, 4 * n, 1));
-                ck_assert(has_pattern(&m->scale, 4 * n, 2));
-                ck_assert(has_pattern(&m->scale_inv, 4 * n, 3));
-                ck_assert(has_pattern(&m->block_scales, n, 4));
-                ck_assert(has_pattern(&m->global_amax, 4 * q, 5));
-                ck_assert(has_pattern(&m->global_scale, 4 * q, 6));
-                ck_assert(has_pattern(&m->global_scale_inv, 4 * q, 7));
-                ck_assert(has_pattern(&m->missing, 4 * q, 8));
-                ck_assert(has_pattern(&m->has_previous, q, 9));
-                ck_assert(has_pattern(&m->previous_global_amax, 4 * q, 10));
-                ck_assert(has_pattern(&m->previous_global_scale, 4 * q, 11));
+                check_field("amax", &m->amax, 4 * n, 1, z);
+                check_field("scale", &m->scale, 4 * n, 2, z);
+                check_field("scale_inv", &m->scale_inv, 4 * n, 3, z);
+                check_field("block_scales", &m->block_scales, n, 4, z);
+                check_field("global_amax", &m->global_amax, 4 * q, 5, z);
+                check_field("global_scale", &m->global_scale, 4 * q, 6, z);
+                check_field("global_scale_inv", &m->global_scale_inv, 4 * q, 7, z);
+                check_field("missing", &m->missing, 4 * q, 8, z);
+                check_field("has_previous", &m->has_previous, q, 9, z);
+                check_field("previous_global_amax", &m->previous_global_amax, 4 * q, 10, z);
+                check_field("previous_global_scale", &m->previous_global_scale, 4 * q, 11, z);
                 /* The fill marks only when asked for. */
-                ck_assert(has_pattern(&m->filled, with_fill ? n : 0, 12));
-                ck_assert(has_pattern(&m->global_amaxes, 4 * ns, 13));
-                ck_assert(has_pattern(&m->global_scales, 4 * ns, 14));
-                ck_assert(has_pattern(&m->global_scale_invs, 4 * ns, 15));
+                check_field("filled", &m->filled, with_fill ? n : 0, 12, z);
+                check_field("global_amaxes", &m->global_amaxes, 4 * ns, 13, z);
+                check_field("global_scales", &m->global_scales, 4 * ns, 14, z);
+                check_field("global_scale_invs", &m->global_scale_invs, 4 * ns, 15, z);
                 ck_assert_uint_eq(m->shm_bytes, 0);
                 /* Padding, if any, is in the ignored field and nowhere else. */
                 ck_assert_uint_eq(m->base.n_unknown_fields, 0);
