@@ -102,8 +102,11 @@ START_TEST(write_and_read_buffers)
     r.off = 0;
     ck_assert_ptr_null(amx_get(&r, 1));
     /* A write that cannot grow marks the buffer; later puts do nothing.
-     * (Not SIZE_MAX: len + n would wrap in amx_wbuf_grow's first test.) */
+     * A size near SIZE_MAX (len + n wraps) is refused too. */
     static const unsigned char src[1];
+    ck_assert_int_eq(amx_wbuf_grow(&w, SIZE_MAX), -1);
+    ck_assert_int_eq(w.oom, 1);
+    w.oom = 0;
     amx_put(&w, src, SIZE_MAX / 2);
     ck_assert_int_eq(w.oom, 1);
     size_t len = w.len;
