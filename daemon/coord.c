@@ -4,6 +4,7 @@
  */
 #include "coord.h"
 
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,8 +37,9 @@ typedef struct coffer {
 } coffer_t;
 
 typedef struct add {
-    amx_qspec_t *spec; /* borrowed from a request */
+    amx_qspec_t *spec; /* borrowed from an offer of the round */
     uint32_t origin;
+    amx_qspec_t **slot; /* where that offer holds it: the master takes it */
 } add_t;
 
 /* Versions of a master kept for delta answers. */
@@ -91,6 +93,12 @@ struct cjob {
     size_t noffers, cap_offers;
     uint64_t *asked;
     size_t nasked, cap_asked;
+    /* The waiting agreement request of each daemon (by cluster rank; at
+     * most one each) and how many there are: the barrier's test is O(1)
+     * per arrival, its completion O(participants). */
+    amx_creq_t **sync_of;
+    size_t cap_sync_of;
+    uint32_t nsync;
     uint64_t seq, comm_gen;
     int comm_dirty;
     cjob_t *next;
@@ -197,19 +205,29 @@ static cjob_t *job_new(amx_coord_t *co, const char *name, uint32_t world)
     return j;
 }
 
+/* Offers this large give their memory back to the system when freed: the
+ * first agreement of a big catalog would otherwise leave the coordinator's
+ * resident size at its peak (the request, its parse and the offer). */
+#define TRIM_SPECS 16384
+
 static void offers_clear(cjob_t *j)
 {
+    size_t freed = 0;
     for (size_t i = 0; i < j->noffers; i++) {
         for (uint32_t k = 0; k < j->offers[i].n; k++)
             amx_qspec_free(j->offers[i].specs[k]);
         free(j->offers[i].specs);
+        freed += j->offers[i].n;
     }
     j->noffers = 0;
     j->nasked = 0;
+    if (freed >= TRIM_SPECS)
+        malloc_trim(0);
 }
 
 static void job_free(cjob_t *j)
 {
+    free(j->sync_of);
     free(j->asked);
     free(j->name);
     free(j->host);
@@ -370,18 +388,28 @@ static amx_status_t build_mship(amx_coord_t *co, cjob_t *j)
             x->incarnation = d->incarnation;
             snprintf(x->addr, sizeof(x->addr), "%s", d->addr);
         }
-        x->ranks = malloc(j->world * 4);
-        if (x->ranks == NULL) {
-            m.npart = p + 1;
-            amx_membership_free(&m);
-            free(ds);
-            return AMX_ENOMEM;
-        }
-        for (uint32_t r = 0; r < j->world; r++)
-            if (j->host[r] - 1 == ds[p])
-                x->ranks[x->nranks++] = r;
     }
+    /* Each participant's ranks, in rank order: O(world log participants). */
+    uint32_t *cnt = calloc(u ? u : 1, sizeof(*cnt));
+    int ok = cnt != NULL;
+    for (uint32_t r = 0; ok && r < j->world; r++) {
+        uint32_t d = j->host[r] - 1;
+        uint32_t *at = bsearch(&d, ds, u, 4, cmp_u32);
+        cnt[at - ds]++;
+    }
+    for (uint32_t p = 0; ok && p < u; p++)
+        ok = (m.part[p].ranks = malloc((cnt[p] ? cnt[p] : 1) * 4)) != NULL;
+    for (uint32_t r = 0; ok && r < j->world; r++) {
+        uint32_t d = j->host[r] - 1;
+        amx_part_t *x = &m.part[(uint32_t *)bsearch(&d, ds, u, 4, cmp_u32) - ds];
+        x->ranks[x->nranks++] = r;
+    }
+    free(cnt);
     free(ds);
+    if (!ok) {
+        amx_membership_free(&m);
+        return AMX_ENOMEM;
+    }
     amx_membership_free(&j->mship);
     j->mship = m;
     j->mship_dirty = 0;
@@ -390,6 +418,10 @@ static amx_status_t build_mship(amx_coord_t *co, cjob_t *j)
 
 static void req_link(amx_coord_t *co, amx_creq_t *r)
 {
+    if (r->kind == REQ_SYNC) {
+        r->job->sync_of[r->daemon] = r; /* room made by amx_coord_sync */
+        r->job->nsync++;
+    }
     r->prev = NULL;
     r->next = co->reqs;
     if (co->reqs)
@@ -400,6 +432,10 @@ static void req_link(amx_coord_t *co, amx_creq_t *r)
 
 static void req_unlink(amx_coord_t *co, amx_creq_t *r)
 {
+    if (r->kind == REQ_SYNC && r->job->sync_of[r->daemon] == r) {
+        r->job->sync_of[r->daemon] = NULL;
+        r->job->nsync--;
+    }
     if (r->prev)
         r->prev->next = r->next;
     else
@@ -634,13 +670,11 @@ amx_status_t amx_coord_join(amx_coord_t *co, const amx_coord_join_req_t *req, am
 
 static int sync_waiting(amx_coord_t *co, cjob_t *j, uint32_t daemon, amx_creq_t **out)
 {
-    for (amx_creq_t *r = co->reqs; r != NULL; r = r->next)
-        if (r->kind == REQ_SYNC && r->job == j && r->daemon == daemon) {
-            if (out)
-                *out = r;
-            return 1;
-        }
-    return 0;
+    (void)co;
+    amx_creq_t *r = daemon < j->cap_sync_of ? j->sync_of[daemon] : NULL;
+    if (r != NULL && out != NULL)
+        *out = r;
+    return r != NULL;
 }
 
 static const char *daemon_ranks(cjob_t *j, uint32_t d, char *buf, size_t len)
@@ -714,7 +748,7 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
                         oom = "out of memory merging proposals";
                         goto fail;
                     }
-                    adds[nadd++] = (add_t){s, origin};
+                    adds[nadd++] = (add_t){s, origin, &of->specs[i]};
                     continue;
                 }
             }
@@ -819,12 +853,15 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
             adds[keep++] = adds[a];
     nadd = keep;
     if (nadd > 0 || master == NULL) {
-        /* The new specs, copied (the offers go at the end of the round);
-         * the master's own move over without a copy. */
+        /* The new specs move from the offers (which go at the end of the
+         * round) and the master's own move over: nothing is copied, so
+         * the coordinator holds one copy of each spec. */
         amx_qspec_t **fresh = calloc(nadd + 1, sizeof(*fresh));
         int ok = fresh != NULL;
-        for (size_t a = 0; ok && a < nadd; a++)
-            ok = (fresh[a] = amx_qspec_dup(adds[a].spec)) != NULL;
+        for (size_t a = 0; ok && a < nadd; a++) {
+            fresh[a] = *adds[a].slot;
+            *adds[a].slot = NULL;
+        }
         uint32_t n0 = master ? master->n : 0;
         amx_qspec_t **specs = ok ? malloc((n0 + nadd + 1) * sizeof(*specs)) : NULL;
         if (specs == NULL) {
@@ -834,15 +871,21 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
             oom = "out of memory building the master catalog";
             goto fail;
         }
+        /* Both in name order, merged: the catalog is built without a sort. */
+        qsort(fresh, nadd, sizeof(*fresh), amx_qspec_name_cmp);
+        amx_qspec_t **old = NULL;
         if (master != NULL) {
             uint32_t got;
-            amx_qspec_t **old = amx_catalog_take_specs(j->master, &got);
-            memcpy(specs, old, got * sizeof(*specs));
-            free(old);
+            old = amx_catalog_take_specs(j->master, &got);
             j->master = NULL;
             master = NULL;
         }
-        memcpy(specs + n0, fresh, nadd * sizeof(*specs));
+        size_t a = 0, b = 0, k = 0;
+        while (a < n0 || b < nadd)
+            specs[k++] = b == nadd || (a < n0 && amx_qspec_name_cmp(&old[a], &fresh[b]) < 0)
+                             ? old[a++]
+                             : fresh[b++];
+        free(old);
         free(fresh);
         if (amx_catalog_build(specs, (uint32_t)(n0 + nadd), &newcat, &err) != AMX_OK) {
             /* Nothing sane remains of the job's agreement. */
@@ -961,7 +1004,7 @@ out:
 
 static void try_sync(amx_coord_t *co, cjob_t *j)
 {
-    if (!j->ready || build_mship(co, j) != AMX_OK)
+    if (!j->ready || build_mship(co, j) != AMX_OK || j->nsync < j->mship.npart)
         return;
     for (uint32_t p = 0; p < j->mship.npart; p++)
         if (!sync_waiting(co, j, j->mship.part[p].daemon, NULL))
@@ -971,9 +1014,9 @@ static void try_sync(amx_coord_t *co, cjob_t *j)
      * participant that waits on it; the round completes when they resend. */
     int missing = 0;
     for (uint32_t p = 0; p < j->mship.npart; p++) {
-        amx_creq_t *r;
+        amx_creq_t *r = NULL;
         sync_waiting(co, j, j->mship.part[p].daemon, &r);
-        if (r->offer_hash == 0 || offer_find(j, r->offer_hash) != NULL)
+        if (r == NULL || r->offer_hash == 0 || offer_find(j, r->offer_hash) != NULL)
             continue;
         missing = 1;
         co->stats.offers_asked++;
@@ -1075,6 +1118,9 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
     } else if (req->offer_included) {
         co->stats.offers_known++; /* sent anyway (small), already held */
     }
+    if (amx_grow(&j->sync_of, &j->cap_sync_of, (size_t)req->daemon + 1, sizeof(*j->sync_of), 16,
+                 1) != 0)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
     co->stats.syncs++;
     amx_creq_t *old;
     if (sync_waiting(co, j, req->daemon, &old))

@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <grpc/byte_buffer_reader.h>
+#include <malloc.h>
 #include <grpc/slice.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
@@ -18,6 +19,9 @@
 #include "clock.h"
 #include "log.h"
 #include "wire.h"
+
+/* Requests at least this large give their memory back when freed. */
+#define TRIM_REQUEST_BYTES (4u << 20)
 
 /* ---- calls ---- */
 
@@ -62,6 +66,10 @@ void amx__rpc_call_free(amx_call_t *c)
     if (c->request)
         protobuf_c_message_free_unpacked(c->request, NULL);
     amx_arena_free(&c->arena);
+    /* A request this large (a catalog, an offer) leaves tens of MB free
+     * in the heap once decoded and used: give them back to the system. */
+    if (c->request_len >= TRIM_REQUEST_BYTES)
+        malloc_trim(0);
     if (c->payload)
         grpc_byte_buffer_destroy(c->payload);
     if (c->recv_buf)
@@ -458,6 +466,8 @@ static void start_call(amx_rpc_t *rpc, amx_call_t *c)
         return;
     }
     amx_err_t err = {0};
+    if (c->payload != NULL)
+        c->request_len = grpc_byte_buffer_length(c->payload);
     if (c->payload != NULL && m->raw != NULL) {
         amx_wire_limits_t lim = wire_limits(rpc->cfg);
         uint8_t *data;
