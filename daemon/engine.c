@@ -99,6 +99,9 @@ amx_status_t amx__engine_fail_aborted(amx_engine_t *e, const char *during)
  * wait that ran out or a coordinator that went away (every participant
  * sees those itself), not an abort, not a conflict (the same answer went to
  * everyone). */
+/* How long an abort of an epoch not yet started here stays good. */
+#define PEND_ABORT_MS 5000
+
 static int failed_here(amx_status_t st)
 {
     return st != AMX_OK && st != AMX_ETIMEDOUT && st != AMX_EUNAVAIL && st != AMX_EABORTED &&
@@ -599,10 +602,40 @@ static void write_snapshot(amx_engine_t *e)
 }
 
 /* What the other daemons say about an epoch that did not complete. */
+/* A connection a neighbour closed is often the echo of another daemon's
+ * failure, whose Abort (with its cause) may still be on its way: waits up
+ * to wait_ms for it and, when it comes, fails with its status and sentence
+ * instead of the bare broken connection. */
+static int cause_from_peer(amx_engine_t *e, uint64_t wait_ms)
+{
+    uint64_t end = amx_now_ms() + wait_ms;
+    for (;;) {
+        char why[sizeof(e->abort_why)];
+        pthread_mutex_lock(&e->mu);
+        amx_status_t code = e->abort_code;
+        uint32_t from = e->abort_from;
+        snprintf(why, sizeof(why), "%s", e->abort_why);
+        pthread_mutex_unlock(&e->mu);
+        if (from != AMX_ENGINE_LOCAL && code != AMX_OK && code != AMX_EABORTED) {
+            e->res.st = code;
+            snprintf(e->res.msg, sizeof(e->res.msg), "job '%s', epoch %llu failed on daemon %u: %s",
+                     e->job->name, (unsigned long long)e->epoch, from, why);
+            e->passed_on = 1;
+            return 1;
+        }
+        if (amx_now_ms() >= end)
+            return 0;
+        struct timespec ts = {0, 5000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 static void explain(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
     if ((e->res.st != AMX_ETIMEDOUT && e->res.st != AMX_EUNAVAIL) || e->passed_on)
+        return;
+    if (e->res.st == AMX_EUNAVAIL && cause_from_peer(e, 300))
         return;
     char buf[768];
     amx_peer_call_progress(e->env.peer, &j->mship, j->me, j->name, e->epoch, 500, buf, sizeof(buf));
@@ -687,15 +720,18 @@ out:
             uint64_t gen = atomic_load(&e->comm_gen);
             if (gen == 0)
                 gen = e->last_gen;
-            if (gen != 0 && !e->passed_on)
-                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, 0, e->res.st,
-                                    e->aborted_here ? e->peer_why : e->res.msg, 500);
-            else if (gen == 0 && !e->passed_on && failed_here(e->res.st))
-                /* No communicator yet: the peers would wait in theirs (or
-                 * at the barrier) for this daemon and then blame its
-                 * ranks; they hear the real cause, about this epoch. */
+            const char *why = e->aborted_here ? e->peer_why : e->res.msg;
+            if (!e->passed_on && failed_here(e->res.st))
+                /* A failure of this daemon's own: every participant of this
+                 * epoch hears it, whatever communicator it is using or
+                 * making (it may be agreeing on a new generation this
+                 * daemon never got), instead of waiting for this daemon
+                 * and then blaming its ranks. */
                 amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, 0, e->start_epoch,
-                                    e->res.st, e->aborted_here ? e->peer_why : e->res.msg, 500);
+                                    e->res.st, why, 500);
+            else if (gen != 0 && !e->passed_on)
+                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, 0, e->res.st, why,
+                                    500);
             amx__engine_drop_comm(e);
             e->need_sync = 1;
         }
@@ -778,6 +814,15 @@ void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
     e->abort_why[0] = '\0';
     e->abort_code = AMX_OK;
     e->abort_from = AMX_ENGINE_LOCAL;
+    if (e->pend_epoch == epoch && amx_now_ms() - e->pend_at_ms <= PEND_ABORT_MS) {
+        /* A peer failed this epoch before it started here. */
+        atomic_store(&e->abort_flag, 1);
+        snprintf(e->abort_why, sizeof(e->abort_why), "%s", e->pend_why);
+        e->abort_code = e->pend_code;
+        e->abort_from = e->pend_from;
+    }
+    if (e->pend_epoch <= epoch)
+        e->pend_epoch = 0;
     e->have_work = 1;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
@@ -793,6 +838,16 @@ void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint64_t epoch, uint32_t fr
 {
     pthread_mutex_lock(&e->mu);
     uint64_t cur = atomic_load(&e->comm_gen);
+    if (gen == 0 && epoch != 0 && epoch > e->start_epoch) {
+        /* An epoch not started here yet: kept for when it starts. */
+        e->pend_epoch = epoch;
+        e->pend_at_ms = amx_now_ms();
+        e->pend_code = code;
+        e->pend_from = from;
+        snprintf(e->pend_why, sizeof(e->pend_why), "%s", why);
+        pthread_mutex_unlock(&e->mu);
+        return;
+    }
     if ((gen != 0 && gen != cur) || (gen == 0 && epoch != 0 && epoch != e->start_epoch)) {
         /* About a communicator this daemon no longer uses: an attempt
          * that is already agreeing again must not be disturbed. */

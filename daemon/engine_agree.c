@@ -465,9 +465,9 @@ static amx_status_t sync_round(amx_engine_t *e, int full, int specs, int want,
     if (st != AMX_OK)
         return amx__engine_fail(
             e, st,
-            "job '%s', epoch %llu: the agreement round at the coordinator failed: "
-            "%s",
-            j->name, (unsigned long long)e->epoch, err.msg);
+            "job '%s', epoch %llu: the agreement round at the coordinator (daemon 0, %s) "
+            "failed: %s",
+            j->name, (unsigned long long)e->epoch, amx_peer_id(e->env.peer)->coordinator, err.msg);
     if (!out->send_catalog && !out->send_offer)
         AMX_DEBUG("epoch",
                   "job %s: agreement %llu in %llu ms: catalog %016" PRIx64 "%s, target "

@@ -46,6 +46,13 @@ struct amx_engine {
     int aborted_here;        /* ... or because this daemon aborted it (peer_why says why) */
     char peer_why[768];
     char abort_why[768];
+    /* An abort of an epoch this daemon has not started yet (a peer failed
+     * it first): the epoch fails as it starts, if it starts within
+     * PEND_ABORT_MS (under mu). */
+    uint64_t pend_epoch, pend_at_ms;
+    amx_status_t pend_code;
+    uint32_t pend_from;
+    char pend_why[768];
     amx_comm_t *comm;
     _Atomic uint64_t comm_gen;
     uint64_t last_gen;  /* the generation of the last communicator held (engine thread) */

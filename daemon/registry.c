@@ -474,6 +474,12 @@ void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen,
                              uint32_t from, amx_status_t code, const char *reason)
 {
     amx_job_t *j = amx__find_job(reg, job);
+    amx_err_t err = {0};
+    /* An epoch abort may come before this daemon ran any epoch of the
+     * job: its engine keeps it for the epoch's start. */
+    if (j != NULL && j->eng == NULL && gen == 0 && epoch != 0 &&
+        amx_engine_create(j, &reg->env, &j->eng, &err) != AMX_OK)
+        AMX_WARN("registry", "job %s: %s", job, err.msg);
     if (j == NULL || j->eng == NULL)
         return;
     if (gen == 0 && epoch != 0)

@@ -318,6 +318,17 @@ static amx_wire_limits_t wire_limits(const amx_config_t *cfg)
     return l;
 }
 
+/* What to do about a request over max_message_bytes: a trainer splits it;
+ * a daemon's request (an offer, a catalog) cannot be split. */
+static const char *too_big_advice(const ProtobufCMessageDescriptor *desc)
+{
+    return strcmp(desc->package_name, "amaxd.peer.v1") == 0
+               ? "it comes from another daemon of the cluster (an offer or a catalog in "
+                 "an agreement): give every daemon the same max_message_bytes, above "
+                 "the job's catalog (about 50 bytes a quantizer)"
+               : "split it into smaller batches (or stream them)";
+}
+
 /* The bytes of a request (one contiguous copy, ours to change), checked
  * against max_message_bytes and by amx_wire_check; AMX_OK or a sentence. */
 static amx_status_t read_checked(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc,
@@ -327,9 +338,8 @@ static amx_status_t read_checked(grpc_byte_buffer *bb, const ProtobufCMessageDes
     size_t len = grpc_byte_buffer_length(bb);
     if ((int64_t)len > max_bytes)
         return amx_err_set(err, AMX_ENOMEM,
-                           "a %s message of %zu bytes exceeds max_message_bytes=%lld; split it "
-                           "into smaller batches (or stream them)",
-                           desc->name, len, (long long)max_bytes);
+                           "a %s message of %zu bytes exceeds max_message_bytes=%lld; %s",
+                           desc->name, len, (long long)max_bytes, too_big_advice(desc));
     grpc_byte_buffer_reader r;
     if (!grpc_byte_buffer_reader_init(&r, bb))
         return amx_err_set(err, AMX_EINVAL, "request payload could not be read (compressed?)");
@@ -354,10 +364,9 @@ static amx_status_t read_raw(amx_rpc_t *rpc, grpc_byte_buffer *bb,
 {
     size_t n = grpc_byte_buffer_length(bb);
     if ((int64_t)n > rpc->cfg->max_message_bytes)
-        return amx_err_set(err, AMX_ENOMEM,
-                           "a %s message of %zu bytes exceeds max_message_bytes=%lld; split it "
-                           "into smaller batches (or stream them)",
-                           desc->name, n, (long long)rpc->cfg->max_message_bytes);
+        return amx_err_set(
+            err, AMX_ENOMEM, "a %s message of %zu bytes exceeds max_message_bytes=%lld; %s",
+            desc->name, n, (long long)rpc->cfg->max_message_bytes, too_big_advice(desc));
     if (n > rpc->scratch_cap || rpc->scratch == NULL) {
         uint8_t *p = realloc(rpc->scratch, n ? n : 1);
         if (p == NULL)
@@ -487,6 +496,11 @@ static void start_call(amx_rpc_t *rpc, amx_call_t *c)
         amx_err_set(&err, AMX_EINVAL, "%s: the call carried no request message", m->path);
     } else {
         amx_wire_limits_t lim = wire_limits(rpc->cfg);
+        /* A daemon's agreement request holds the specs its ranks
+         * registered, within its own limits, not this daemon's: only its
+         * size bounds it (max_message_bytes, max_request_memory). */
+        if (m->server == AMX_SERVER_PEER)
+            lim.max_elements = UINT64_MAX;
         c->request = unpack(c->payload, m->request, rpc->cfg->max_message_bytes, &lim, &err);
         grpc_byte_buffer_destroy(c->payload);
         c->payload = NULL;

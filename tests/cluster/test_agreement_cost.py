@@ -162,3 +162,92 @@ def test_agreement_answers_are_not_refused_by_trainer_caps(make_cluster):
     assert s.answer_bytes > 2 * 1048576, s
     for x in cls.values():
         x.close()
+
+
+def _fails_fast(cls, run, timeout_s):
+    import time
+    t0 = time.monotonic()
+    out, errs = run_threads({r: (lambda r=r: run(r)) for r in cls})
+    return out, errs, time.monotonic() - t0
+
+
+def test_a_retry_over_one_daemons_limit_fails_everywhere_at_once(make_cluster):
+    """The epoch that first brings the catalog over daemon 2's
+    max_quantizers fails on every daemon at once, and so does every retry
+    of it: the peers, agreeing on a new communicator, hear daemon 2's cause
+    (it used to send its abort for the communicator it last held, which the
+    peers ignored: they waited their whole timeout and blamed its rank)."""
+    c = make_cluster(3, "--reconcile-timeout-ms=20000")
+    c[2].check_clean_exit(c[2].stop())
+    c.start(2, extra=("--max-quantizers=50",))
+    cls = {r: amaxd.Client("rt", r, 3, socket=c.socket(r), timeout=60) for r in range(3)}
+    base = [amaxd.Quantizer(f"b{i}", [], amaxd.Recipe.fp8_current()) for i in range(10)]
+    more = [amaxd.Quantizer(f"m{i:02d}", [], amaxd.Recipe.fp8_current()) for i in range(60)]
+    out, errs = run_threads({r: (lambda r=r: (cls[r].join(), cls[r].register(base),
+                                              cls[r].send({"b0": 1.0}), cls[r].reconcile())[-1])
+                             for r in range(3)})
+    assert not errs, errs
+
+    def add(r):
+        if r == 0:
+            cls[0].register(more)
+        cls[r].send({"b0": 2.0})
+        return cls[r].reconcile()
+    for attempt, fn in enumerate((add, lambda r: cls[r].reconcile(), lambda r: cls[r].reconcile())):
+        out, errs, took = _fails_fast(cls, fn, 20)
+        assert set(errs) == {0, 1, 2}, (attempt, out, errs)
+        for r, e in errs.items():
+            assert isinstance(e, amaxd.errors.ResourceExhausted), (attempt, r, e)
+            assert "daemon 2's max_quantizers=50" in str(e), (attempt, r, e)
+            assert "did not enter" not in str(e), (attempt, r, e)
+        assert took < 10, (attempt, took, c.logs())  # not the 20 s timeout
+    for x in cls.values():
+        x.close()
+
+
+def test_a_peer_that_starts_the_epoch_later_hears_the_cause(make_cluster):
+    """Daemon 1's agreement request is refused by the coordinator (its offer
+    is over the coordinator's max_message_bytes) before daemon 2's trainer
+    even entered the epoch: daemon 2 fails that epoch as it starts, with
+    daemon 1's cause naming the coordinator and the setting, not after its
+    whole timeout blaming daemon 1's rank. The coordinator's own
+    max_quantizers does not bound the members' requests."""
+    import time
+    c = make_cluster(3, "--reconcile-timeout-ms=15000")
+    c[0].check_clean_exit(c[0].stop())
+    c.start(0, extra=("--max-message-bytes=1048576", "--max-quantizers=50"))
+    cls = {r: amaxd.Client("late", r, 2, socket=c.socket(r + 1), timeout=60) for r in range(2)}
+    qs = [amaxd.Quantizer(f"model.layers.{i:05d}.input_quantizer", [],
+                          amaxd.Recipe.fp8_current()) for i in range(40000)]
+
+    def run(r):
+        cls[r].join()
+        cls[r].register(qs)
+        cls[r].send({qs[0].name: 1.0})
+        if r == 1:
+            time.sleep(1.0)
+        t0 = time.monotonic()
+        try:
+            cls[r].reconcile(names=[qs[0].name])
+        except amaxd.AmaxdError as e:
+            return e, time.monotonic() - t0
+        return None, time.monotonic() - t0
+    out, errs = run_threads({r: (lambda r=r: run(r)) for r in range(2)})
+    assert not errs, errs
+    for r in range(2):
+        e, took = out[r]
+        assert isinstance(e, amaxd.errors.ResourceExhausted), (r, e)
+        assert "coordinator (daemon 0" in str(e) and "max_message_bytes" in str(e), (r, e)
+        assert "did not enter" not in str(e), (r, e)
+        assert took < 5, (r, took)
+    # Within max_message_bytes, more specs than the coordinator's
+    # max_quantizers agree: that limit is the participants'.
+    few = [amaxd.Quantizer(f"f{i:03d}", [], amaxd.Recipe.fp8_current()) for i in range(60)]
+    cls2 = {r: amaxd.Client("few", r, 2, socket=c.socket(r + 1), timeout=60) for r in range(2)}
+    out, errs = run_threads({r: (lambda r=r: (cls2[r].join(), cls2[r].register(few),
+                                              cls2[r].send({"f000": 3.0 + r}),
+                                              cls2[r].reconcile())[-1]) for r in range(2)})
+    assert not errs, errs
+    assert out[0]["f000"].amax[()] == 4.0
+    for x in list(cls.values()) + list(cls2.values()):
+        x.close()
