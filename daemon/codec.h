@@ -37,9 +37,16 @@ void amx_codec_recipe_out(const amx_recipe_t *r, Amaxd__V1__Recipe *out);
  * registry take it (borrows q's strings and arrays). */
 void amx_codec_spec_in(const Amaxd__V1__QuantizerSpec *q, amx_qspec_in_t *out);
 
-/* An agreed spec for another daemon (borrows s's strings and arrays; r is
- * the recipe message q points to). */
-void amx_codec_spec_out(const amx_qspec_t *s, Amaxd__V1__QuantizerSpec *q, Amaxd__V1__Recipe *r);
+/* A request's calibrator as amx_qspec_parse takes it (c NULL: absent, max). */
+void amx_codec_calib_in(const Amaxd__V1__Calibrator *c, amx_calib_in_t *out);
+
+/* A spec's calibrator for an answer. */
+void amx_codec_calib_out(const amx_calib_t *c, Amaxd__V1__Calibrator *out);
+
+/* An agreed spec for another daemon (borrows s's strings and arrays; the
+ * recipe and calibrator messages q points to are allocated in `a`).
+ * ENOMEM when the arena cannot grow. */
+amx_status_t amx_codec_spec_out(const amx_qspec_t *s, Amaxd__V1__QuantizerSpec *q, amx_arena_t *a);
 
 /* A spec from another daemon, validated as a trainer's is (borrows q's
  * strings). */

@@ -35,6 +35,9 @@ typedef struct amx_update_in {
     size_t values_len;
     const uint8_t *has_data; /* one byte per cell, or NULL */
     size_t has_data_len;
+    const uint8_t *stat; /* calibrators beyond max: float64 LE statistic, or NULL */
+    size_t stat_len;
+    uint64_t stat_epoch;
 } amx_update_in_t;
 
 typedef struct amx_send_req {
@@ -153,6 +156,13 @@ typedef struct amx_result {
     /* The epoch before the last one's global amax and scale. */
     int has_previous;
     float previous_global_amax, previous_global_scale;
+    /* Calibrators beyond max (stat_state != AMX_STAT_NONE): the published
+     * statistic's state, basis epoch, counts, and the basis of each cell
+     * of the result (arena; NULL without a basis). */
+    int stat_state;
+    uint64_t stat_epoch;
+    double stat_total, stat_overflow;
+    float *stat_basis;
 } amx_result_t;
 
 typedef struct amx_reply {

@@ -323,6 +323,58 @@ static amx_status_t result_slices(amx_result_t *x, const amx_state_t *st, const 
     return AMX_OK;
 }
 
+typedef struct basis_ctx {
+    const float *basis; /* the quantizer's stat cells */
+    float *out;
+    uint64_t w0, w1;
+} basis_ctx_t;
+
+/* One block row (global cell `flat`, block cell `boff`), clipped to the
+ * window: the basis of its cells. */
+static void basis_row(void *ud, uint64_t flat, uint64_t boff, uint64_t len)
+{
+    basis_ctx_t *c = ud;
+    uint64_t lo = boff > c->w0 ? boff : c->w0;
+    uint64_t hi = boff + len < c->w1 ? boff + len : c->w1;
+    for (uint64_t b = lo; b < hi; b++)
+        c->out[b - c->w0] = c->basis[flat + (b - boff)];
+}
+
+/* The published statistic of result `x` (cells of block `pl` of quantizer
+ * `q`) from output set `f` (-1: none yet). */
+static amx_status_t result_stat(amx_result_t *x, const amx_job_t *j, const amx_lq_t *q,
+                                const amx_placement_t *pl, int f, amx_arena_t *a)
+{
+    const amx_calib_t *c = &q->spec->calib;
+    if (c->kind == AMX_CAL_MAX)
+        return AMX_OK;
+    const amx_state_t *st = j->state;
+    x->stat_state = AMX_STAT_WAITING;
+    if (f < 0 || q->status != LQ_AGREED || q->cidx < 0 || st->p_sq[f] == NULL ||
+        (uint32_t)q->cidx >= st->p_nq[f])
+        return AMX_OK;
+    const amx_stat_result_t *r = &st->p_sq[f][q->cidx];
+    x->stat_state = r->state != AMX_STAT_NONE ? r->state : AMX_STAT_WAITING;
+    x->stat_epoch = r->epoch;
+    x->stat_total = r->total;
+    x->stat_overflow = r->overflow;
+    const amx_qdesc_t *d = &j->desc[q->cidx];
+    if (r->epoch == 0 || st->p_basis[f] == NULL ||
+        d->obase + amx_qspec_stat_cells(q->spec) > st->p_nscell[f] || x->ncells == 0)
+        return AMX_OK;
+    x->stat_basis = amx_arena_alloc(a, x->ncells * sizeof(float));
+    if (x->stat_basis == NULL)
+        return AMX_ENOMEM;
+    if (c->kind == AMX_CAL_HISTOGRAM) {
+        x->stat_basis[0] = st->p_basis[f][d->obase]; /* one cell */
+        return AMX_OK;
+    }
+    basis_ctx_t bc = {st->p_basis[f] + d->obase, x->stat_basis, x->first_cell,
+                      x->first_cell + x->ncells};
+    amx_placement_rows(pl, q->spec->shape, 0, basis_row, &bc);
+    return AMX_OK;
+}
+
 /* Bytes of a QuantizerResult of n cells and ns global slices, framing
  * included (an upper estimate: 13 bytes a cell, the name, the block, the
  * scalars). */
@@ -331,7 +383,7 @@ static uint64_t result_bytes(const char *name, uint32_t ndim, uint64_t n, uint64
     /* 13 bytes per cell (amax, scale, scale_inv, block scale) and one for
      * the peer-fill mark, which only quantizers with filled cells carry;
      * 12 per global slice. */
-    return 14 * n + 12 * ns + strlen(name) + 12ull * ndim + 112;
+    return 18 * n + 12 * ns + strlen(name) + 12ull * ndim + 160;
 }
 
 /*
@@ -419,7 +471,9 @@ amx_status_t amx__build_results(amx_registry_t *reg, amx_job_t *j, int64_t rank,
         x->first_cell = lo - b0;
         x->ncells = hi - lo;
         if (q->status != LQ_AGREED) {
-            if (empty_result(x, a) != AMX_OK || result_slices(x, j->state, q, pl, -1, a) != AMX_OK)
+            if (empty_result(x, a) != AMX_OK ||
+                result_slices(x, j->state, q, pl, -1, a) != AMX_OK ||
+                result_stat(x, j, q, pl, -1, a) != AMX_OK)
                 return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
             continue;
         }
@@ -436,7 +490,8 @@ amx_status_t amx__build_results(amx_registry_t *reg, amx_job_t *j, int64_t rank,
         x->global_amax = have ? j->state->g_amax[f][c] : 0.0f;
         x->global_scale = have ? j->state->g_scale[f][c] : 1.0f;
         x->global_scale_inv = have ? j->state->g_inv[f][c] : 1.0f;
-        if (result_slices(x, j->state, q, pl, f, a) != AMX_OK)
+        if (result_slices(x, j->state, q, pl, f, a) != AMX_OK ||
+            result_stat(x, j, q, pl, f, a) != AMX_OK)
             return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
         if (filled != NULL)
             x->filled = filled + (x->amax - amax);

@@ -86,6 +86,16 @@ static Amaxd__V1__QuantizerResult **results_to_pb(const amx_reply_t *rep, amx_ar
             r->previous_global_amax = x->previous_global_amax;
             r->previous_global_scale = x->previous_global_scale;
         }
+        if (x->stat_state != AMX_STAT_NONE) {
+            r->stat_state = (Amaxd__V1__StatState)x->stat_state;
+            r->stat_epoch = x->stat_epoch;
+            r->stat_total = x->stat_total;
+            r->stat_overflow = x->stat_overflow;
+            if (x->stat_basis != NULL) {
+                r->stat_basis.data = (uint8_t *)x->stat_basis;
+                r->stat_basis.len = x->ncells * sizeof(float);
+            }
+        }
         v[i] = r;
     }
     return v;
@@ -402,6 +412,15 @@ static void h_list(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         info->scale_group = s->scale_group;
         info->peer_mode = (Amaxd__V1__PeerMode)s->peer_mode;
         info->global_axes = s->global_axes;
+        if (s->calib.kind != AMX_CAL_MAX) {
+            Amaxd__V1__Calibrator *cal = amx_arena_alloc(&a, sizeof(*cal));
+            if (cal == NULL) {
+                resp.quantizers = NULL;
+                break;
+            }
+            amx_codec_calib_out(&s->calib, cal);
+            info->calibrator = cal;
+        }
         info->placements = q[i].placements;
         info->agreed = q[i].agreed;
         resp.quantizers[resp.n_quantizers++] = info;

@@ -157,12 +157,9 @@ static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
         ok = r.catalog != NULL;
         for (uint32_t i = 0; ok && i < ans->catalog->n; i++) {
             Amaxd__V1__QuantizerSpec *q = amx_arena_alloc(&a, sizeof(*q));
-            Amaxd__V1__Recipe *rc = amx_arena_alloc(&a, sizeof(*rc));
-            ok = q != NULL && rc != NULL;
-            if (ok) {
-                amx_codec_spec_out(ans->catalog->q[i], q, rc);
+            ok = q != NULL && amx_codec_spec_out(ans->catalog->q[i], q, &a) == AMX_OK;
+            if (ok)
                 r.catalog[i] = q;
-            }
         }
     }
     r.n_rejected = ans->nrejected;
