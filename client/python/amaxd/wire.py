@@ -95,6 +95,7 @@ _QS_ACCUMULATION, _QS_PEER_GROUP, _QS_SCALE_GROUP = (
     _key(_QS, "accumulation"), _key(_QS, "peer_group"), _key(_QS, "scale_group"))
 _QS_OFFSET, _QS_LOCAL_SHAPE = _key(_QS, "offset"), _key(_QS, "local_shape")
 _QS_PEER_MODE, _QS_GLOBAL_AXES = _key(_QS, "peer_mode"), _key(_QS, "global_axes")
+_QS_CALIBRATOR = _key(_QS, "calibrator")
 
 _SP = pb.SendPackedRequest
 _SP_JOB, _SP_RANK, _SP_EPOCH = _key(_SP, "job"), _key(_SP, "rank"), _key(_SP, "epoch")
@@ -155,6 +156,13 @@ def spec_bytes(q: Quantizer, cache: MutableMapping[Any, bytes]) -> bytes:
         parts.append(_QS_PEER_MODE + varint(peer_mode_value(q.peer_mode)))
     if q.global_axes:
         parts.append(_QS_GLOBAL_AXES + varint(int(q.global_axes)))
+    c = q.calibrator
+    if c is not None and c.kind:
+        cb = cache.get(("calibrator", c))
+        if cb is None:
+            cb = _len_field(_QS_CALIBRATOR, c.to_pb().SerializeToString())
+            cache[("calibrator", c)] = cb
+        parts.append(cb)
     return _len_field(_REG_QUANTIZER, b"".join(parts))
 
 
