@@ -234,6 +234,12 @@ typedef struct amx_state_ops {
      * grow_pending added to -inf. */
     void (*fill_pending)(amx_state_t *st);
 
+    /* Optional (NULL: not known). Loop. Gathers, like read_results, one
+     * byte per cell of the front outputs: 1 where the cell had no data and
+     * took its peer group's max in the epoch that made them. EUNAVAIL when
+     * the front outputs were not made by a finish (a remap or an import). */
+    amx_status_t (*read_filled)(amx_state_t *st, const amx_run_t *runs, size_t nruns,
+                                uint8_t *filled, amx_err_t *err);
     /* Statistics (calibrators beyond max; docs/API.md). A backend keeps
      * stat buffers of float64 values laid out by the agreed catalog
      * (amx_qdesc_t.sbase): pending[2] flipped with the amax buffers, a
@@ -265,12 +271,6 @@ typedef struct amx_state_ops {
     amx_status_t (*read_accum)(amx_state_t *st, const amx_run_t *runs, size_t nruns, float *out,
                                amx_err_t *err);
 
-    /* Optional (NULL: not known). Loop. Gathers, like read_results, one
-     * byte per cell of the front outputs: 1 where the cell had no data and
-     * took its peer group's max in the epoch that made them. EUNAVAIL when
-     * the front outputs were not made by a finish (a remap or an import). */
-    amx_status_t (*read_filled)(amx_state_t *st, const amx_run_t *runs, size_t nruns,
-                                uint8_t *filled, amx_err_t *err);
 } amx_state_ops_t;
 
 struct amx_state {
