@@ -342,9 +342,8 @@ static float fake_quant_int(float x, float amax, float max_bound, float min_boun
 }
 
 /* ModelOpt's fp8_eager (tensor_quant.py; what scaled_e4m3 runs on CPU
- * tensors): scale = 448 / amax (amax <= 2^-24 counts as 1), x * scale
- * clamped to [-448, 448], cast to float8_e4m3fn (round to nearest even),
- * times 1 / scale. */
+ * tensors): x * scale clamped to [-448, 448], cast to float8_e4m3fn
+ * (round to nearest even), times scale_inv (the caller makes both). */
 static float fake_quant_e4m3(float x, float scale, float scale_inv)
 {
     float v = x * scale;
@@ -374,7 +373,10 @@ float amx_hist_mse(const double *counts, uint32_t num_bins, const float *edges, 
     for (uint64_t i = start_bin; i < n; i += stride) {
         float amax = centers[i];
         int tiny = amax <= eps;
-        float scale = 448.0f / (amax <= eps ? 1.0f : amax), scale_inv = 1.0f / scale;
+        /* fp8_eager's `448.0 / safe_amax` and `1 / scale` are a Python
+         * number divided by a tensor: torch's Tensor.__rdiv__,
+         * reciprocal() * number (two roundings for the first). */
+        float scale = (1.0f / (amax <= eps ? 1.0f : amax)) * 448.0f, scale_inv = 1.0f / scale;
         for (uint64_t j = 0; j < n; j++) {
             float qc = grid == AMX_GRID_E4M3
                            ? fake_quant_e4m3(centers[j], scale, scale_inv)

@@ -26,7 +26,7 @@ checks it):
     te          TransformerEngine's master-weight cast through amaxd (amaxd.te)
     demo        python -m amaxd.demo
 """
-from . import errors, placement
+from . import calib, errors, placement
 from ._gen import amaxd_pb2 as pb
 from .client import Client
 from .errors import AmaxdError
@@ -38,5 +38,5 @@ from .types import (FP8_E4M3, FP8_E5M2, MXFP8, NVFP4, PER_EPOCH, RUNNING_MAX, Ca
 __version__ = "0.1.0"
 __all__ = ["Client", "Quantizer", "Recipe", "Calibrator", "Stat", "Result", "Masked", "Layout",
            "PackedResult", "Placement",
-           "AmaxdError", "errors",
+           "AmaxdError", "errors", "calib",
            "placement", "pb", "FP8_E4M3", "FP8_E5M2", "NVFP4", "MXFP8", "RUNNING_MAX", "PER_EPOCH"]

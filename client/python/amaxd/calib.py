@@ -38,14 +38,42 @@ def _f32(x: Any) -> np.float32:
     return np.float32(x)
 
 
+def _linspace(start: float, end: float, steps: int, torch_cpu: int) -> np.ndarray:
+    """torch.linspace(start, end, steps) in float32 as torch's CPU kernel
+    computes it (daemon/calib.c amx_torch_linspace_f32): step = (end -
+    start) / (steps - 1) in float32; index i below steps // 2 is start +
+    step * i, the others end - step * (steps - i - 1), each one fused
+    multiply-add (one rounding) unless the build is the baseline one."""
+    s, e = _f32(start), _f32(end)
+    if steps == 1:
+        return np.array([s], dtype=np.float32)
+    step = _f32(_f32(e - s) / _f32(steps - 1))
+    half = steps // 2
+    i = np.arange(steps)
+    k = np.where(i < half, i, steps - i - 1)
+    base = np.where(i < half, s, e)
+    sgn = np.where(i < half, 1, -1)
+    if torch_cpu == _TORCH_DEFAULT:
+        prod = (step * k.astype(np.float32)).astype(np.float32)
+        return np.where(i < half, s + prod, e - prod).astype(np.float32)
+    if np.finfo(np.longdouble).nmant >= 63:
+        # step * k has at most 24 + 15 bits and the sum stays within 64
+        # bits: exact in x87 extended precision, then rounded once.
+        ld = base.astype(np.longdouble) + sgn * (np.longdouble(step) * k.astype(np.longdouble))
+        return ld.astype(np.float32)
+    out = np.empty(steps, dtype=np.float32)
+    for j in range(steps):
+        out[j] = _round_f32(Fraction(float(base[j])) + int(sgn[j]) * Fraction(float(step)) * int(k[j]))
+    return out
+
+
 def _round_f32(q: Fraction) -> np.float32:
-    """A rational rounded once, to nearest even, to float32."""
+    """A rational rounded once, to nearest even, to float32 (normal range)."""
     if q == 0:
         return np.float32(0.0)
     sign = -1 if q < 0 else 1
     q = abs(q)
-    e = math.floor(math.log2(q.numerator) - math.log2(q.denominator))
-    # exact exponent: 2^e <= q < 2^(e+1)
+    e = q.numerator.bit_length() - q.denominator.bit_length()
     while Fraction(2) ** e > q:
         e -= 1
     while Fraction(2) ** (e + 1) <= q:
@@ -58,30 +86,6 @@ def _round_f32(q: Fraction) -> np.float32:
     if rest > Fraction(1, 2) or (rest == Fraction(1, 2) and n % 2 == 1):
         n += 1
     return np.float32(sign * float(n * ulp))
-
-
-def _linspace(start: float, end: float, steps: int, torch_cpu: int) -> np.ndarray:
-    """torch.linspace(start, end, steps) in float32 as torch's CPU kernel
-    computes it (daemon/calib.c amx_torch_linspace_f32): FMA-contracted
-    unless the build is the baseline one."""
-    s, e = _f32(start), _f32(end)
-    out = np.empty(steps, dtype=np.float32)
-    if steps == 1:
-        out[0] = s
-        return out
-    step = _f32(_f32(e - s) / _f32(steps - 1))
-    half = steps // 2
-    fma = torch_cpu != _TORCH_DEFAULT
-    for i in range(steps):
-        k = i if i < half else steps - i - 1
-        if fma:
-            base, sgn = (s, 1) if i < half else (e, -1)
-            out[i] = _round_f32(Fraction(float(base)) + sgn * Fraction(float(step)) * k)
-        elif i < half:
-            out[i] = _f32(s + _f32(step * _f32(k)))
-        else:
-            out[i] = _f32(e - _f32(step * _f32(k)))
-    return out
 
 
 def edges(g: float, cal: Calibrator) -> np.ndarray:
