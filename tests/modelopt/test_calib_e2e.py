@@ -184,3 +184,103 @@ def test_mse_search_equals_single_process(daemon, per_channel):
     # float32 loss is larger by far more than float32 summation error.
     srt = torch.sort(losses_ref.reshape(losses_ref.shape[0], -1), dim=0).values
     assert torch.all(srt[1] - srt[0] > 1e-4 * srt[0])
+
+
+# -- amaxd.modelopt.sync_histograms on the toy block --------------------------
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import copy  # noqa: E402
+
+import modelopt.torch.quantization as mtq  # noqa: E402
+
+import amaxd.modelopt as amo  # noqa: E402
+import toy  # noqa: E402
+
+ADAPTER = {
+    # name: (num_bits of the input quantizers, num_bins, method, kwargs)
+    "int8_pct": (8, 2048, "percentile", dict(percentile=99.9)),
+    "int8_entropy": (8, 256, "entropy", dict(start_bin=128, stride=4)),
+    "fp8_mse": ((4, 3), 1024, "mse", dict(start_bin=128, stride=8)),
+}
+
+
+def _histogram_model(model, case):
+    """`model` with histogram calibrators on every linear's input quantizer
+    (weights left unquantized), as ModelOpt configures them; no calibration."""
+    nb, bins, _, _ = ADAPTER[case]
+    cfg = copy.deepcopy(mtq.INT8_DEFAULT_CFG)
+    cfg["algorithm"] = None
+    for e in cfg["quant_cfg"]:
+        if e.get("quantizer_name") == "*weight_quantizer":
+            e["enable"] = False
+        if e.get("quantizer_name") == "*input_quantizer":
+            e["cfg"] = {"num_bits": nb, "axis": None, "calibrator": "histogram"}
+    mtq.quantize(model, cfg, None)
+    for n, q in model.named_modules():
+        if isinstance(q, mtq.nn.TensorQuantizer) and isinstance(q._calibrator, HistogramCalibrator):
+            q._calibrator = HistogramCalibrator(nb, None, False, num_bins=bins)
+    return model
+
+
+def _reference(case):
+    """One process: every histogram quantizer collects what its linear sees
+    in one forward of the whole batch (one batch: its edges are the global
+    max's), then load_calib_amax(method, ...) as ModelOpt's calibration ends.
+    Returns (the model, what each linear saw)."""
+    _, _, method, kw = ADAPTER[case]
+    model = _histogram_model(toy.full_model(), case)
+    hq = {n: q for n, q in model.named_modules() if isinstance(q, mtq.nn.TensorQuantizer)
+          and isinstance(q._calibrator, HistogramCalibrator)}
+    for q in hq.values():
+        q.disable_quant()
+        q.enable_calib()
+    seen, remove = toy.capture_hooks(model)
+    model(toy.batch())
+    remove()
+    for q in hq.values():
+        if q._calibrator._calib_hist is not None:  # a cold expert's saw nothing
+            q.load_calib_amax(method, **kw)
+        q.enable_quant()
+        q.disable_calib()
+    return model, seen
+
+
+@pytest.mark.parametrize("case", sorted(ADAPTER))
+@pytest.mark.parametrize("layout", ["tp2ep2", "tp1ep4"])
+def test_sync_histograms_equals_single_process(daemon, repaired, case, layout):
+    ref, captured = _reference(case)
+    want = {n: getattr(q, "_amax", None) for n, q in ref.named_modules()
+            if isinstance(q, mtq.nn.TensorQuantizer) and isinstance(q._calibrator,
+                                                                    HistogramCalibrator)}
+    _, _, method, kw = ADAPTER[case]
+
+    def rank(r):
+        tp, ep, tpr, epr = toy.coords(layout, r)
+        lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep, dp_rank=r // tp,
+                         dp_size=toy.W // tp)
+        m = _histogram_model(toy.shard_model(toy.full_model(), layout, r), case)
+        with daemon.client(f"adapter-{case}-{layout}".replace("_", "-"), r, toy.W) as c:
+            c.join()
+            amo.sync_histograms(c, m, lay, lambda mm: toy.replay(mm, captured, layout, r), method,
+                                column=toy.COLUMN, row=toy.ROW, **kw)
+        return lay, m
+
+    with ThreadPoolExecutor(toy.W) as ex:
+        shards = list(ex.map(rank, range(toy.W)))
+    checked = 0
+    for lay, m in shards:
+        for n, q in m.named_modules():
+            if not isinstance(q, mtq.nn.TensorQuantizer) or not q.is_enabled:
+                continue
+            g = amo.global_name(m, n, lay)
+            w = want[g]
+            got = getattr(q, "_amax", None)
+            if w is None:  # no rank fed it: none, as one process leaves it
+                assert got is None, (layout, g)
+                continue
+            assert got is not None and got.numpy().tobytes() == w.numpy().tobytes(), \
+                (case, layout, g, got, w)
+            assert q._if_quant and not q._if_calib
+            checked += 1
+    assert checked > 20
