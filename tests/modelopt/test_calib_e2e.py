@@ -284,3 +284,59 @@ def test_sync_histograms_equals_single_process(daemon, repaired, case, layout):
             assert q._if_quant and not q._if_calib
             checked += 1
     assert checked > 20
+
+
+@pytest.mark.parametrize("cfg_name", ["fp8", "fp8_channel"])
+@pytest.mark.parametrize("layout", ["tp2ep2", "tp1ep4"])
+def test_sync_mse_equals_single_process(daemon, cfg_name, layout):
+    """ModelOpt's mse_calibrate (multiplier search on the weights) in one
+    process vs max calibration per shard, amaxd.modelopt.sync (the max),
+    then amaxd.modelopt.sync_mse: every weight's _amax the same bytes."""
+    from common import CONFIGS
+    cfg = copy.deepcopy(CONFIGS[cfg_name])
+    cfg["algorithm"] = "mse"
+    ref, x = toy.full_model(), toy.batch()
+    captured = {}
+
+    def loop(m):
+        seen, remove = toy.capture_hooks(m)
+        m(x)
+        remove()
+        captured.update(seen)
+
+    mtq.quantize(ref, cfg, loop)
+    want = {n: q._amax.clone() for n, q in ref.named_modules()
+            if n.endswith("weight_quantizer") and isinstance(q, mtq.nn.TensorQuantizer)
+            and q.is_enabled}
+
+    def rank(r):
+        tp, ep, tpr, epr = toy.coords(layout, r)
+        lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep, dp_rank=r // tp,
+                         dp_size=toy.W // tp)
+        m = toy.shard_model(toy.full_model(), layout, r)
+        mtq.quantize(m, copy.deepcopy(CONFIGS[cfg_name]),
+                     lambda mm: toy.replay(mm, captured, layout, r))
+        with daemon.client(f"mse-{cfg_name}-{layout}".replace("_", "-"), r, toy.W) as c:
+            c.join()
+            amo.sync(c, m, lay, column=toy.COLUMN, row=toy.ROW, moe_share=amo.supports_share())
+            res = amo.sync_mse(c, m, lay, column=toy.COLUMN, row=toy.ROW)
+        return lay, m, res
+
+    with ThreadPoolExecutor(toy.W) as ex:
+        shards = list(ex.map(rank, range(toy.W)))
+    checked = 0
+    for lay, m, res in shards:
+        tp, tpr = lay.tp_size, lay.tp_rank
+        for n, q in m.named_modules():
+            if not n.endswith("weight_quantizer") or not isinstance(q, mtq.nn.TensorQuantizer) \
+                    or not q.is_enabled:
+                continue
+            g = amo.global_name(m, n, lay)
+            w = want[g]
+            if w.numel() > 1 and n.rsplit(".", 2)[-2] in toy.COLUMN and tp > 1:
+                rows = w.shape[0] // tp
+                w = w[tpr * rows:(tpr + 1) * rows]
+            assert q._amax.numpy().tobytes() == w.numpy().tobytes(), (cfg_name, layout, g)
+            assert res[g + ".mse"].stat_state == amaxd.pb.STAT_COMPUTED
+            checked += 1
+    assert checked >= 4 * 10

@@ -903,12 +903,17 @@ def _is_histogram(q) -> bool:
     return isinstance(getattr(q, "_calibrator", None), HistogramCalibrator)
 
 
-def _counts_here(role: str, attr: str, par: str, tp_rank: int, layout: Layout) -> bool:
+def _counts_here(role: str, attr: str, par: str, tp_rank: int, layout: Layout,
+                 expert: Optional[int] = None) -> bool:
     """Whether this rank's data of a quantizer is its own (summed with the
     other ranks') rather than a copy another rank counts too: TP ranks
     see the same input of a column-parallel (or TP-replicated) linear, and
-    DP ranks hold the same weights; one of the copies counts."""
+    DP ranks hold the same weights (a routed expert's weights: its
+    expert-data-parallel replicas, EP being carved out of DP as Megatron
+    does, edp_rank = dp_rank // ep_size); one of the copies counts."""
     if attr == "weight_quantizer":
+        if expert is not None and layout.dp_size % layout.ep_size == 0:
+            return layout.dp_rank // layout.ep_size == 0
         return layout.dp_rank == 0
     if role == "linear" and attr == "input_quantizer" and par != "row":
         return tp_rank == 0
@@ -983,7 +988,8 @@ def plan_histograms(model: "torch.nn.Module", layout: Layout = Layout(), method:
         calib = Calibrator.histogram(method, int(cal._num_bins), skip_zeros=bool(cal._skip_zeros),
                                      torch_cpu_build=torch_cpu_build, **kw)
         spec = Quantizer(gname, (), Recipe.fp8_current(output="modelopt"), calibrator=calib)
-        out.append(HistEntry(qname, gname, q, spec, _counts_here(role, attr, par, tp_rank, layout)))
+        out.append(HistEntry(qname, gname, q, spec,
+                             _counts_here(role, attr, par, tp_rank, layout, expert)))
     return out
 
 
@@ -1086,4 +1092,105 @@ def sync_histograms(client: "Client", model: "torch.nn.Module", layout: Layout =
         _set_amax(e.quantizer, torch.tensor(np.float32(r.amax.reshape(())), dtype=torch.float32))
         e.quantizer.enable_quant()
         e.quantizer.disable_calib()
+    return results
+
+
+@dataclass
+class MseEntry:
+    """One weight quantizer whose amax an MSE search refines, as registered
+    (its amaxd name is the quantizer's global name + ".mse")."""
+
+    local_name: str
+    name: str
+    quantizer: object
+    weight: object
+    spec: Quantizer
+    axis: Optional[int]
+    owner: bool  # this rank's copy of the weight block sends its losses
+
+
+def plan_mse(model: "torch.nn.Module", layout: Layout = Layout(), *, step_size: float = 0.1,
+             start_multiplier: float = 0.25, stop_multiplier: float = 4.0,
+             column: Sequence[str] = DEFAULT_COLUMN, row: Sequence[str] = DEFAULT_ROW,
+             torch_cpu_build: Optional[str] = None) -> List[MseEntry]:
+    """The weight quantizers ModelOpt's ``mse_calibrate`` refines with an
+    MseCalibrator (multiplier search, ``fp8_scale_sweep=False``): static
+    FP8 weights per tensor (``[]``) or per output channel (``[C_out]``,
+    split over TP for a column-parallel linear). Other formats are left
+    out, as NVFP4's per-block FP8-scale sweep (``fp8_scale_sweep``) runs on
+    the rank that owns the block and needs no reduction: reconcile its
+    global amax with ``sync`` first."""
+    TensorQuantizer = _tensor_quantizer_cls()
+    out = []
+    for qname, q in model.named_modules():
+        if (not isinstance(q, TensorQuantizer) or not q.is_enabled or _is_histogram(q)
+                or getattr(q, "_dynamic", False) or not qname.endswith("weight_quantizer")):
+            continue
+        role, module, mod_name, attr = _resolve(model, qname, q, layout)
+        if role != "linear" or attr != "weight_quantizer":
+            continue
+        kind = _classify(q, True, qname)
+        if kind not in ("fp8_tensor", "fp8_channel"):
+            continue
+        par = _parallel_kind(module, mod_name, column, row)
+        gname, expert, _ = _global_name(model, qname, layout)
+        tp_rank, tp = layout.etp if expert is not None else (layout.tp_rank, layout.tp_size)
+        w = module.weight
+        if kind == "fp8_tensor":
+            gshape, pl, axis = (), None, None
+        else:
+            rows = w.shape[0]
+            axis = 0
+            if par == "column":
+                gshape = (rows * tp,)
+                pl = P.column_parallel(gshape, tp_rank, tp)
+            else:
+                gshape, pl = (rows,), None
+        cal = Calibrator.mse(start_multiplier, stop_multiplier, step_size,
+                             torch_cpu_build=torch_cpu_build)
+        spec = Quantizer(gname + ".mse", gshape, Recipe.fp8_current(output="modelopt"), pl,
+                         calibrator=cal)
+        out.append(MseEntry(qname, gname + ".mse", q, w, spec, axis,
+                            _counts_here(role, attr, par, tp_rank, layout, expert)))
+    return out
+
+
+def sync_mse(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
+             **plan_kw: Any) -> Dict[str, Result]:
+    """ModelOpt's MSE weight calibration (``mse_calibrate``'s multiplier
+    search) with the losses summed over every rank's shard: the weights'
+    max reconciled (the search's initial amax, MseCalibrator's
+    ``initial_amax``), each rank's squared errors of ModelOpt's own fake
+    quantization of its block for every candidate (``_mse_quant_func``),
+    summed by the daemons (float64), the smallest candidate taken. Writes
+    ``_amax`` back. Every rank calls it."""
+    from functools import partial
+
+    from modelopt.torch.quantization.model_calib import _mse_quant_func
+    from . import calib as C
+    torch = _torch()
+    entries = plan_mse(model, layout, **plan_kw)
+    if entries:
+        client.register([e.spec for e in entries])
+        m = {}
+        for e in entries:
+            a = e.weight.detach().float().abs()
+            m[e.name] = a.amax(dim=1).cpu().numpy() if e.axis == 0 else float(a.max())
+        client.send(m)
+    r1 = client.reconcile([e.name for e in entries])
+    stats = {}
+    for e in entries:
+        if not e.owner:
+            continue
+        quant = partial(_mse_quant_func, quantizer=e.quantizer)
+        losses = C.mse_losses(e.weight.detach(), r1[e.name].stat_basis, e.spec.calibrator, quant,
+                              axis=e.axis)
+        stats[e.name] = Stat(losses, r1[e.name].stat_epoch)
+    if stats:
+        client.send(stats)
+    results = client.reconcile([e.name for e in entries])
+    for e in entries:
+        r = results[e.name]
+        a = torch.from_numpy(np.array(r.amax, np.float32))
+        _set_amax(e.quantizer, a.reshape(-1, 1) if e.axis == 0 else a.reshape(()))
     return results
