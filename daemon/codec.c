@@ -395,6 +395,12 @@ amx_status_t amx_codec_packed_parse(uint8_t *d, size_t n, amx_codec_packed_in_t 
             } else if (f == 6) {
                 in->has_data = v;
                 in->has_data_len = len;
+            } else if (f == 9) {
+                in->stats = v;
+                in->stats_len = len;
+            } else if (f == 10) {
+                in->stat_epochs = v;
+                in->stat_epochs_len = len;
             }
             break;
         }
@@ -442,10 +448,11 @@ static uint8_t *put_array(uint8_t *buf, size_t *pos, uint32_t field, size_t n)
     return d;
 }
 
-size_t amx_codec_packed_cap(size_t n, size_t q, size_t ns)
+size_t amx_codec_packed_cap(size_t n, size_t q, size_t ns, int stats)
 {
+    size_t st = stats ? array_room(q) + 3 * array_room(8 * q) + array_room(4 * n) : 0;
     return 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) +
-           3 * array_room(4 * ns) + 64;
+           3 * array_room(4 * ns) + st + 64;
 }
 
 void amx_codec_packed_layout(uint8_t *buf, amx_packed_t *p, size_t *pos_out, size_t *end_out)
@@ -464,6 +471,13 @@ void amx_codec_packed_layout(uint8_t *buf, amx_packed_t *p, size_t *pos_out, siz
         p->s_amax = (float *)(void *)put_array(buf, &pos, 17, 4 * ns);
         p->s_scale = (float *)(void *)put_array(buf, &pos, 18, 4 * ns);
         p->s_inv = (float *)(void *)put_array(buf, &pos, 19, 4 * ns);
+    }
+    if (p->stats) {
+        p->st_epoch = (uint64_t *)(void *)put_array(buf, &pos, 22, 8 * q);
+        p->st_total = (double *)(void *)put_array(buf, &pos, 23, 8 * q);
+        p->st_over = (double *)(void *)put_array(buf, &pos, 24, 8 * q);
+        p->st_basis = (float *)(void *)put_array(buf, &pos, 25, 4 * n);
+        p->st_state = put_array(buf, &pos, 21, q);
     }
     p->block_scales = put_array(buf, &pos, 7, n);
     p->has_previous = put_array(buf, &pos, 12, q);

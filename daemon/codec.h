@@ -98,6 +98,8 @@ typedef struct amx_codec_packed_in {
     int shm_has_data;
     uint8_t *values, *has_data; /* into the message */
     size_t values_len, has_data_len;
+    uint8_t *stats, *stat_epochs; /* into the message */
+    size_t stats_len, stat_epochs_len;
 } amx_codec_packed_in_t;
 
 /* The fields of a SendPackedRequest that amx_wire_check accepted. EINVAL
@@ -108,8 +110,8 @@ amx_status_t amx_codec_packed_parse(uint8_t *d, size_t n, amx_codec_packed_in_t 
 /* ---- ReconcilePackedResponse, written in place ---- */
 
 /* The most bytes a packed answer of n cells, q quantizers and ns global
- * slices takes. */
-size_t amx_codec_packed_cap(size_t n, size_t q, size_t ns);
+ * slices takes (`stats`: with the arrays of calibrators beyond max). */
+size_t amx_codec_packed_cap(size_t n, size_t q, size_t ns, int stats);
 
 /*
  * Lays out the array fields of a packed answer in `buf` (at least

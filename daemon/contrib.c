@@ -841,6 +841,80 @@ static uint32_t slab_index(const amx_slab_t *sl, uint64_t c)
     return lo;
 }
 
+/* Validates and stages the statistics of a SendPacked (reg->sstage,
+ * reg->sruns; none when the request has none). Nothing is merged. */
+static amx_status_t packed_stats(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r,
+                                 const amx_slab_t *sl, const amx_send_packed_req_t *req,
+                                 amx_err_t *err)
+{
+    reg->nsstage = reg->nsruns = 0;
+    if (req->stats_len == 0 && req->stat_epochs_len == 0)
+        return AMX_OK;
+    uint32_t n = sl->n;
+    if (sl->nstatq == 0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "SendPacked of rank %u, job '%s': statistics sent, but no quantizer of "
+                           "the layout has a histogram or MSE calibrator",
+                           req->rank, j->name);
+    if (req->stats_len != sl->stoff[n] * 8 || req->stat_epochs_len != (size_t)n * 8)
+        return amx_err_set(err, AMX_EINVAL,
+                           "SendPacked of rank %u, job '%s': %zu bytes of stats and %zu of "
+                           "stat_epochs; the layout %016llx has %llu float64 statistic values "
+                           "(%llu bytes) and %u quantizers (one uint64 stat_epoch each)",
+                           req->rank, j->name, req->stats_len, req->stat_epochs_len,
+                           (unsigned long long)sl->id, (unsigned long long)sl->stoff[n],
+                           (unsigned long long)sl->stoff[n] * 8, n);
+    uint64_t nvals = 0;
+    size_t nruns = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t ep;
+        memcpy(&ep, req->stat_epochs + 8 * (size_t)i, 8);
+        uint32_t lid = sl->lid[i];
+        const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
+        uint64_t k = sl->stoff[i + 1] - sl->stoff[i];
+        if (ep == 0) {
+            for (uint64_t v = 0; v < k; v++) {
+                double x;
+                memcpy(&x, req->stats + 8 * (sl->stoff[i] + v), 8);
+                if (x != 0.0)
+                    return amx_err_set(err, AMX_EINVAL,
+                                       "SendPacked of rank %u, job '%s': quantizer '%s' has a "
+                                       "statistic (value %llu = %g) but stat_epochs[%u] is 0; "
+                                       "name the basis it was computed against, or send zeros",
+                                       req->rank, j->name, j->lq[lid].spec->name,
+                                       (unsigned long long)v, x, i);
+            }
+            continue;
+        }
+        if (k == 0)
+            return amx_err_set(err, AMX_EINVAL,
+                               "SendPacked of rank %u, job '%s': stat_epochs[%u] is %llu for "
+                               "quantizer '%s', which takes no statistic",
+                               req->rank, j->name, i, (unsigned long long)ep,
+                               j->lq[lid].spec->name);
+        AMX_CHECK(check_stat(j, lid, pl, (size_t)k * 8, ep, 1, req->rank, "SendPacked", err));
+        nvals += staged_size(j, lid, pl);
+        nruns += j->lq[lid].spec->calib.kind == AMX_CAL_HISTOGRAM ? 1 : amx_placement_nrows(pl);
+    }
+    if (sstage_reserve(reg, nvals, nruns) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory staging %llu statistic values",
+                           (unsigned long long)nvals);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t ep;
+        memcpy(&ep, req->stat_epochs + 8 * (size_t)i, 8);
+        if (ep == 0)
+            continue;
+        uint32_t lid = sl->lid[i];
+        const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
+        uint64_t k = sl->stoff[i + 1] - sl->stoff[i];
+        double *tmp = reg->sstage + reg->nsstage + (staged_size(j, lid, pl) - k);
+        AMX_CHECK(read_stat(j, j->lq[lid].spec, req->stats + 8 * sl->stoff[i], k, tmp, req->rank,
+                            "SendPacked", err));
+        stage_stat(reg, j, lid, pl, tmp, k);
+    }
+    return AMX_OK;
+}
+
 amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed_req_t *req,
                                       uint64_t *accepted, uint64_t *epoch, amx_err_t *err)
 {
@@ -883,9 +957,16 @@ amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed
                            req->rank, j->name, (unsigned long long)c, j->lq[sl->lid[qi]].spec->name,
                            (unsigned long long)(c - sl->off[qi]), (double)v[c]);
     }
+    AMX_CHECK(packed_stats(reg, j, r, sl, req, err));
     amx_status_t mst = j->state->ops->merge(j->state, v, total, sl->merge, sl->nmerge, 0, err);
     if (mst != AMX_OK)
         return amx__note_fault(reg, mst, err->msg);
+    if (reg->nsruns > 0) {
+        mst = j->state->ops->stat_merge(j->state, reg->sstage, reg->nsstage, reg->sruns,
+                                        reg->nsruns, err);
+        if (mst != AMX_OK)
+            return amx__note_fault(reg, mst, err->msg);
+    }
     j->updates += sl->n;
     if (reg->metrics != NULL)
         amx_metrics_job_updates(reg->metrics, j->name, sl->n, req->values_len + req->has_data_len);

@@ -464,11 +464,18 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     r.global_axes = l.global_axes;
     r.slice_offset = l.slice_offset;
     r.total_slices = l.total_slices;
+    if (l.calibrator != NULL) {
+        r.n_calibrator = r.n_stat_offset = l.n;
+        r.calibrator = (Amaxd__V1__CalibratorKind *)l.calibrator;
+        r.stat_offset = l.stat_offset;
+        r.total_stats = l.total_stats;
+    }
     amx_shm_region_t g;
     if (req->shm) {
-        if (amx_shm_open(svc->shm, req->job, req->rank, l.id, l.total_cells,
-                         amx_codec_packed_cap(l.total_cells, l.n, l.total_slices), &g,
-                         &err) != AMX_OK) {
+        if (amx_shm_open(
+                svc->shm, req->job, req->rank, l.id, l.total_cells,
+                amx_codec_packed_cap(l.total_cells, l.n, l.total_slices, l.calibrator != NULL), &g,
+                &err) != AMX_OK) {
             reply_err(c, "GetLayout", &err);
             amx_arena_free(&a);
             return;
@@ -499,7 +506,7 @@ static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
 {
     packed_out_t *o = w->ext;
     size_t n = (size_t)p->ncells, q = p->nq, ns = (size_t)p->nslices;
-    o->cap = amx_codec_packed_cap(n, q, ns);
+    o->cap = amx_codec_packed_cap(n, q, ns, p->stats);
     o->buf = NULL;
     if (o->shm_id != 0) {
         /* Built in place in the rank's answer file. */
@@ -602,8 +609,18 @@ static amx_status_t send_packed(amx_svc_t *svc, uint8_t *data, size_t len, uint6
         size_t n = 0;
         AMX_CHECK(amx_shm_read(svc->shm, in.job, in.rank, in.shm_id, in.layout_id, in.shm_has_data,
                                &sv, &sh, &n, err));
-        amx_send_packed_req_t q = {in.job, in.rank, in.epoch, in.layout_id,
-                                   sv,     4 * n,   sh,       sh != NULL ? n : 0};
+        amx_send_packed_req_t q = {in.job,
+                                   in.rank,
+                                   in.epoch,
+                                   in.layout_id,
+                                   sv,
+                                   4 * n,
+                                   sh,
+                                   sh != NULL ? n : 0,
+                                   in.stats,
+                                   in.stats_len,
+                                   in.stat_epochs,
+                                   in.stat_epochs_len};
         return amx_registry_send_packed(svc->reg, &q, accepted, epoch, err);
     }
     if (in.shm_has_data)
@@ -620,8 +637,9 @@ static amx_status_t send_packed(amx_svc_t *svc, uint8_t *data, size_t len, uint6
         memcpy(copy, in.values, in.values_len);
         vals = copy;
     }
-    amx_send_packed_req_t q = {in.job, in.rank,       in.epoch,    in.layout_id,
-                               vals,   in.values_len, in.has_data, in.has_data_len};
+    amx_send_packed_req_t q = {in.job,   in.rank,       in.epoch,       in.layout_id,
+                               vals,     in.values_len, in.has_data,    in.has_data_len,
+                               in.stats, in.stats_len,  in.stat_epochs, in.stat_epochs_len};
     amx_status_t st = amx_registry_send_packed(svc->reg, &q, accepted, epoch, err);
     free(copy);
     return st;

@@ -136,8 +136,9 @@ def quantizers(pl):
     return q
 
 
-def run_rank(socket, job, layout, rank, seed=0, row_parallel=False, barrier=None):
-    """One rank's two passes; returns {name: Result} of both epochs."""
+def run_rank(socket, job, layout, rank, seed=0, row_parallel=False, packed=False):
+    """One rank's two passes (named form, or `packed`: SendPacked with the
+    statistics and ReconcilePacked); returns {name: Result} of both epochs."""
     world = LAYOUTS[layout][0]
     x, route, w = data(seed)
     act = act_shard(layout, rank, x, route)
@@ -150,8 +151,15 @@ def run_rank(socket, job, layout, rank, seed=0, row_parallel=False, barrier=None
         m = {n: (amaxd.Masked(0.0, True) if amax is None else float(amax)) for n in HIST}
         m["fc.weight"] = np.abs(blk).max(axis=1)
         m["fc.wtensor"] = float(np.abs(blk).max())
-        c.send(m)
-        r1 = c.reconcile()
+        if packed:
+            L = c.layout()
+            slab, has = L.pack(m)
+            c.send_packed(slab, has)
+            res = c.reconcile_packed()
+            r1 = {n: res[n] for n in L.names}
+        else:
+            c.send(m)
+            r1 = c.reconcile()
         # Pass 2: the statistic against the agreed basis.
         s = {}
         for n, cal in HIST.items():
@@ -165,17 +173,24 @@ def run_rank(socket, job, layout, rank, seed=0, row_parallel=False, barrier=None
             s["fc.wtensor"] = amaxd.Stat(
                 calib.mse_losses(blk, r1["fc.wtensor"].stat_basis, MSE, fake_quant_e4m3),
                 r1["fc.wtensor"].stat_epoch)
-        c.send(s)
-        r2 = c.reconcile()
+        if packed:
+            L = c.layout()
+            c.send_packed(L.empty(), np.zeros(L.total_cells, np.uint8), stats=s)
+            res = c.reconcile_packed()
+            r2 = {n: res[n] for n in L.names}
+        else:
+            c.send(s)
+            r2 = c.reconcile()
         whole = c.get_scales(whole=True)
     return {"r1": r1, "r2": r2, "whole": whole}
 
 
-def run_layout(sockets, job, layout, seed=0, row_parallel=False):
+def run_layout(sockets, job, layout, seed=0, row_parallel=False, packed=False):
     """All ranks of a layout in threads; rank r talks to sockets[r % len]."""
     world = LAYOUTS[layout][0]
     with ThreadPoolExecutor(max_workers=world) as ex:
-        futs = [ex.submit(run_rank, sockets[r % len(sockets)], job, layout, r, seed, row_parallel)
+        futs = [ex.submit(run_rank, sockets[r % len(sockets)], job, layout, r, seed, row_parallel,
+                          packed)
                 for r in range(world)]
         return [f.result(timeout=300) for f in futs]
 

@@ -56,6 +56,8 @@ def layouts_run(tmp_path_factory):
         for name in W.LAYOUTS:
             out[name] = W.run_layout([d.socket], f"calib-{name}", name)
         out["tp4_row"] = W.run_layout([d.socket], "calib-tp4-row", "tp4", row_parallel=True)
+        out["packed_tp2ep2dp2"] = W.run_layout([d.socket], "calib-packed", "tp2ep2dp2",
+                                               packed=True)
         yield out
     finally:
         rc = d.stop()
@@ -71,6 +73,64 @@ def test_layouts_give_the_same_bytes(layouts_run):
             for q, x in res["r2"].items():
                 assert x.stat_state == amaxd.pb.STAT_COMPUTED, (name, r, q)
                 assert np.float32(x.global_amax) == np.float32(res["whole"][q].global_amax)
+
+
+def test_packed_answers_equal_named(layouts_run):
+    """The packed form's answers (ReconcilePacked) carry the same statistic
+    fields and bytes as the named ones of the same layout."""
+    named, packed = layouts_run["tp2ep2dp2"], layouts_run["packed_tp2ep2dp2"]
+    for r in range(len(named)):
+        for ep in ("r1", "r2"):
+            for q, a in named[r][ep].items():
+                b = packed[r][ep][q]
+                assert a.amax.tobytes() == b.amax.tobytes(), (r, ep, q)
+                assert (a.stat_state, a.stat_epoch, a.stat_total, a.stat_overflow) == \
+                    (b.stat_state, b.stat_epoch, b.stat_total, b.stat_overflow), (r, ep, q)
+                assert (a.stat_basis is None) == (b.stat_basis is None)
+                if a.stat_basis is not None:
+                    assert a.stat_basis.tobytes() == b.stat_basis.tobytes()
+
+
+def test_packed_wire_and_bad_stats(daemon):
+    """The hand-encoded SendPacked with statistics parses as protobuf does;
+    malformed packed statistics are refused whole."""
+    from amaxd import wire
+    v = np.arange(3, dtype=np.float32)
+    st, ep = np.array([1.0, 2.0, 0.5]), np.array([7, 0], dtype=np.uint64)
+    raw = wire.encode_send_packed("j", 2, 5, 0x1234, v, None, st, ep)
+    m = amaxd.pb.SendPackedRequest.FromString(raw)
+    assert (m.job, m.rank, m.epoch, m.layout_id) == ("j", 2, 5, 0x1234)
+    assert m.stats == st.tobytes() and m.stat_epochs == ep.tobytes() and m.values == v.tobytes()
+    cal = amaxd.Calibrator.histogram("percentile", 4, percentile=50.0, torch_cpu_build="avx2")
+    with daemon.client("packed-bad", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("h", [], amaxd.Recipe.fp8_current(), calibrator=cal),
+                    amaxd.Quantizer("p", [2], amaxd.Recipe.fp8_current())])
+        L = c.layout()
+        assert L.calibrators == [amaxd.pb.CALIBRATOR_HISTOGRAM, amaxd.pb.CALIBRATOR_MAX]
+        assert L.total_stats == 5 and L.stat_span("h") == (0, 5)
+        c.send_packed(np.array([4.0, 1.0, 1.0], np.float32))
+        res = c.reconcile_packed()
+        e1 = res["h"].stat_epoch
+        assert e1 == 1 and res["h"].stat_basis.tolist() == 4.0 and res["p"].stat_state == 0
+        good = np.array([1.0, 0, 2, 3, 0])
+        zeros = np.zeros(3, np.float32)
+        for stats, epochs, msg in [
+            (good[:4], [e1, 0], "32 bytes of stats and 16 of stat_epochs; the layout .* has 5"),
+            (good, [e1], "and 8 of stat_epochs"),
+            (good, [0, 0], r"has a statistic .* but stat_epochs\[0\] is 0"),
+            (good, [e1, 3], r"stat_epochs\[1\] is 3 for quantizer 'p', which takes no"),
+            (np.r_[good[:4], -1], [e1, 0], r"statistic\[4\] = -1"),
+            (good, [e1 + 1, 0], "names the basis of epoch 2"),
+        ]:
+            s = np.asarray(stats, "<f8")
+            raw = wire.encode_send_packed("packed-bad", 0, 0, L.id, zeros, np.zeros(3, np.uint8),
+                                          s, np.asarray(epochs, "<u8"))
+            with pytest.raises((InvalidArgument, FailedPrecondition), match=msg):
+                c._raw("SendPacked", raw, amaxd.pb.SendAmaxResponse.FromString)
+        c.send_packed(zeros, np.zeros(3, np.uint8), stats={"h": amaxd.Stat(good, e1)})
+        res = c.reconcile_packed()
+        assert res["h"].stat_total == 6 and res["h"].stat_overflow == 0
 
 
 def test_equal_to_one_process(layouts_run):

@@ -18,7 +18,8 @@ from .placement import Placement
 
 __all__ = ["FP8_E4M3", "FP8_E5M2", "NVFP4", "MXFP8", "RUNNING_MAX", "PER_EPOCH", "Recipe",
            "Calibrator", "Quantizer", "Masked", "Stat", "Result", "peer_mode_value",
-           "amax_update", "as_f32", "as_mask", "to_bool_array", "to_f32_bytes", "torch_cpu"]
+           "amax_update", "as_f32", "as_f64", "as_mask", "to_bool_array", "to_f32_bytes",
+           "torch_cpu"]
 
 FP8_E4M3 = pb.FP8_E4M3
 FP8_E5M2 = pb.FP8_E5M2
