@@ -20,7 +20,9 @@ send + reconcile too (the slowest rank's).
 The floor, in the same run: bench/gloo_floor (the same Gloo shim the
 daemons use, as DAEMONS processes): one all-reduce(SUM) of the same
 QUANTIZERS x (BINS + 1) float64 values, and one all-reduce(MAX) of the
-epoch's header and cells. Medians over EPOCHS epochs / repetitions.
+epoch's header and cells; over NCCL, bench/nccl_floor (--nccl-floor): a
+non-blocking ncclAllReduce of the same bytes. Medians over EPOCHS epochs /
+repetitions.
 
     python bench/calib_bench.py --amaxd build/amaxd --floor build/gloo_floor \\
         [--daemons 4 --quantizers 1000 --bins 2048 --epochs 7 --runs 3]
@@ -182,6 +184,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--amaxd", default=os.path.join(HERE, "..", "build", "amaxd"))
     ap.add_argument("--floor", default=os.path.join(HERE, "..", "build", "gloo_floor"))
+    ap.add_argument("--nccl-floor", help="bench/nccl_floor binary (NCCL runs)")
     ap.add_argument("--daemons", type=int, default=4)
     ap.add_argument("--quantizers", type=int, default=1000)
     ap.add_argument("--bins", type=int, default=2048)
@@ -202,6 +205,24 @@ def main():
                                   str(HDR + args.quantizers), str(max(args.epochs, 5))],
                                  capture_output=True, text=True, check=True)
             floor = json.loads(out.stdout)
+        elif args.collective == "nccl" and args.nccl_floor:
+            # bench/nccl_floor reduces float32 by MAX: 2 x the values is the
+            # same bytes as the float64 SUM (the same ring, the same
+            # traffic), and HDR + quantizers cells the MAX.
+            idf = os.path.join(tempfile.mkdtemp(), "nccl.id")
+
+            def nf(cells):
+                procs = [subprocess.Popen([args.nccl_floor, str(r), str(args.daemons), idf,
+                                           str(cells), "0", "0", "0", "20", "1"],
+                                          stdout=subprocess.PIPE, text=True,
+                                          env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
+                         for r in range(args.daemons)]
+                outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])
+                        for p in procs]
+                if os.path.exists(idf):
+                    os.remove(idf)
+                return max(o["packed_nonblocking_us"] for o in outs)
+            floor = {"sum_median_us": nf(2 * nsum), "max_median_us": nf(HDR + args.quantizers)}
         wall = statistics.median(max(ws[e] for ws in walls.values())
                                  for e in range(1, args.epochs))
         md = lambda k: round(statistics.median(d[k] for d in daemons) / 1e3, 2)  # noqa: E731
