@@ -134,8 +134,8 @@ static int rank_main(int rank, int n, uint64_t nsum, uint64_t nmax, int reps)
         if (c->ops->allreduce_max(c, &b, &br, 1, NULL, amx_now_ms() + 60000, &err) != AMX_OK)
             rc = 1;
         uint64_t t0 = amx_now_us();
-        if (nsum && c->ops->allreduce_sum_f64(c, ss, sr, nsum, NULL, amx_now_ms() + 60000, &err) !=
-                        AMX_OK)
+        if (nsum &&
+            c->ops->allreduce_sum_f64(c, ss, sr, nsum, NULL, amx_now_ms() + 60000, &err) != AMX_OK)
             rc = 1;
         uint64_t t1 = amx_now_us();
         if (nmax &&
