@@ -26,7 +26,7 @@ static inline int amx_wbuf_grow(amx_wbuf_t *w, size_t n)
 {
     if (w->oom)
         return -1;
-    if (w->len + n <= w->cap)
+    if (n <= w->cap - w->len) /* len <= cap always: no wrap */
         return 0;
     if (n > SIZE_MAX - w->len || amx_grow(&w->p, &w->cap, w->len + n, 1, 1024, 0) != 0) {
         w->oom = 1;

@@ -161,6 +161,13 @@ amx_catalog_t *amx_catalog_empty(void);
 /* Frees a catalog and its specs. NULL is fine. */
 void amx_catalog_free(amx_catalog_t *c);
 
+/* qsort comparator of spec pointers: a catalog's order (names, bytewise). */
+int amx_qspec_name_cmp(const void *x, const void *y);
+
+/* Frees the catalog but its specs, which the caller takes (the array, of
+ * *n specs in catalog order, is the caller's to free). */
+amx_qspec_t **amx_catalog_take_specs(amx_catalog_t *c, uint32_t *n);
+
 /* Index of `name` in c, or -1. */
 int64_t amx_catalog_find(const amx_catalog_t *c, const char *name);
 

@@ -3,8 +3,8 @@
  * interface of comm.h (CPU buffers, TCP transport, libgloo 0.0~git20220518).
  *
  * What it owns: per communicator, one gloo tcp Device (which owns one epoll
- * thread of gloo's), one gloo rendezvous Context (a full mesh of TCP
- * connections), one "sentinel" receive per ring neighbour and one watchdog
+ * thread of gloo's), one gloo Context connected to the two ring neighbours
+ * only (RingContext: two TCP connections, two rendezvous keys read), one "sentinel" receive per ring neighbour and one watchdog
  * thread per ring neighbour (none for a single participant). Nothing else
  * outlives a call: the rendezvous store, the buffers of an allreduce and the
  * strings of amx_comm_params_t are used only during the call.
@@ -92,10 +92,12 @@
 
 #include <gloo/common/error.h>
 #include <gloo/common/logging.h>
-#include <gloo/rendezvous/context.h>
+#include <gloo/context.h>
 #include <gloo/rendezvous/prefix_store.h>
 #include <gloo/rendezvous/store.h>
 #include <gloo/transport/tcp/attr.h>
+#include <gloo/transport/context.h>
+#include <gloo/transport/pair.h>
 #include <gloo/transport/tcp/device.h>
 #include <gloo/transport/unbound_buffer.h>
 
@@ -195,6 +197,70 @@ class SigpipeGuard
     sigset_t old_;
     bool was_pending_ = false;
     bool blocked_ = false;
+};
+
+/*
+ * A gloo Context with pairs to the two ring neighbours only: the ring below
+ * uses no other, and gloo's connectFullMesh costs every rank N-1 reads of
+ * N-1 addresses each from the coordinator's store (Theta(N^2) reads and
+ * Theta(N^3) bytes through one process per communicator). Each rank
+ * publishes the addresses of its pairs to its left and right neighbour
+ * under its rank ("<rank>": left's then right's; one address when both are
+ * the same rank) and reads its two neighbours' keys: 2N reads of two
+ * addresses. gloo's Context keeps a pair slot per rank; the others stay
+ * empty (closeConnections skips them).
+ */
+class RingContext : public gloo::Context
+{
+  public:
+    RingContext(int rank, int size) : gloo::Context(rank, size) {}
+
+    void connectRing(gloo::rendezvous::Store &store, std::shared_ptr<gloo::transport::Device> &dev)
+    {
+        std::shared_ptr<gloo::transport::Context> tc = dev->createContext(rank, size);
+        tc->setTimeout(getTimeout());
+        std::vector<int> peers = neighbours(rank);
+        std::vector<char> mine;
+        for (int p : peers) {
+            std::vector<char> b = tc->createPair(p)->address().bytes();
+            mine.insert(mine.end(), b.begin(), b.end());
+        }
+        store.set(std::to_string(rank), mine);
+        /* A pair's connect blocks until the other side connects too: every
+         * rank connects its neighbours in increasing rank order, which is
+         * one global order of the ring's edges (by higher rank, then lower),
+         * so the first unconnected edge always has both sides at it. */
+        std::sort(peers.begin(), peers.end());
+        for (int p : peers) {
+            std::vector<char> theirs = store.get(std::to_string(p));
+            std::vector<int> of = neighbours(p);
+            if (theirs.empty() || theirs.size() % of.size() != 0)
+                throw AmxError(AMX_EINVAL, "rendezvous key '" + std::to_string(p) + "' holds " +
+                                               std::to_string(theirs.size()) +
+                                               " bytes, not " + std::to_string(of.size()) +
+                                               " addresses");
+            size_t len = theirs.size() / of.size();
+            size_t at = of[0] == rank ? 0 : 1;
+            std::vector<char> addr(theirs.begin() + (long)(at * len),
+                                   theirs.begin() + (long)((at + 1) * len));
+            tc->getPair(p)->connect(addr);
+        }
+        device_ = dev;
+        transportContext_ = std::move(tc);
+    }
+
+  private:
+    /* Left, then right; one rank when they are the same; none alone. */
+    std::vector<int> neighbours(int r) const
+    {
+        std::vector<int> v;
+        if (size < 2)
+            return v;
+        v.push_back((r + size - 1) % size);
+        if ((r + 1) % size != v[0])
+            v.push_back((r + 1) % size);
+        return v;
+    }
 };
 
 /*
@@ -330,8 +396,8 @@ struct GlooComm {
     uint64_t next_slot = kFirstRingSlot;
 
     std::shared_ptr<gloo::transport::Device> dev;
-    std::shared_ptr<gloo::rendezvous::Context> ctx;
-    bool connected = false; /* connectFullMesh returned: ctx has its pairs */
+    std::shared_ptr<RingContext> ctx;
+    bool connected = false; /* connectRing returned: ctx has its pairs */
 
     /* Sentinel receives and their watchdogs: [0] left, [1] right (only [0]
      * when left == right, i.e. two participants). Set up in create, torn
@@ -427,7 +493,7 @@ struct GlooComm {
 };
 
 /*
- * Binds the device, runs gloo's full-mesh rendezvous through the kv store,
+ * Binds the device, connects the ring neighbours through the kv store (RingContext),
  * then posts the sentinel receives and starts the watchdogs. Throws.
  */
 void GlooComm::connect(const amx_comm_params_t *p)
@@ -446,12 +512,12 @@ void GlooComm::connect(const amx_comm_params_t *p)
     uint64_t left_ms = ms_left(p->deadline_ms);
     if (left_ms == 0)
         throw AmxError(AMX_ETIMEDOUT, "the rendezvous deadline had passed before it began");
-    ctx = std::make_shared<gloo::rendezvous::Context>(rank(), size());
+    ctx = std::make_shared<RingContext>(rank(), size());
     /* A fifth: gloo waits up to 5x this for a TCP connect (see the top). */
     ctx->setTimeout(Ms(std::max<uint64_t>(1, left_ms / 5)));
     KvStore store(p->kv, p->deadline_ms);
     gloo::rendezvous::PrefixStore prefixed(prefix, store);
-    ctx->connectFullMesh(prefixed, dev);
+    ctx->connectRing(prefixed, dev);
     {
         std::lock_guard<std::mutex> lk(mu);
         connected = true;

@@ -55,6 +55,20 @@ void amx_fmt_ranks(char *buf, size_t len, const uint32_t *r, uint32_t n);
 typedef struct amx_coord amx_coord_t;
 typedef struct amx_creq amx_creq_t; /* a waiting request */
 
+/* What the coordinator did, for Status and the tests: agreement requests
+ * recorded, rounds completed, specs received in offers (each distinct
+ * offer once), offers and whole catalogs it had to ask for, offers sent
+ * although it held them, and the specs, participant lists and bytes of
+ * the answers delivered (counted by the peer service, per answer). */
+typedef struct amx_coord_stats {
+    uint64_t syncs, rounds, specs_received, offers_asked, catalogs_asked, offers_known;
+    uint64_t specs_sent, members_sent, answers_built, answer_bytes;
+} amx_coord_stats_t;
+
+/* A hash of a membership (participants, their incarnations, addresses and
+ * ranks); equal memberships hash alike on every daemon. */
+uint64_t amx_membership_hash(const amx_membership_t *m);
+
 amx_coord_t *amx_coord_create(uint64_t incarnation, uint64_t join_timeout_ms);
 /* Frees it, failing every waiting request with UNAVAILABLE first. */
 void amx_coord_destroy(amx_coord_t *co);
@@ -88,9 +102,21 @@ typedef struct amx_coord_sync_req {
     uint64_t incarnation;
     uint64_t last_reconciled;
     uint64_t catalog_hash;
-    amx_qspec_t **proposals; /* borrowed for the call (copied) */
+    /* The daemon's offer: its proposals, with full_catalog its whole agreed
+     * catalog too, by catalog hash (of the specs in name order) and count;
+     * the specs themselves (borrowed for the call) only with
+     * offer_included. */
+    amx_qspec_t **proposals;
     size_t nprop;
-    int full_catalog; /* proposals are this daemon's whole agreed catalog plus its proposals */
+    int full_catalog;
+    uint64_t offer_hash;
+    uint32_t offer_count;
+    int offer_included;
+    /* For the answer (the peer service): the membership the caller holds,
+     * and whether it wants the whole catalog rather than a delta. */
+    uint64_t membership_hash;
+    int want_catalog;
+    uint64_t union_hash; /* its agreed catalog and proposals together */
     char **resets;
     size_t nresets;
     int need_comm;
@@ -118,13 +144,24 @@ typedef struct amx_coord_sync_ans {
     uint64_t comm_gen;
     int new_comm;
     const amx_membership_t *members;
+    uint64_t members_hash;
     uint64_t coord_inc;
+    /* The master's last versions (hash, and how many of `added` -- names in
+     * the order they were agreed -- it held), for answers that carry only
+     * the specs agreed since the caller's catalog. */
+    const struct cver *versions;
+    size_t nversions;
+    const char *const *added;
+    size_t nadded;
+    amx_coord_stats_t *stats; /* the answerer counts what it sends */
+    uint64_t round;           /* unique per completed round of this coordinator */
     /* Set alone (nothing above is meaningful): the caller's agreed catalog
      * is not the master and it did not send it whole; it must call again
      * with full_catalog. A coordinator that restarted without its state
      * learns the catalog this way instead of losing what only other
      * daemons' ranks registered. */
     int send_catalog;
+    int send_offer; /* alone, as send_catalog: call again with the offer's specs */
 } amx_coord_sync_ans_t;
 
 /* Called with the answer (valid during the call) or an error. */
@@ -179,5 +216,14 @@ amx_status_t amx_coord_members(amx_coord_t *co, const char *job, amx_membership_
 
 /* Counts for Status. */
 void amx_coord_counts(const amx_coord_t *co, uint32_t *jobs, uint32_t *waiting, uint32_t *keys);
+
+/* What it did since it started. */
+const amx_coord_stats_t *amx_coord_stats(const amx_coord_t *co);
+
+/* A version of a master: see amx_coord_sync_ans_t. */
+typedef struct cver {
+    uint64_t hash;
+    size_t nadded;
+} amx_coord_version_t;
 
 #endif

@@ -40,6 +40,7 @@ static void res_clear(amx_epoch_result_t *r)
 {
     amx_catalog_free(r->cat);
     amx_catalog_free(r->prev_cat);
+    amx_membership_free(&r->members);
     free(r->prev_ga);
     free(r->prev_gs);
     free(r->desc);
@@ -92,6 +93,16 @@ amx_status_t amx__engine_fail_aborted(amx_engine_t *e, const char *during)
         e->passed_on = 1; /* explained already by the daemon that failed */
     return amx__engine_fail(e, code, "job '%s', epoch %llu failed on daemon %u: %s", job, ep, from,
                             why);
+}
+
+/* A failure of this daemon's own, which its peers cannot know of: not a
+ * wait that ran out or a coordinator that went away (every participant
+ * sees those itself), not an abort, not a conflict (the same answer went to
+ * everyone). */
+static int failed_here(amx_status_t st)
+{
+    return st != AMX_OK && st != AMX_ETIMEDOUT && st != AMX_EUNAVAIL && st != AMX_EABORTED &&
+           st != AMX_ECANCELLED && st != AMX_EPRECOND;
 }
 
 /* ---- header ---- */
@@ -735,8 +746,14 @@ out:
             if (gen == 0)
                 gen = e->last_gen;
             if (gen != 0 && !e->passed_on)
-                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, e->res.st,
+                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, 0, e->res.st,
                                     e->aborted_here ? e->peer_why : e->res.msg, 500);
+            else if (gen == 0 && !e->passed_on && failed_here(e->res.st))
+                /* No communicator yet: the peers would wait in theirs (or
+                 * at the barrier) for this daemon and then blame its
+                 * ranks; they hear the real cause, about this epoch. */
+                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, 0, e->start_epoch,
+                                    e->res.st, e->aborted_here ? e->peer_why : e->res.msg, 500);
             amx__engine_drop_comm(e);
             e->need_sync = 1;
         }
@@ -813,6 +830,7 @@ void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
     res_clear(&e->res);
     pthread_mutex_lock(&e->mu);
     e->epoch = epoch;
+    e->start_epoch = epoch;
     e->deadline = deadline_ms;
     atomic_store(&e->abort_flag, 0);
     e->abort_why[0] = '\0';
@@ -828,12 +846,12 @@ amx_epoch_result_t *amx_engine_result(amx_engine_t *e)
     return &e->res;
 }
 
-void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint32_t from, amx_status_t code,
-                      const char *why)
+void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint64_t epoch, uint32_t from,
+                      amx_status_t code, const char *why)
 {
     pthread_mutex_lock(&e->mu);
     uint64_t cur = atomic_load(&e->comm_gen);
-    if (gen != 0 && gen != cur) {
+    if ((gen != 0 && gen != cur) || (gen == 0 && epoch != 0 && epoch != e->start_epoch)) {
         /* About a communicator this daemon no longer uses: an attempt
          * that is already agreeing again must not be disturbed. */
         pthread_mutex_unlock(&e->mu);

@@ -58,6 +58,10 @@ typedef struct amx_epoch_result {
      * loop keeps as the previous epoch's once this one is published. */
     amx_catalog_t *prev_cat;
     float *prev_ga, *prev_gs;
+    /* The coordinator's membership, when it is not the one the job holds
+     * (a daemon restarted): the loop installs it. */
+    amx_membership_t members;
+    int members_changed;
     int publish; /* the back outputs hold results to publish even on failure */
     int resets_applied;
     uint32_t collectives;
@@ -85,14 +89,14 @@ void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms);
 amx_epoch_result_t *amx_engine_result(amx_engine_t *e);
 
 /* Any thread: abort the epoch in flight (when it uses communicator `gen`,
- * or any when gen is 0) and drop the communicator; the next epoch agrees
- * again. `from` is the cluster rank of the daemon that asked
- * (AMX_ENGINE_LOCAL: this one). The epoch fails with ABORTED and `why`, or,
- * when another daemon passes on its failure, with that `code` and its
- * sentence `why` ("failed on daemon N: ..."). */
+ * or, when gen is 0, when it is `epoch` as started, or any when epoch is 0
+ * too) and drop the communicator; the next epoch agrees again. `from` is the cluster rank of the
+ * daemon that asked (AMX_ENGINE_LOCAL: this one). The epoch fails with ABORTED and `why`, or, when
+ * another daemon passes on its failure, with that `code` and its sentence `why` ("failed on daemon
+ * N: ..."). */
 #define AMX_ENGINE_LOCAL UINT32_MAX /* an abort of this daemon's own */
-void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint32_t from, amx_status_t code,
-                      const char *why);
+void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint64_t epoch, uint32_t from,
+                      amx_status_t code, const char *why);
 
 /* Loop lock, nothing in flight: stops the thread, frees everything. */
 void amx_engine_destroy(amx_engine_t *e);

@@ -228,50 +228,164 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
     return AMX_OK;
 }
 
-static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out);
+static amx_status_t sync_round(amx_engine_t *e, int full, int specs, int want,
+                               amx_sync_result_t *out);
 static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *sr);
 
 /* One agreement round at the coordinator, and what follows from it. */
+/* Offers of at most this many specs travel with the first Sync; larger
+ * ones go by hash and are sent only when the coordinator asks. */
+#define INLINE_OFFER 32
+
+/* A delta answer (the specs agreed since this daemon's catalog) made whole:
+ * 0, or -1 when it does not give the coordinator's hash (ask again for the
+ * whole catalog). */
+static int apply_delta(amx_engine_t *e, amx_sync_result_t *sr)
+{
+    uint32_t n0 = e->w_cat->n, n = n0 + sr->ncatalog;
+    amx_qspec_t **all = calloc(n ? n : 1, sizeof(*all));
+    if (all == NULL)
+        return -1;
+    int ok = 1;
+    for (uint32_t i = 0; ok && i < n0; i++)
+        ok = (all[i] = amx_qspec_dup(e->w_cat->q[i])) != NULL;
+    if (ok)
+        memcpy(all + n0, sr->catalog, sr->ncatalog * sizeof(*all));
+    if (ok) {
+        qsort(all, n, sizeof(*all), amx_qspec_name_cmp);
+        ok = amx_catalog_hash(all, n) == sr->catalog_hash;
+    }
+    if (!ok) {
+        for (uint32_t i = 0; i < n0; i++)
+            amx_qspec_free(all[i]);
+        free(all);
+        return -1;
+    }
+    free(sr->catalog);
+    sr->catalog = all;
+    sr->ncatalog = n;
+    sr->catalog_delta = 0;
+    return 0;
+}
+
+/* The agreed catalog is this daemon's own plus every proposal it made
+ * (catalog_yours): made here, as if the coordinator had sent it. 0, or -1
+ * when it does not give the agreed hash. */
+static int make_yours(amx_engine_t *e, amx_sync_result_t *sr)
+{
+    amx_job_t *j = e->job;
+    uint32_t n = e->w_cat->n + j->nprop, k = 0;
+    amx_qspec_t **all = calloc(n ? n : 1, sizeof(*all));
+    int ok = all != NULL;
+    for (uint32_t i = 0; ok && i < e->w_cat->n; i++)
+        ok = (all[k++] = amx_qspec_dup(e->w_cat->q[i])) != NULL;
+    for (uint32_t lid = 0; ok && lid < j->nlq; lid++)
+        if (j->lq[lid].status == LQ_PROPOSED)
+            ok = (all[k++] = amx_qspec_dup(j->lq[lid].spec)) != NULL;
+    if (ok) {
+        qsort(all, k, sizeof(*all), amx_qspec_name_cmp);
+        ok = amx_catalog_hash(all, k) == sr->catalog_hash;
+    }
+    if (!ok) {
+        for (uint32_t i = 0; all != NULL && i < k; i++)
+            amx_qspec_free(all[i]);
+        free(all);
+        return -1;
+    }
+    free(sr->catalog);
+    sr->catalog = all;
+    sr->ncatalog = k;
+    sr->catalog_included = 1;
+    sr->catalog_yours = 0;
+    return 0;
+}
+
 amx_status_t amx__engine_agree(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
     /* A job restored from a snapshot brings its catalog to its first
      * agreement, as does a daemon that knows the coordinator restarted;
      * otherwise the coordinator asks for it (send_catalog) when this
-     * daemon's agreed catalog is not its master. */
+     * daemon's agreed catalog is not its master. An offer goes by hash
+     * unless it is small or the coordinator asks for it (send_offer). */
     int full = (e->coord_inc != 0 && e->coord_inc != j->mship.coord_inc) ||
                (e->coord_inc == 0 && j->restored && e->w_cat->n > 0);
+    int specs = 0, want = 0;
     amx_sync_result_t sr;
-    for (;;) {
-        amx_status_t st = sync_round(e, full, &sr);
+    for (int round = 0;; round++) {
+        if (round == 6)
+            return amx__engine_fail(e, AMX_EINTERNAL,
+                                    "job '%s': the agreement round did not settle after %d "
+                                    "requests",
+                                    j->name, round);
+        amx_status_t st = sync_round(e, full, specs, want, &sr);
         if (st != AMX_OK)
             return st;
-        if (!sr.send_catalog)
-            break;
-        amx_sync_result_free(&sr);
-        if (full)
-            return amx__engine_fail(
-                e, AMX_EINTERNAL,
-                "job '%s': the coordinator asked for the whole catalog although it was "
-                "sent",
-                j->name);
-        AMX_INFO("epoch",
-                 "job %s: the coordinator does not hold this daemon's catalog (%u quantizers, "
-                 "%016" PRIx64 "): sending it whole",
-                 j->name, e->w_cat->n, e->w_cat->hash);
-        full = 1;
+        if (sr.send_catalog && !full) {
+            AMX_INFO("epoch",
+                     "job %s: the coordinator does not hold this daemon's catalog (%u "
+                     "quantizers, %016" PRIx64 "): sending it whole",
+                     j->name, e->w_cat->n, e->w_cat->hash);
+            full = 1;
+            amx_sync_result_free(&sr);
+            continue;
+        }
+        if (sr.send_offer && !specs) {
+            specs = 1;
+            amx_sync_result_free(&sr);
+            continue;
+        }
+        if (sr.send_catalog || sr.send_offer) {
+            amx_sync_result_free(&sr);
+            return amx__engine_fail(e, AMX_EINTERNAL,
+                                    "job '%s': the coordinator asked again for what was sent",
+                                    j->name);
+        }
+        if (sr.catalog_yours && make_yours(e, &sr) != 0) {
+            AMX_WARN("epoch",
+                     "job %s: this daemon's catalog and proposals do not give the agreed "
+                     "catalog %016" PRIx64 "; asking for it whole",
+                     j->name, sr.catalog_hash);
+            want = 1;
+            amx_sync_result_free(&sr);
+            continue;
+        }
+        if (sr.catalog_delta && apply_delta(e, &sr) != 0) {
+            AMX_WARN("epoch",
+                     "job %s: the coordinator's delta does not give its catalog %016" PRIx64
+                     "; asking for it whole",
+                     j->name, sr.catalog_hash);
+            want = 1;
+            amx_sync_result_free(&sr);
+            continue;
+        }
+        break;
+    }
+    if (sr.members_omitted) {
+        /* The membership this daemon holds is the coordinator's. */
+        amx_membership_free(&sr.members);
+        if (amx_membership_copy(&j->mship, &sr.members) != AMX_OK) {
+            amx_sync_result_free(&sr);
+            return amx__engine_fail(e, AMX_ENOMEM, "out of memory in the agreement of job '%s'",
+                                    j->name);
+        }
+    } else if (amx_membership_hash(&sr.members) != amx_membership_hash(&j->mship)) {
+        /* A new membership (a daemon restarted): the loop installs it. */
+        amx_membership_free(&e->res.members);
+        if (amx_membership_copy(&sr.members, &e->res.members) == AMX_OK)
+            e->res.members_changed = 1;
     }
     return after_sync(e, &sr);
 }
 
-/* One Sync call: this daemon's proposals, resets and (with `full`) its
- * whole agreed catalog. */
-static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out)
+/* One Sync call: this daemon's offer (its proposals, with `full` its whole
+ * agreed catalog too) by hash, with its specs when `specs` or small, and
+ * its resets; `want` asks for the whole catalog rather than a delta. */
+static amx_status_t sync_round(amx_engine_t *e, int full, int specs, int want,
+                               amx_sync_result_t *out)
 {
     amx_job_t *j = e->job;
     const amx_cluster_id_t *id = amx_peer_id(e->env.peer);
-    /* Proposals: this daemon's, or (after the coordinator restarted, or
-     * restored from a snapshot) the whole agreed catalog as well. */
     uint32_t cap = j->nprop + (full ? e->w_cat->n : 0);
     amx_qspec_t **prop = calloc(cap ? cap : 1, sizeof(*prop));
     char **resets = calloc(j->nlq ? j->nlq : 1, sizeof(char *));
@@ -293,6 +407,29 @@ static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out
         if (q->reset && (q->status == LQ_AGREED || q->status == LQ_PROPOSED))
             resets[nr++] = q->spec->name;
     }
+    /* The offer's hash is the catalog hash of its specs in name order (the
+     * agreed catalog is sorted already; proposals are not). */
+    qsort(prop, np, sizeof(*prop), amx_qspec_name_cmp);
+    uint64_t offer_hash = np > 0 ? amx_catalog_hash(prop, np) : 0;
+    /* ... and of the agreed catalog with the proposals: when the agreement
+     * adopts exactly that, the answer carries no catalog. */
+    uint64_t union_hash = offer_hash;
+    if (!full) {
+        amx_qspec_t **u = malloc((e->w_cat->n + np + 1) * sizeof(*u));
+        if (u == NULL) {
+            free(prop);
+            free(resets);
+            return amx__engine_fail(e, AMX_ENOMEM,
+                                    "out of memory preparing the agreement of job '%s'", j->name);
+        }
+        uint32_t a = 0, b = 0, k = 0;
+        while (a < e->w_cat->n || b < np)
+            u[k++] = b == np || (a < e->w_cat->n && strcmp(e->w_cat->q[a]->name, prop[b]->name) < 0)
+                         ? e->w_cat->q[a++]
+                         : prop[b++];
+        union_hash = amx_catalog_hash(u, k);
+        free(u);
+    }
     const amx_part_t *mine = j->me >= 0 ? &j->mship.part[j->me] : NULL;
     amx_coord_sync_req_t req = {
         .job = j->name,
@@ -303,6 +440,12 @@ static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out
         .proposals = prop,
         .nprop = np,
         .full_catalog = full,
+        .offer_hash = offer_hash,
+        .offer_count = np,
+        .offer_included = np > 0 && (specs || np <= INLINE_OFFER),
+        .membership_hash = amx_membership_hash(&j->mship),
+        .want_catalog = want,
+        .union_hash = union_hash,
         .resets = resets,
         .nresets = nr,
         .need_comm = e->comm == NULL,
@@ -325,7 +468,7 @@ static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out
             "job '%s', epoch %llu: the agreement round at the coordinator failed: "
             "%s",
             j->name, (unsigned long long)e->epoch, err.msg);
-    if (!out->send_catalog)
+    if (!out->send_catalog && !out->send_offer)
         AMX_DEBUG("epoch",
                   "job %s: agreement %llu in %llu ms: catalog %016" PRIx64 "%s, target "
                   "epoch %llu, %zu behind, comm generation %llu%s",
@@ -337,6 +480,25 @@ static amx_status_t sync_round(amx_engine_t *e, int full, amx_sync_result_t *out
 }
 
 /* What follows from the coordinator's answer `sr` (freed here). */
+/* The agreed catalog holds quantizers that other daemons' ranks
+ * registered: this daemon checks it against its own limits, as Register
+ * did for its own ranks. A daemon configured below its peers fails the
+ * epoch here, and its peers hear why (engine.c passes it on). */
+static int over_limits(amx_engine_t *e, const amx_catalog_t *c)
+{
+    const amx_config_t *cfg = e->env.cfg;
+    uint64_t cells = c->ncells + c->nhist;
+    if ((int64_t)c->n <= cfg->max_quantizers && (int64_t)cells <= cfg->max_cells)
+        return 0;
+    amx__engine_fail(e, AMX_ENOMEM,
+                     "job '%s': the agreed catalog has %u quantizers and %llu cells, more than "
+                     "daemon %u's max_quantizers=%lld or max_cells=%lld allow; give every daemon "
+                     "of the cluster the same limits",
+                     e->job->name, c->n, (unsigned long long)cells, amx_peer_id(e->env.peer)->rank,
+                     (long long)cfg->max_quantizers, (long long)cfg->max_cells);
+    return 1;
+}
+
 static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
 {
     amx_job_t *j = e->job;
@@ -387,6 +549,10 @@ static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
             goto out;
         }
         free(copy);
+    }
+    if (target != NULL && over_limits(e, target)) {
+        amx_catalog_free(target);
+        goto out;
     }
     if (target != NULL && amx__engine_change_layout(e, target) != AMX_OK) {
         amx_catalog_free(target);

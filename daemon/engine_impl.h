@@ -38,6 +38,7 @@ struct amx_engine {
     pthread_cond_t cv;
     int have_work, quit;
     uint64_t epoch, deadline;
+    uint64_t start_epoch; /* the epoch handed to amx_engine_start (under mu) */
     atomic_int abort_flag;
     amx_status_t abort_code; /* with abort_flag: the status to fail with (under mu) */
     uint32_t abort_from;     /* the daemon that aborted it (AMX_ENGINE_LOCAL: this one) */

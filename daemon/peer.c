@@ -543,6 +543,12 @@ amx_status_t amx_peer_call_sync(amx_peer_t *p, const amx_coord_sync_req_t *req,
     q.last_reconciled = req->last_reconciled;
     q.catalog_hash = req->catalog_hash;
     q.full_catalog = req->full_catalog;
+    q.offer_hash = req->offer_hash;
+    q.offer_count = req->offer_count;
+    q.offer_included = req->offer_included;
+    q.membership_hash = req->membership_hash;
+    q.want_catalog = req->want_catalog;
+    q.union_hash = req->union_hash;
     q.n_resets = req->nresets;
     q.resets = req->resets;
     q.need_comm = req->need_comm;
@@ -552,13 +558,13 @@ amx_status_t amx_peer_call_sync(amx_peer_t *p, const amx_coord_sync_req_t *req,
     q.n_ranks = req->nranks;
     q.ranks = (uint32_t *)req->ranks;
     q.address = (char *)req->addr;
-    q.n_proposals = req->nprop;
+    q.n_proposals = req->offer_included ? req->nprop : 0;
     q.proposals = amx_arena_alloc(&a, (req->nprop + 1) * sizeof(*q.proposals));
     if (q.proposals == NULL) {
         amx_arena_free(&a);
         return amx_err_set(err, AMX_ENOMEM, "out of memory");
     }
-    for (size_t i = 0; i < req->nprop; i++) {
+    for (size_t i = 0; i < q.n_proposals; i++) {
         Amaxd__V1__QuantizerSpec *s = amx_arena_alloc(&a, sizeof(*s));
         if (s == NULL || amx_codec_spec_out(req->proposals[i], s, &a) != AMX_OK) {
             amx_arena_free(&a);
@@ -580,11 +586,15 @@ amx_status_t amx_peer_call_sync(amx_peer_t *p, const amx_coord_sync_req_t *req,
                            "the coordinator's agreement answer could not be "
                            "read");
     res->coord_inc = r->coordinator_incarnation;
-    if (r->send_catalog) {
-        res->send_catalog = 1;
+    if (r->send_catalog || r->send_offer) {
+        res->send_catalog = r->send_catalog;
+        res->send_offer = r->send_offer;
         amaxd__peer__v1__sync_response__free_unpacked(r, NULL);
         return AMX_OK;
     }
+    res->catalog_delta = r->catalog_delta;
+    res->catalog_yours = r->catalog_yours;
+    res->members_omitted = r->members_omitted;
     res->seq = r->seq;
     res->catalog_hash = r->catalog_hash;
     res->target_epoch = r->target_epoch;
@@ -876,11 +886,13 @@ void amx_peer_call_progress(amx_peer_t *p, const amx_membership_t *m, int me, co
 }
 
 void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const char *job,
-                         uint64_t gen, amx_status_t code, const char *reason, uint64_t timeout_ms)
+                         uint64_t gen, uint64_t epoch, amx_status_t code, const char *reason,
+                         uint64_t timeout_ms)
 {
     Amaxd__Peer__V1__AbortRequest q = AMAXD__PEER__V1__ABORT_REQUEST__INIT;
     q.job = (char *)job;
     q.comm_generation = gen;
+    q.epoch = gen == 0 ? epoch : 0;
     q.from = p->id.rank;
     q.code = (uint32_t)amx_status_grpc(code);
     char r[760];

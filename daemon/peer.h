@@ -96,8 +96,12 @@ typedef struct amx_sync_result {
     uint32_t donor;
     uint32_t *behind;
     size_t nbehind;
-    amx_membership_t members;
-    int send_catalog; /* alone: call again with the whole catalog (coord.h) */
+    amx_membership_t members; /* npart 0 when omitted (the caller's: members_omitted) */
+    int members_omitted;
+    int catalog_delta; /* catalog holds only the specs agreed since the caller's */
+    int catalog_yours; /* the agreed catalog is the caller's plus its proposals */
+    int send_catalog;  /* alone: call again with the whole catalog (coord.h) */
+    int send_offer;    /* alone: call again with the offer's specs */
 } amx_sync_result_t;
 
 /* Frees what a result owns. */
@@ -123,9 +127,10 @@ void amx_peer_call_progress(amx_peer_t *p, const amx_membership_t *m, int me, co
                             uint64_t epoch, uint64_t timeout_ms, char *buf, size_t len);
 
 /* Tells the participants of `m` but index `me` that communicator `gen` of
- * `job` failed with `code` and `reason` (parallel, best effort, each within
- * `timeout_ms`). */
+ * `job` (gen 0: epoch `epoch`, before a communicator) failed with `code`
+ * and `reason` (parallel, best effort, each within `timeout_ms`). */
 void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const char *job,
-                         uint64_t gen, amx_status_t code, const char *reason, uint64_t timeout_ms);
+                         uint64_t gen, uint64_t epoch, amx_status_t code, const char *reason,
+                         uint64_t timeout_ms);
 
 #endif

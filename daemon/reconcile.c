@@ -376,6 +376,20 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
     j->last_ended_us = amx_now_us();
     if (res->cat != NULL)
         amx__install_catalog(reg, j, res);
+    if (res->members_changed && !j->dropped) {
+        /* The coordinator's membership (a daemon restarted): from now on
+         * agreement answers leave it out again. */
+        uint32_t me = amx_peer_id(reg->peer)->rank;
+        for (uint32_t p = 0; p < res->members.npart; p++)
+            if (res->members.part[p].daemon == me) {
+                amx_membership_free(&j->mship);
+                j->mship = res->members;
+                j->me = (int32_t)p;
+                memset(&res->members, 0, sizeof(res->members));
+                break;
+            }
+        res->members_changed = 0;
+    }
     if (res->imported) {
         j->last_reconciled = res->last_reconciled;
         j->epoch = res->last_reconciled + 1;

@@ -220,6 +220,7 @@ struct amx_waiter {
      * instead of amx_registry_cancel when the client goes away. */
     void (*on_cancel)(amx_waiter_t *w);
     void *ext;
+    void *ext2; /* the owner's own (the peer service: what a Sync's caller holds) */
     uint64_t aux;
     /* ReconcilePacked (set by the owner): gives the arrays of a packed
      * answer of p->ncells cells and p->nq quantizers; AMX_ENOMEM when it

@@ -8,6 +8,7 @@
 
 #include <errno.h>
 #include <grpc/byte_buffer_reader.h>
+#include <malloc.h>
 #include <grpc/slice.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
@@ -18,6 +19,9 @@
 #include "clock.h"
 #include "log.h"
 #include "wire.h"
+
+/* Requests at least this large give their memory back when freed. */
+#define TRIM_REQUEST_BYTES (4u << 20)
 
 /* ---- calls ---- */
 
@@ -62,6 +66,10 @@ void amx__rpc_call_free(amx_call_t *c)
     if (c->request)
         protobuf_c_message_free_unpacked(c->request, NULL);
     amx_arena_free(&c->arena);
+    /* A request this large (a catalog, an offer) leaves tens of MB free
+     * in the heap once decoded and used: give them back to the system. */
+    if (c->request_len >= TRIM_REQUEST_BYTES)
+        malloc_trim(0);
     if (c->payload)
         grpc_byte_buffer_destroy(c->payload);
     if (c->recv_buf)
@@ -128,6 +136,16 @@ static int reply_is_owed(const amx_call_t *c)
            (n >= 5 && strcmp(p + n - 5, "/Join") == 0);
 }
 
+/* An answer of the peer service. Neither cap on answers (max_message_bytes,
+ * max_queued_bytes) applies to it: its callers are daemons that proved the
+ * cluster's secret, its size is bounded by the job's catalog limits, and
+ * refusing one (an agreement answer, a donor's state) would fail an epoch
+ * on every daemon of the job for caps meant for trainers. */
+static int peer_answer(const amx_call_t *c)
+{
+    return c->method >= 0 && c->rpc->methods[c->method]->server == AMX_SERVER_PEER;
+}
+
 /* Gives up answer bytes that were not handed to gRPC. */
 static void drop_buf(uint8_t *buf, void (*release)(void *), void *ud)
 {
@@ -160,7 +178,10 @@ static void send_reply(amx_call_t *c, amx_status_t st, const char *msg,
          * flow-control window lets it go. */
         if (buf == NULL)
             len = protobuf_c_message_get_packed_size(resp);
-        if ((int64_t)len > rpc->cfg->max_message_bytes) {
+        if (peer_answer(c)) {
+            rpc->queued += len;
+            c->queued = len;
+        } else if ((int64_t)len > rpc->cfg->max_message_bytes) {
             snprintf(why, sizeof(why),
                      "%s: the answer of %zu bytes exceeds max_message_bytes=%lld; ask for less "
                      "at a time",
@@ -445,6 +466,8 @@ static void start_call(amx_rpc_t *rpc, amx_call_t *c)
         return;
     }
     amx_err_t err = {0};
+    if (c->payload != NULL)
+        c->request_len = grpc_byte_buffer_length(c->payload);
     if (c->payload != NULL && m->raw != NULL) {
         amx_wire_limits_t lim = wire_limits(rpc->cfg);
         uint8_t *data;

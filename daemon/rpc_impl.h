@@ -64,6 +64,7 @@ struct amx_call {
      * batch (an answer given at once), whose completion then ends the call. */
     int close_posted, close_in_send;
     ProtobufCMessage *request; /* kept while the call waits in the registry */
+    size_t request_len;        /* its bytes on the wire */
     amx_arena_t arena;         /* request views that live as long as the call */
     uint64_t stream_accepted, stream_epoch;
     uint64_t queued; /* bytes of its answer counted in rpc->queued */

@@ -321,6 +321,22 @@ static void h_status(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     resp.cluster_size = id->size;
     resp.coordinator = (char *)id->coordinator;
     resp.peer_address = (char *)id->advertise;
+    Amaxd__V1__CoordinatorStatus cs = AMAXD__V1__COORDINATOR_STATUS__INIT;
+    if (svc->coord != NULL && id->size > 1) {
+        const amx_coord_stats_t *x = amx_coord_stats(svc->coord);
+        amx_coord_counts(svc->coord, &cs.jobs, &cs.waiting, &cs.keys);
+        cs.syncs = x->syncs;
+        cs.rounds = x->rounds;
+        cs.specs_received = x->specs_received;
+        cs.offers_asked = x->offers_asked;
+        cs.catalogs_asked = x->catalogs_asked;
+        cs.specs_sent = x->specs_sent;
+        cs.members_sent = x->members_sent;
+        cs.answers_built = x->answers_built;
+        cs.offers_known = x->offers_known;
+        cs.answer_bytes = x->answer_bytes;
+        resp.coordinator_status = &cs;
+    }
     if (amx_registry_status(svc->reg, req->job, &jobs, &n, &a, &err) != AMX_OK) {
         reply_err(c, "Status", &err);
         amx_arena_free(&a);
@@ -802,5 +818,6 @@ void amx_service_free(amx_svc_t *svc)
         return;
     amx_shm_free(svc->shm);
     amx_codec_scratch_trim(&svc->scratch, 0);
+    amx__service_peer_free();
     free(svc);
 }

@@ -68,6 +68,9 @@ extern const size_t amx__n_peer_methods;
 void amx__service_on_restart(void *ud, const char *job, const amx_membership_t *m,
                              uint32_t restarted, uint64_t gen);
 
+/* Frees the peer service's shared agreement answers (service_peer.c). */
+void amx__service_peer_free(void);
+
 /* Milliseconds of CLOCK_MONOTONIC. */
 uint64_t amx__now_ms(void);
 

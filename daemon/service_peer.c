@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "amaxd/peer/v1/peer.pb-c.h"
+#include "bytebuf.h"
 #include "clock.h"
 #include "log.h"
 
@@ -73,6 +74,15 @@ static void join_cancelled(amx_waiter_t *w)
     (void)c;
 }
 
+typedef struct join_cache {
+    uint64_t hash;
+    int rejoined;
+    amx_replybuf_t *buf;
+    size_t len;
+} join_cache_t;
+
+static join_cache_t g_join; /* loop lock */
+
 static void on_coord_join(void *ud, amx_status_t st, const char *msg, const amx_membership_t *m)
 {
     amx_call_t *c = ud;
@@ -84,17 +94,37 @@ static void on_coord_join(void *ud, amx_status_t st, const char *msg, const amx_
         amx__call_reply(c, st, msg, NULL);
         return;
     }
+    /* Every rank of a job gets the same membership when the last one
+     * joins: serialized once, shared by reference. */
+    uint64_t h = amx_membership_hash(m) ^ (m->coord_inc * 0x9e3779b97f4a7c15ull);
+    if (g_join.buf != NULL && g_join.hash == h && g_join.rejoined == m->rejoined) {
+        atomic_fetch_add(&g_join.buf->refs, 1);
+        amx__call_reply_raw(c, g_join.buf->data, g_join.len, amx_replybuf_unref, g_join.buf);
+        return;
+    }
     Amaxd__Peer__V1__JoinResponse r = AMAXD__PEER__V1__JOIN_RESPONSE__INIT;
     amx_arena_t a = {0};
-    if (amx_codec_members_out(m, &r.participants, &r.n_participants, &a) != AMX_OK) {
-        amx__call_reply(c, AMX_ENOMEM, "out of memory", NULL);
-    } else {
+    amx_replybuf_t *buf = NULL;
+    size_t len = 0;
+    if (amx_codec_members_out(m, &r.participants, &r.n_participants, &a) == AMX_OK) {
         r.rejoined = m->rejoined;
         r.coordinator_incarnation = m->coord_inc;
         r.world_size = m->world;
-        amx__call_reply(c, AMX_OK, NULL, &r.base);
+        len = protobuf_c_message_get_packed_size(&r.base);
+        buf = amx_replybuf_take(&buf, len ? len : 1);
+        if (buf != NULL)
+            protobuf_c_message_pack(&r.base, buf->data);
     }
     amx_arena_free(&a);
+    if (buf == NULL) {
+        amx__call_reply(c, AMX_ENOMEM, "out of memory answering a Join", NULL);
+        return;
+    }
+    /* amx_replybuf_take gave two references: the cache keeps one, the
+     * answer holds the other. */
+    amx_replybuf_unref(g_join.buf);
+    g_join = (join_cache_t){h, m->rejoined, buf, len};
+    amx__call_reply_raw(c, buf->data, len, amx_replybuf_unref, buf);
 }
 
 static void h_join(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
@@ -126,12 +156,76 @@ static void h_join(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 
 /* -- Sync -- */
 
+/* What a Sync's caller holds, kept with its call for the answer. */
+typedef struct sync_caller {
+    uint64_t catalog_hash, membership_hash, union_hash;
+    int want_catalog;
+} sync_caller_t;
+
+/* The specs agreed since `from` (a version the coordinator still keeps),
+ * in the arena; -1 when it does not keep it. */
+static int delta_since(const amx_coord_sync_ans_t *ans, uint64_t from,
+                       Amaxd__V1__QuantizerSpec ***out, size_t *n, amx_arena_t *a)
+{
+    const amx_coord_version_t *v = NULL;
+    for (size_t i = ans->nversions; i-- > 0 && v == NULL;)
+        if (ans->versions[i].hash == from)
+            v = &ans->versions[i];
+    if (v == NULL || v->nadded > ans->nadded)
+        return -1;
+    size_t k = ans->nadded - v->nadded;
+    Amaxd__V1__QuantizerSpec **q = amx_arena_alloc(a, (k + 1) * sizeof(*q));
+    if (q == NULL)
+        return -1;
+    for (size_t i = 0; i < k; i++) {
+        int64_t at = amx_catalog_find(ans->catalog, ans->added[v->nadded + i]);
+        Amaxd__V1__QuantizerSpec *s = amx_arena_alloc(a, sizeof(*s));
+        if (at < 0 || s == NULL || amx_codec_spec_out(ans->catalog->q[at], s, a) != AMX_OK)
+            return -1;
+        q[i] = s;
+    }
+    *out = q;
+    *n = k;
+    return 0;
+}
+
+/* An agreement's answers are the same for every caller that holds the same
+ * catalog and membership: serialized once, shared by reference. */
+typedef struct answer_cache {
+    uint64_t round, from;
+    int whole, members, yours;
+    amx_replybuf_t *buf;
+    size_t len, nspecs;
+} answer_cache_t;
+
+static void count_answer(const amx_coord_sync_ans_t *ans, const answer_cache_t *e)
+{
+    if (ans->stats == NULL)
+        return;
+    ans->stats->specs_sent += e->nspecs;
+    ans->stats->members_sent += e->members;
+    ans->stats->answer_bytes += e->len;
+}
+
+#define ANSWER_CACHE 4
+static answer_cache_t g_answers[ANSWER_CACHE]; /* loop lock */
+
+void amx__service_peer_free(void)
+{
+    amx_replybuf_unref(g_join.buf);
+    g_join.buf = NULL;
+    for (int i = 0; i < ANSWER_CACHE; i++) {
+        amx_replybuf_unref(g_answers[i].buf);
+        g_answers[i].buf = NULL;
+    }
+}
+
 static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
                           const amx_coord_sync_ans_t *ans)
 {
     amx_call_t *c = ud;
     amx_waiter_t *w = amx__call_waiter(c);
-    uint64_t caller_hash = w->aux; /* the caller's catalog hash (h_sync) */
+    const sync_caller_t *caller = w->ext2;
     w->on_cancel = NULL;
     w->ext = NULL;
     w->job = NULL;
@@ -140,17 +234,46 @@ static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
         return;
     }
     Amaxd__Peer__V1__SyncResponse r = AMAXD__PEER__V1__SYNC_RESPONSE__INIT;
-    if (ans->send_catalog) {
-        r.send_catalog = 1;
+    if (ans->send_catalog || ans->send_offer) {
+        r.send_catalog = ans->send_catalog;
+        r.send_offer = ans->send_offer;
         r.coordinator_incarnation = ans->coord_inc;
         amx__call_reply(c, AMX_OK, NULL, &r.base);
         return;
+    }
+    uint64_t from = caller->catalog_hash;
+    /* Nothing to send when the caller holds the agreed catalog, or makes it
+     * from its own catalog and proposals (the common case: every daemon
+     * registered the same quantizers). */
+    int yours = from != ans->catalog_hash && caller->union_hash == ans->catalog_hash &&
+                !caller->want_catalog;
+    int none = from == ans->catalog_hash || yours;
+    if (yours)
+        from = caller->union_hash; /* its own cache entry */
+    int whole = !none && caller->want_catalog;
+    int members = caller->membership_hash != ans->members_hash;
+    for (int i = 0; i < ANSWER_CACHE; i++) {
+        answer_cache_t *e = &g_answers[i];
+        if (e->buf != NULL && e->round == ans->round &&
+            (none ? e->from == from : e->from == from && e->whole == whole) &&
+            e->members == members && e->yours == yours) {
+            atomic_fetch_add(&e->buf->refs, 1);
+            count_answer(ans, e);
+            amx__call_reply_raw(c, e->buf->data, e->len, amx_replybuf_unref, e->buf);
+            return;
+        }
     }
     amx_arena_t a = {0};
     r.seq = ans->seq;
     r.catalog_hash = ans->catalog_hash;
     int ok = 1;
-    if (caller_hash != ans->catalog_hash) {
+    size_t nspecs = 0;
+    if (!none && !whole && delta_since(ans, from, &r.catalog, &r.n_catalog, &a) == 0) {
+        r.catalog_included = 1;
+        r.catalog_delta = 1;
+        nspecs = r.n_catalog;
+    } else if (!none) {
+        whole = 1;
         r.catalog_included = 1;
         r.n_catalog = ans->catalog->n;
         r.catalog = amx_arena_alloc(&a, (ans->catalog->n + 1) * sizeof(*r.catalog));
@@ -161,6 +284,7 @@ static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
             if (ok)
                 r.catalog[i] = q;
         }
+        nspecs = ans->catalog->n;
     }
     r.n_rejected = ans->nrejected;
     r.rejected = ans->rejected;
@@ -174,13 +298,35 @@ static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
     r.comm_generation = ans->comm_gen;
     r.new_comm = ans->new_comm;
     r.coordinator_incarnation = ans->coord_inc;
-    if (ok)
+    r.members_omitted = !members;
+    r.catalog_yours = yours;
+    if (ok && members)
         ok = amx_codec_members_out(ans->members, &r.participants, &r.n_participants, &a) == AMX_OK;
-    if (ok)
-        amx__call_reply(c, AMX_OK, NULL, &r.base);
-    else
+    size_t len = ok ? protobuf_c_message_get_packed_size(&r.base) : 0;
+    amx_replybuf_t *buf = NULL;
+    if (ok && (buf = amx_replybuf_take(&buf, len ? len : 1)) == NULL)
+        ok = 0;
+    if (!ok) {
         amx__call_reply(c, AMX_ENOMEM, "out of memory answering an agreement", NULL);
+        amx_arena_free(&a);
+        return;
+    }
+    protobuf_c_message_pack(&r.base, buf->data);
     amx_arena_free(&a);
+    if (ans->stats != NULL)
+        ans->stats->answers_built++;
+    /* The cache keeps the slot's reference; the answer holds the one
+     * amx_replybuf_take gave. The oldest entry makes room. */
+    answer_cache_t *e = &g_answers[ans->round % ANSWER_CACHE];
+    for (int i = 0; i < ANSWER_CACHE; i++)
+        if (g_answers[i].buf == NULL) {
+            e = &g_answers[i];
+            break;
+        }
+    amx_replybuf_unref(e->buf);
+    *e = (answer_cache_t){ans->round, from, whole, members, yours, buf, len, nspecs};
+    count_answer(ans, e);
+    amx__call_reply_raw(c, buf->data, len, amx_replybuf_unref, buf);
 }
 
 static void sync_cancelled(amx_waiter_t *w)
@@ -236,11 +382,29 @@ static void h_sync(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         .nranks = (uint32_t)q->n_ranks,
         .addr = q->address,
         .deadline_ms = deadline_in(q->timeout_ms),
+        .offer_hash = q->offer_hash,
+        .offer_count = q->offer_count,
+        .offer_included = q->offer_included,
     };
+    if (!q->offer_included && q->n_proposals > 0) {
+        free(specs);
+        free(ptrs);
+        reply_err(c, AMX_EINVAL, "Sync carries specs without offer_included");
+        return;
+    }
+    /* What the caller holds, for its answer (the call's arena). */
+    sync_caller_t *caller = amx_arena_alloc(amx__call_arena(c), sizeof(*caller));
+    if (caller == NULL) {
+        free(specs);
+        free(ptrs);
+        reply_err(c, AMX_ENOMEM, "out of memory");
+        return;
+    }
+    *caller = (sync_caller_t){q->catalog_hash, q->membership_hash, q->union_hash, q->want_catalog};
     amx_waiter_t *w = amx__call_waiter(c);
     w->job = svc;
     w->on_cancel = sync_cancelled;
-    w->aux = q->catalog_hash; /* the answer includes the catalog when it differs */
+    w->ext2 = caller;
     amx_creq_t *h = NULL;
     amx_status_t st = amx_coord_sync(svc->coord, &req, on_coord_sync, c, &h, &err);
     free(specs);
@@ -336,7 +500,7 @@ static void h_abort(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     if (!authed(svc, c))
         return;
     const Amaxd__Peer__V1__AbortRequest *q = (const void *)m;
-    amx_registry_peer_abort(svc->reg, q->job, q->comm_generation, q->from,
+    amx_registry_peer_abort(svc->reg, q->job, q->comm_generation, q->epoch, q->from,
                             amx_status_from_grpc((int)q->code), q->reason);
     Amaxd__Peer__V1__AbortResponse r = AMAXD__PEER__V1__ABORT_RESPONSE__INIT;
     amx__call_reply(c, AMX_OK, NULL, &r.base);
@@ -416,5 +580,5 @@ void amx__service_on_restart(void *ud, const char *job, const amx_membership_t *
     amx_peer_abort_all(svc->peer, m, job, gen, restarted, reason);
     for (uint32_t i = 0; i < m->npart; i++)
         if (m->part[i].daemon == me)
-            amx_registry_peer_abort(svc->reg, job, gen, me, AMX_EABORTED, reason);
+            amx_registry_peer_abort(svc->reg, job, gen, 0, me, AMX_EABORTED, reason);
 }

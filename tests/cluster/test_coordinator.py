@@ -295,3 +295,62 @@ def test_restarted_daemon_keeps_a_new_quantizer_of_the_epoch_it_catches_up_in(ma
     assert whole(cls[0]) == whole(cls[1])
     for cl in cls:
         cl.close()
+
+
+def test_steady_epochs_go_on_without_the_coordinator(make_cluster):
+    """A job on daemons 1 and 2 while the coordinator (daemon 0, hosting no
+    rank of it) is dead: epochs in which nothing changes never call it and
+    go on; one that needs it (a quantizer added) fails with UNAVAILABLE
+    naming the coordinator, within the timeout, and changes nothing; once
+    the coordinator is back, that epoch, tried again, agrees and reconciles
+    (the first tries may still get UNAVAILABLE while the peer channel backs
+    off, at most a second). The
+    seconds from its restart to that epoch are printed (docs/CLUSTER.md,
+    "Coordinator loss")."""
+    c = make_cluster(3, f"--reconcile-timeout-ms={TIMEOUT_MS}")
+    cls = {r: amaxd.Client("st", r, 2, socket=c.socket(r + 1), timeout=60) for r in range(2)}
+    q = [amaxd.Quantizer("x", [], amaxd.Recipe.fp8_current())]
+
+    def epoch(r, v, extra=()):
+        if extra:
+            cls[r].register(list(extra))
+        cls[r].send({"x": float(v + r), **{e.name: 1.0 for e in extra}})
+        return cls[r].reconcile()
+    out, errs = run_threads({r: (lambda r=r: (cls[r].join(), cls[r].register(q),
+                                              epoch(r, 1))[-1]) for r in range(2)})
+    assert not errs, errs
+    c.kill(0)
+    for e in range(2, 6):
+        out, errs = run_threads({r: (lambda r=r: epoch(r, e)) for r in range(2)})
+        assert not errs, f"epoch {e} needed the coordinator: {errs}\n{c.logs()}"
+        assert out[0]["x"].amax[()] == float(e + 1)
+    extra = [amaxd.Quantizer("y", [], amaxd.Recipe.fp8_current())]
+    t0 = time.monotonic()
+    out, errs = run_threads({r: (lambda r=r: epoch(r, 6, extra if r == 0 else ())) for r in range(2)})
+    took = time.monotonic() - t0
+    assert set(errs) == {0, 1}, (out, errs)
+    for r, e in errs.items():
+        assert isinstance(e, amaxd.errors.Unavailable), (r, e)
+        assert "coordinator" in str(e), (r, e)
+    assert took < TIMEOUT_MS / 1000 + 5, took
+    t0 = time.monotonic()
+    c.start(0)
+    seen = []
+
+    def again(r):
+        cls[r].send({"x": float(7 + r)})
+        return retry(cls[r].reconcile, seen)
+    out, errs = run_threads({r: (lambda r=r: again(r)) for r in range(2)})
+    took = time.monotonic() - t0
+    assert not errs, f"{errs}\n{c.logs()}"
+    for e in seen:  # a channel still backing off from the dead coordinator
+        assert isinstance(e, amaxd.errors.Unavailable), e
+    print(f"coordinator restart to a reconciled epoch that needed it: {took:.2f} s "
+          f"({len(seen)} UNAVAILABLE on the way)")
+    for r in range(2):
+        names = {x.name for x in cls[r].list_quantizers().quantizers}
+        assert names == {"x", "y"}, (r, names)
+        assert out[r]["x"].amax[()] == 8.0, out[r]
+    assert out[0]["y"].amax[()] == 1.0, out[0]  # sent in the epoch that failed, kept
+    for x in cls.values():
+        x.close()

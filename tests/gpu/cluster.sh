@@ -34,8 +34,8 @@ nvidia-smi topo -m 2>/dev/null | head -5
 if step 1; then
   echo "== 1. unit tests"
   export AMAXD_VECTORS="$root/tests/vectors"
-  for t in recipe registry config cluster comm_gloo; do
-    printf '%-10s ' "$t"; "$build/tests/test_$t" 2>/dev/null | tail -1 || rc=1
+  for t in "$build"/tests/test_*; do
+    printf '%-16s ' "${t##*/test_}"; "$t" 2>/dev/null | tail -1 || rc=1
   done
 fi
 if step 2; then

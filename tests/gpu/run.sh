@@ -24,7 +24,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 
 echo "== 1. unit tests"
 export AMAXD_VECTORS="$root/tests/vectors"
-for t in recipe registry config cluster comm_gloo; do "$build/tests/test_$t" 2>/dev/null | tail -1 || rc=1; done
+for t in "$build"/tests/test_*; do
+  printf '%-16s ' "${t##*/test_}"; "$t" 2>/dev/null | tail -1 || rc=1
+done
 
 echo "== 2. host vs CUDA backend"
 "$build/backend_compare" tests/vectors/recipes.tsv "${AMAXD_COMPARE_N:-10000000}" 2>&1 | tee "$out/backend_compare.txt" || rc=1
