@@ -6,7 +6,9 @@ all the data computes; the protocol's states, Reset, overflow, snapshots;
 and bad input gets a precise status and changes nothing. The methods
 themselves are compared with ModelOpt in tests/modelopt."""
 import ctypes
+import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -327,3 +329,39 @@ def test_snapshot_keeps_the_statistics(start_daemon, tmp_path):
         r = c.reconcile()
         assert r["h"].stat_total == 2 * np.arange(32).sum()
         assert r["m"].amax.tobytes() == before["m"].amax.tobytes()
+
+
+def test_export_writes_the_methods_amax(daemon, tmp_path):
+    """Export (Python and amaxctl, the same bytes): NAME.amax is the
+    calibrated amax and the metadata names the calibrator."""
+    from safetensors.numpy import load_file
+    from safetensors import safe_open
+    cal = amaxd.Calibrator.histogram("percentile", 16, percentile=50.0, torch_cpu_build="avx2")
+    mse = amaxd.Calibrator.mse(0.5, 1.5, 0.5, torch_cpu_build="avx2")
+    with daemon.client("calexp", 0, 1) as c:
+        c.join()
+        c.register([amaxd.Quantizer("h", [], amaxd.Recipe.fp8_current(), calibrator=cal),
+                    amaxd.Quantizer("m", [2], amaxd.Recipe.fp8_current(), calibrator=mse),
+                    amaxd.Quantizer("p", [2], amaxd.Recipe.fp8_current())])
+        c.send({"h": 8.0, "m": [1.0, 4.0], "p": [1.0, 2.0]})
+        r = c.reconcile()
+        c.send({"h": amaxd.Stat(np.arange(17, dtype=float), r["h"].stat_epoch),
+                "m": amaxd.Stat(np.array([[2.0, 1, 3], [0, 5, 1]]), r["m"].stat_epoch)})
+        r = c.reconcile()
+        assert r["h"].stat_state == r["m"].stat_state == amaxd.pb.STAT_COMPUTED
+        py, cl = str(tmp_path / "py.safetensors"), str(tmp_path / "ctl.safetensors")
+        assert c.export(py) == 2
+    ctl = os.environ.get("AMAXCTL_BIN", os.path.join(os.path.dirname(LIB), "amaxctl"))
+    p = subprocess.run([ctl, "--socket", daemon.socket, "export", "calexp", cl],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert open(py, "rb").read() == open(cl, "rb").read()
+    got = load_file(py)
+    for n in ("h", "m", "p"):
+        assert got[n + ".amax"].tobytes() == r[n].amax.tobytes()
+        assert got[n + ".scale"].tobytes() == r[n].scale.tobytes()
+    assert r["h"].amax.tolist() != np.float32(8.0)  # the method's, not the max
+    with safe_open(py, framework="numpy") as f:
+        qs = {q["name"]: q for q in json.loads(f.metadata()["amaxd.quantizers"])}
+    assert qs["h"]["calibrator"] == "histogram/percentile"
+    assert qs["m"]["calibrator"] == "mse" and "calibrator" not in qs["p"]
