@@ -78,6 +78,18 @@ typedef struct cuda_state {
     void *e_pin;
     size_t cap_e_pin;
     uint32_t dq_n; /* descriptors on the device, valid for this many quantizers */
+    /* Statistics of calibrators beyond max (state.h): float64 pending[2]
+     * (flipped with pend), receive and accumulated sums; the calibrated
+     * amax of each stat cell for a finish (st->ovr uploaded); the loop's
+     * float64 staging (pinned + device). The methods themselves run on
+     * the host (engine_stat.c): the accumulated sums are copied back
+     * after each accumulation. */
+    double *spend[2], *srecv, *saccum;
+    uint64_t spend_n[2], srecv_n, saccum_n;
+    float *d_ovr;
+    uint64_t cap_ovr;
+    double *h_sstage, *d_sstage;
+    uint64_t cap_sstage;
     /* Pinned buffers replaced by bigger ones, freed at destroy (freeing
      * pinned memory may synchronize the device). */
     pthread_mutex_t retired_mu; /* the loop and the engine thread both retire */
@@ -266,7 +278,7 @@ __device__ __forceinline__ void publish_q(const amx_qdesc_t *qs, uint32_t mq, fl
 __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells,
                              const float *pending, float *accum, float *hist, float *out_amax,
                              float *peer_max, float *gamax, uint8_t *empty, float *clear,
-                             const uint32_t *chunkq)
+                             const uint32_t *chunkq, const float *ovr)
 {
     uint32_t qi = chunk_q(qs, nq, chunkq);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
@@ -308,6 +320,13 @@ __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells
         float a = amx_pp_accumulate(q, &acc[k], hist + q->hist_base, i - q->base, red[k]);
         if (q->accumulation != AMX_ACC_PER_EPOCH)
             accum[i] = acc[k];
+        if (q->stat != 0 && ovr != NULL) {
+            /* A calibrator beyond max: its amax where it computed one (the
+             * running max stays in accum, the basis's source). */
+            float o = ovr[q->obase + (i - q->base)];
+            if (o == o)
+                a = o;
+        }
         out_amax[i] = a;
         if (a == AMX_NEG_INF)
             e = 1;
@@ -563,6 +582,30 @@ __global__ void k_max_into(float *a, const float *b, uint64_t n)
         a[i] = amx_fmaxf(a[i], b[i]);
 }
 
+/* One block per run (grid-stride over runs): dst[r.dst + i] += src[r.src
+ * + i] (statistics; runs never overlap). */
+__global__ void k_add_runs(double *dst, const double *src, const amx_run_t *runs, size_t nruns)
+{
+    for (size_t r = blockIdx.x; r < nruns; r += gridDim.x)
+        for (uint64_t i = threadIdx.x; i < runs[r].len; i += blockDim.x)
+            dst[runs[r].dst + i] += src[runs[r].src + i];
+}
+
+/* dst[r.dst + i] = 0 over the runs. */
+__global__ void k_zero_runs(double *dst, const amx_run_t *runs, size_t nruns)
+{
+    for (size_t r = blockIdx.x; r < nruns; r += gridDim.x)
+        for (uint64_t i = threadIdx.x; i < runs[r].len; i += blockDim.x)
+            dst[runs[r].dst + i] = 0.0;
+}
+
+__global__ void k_add_into(double *a, const double *b, uint64_t n)
+{
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x)
+        a[i] += b[i];
+}
+
 /* Quantizers flagged `reset` lose their accumulated state (one block each). */
 __global__ void k_reset_flagged(const amx_qdesc_t *qs, uint32_t nq, float *accum, float *prev,
                                 float *hist, float *prev_g, float *prev_gs)
@@ -801,7 +844,56 @@ static amx_status_t cuda_unflip(amx_state_t *st, amx_err_t *err)
                                                          c->pend[fl] + AMX_HDR_CELLS, n);
     CU(cudaGetLastError(), "unflip kernel launch");
     AMX_CHECK(fill_f(c->pend[fl] + AMX_HDR_CELLS, c->pend_n[fl], -INFINITY, c->sl, err));
+    uint64_t ns = c->spend_n[fl] < c->spend_n[c->active] ? c->spend_n[fl] : c->spend_n[c->active];
+    if (ns > 0 && c->spend[fl] != NULL && c->spend[c->active] != NULL)
+        k_add_into<<<blocks_for(ns), THREADS, 0, c->sl>>>(c->spend[c->active], c->spend[fl], ns);
+    CU(cudaGetLastError(), "unflip kernel launch");
+    if (c->spend[fl] != NULL && c->spend_n[fl] > 0)
+        CU(cudaMemsetAsync(c->spend[fl], 0, c->spend_n[fl] * sizeof(double), c->sl),
+           "cudaMemsetAsync (stat buffer)");
     CU(cudaStreamSynchronize(c->sl), "unflip");
+    return AMX_OK;
+}
+
+/* Stat buffer k at `n` values at least on stream s (new values 0): both
+ * pending buffers follow the replicated layout's size, whichever path
+ * (remap, import, a restore) set it. */
+static amx_status_t ensure_spend(cuda_state_t *c, int k, uint64_t n, cudaStream_t s, amx_err_t *err)
+{
+    if (c->spend[k] != NULL && c->spend_n[k] >= n)
+        return AMX_OK;
+    double *np;
+    AMX_CHECK(dalloc((void **)&np, (n ? n : 1) * sizeof(double), s, err));
+    CU(cudaMemsetAsync(np, 0, (n ? n : 1) * sizeof(double), s), "cudaMemsetAsync (stat buffer)");
+    if (c->spend[k] != NULL && c->spend_n[k] > 0)
+        CU(cudaMemcpyAsync(np, c->spend[k], c->spend_n[k] * sizeof(double),
+                           cudaMemcpyDeviceToDevice, s),
+           "cudaMemcpyAsync (stat buffer)");
+    dfree(c->spend[k], s);
+    c->spend[k] = np;
+    c->spend_n[k] = n;
+    return AMX_OK;
+}
+
+static amx_status_t cuda_stat_merge(amx_state_t *st, const double *vals, uint64_t nvals,
+                                    const amx_run_t *runs, size_t nruns, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    if (nvals == 0 || nruns == 0)
+        return AMX_OK;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    AMX_CHECK(ensure_spend(c, c->active, st->nstat, c->sl, err));
+    AMX_CHECK(grow_pinned(c, (void **)&c->h_sstage, (void **)&c->d_sstage, &c->cap_sstage, nvals,
+                          sizeof(double), err));
+    memcpy(c->h_sstage, vals, nvals * sizeof(double));
+    CU(cudaMemcpyAsync(c->d_sstage, c->h_sstage, nvals * sizeof(double), cudaMemcpyHostToDevice,
+                       c->sl),
+       "cudaMemcpyAsync (statistics)");
+    AMX_CHECK(loop_runs(c, runs, nruns, err));
+    unsigned grid = nruns < 65535u * 16u ? (unsigned)nruns : 65535u * 16u;
+    k_add_runs<<<grid, THREADS, 0, c->sl>>>(c->spend[c->active], c->d_sstage, c->d_runs, nruns);
+    CU(cudaGetLastError(), "stat merge kernel launch");
+    CU(cudaStreamSynchronize(c->sl), "stat merge");
     return AMX_OK;
 }
 
@@ -829,6 +921,12 @@ static amx_status_t cuda_remap_active(amx_state_t *st, const amx_layout_change_t
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     AMX_CHECK(loop_runs(c, lc->pend, lc->npend_runs, err));
     AMX_CHECK(remap_pend(c, c->active, lc, c->d_runs, c->sl, err));
+    /* The active stat buffer is empty (statistics are taken only while
+     * nothing is in flight): it only takes the new size. */
+    dfree(c->spend[c->active], c->sl);
+    c->spend[c->active] = NULL;
+    c->spend_n[c->active] = 0;
+    AMX_CHECK(ensure_spend(c, c->active, lc->nstat, c->sl, err));
     CU(cudaStreamSynchronize(c->sl), "remap of the pending buffer");
     st->pend_cells = c->pend_n[c->active];
     return AMX_OK;
@@ -967,8 +1065,9 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     int fl = c->active ^ 1, back = st->front ^ 1;
     int src = lc->outputs_from_back ? back : st->front;
-    /* All run lists in one upload: cells, hist, qs, pend, slices. */
-    size_t n = lc->ncell_runs + lc->nhist_runs + lc->nq_runs + lc->npend_runs + lc->nslice_runs;
+    /* All run lists in one upload: cells, hist, qs, pend, slices, stat, spend. */
+    size_t n = lc->ncell_runs + lc->nhist_runs + lc->nq_runs + lc->npend_runs + lc->nslice_runs +
+               lc->nstat_runs + lc->nspend_runs;
     amx_run_t *all = (amx_run_t *)malloc((n ? n : 1) * sizeof(amx_run_t));
     if (all == NULL)
         return amx_err_set(err, AMX_ENOMEM, "out of host memory");
@@ -980,6 +1079,11 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     memcpy(all + o_p, lc->pend, lc->npend_runs * sizeof(amx_run_t));
     if (lc->nslice_runs > 0)
         memcpy(all + o_s, lc->slices, lc->nslice_runs * sizeof(amx_run_t));
+    size_t o_st = o_s + lc->nslice_runs, o_sp = o_st + lc->nstat_runs;
+    if (lc->nstat_runs > 0)
+        memcpy(all + o_st, lc->stat, lc->nstat_runs * sizeof(amx_run_t));
+    if (lc->nspend_runs > 0)
+        memcpy(all + o_sp, lc->spend, lc->nspend_runs * sizeof(amx_run_t));
     amx_status_t rc = upload_runs(&c->e_runs, &c->cap_e_runs, all, n, s, err);
     CU(cudaStreamSynchronize(s), "runs upload");
     free(all);
@@ -992,6 +1096,25 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     AMX_CHECK(remap_f(&c->hist, lc->nhist, -INFINITY, rh, lc->nhist_runs, s, err));
     AMX_CHECK(remap_f(&c->prev_g, lc->nq, 1.0f, rq, lc->nq_runs, s, err));
     AMX_CHECK(remap_f(&c->prev_gs, lc->nslices, 1.0f, rs, lc->nslice_runs, s, err));
+    /* Statistics: the accumulated sums and the in-flight values. */
+    {
+        double *np[2] = {NULL, NULL};
+        double **old[2] = {&c->saccum, &c->spend[fl]};
+        const amx_run_t *runs[2] = {c->e_runs + o_st, c->e_runs + o_sp};
+        size_t nr[2] = {lc->nstat_runs, lc->nspend_runs};
+        for (int k = 0; k < 2; k++) {
+            AMX_CHECK(
+                dalloc((void **)&np[k], (lc->nstat ? lc->nstat : 1) * sizeof(double), s, err));
+            CU(cudaMemsetAsync(np[k], 0, (lc->nstat ? lc->nstat : 1) * sizeof(double), s),
+               "cudaMemsetAsync (statistics)");
+            if (*old[k] != NULL && nr[k] > 0)
+                AMX_CHECK(copy_runs<double>(np[k], *old[k], runs[k], nr[k], s, err));
+            dfree(*old[k], s);
+            *old[k] = np[k];
+        }
+        c->saccum_n = c->spend_n[fl] = lc->nstat;
+    }
+    AMX_CHECK(amx__state_remap_stats(st, lc, src, back, err));
     st->ncells = lc->ncells;
     st->nhist = lc->nhist;
     st->nq = lc->nq;
@@ -1111,6 +1234,103 @@ static amx_status_t cuda_read_header(amx_state_t *st, float *hdr, amx_err_t *err
     return AMX_OK;
 }
 
+/* ---- statistics on the engine thread ---- */
+
+static amx_status_t cuda_stat_prepare(amx_state_t *st, uint64_t n, double **send, double **recv,
+                                      void **stream, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    int fl = c->active ^ 1;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    AMX_CHECK(ensure_spend(c, fl, n, c->se, err));
+    if (c->srecv == NULL || n > c->srecv_n) {
+        dfree(c->srecv, c->se);
+        c->srecv = NULL;
+        AMX_CHECK(dalloc((void **)&c->srecv, (n ? n : 1) * sizeof(double), c->se, err));
+        c->srecv_n = n;
+    }
+    CU(cudaStreamSynchronize(c->se), "stat buffers");
+    *send = c->spend[fl];
+    *recv = c->srecv;
+    *stream = (void *)c->se;
+    return AMX_OK;
+}
+
+static amx_status_t cuda_stat_accumulate(amx_state_t *st, uint64_t n, const amx_run_t *clear,
+                                         size_t nclear, const amx_run_t *add, size_t nadd,
+                                         int from_send, double *host, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    cudaStream_t s = c->se;
+    int fl = c->active ^ 1;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    AMX_CHECK(ensure_spend(c, fl, n, s, err));
+    if (n != st->nstat || (n > 0 && c->saccum == NULL))
+        return amx_err_set(err, AMX_EINTERNAL, "statistics over %llu values, the state holds %llu",
+                           (unsigned long long)n, (unsigned long long)st->nstat);
+    size_t nr = nclear + nadd;
+    amx_run_t *all = (amx_run_t *)malloc((nr ? nr : 1) * sizeof(amx_run_t));
+    if (all == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory");
+    if (nclear > 0)
+        memcpy(all, clear, nclear * sizeof(amx_run_t));
+    if (nadd > 0)
+        memcpy(all + nclear, add, nadd * sizeof(amx_run_t));
+    amx_status_t rc = upload_runs(&c->e_runs, &c->cap_e_runs, all, nr, s, err);
+    CU(cudaStreamSynchronize(s), "runs upload");
+    free(all);
+    AMX_CHECK(rc);
+    if (nclear > 0) {
+        unsigned grid = nclear < 65535u * 16u ? (unsigned)nclear : 65535u * 16u;
+        k_zero_runs<<<grid, THREADS, 0, s>>>(c->saccum, c->e_runs, nclear);
+    }
+    const double *red = from_send ? c->spend[fl] : c->srecv;
+    if (nadd > 0) {
+        unsigned grid = nadd < 65535u * 16u ? (unsigned)nadd : 65535u * 16u;
+        k_add_runs<<<grid, THREADS, 0, s>>>(c->saccum, red, c->e_runs + nclear, nadd);
+    }
+    CU(cudaGetLastError(), "stat accumulate kernel launch");
+    if (c->spend_n[fl] > 0)
+        CU(cudaMemsetAsync(c->spend[fl], 0, c->spend_n[fl] * sizeof(double), s),
+           "cudaMemsetAsync (stat buffer)");
+    /* The methods run on the host (engine_stat.c): the sums come back. */
+    if (n > 0)
+        CU(cudaMemcpyAsync(host, c->saccum, n * sizeof(double), cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (statistics)");
+    CU(cudaStreamSynchronize(s), "stat accumulate");
+    return AMX_OK;
+}
+
+static amx_status_t cuda_read_accum(amx_state_t *st, const amx_run_t *runs, size_t nruns,
+                                    float *out, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    cudaStream_t s = c->se;
+    uint64_t n = 0;
+    for (size_t i = 0; i < nruns; i++)
+        n = runs[i].dst + runs[i].len > n ? runs[i].dst + runs[i].len : n;
+    if (n == 0)
+        return AMX_OK;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    AMX_CHECK(grow_dev((void **)&c->d_ovr, &c->cap_ovr, n, sizeof(float), s, err));
+    AMX_CHECK(upload_runs(&c->e_runs, &c->cap_e_runs, runs, nruns, s, err));
+    AMX_CHECK(copy_runs<float>(c->d_ovr, c->accum, c->e_runs, nruns, s, err));
+    float *tmp = (float *)malloc(n * sizeof(float));
+    if (tmp == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory");
+    cudaError_t e = cudaMemcpyAsync(tmp, c->d_ovr, n * sizeof(float), cudaMemcpyDeviceToHost, s);
+    if (e == cudaSuccess)
+        e = cudaStreamSynchronize(s);
+    if (e != cudaSuccess) {
+        free(tmp);
+        CU(e, "cudaMemcpyAsync (max)");
+    }
+    for (size_t i = 0; i < nruns; i++)
+        memcpy(out + runs[i].dst, tmp + runs[i].dst, runs[i].len * sizeof(float));
+    free(tmp);
+    return AMX_OK;
+}
+
 /* AMAXD_PROFILE=1: finish logs the device time of each of its stages
  * (events) and the host time around them, at info level. */
 static int profiling(void)
@@ -1187,6 +1407,15 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
     AMX_CHECK(size_filled(c, back, ncells, err));
     uint64_t n = ncells;
     const float *red = (from_send ? c->pend[fl] : c->recv) + AMX_HDR_CELLS;
+    const float *d_ovr = NULL;
+    if (st->ovr != NULL && st->nscell > 0) {
+        /* The calibrated amax of each stat cell (engine_stat.c, on the host). */
+        AMX_CHECK(grow_dev((void **)&c->d_ovr, &c->cap_ovr, st->nscell, sizeof(float), s, err));
+        CU(cudaMemcpyAsync(c->d_ovr, st->ovr, st->nscell * sizeof(float), cudaMemcpyHostToDevice,
+                           s),
+           "cudaMemcpyAsync (calibrated amax)");
+        d_ovr = c->d_ovr;
+    }
     uint64_t t_setup = amx_now_us();
     int cleared = 0;
     MARK(P_START);
@@ -1221,7 +1450,7 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
         if (n > 0)
             k_accumulate<<<chunks_for(n), THREADS, 0, s>>>(
                 c->dq, nq, n, red, c->accum, c->hist, c->o_amax[back], peer_max, c->o_gamax[back],
-                c->empty, clear, c->chunkq);
+                c->empty, clear, c->chunkq, d_ovr);
         MARK(P_ACCUM);
         k_quantizer_max<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, peer_max, c->empty,
                                                            c->o_gamax[back], scale_max);
@@ -1341,7 +1570,16 @@ static amx_status_t cuda_export(amx_state_t *st, uint64_t ncells, uint64_t nhist
         if (cp[k].bytes)
             CU(cudaMemcpyAsync(cp[k].dst, cp[k].src, cp[k].bytes, cudaMemcpyDeviceToHost, s),
                "cudaMemcpyAsync (export)");
+    if (d->nstat != st->nstat || d->nscell != st->nscell)
+        return amx_err_set(err, AMX_EINTERNAL,
+                           "state export of %llu statistic values, the state holds %llu",
+                           (unsigned long long)d->nstat, (unsigned long long)st->nstat);
+    if (d->nstat > 0 && d->stat != NULL)
+        CU(cudaMemcpyAsync(d->stat, c->saccum, d->nstat * sizeof(double), cudaMemcpyDeviceToHost,
+                           s),
+           "cudaMemcpyAsync (export)");
     CU(cudaStreamSynchronize(s), "export");
+    amx__state_export_stats(st, nq, f, d);
     if (nq) {
         memcpy(d->g_amax, st->g_amax[f], nq * sizeof(float));
         memcpy(d->g_scale, st->g_scale[f], nq * sizeof(float));
@@ -1399,7 +1637,18 @@ static amx_status_t cuda_import(amx_state_t *st, uint64_t ncells, uint64_t nhist
         if (cp[k].bytes)
             CU(cudaMemcpyAsync(cp[k].dst, cp[k].src, cp[k].bytes, cudaMemcpyHostToDevice, s),
                "cudaMemcpyAsync (import)");
+    /* Statistics: the accumulated sums. The stat buffers keep their layout
+     * (the loop's) until the remap that follows every import. */
+    dfree(c->saccum, s);
+    c->saccum = NULL;
+    AMX_CHECK(dalloc((void **)&c->saccum, (src->nstat ? src->nstat : 1) * sizeof(double), s, err));
+    c->saccum_n = src->nstat;
+    if (src->nstat > 0 && src->stat != NULL)
+        CU(cudaMemcpyAsync(c->saccum, src->stat, src->nstat * sizeof(double),
+                           cudaMemcpyHostToDevice, s),
+           "cudaMemcpyAsync (import)");
     CU(cudaStreamSynchronize(s), "import");
+    AMX_CHECK(amx__state_import_stats(st, src, nq, back, err));
     if (nq) {
         memcpy(st->g_amax[back], src->g_amax, nq * sizeof(float));
         memcpy(st->g_scale[back], src->g_scale, nq * sizeof(float));
@@ -1426,7 +1675,9 @@ static void cuda_destroy(amx_state_t *st)
                    c->o_ginv[1],   c->groups,      c->dq,          c->d_stage,     c->d_runs,
                    c->e_runs,      c->empty,       c->chunkq,      c->prev_gs,     c->o_samax[0],
                    c->o_samax[1],  c->o_sscale[0], c->o_sscale[1], c->o_sinv[0],   c->o_sinv[1],
-                   c->o_filled[0], c->o_filled[1], c->d_counts,    c->gdec,        c->sdec};
+                   c->o_filled[0], c->o_filled[1], c->d_counts,    c->gdec,        c->sdec,
+                   c->spend[0],    c->spend[1],    c->srecv,       c->saccum,      c->d_ovr,
+                   c->d_sstage};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         if (dev[i] != NULL)
             cudaFreeAsync(dev[i], c->se);
@@ -1435,6 +1686,7 @@ static void cuda_destroy(amx_state_t *st)
     cudaFreeHost(c->h_runs);
     cudaFreeHost(c->e_pin);
     cudaFreeHost(c->h_counts);
+    cudaFreeHost(c->h_sstage);
     for (size_t i = 0; i < c->nretired; i++)
         cudaFreeHost(c->retired[i]);
     free(c->retired);
@@ -1480,6 +1732,10 @@ static const amx_state_ops_t cuda_ops = {
     NULL,
     NULL,
     cuda_read_filled,
+    cuda_stat_merge,
+    cuda_stat_prepare,
+    cuda_stat_accumulate,
+    cuda_read_accum,
 };
 
 extern "C" uint64_t amx__state_cuda_memory(int device)

@@ -173,6 +173,174 @@ static int recipe_equal(const amx_recipe_t *a, const amx_recipe_t *b)
            a->mxfp8_convention == b->mxfp8_convention;
 }
 
+/* ---- calibrators ---- */
+
+/* Validates a calibrator (calib.h) against the rest of spec `s` (shape,
+ * accumulation, groups, global axes already parsed). */
+static amx_status_t normalize_calib(const amx_calib_in_t *in, const amx_qspec_t *s,
+                                    amx_calib_t *out, amx_err_t *err)
+{
+    const char *q = s->name;
+    memset(out, 0, sizeof(*out));
+    int kind = in->present ? in->kind : AMX_CAL_MAX;
+    if (kind < AMX_CAL_MAX || kind > AMX_CAL_MSE)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator.kind %d is unknown (use CALIBRATOR_MAX, "
+                           "CALIBRATOR_HISTOGRAM or CALIBRATOR_MSE)",
+                           q, in->kind);
+    int hist = kind == AMX_CAL_HISTOGRAM, mse = kind == AMX_CAL_MSE;
+    if (kind == AMX_CAL_MAX) {
+        if (in->present && (in->method || in->grid || in->torch_cpu || in->num_bins ||
+                            in->num_bits || in->start_bin || in->stride || in->is_unsigned ||
+                            in->skip_zeros || in->percentile != 0.0 || in->start_mult != 0.0 ||
+                            in->stop_mult != 0.0 || in->step_size != 0.0))
+            return amx_err_set(err, AMX_EINVAL,
+                               "quantizer '%s': calibrator fields are set but calibrator.kind is "
+                               "CALIBRATOR_MAX; set kind to CALIBRATOR_HISTOGRAM or "
+                               "CALIBRATOR_MSE, or leave the other fields at 0",
+                               q);
+        return AMX_OK;
+    }
+    const char *kn = hist ? "HISTOGRAM" : "MSE";
+    if (s->accumulation != AMX_ACC_RUNNING_MAX)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator %s needs accumulation RUNNING_MAX (its "
+                           "statistic accumulates until Reset)",
+                           q, kn);
+    if (s->peer_group[0] != '\0' || s->scale_group[0] != '\0' || s->global_axes != 0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator %s cannot be combined with a peer_group, "
+                           "a scale_group or global_axes",
+                           q, kn);
+    if (hist && s->ndim != 0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator HISTOGRAM needs global_shape [] (one "
+                           "histogram per tensor, as ModelOpt's HistogramCalibrator)",
+                           q);
+    if (in->torch_cpu < 0 || in->torch_cpu > AMX_TORCH_DEFAULT)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator.torch_cpu %d is unknown (use "
+                           "TORCH_CPU_AVX2, TORCH_CPU_AVX512 or TORCH_CPU_DEFAULT)",
+                           q, in->torch_cpu);
+    out->kind = (uint8_t)kind;
+    out->torch_cpu = (uint8_t)(in->torch_cpu == 0 ? AMX_TORCH_AVX2 : in->torch_cpu);
+    if (mse) {
+        if (in->method || in->grid || in->num_bins || in->num_bits || in->start_bin || in->stride ||
+            in->is_unsigned || in->skip_zeros || in->percentile != 0.0)
+            return amx_err_set(err, AMX_EINVAL,
+                               "quantizer '%s': calibrator MSE takes start_multiplier, "
+                               "stop_multiplier, step_size and torch_cpu only",
+                               q);
+        uint64_t k = amx_mse_nsteps(in->start_mult, in->stop_mult, in->step_size);
+        if (k == 0 || !(in->start_mult >= 0.0))
+            return amx_err_set(err, AMX_EINVAL,
+                               "quantizer '%s': calibrator MSE needs 0 <= start_multiplier <= "
+                               "stop_multiplier and step_size > 0, all finite, with at most %u "
+                               "candidates (got %g, %g, %g)",
+                               q, AMX_MSE_MAX_STEPS, in->start_mult, in->stop_mult, in->step_size);
+        if ((k + 1) * s->ncells > ((uint64_t)1 << 40))
+            return amx_err_set(err, AMX_ENOMEM,
+                               "quantizer '%s': %llu MSE candidates of %llu cells are too many "
+                               "statistic values",
+                               q, (unsigned long long)k, (unsigned long long)s->ncells);
+        out->nsteps = (uint32_t)k;
+        out->start_mult = in->start_mult + 0.0;
+        out->stop_mult = in->stop_mult + 0.0;
+        out->step_size = in->step_size + 0.0;
+        return AMX_OK;
+    }
+    if (in->start_mult != 0.0 || in->stop_mult != 0.0 || in->step_size != 0.0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': start_multiplier, stop_multiplier and step_size "
+                           "apply to calibrator MSE only",
+                           q);
+    if (in->num_bins < 1 || in->num_bins > AMX_HIST_MAX_BINS)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator.num_bins %u must be in [1, %u] (ModelOpt's "
+                           "default is 2048)",
+                           q, in->num_bins, AMX_HIST_MAX_BINS);
+    out->num_bins = in->num_bins;
+    out->skip_zeros = (uint8_t)(in->skip_zeros != 0);
+    if (in->method < AMX_HM_ENTROPY || in->method > AMX_HM_MSE)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator.method %d is unknown (use ENTROPY, "
+                           "PERCENTILE or HISTOGRAM_MSE)",
+                           q, in->method);
+    out->method = (uint8_t)in->method;
+    if (in->method == AMX_HM_PERCENTILE) {
+        if (in->grid || in->num_bits || in->start_bin || in->stride || in->is_unsigned)
+            return amx_err_set(err, AMX_EINVAL,
+                               "quantizer '%s': calibrator method PERCENTILE takes percentile "
+                               "only (not grid, num_bits, start_bin, stride or unsigned)",
+                               q);
+        if (!(in->percentile >= 0.0 && in->percentile <= 100.0))
+            return amx_err_set(err, AMX_EINVAL,
+                               "quantizer '%s': calibrator.percentile %g must be in [0, 100]", q,
+                               in->percentile);
+        out->percentile = in->percentile + 0.0;
+        return AMX_OK;
+    }
+    if (in->percentile != 0.0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator.percentile applies to method PERCENTILE "
+                           "only",
+                           q);
+    if (in->stride < 1 || in->stride > in->num_bins)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator.stride %u must be in [1, num_bins]", q,
+                           in->stride);
+    out->stride = in->stride;
+    out->is_unsigned = (uint8_t)(in->is_unsigned != 0);
+    if (in->method == AMX_HM_ENTROPY) {
+        if (in->grid)
+            return amx_err_set(err, AMX_EINVAL,
+                               "quantizer '%s': calibrator.grid applies to method HISTOGRAM_MSE "
+                               "only (ENTROPY uses num_bits)",
+                               q);
+        if (in->num_bits < 1 || in->num_bits + (in->is_unsigned != 0) > 17)
+            return amx_err_set(err, AMX_EINVAL,
+                               "quantizer '%s': calibrator.num_bits %u must be in [1, 16] for "
+                               "ENTROPY (2^(num_bits - 1 + unsigned) quantization levels)",
+                               q, in->num_bits);
+        /* ModelOpt fails on an empty candidate range, and start_bin 0 on
+         * its first candidate (bins[:0]). */
+        if (in->start_bin < 1 || in->start_bin > in->num_bins)
+            return amx_err_set(err, AMX_EINVAL,
+                               "quantizer '%s': calibrator.start_bin %u must be in [1, num_bins "
+                               "%u] for ENTROPY (ModelOpt's default is 128)",
+                               q, in->start_bin, in->num_bins);
+        out->num_bits = in->num_bits;
+        out->start_bin = in->start_bin;
+        return AMX_OK;
+    }
+    /* HISTOGRAM_MSE */
+    int grid = in->grid == 0 ? AMX_GRID_INT : in->grid;
+    if (grid != AMX_GRID_INT && grid != AMX_GRID_E4M3)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator.grid %d is unknown (use GRID_INT or "
+                           "GRID_E4M3)",
+                           q, in->grid);
+    out->grid = (uint8_t)grid;
+    if (grid == AMX_GRID_E4M3 && (in->num_bits != 0 || in->is_unsigned))
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator grid GRID_E4M3 takes no num_bits or "
+                           "unsigned",
+                           q);
+    if (grid == AMX_GRID_INT && (in->num_bits < 2 || in->num_bits > 16))
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator.num_bits %u must be in [2, 16] for the "
+                           "integer grid of HISTOGRAM_MSE",
+                           q, in->num_bits);
+    if (in->start_bin >= in->num_bins)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator.start_bin %u must be below num_bins %u for "
+                           "HISTOGRAM_MSE (its candidates are the bin centers from start_bin on)",
+                           q, in->start_bin, in->num_bins);
+    out->num_bits = in->num_bits;
+    out->start_bin = in->start_bin;
+    return AMX_OK;
+}
+
 /* ---- specs ---- */
 
 amx_status_t amx_qspec_parse(const amx_qspec_in_t *in, uint64_t max_cells, amx_qspec_t *out,
@@ -240,7 +408,56 @@ amx_status_t amx_qspec_parse(const amx_qspec_in_t *in, uint64_t max_cells, amx_q
                            "'%s' (a scale group shares one global amax); use one or the other",
                            name, in->global_axes, sg);
     out->global_axes = (uint8_t)in->global_axes;
+    return normalize_calib(&in->calib, out, &out->calib, err);
+}
+
+amx_status_t amx_qspec_check_calib(const amx_qspec_t *s)
+{
+    const amx_calib_t *c = &s->calib;
+    amx_calib_in_t in = {
+        .present = 1,
+        .kind = c->kind,
+        .method = c->method,
+        .grid = c->kind == AMX_CAL_HISTOGRAM && c->method == AMX_HM_MSE ? c->grid : 0,
+        .torch_cpu = c->torch_cpu,
+        .num_bins = c->num_bins,
+        .num_bits = c->num_bits,
+        .start_bin = c->start_bin,
+        .stride = c->stride,
+        .is_unsigned = c->is_unsigned,
+        .skip_zeros = c->skip_zeros,
+        .percentile = c->percentile,
+        .start_mult = c->start_mult,
+        .stop_mult = c->stop_mult,
+        .step_size = c->step_size,
+    };
+    amx_calib_t out;
+    if (c->kind == AMX_CAL_MAX) {
+        amx_calib_t zero;
+        memset(&zero, 0, sizeof(zero));
+        return amx_calib_equal(c, &zero) ? AMX_OK : AMX_EINVAL;
+    }
+    if (normalize_calib(&in, s, &out, NULL) != AMX_OK || !amx_calib_equal(&out, c))
+        return AMX_EINVAL;
     return AMX_OK;
+}
+
+uint64_t amx_qspec_stat_values(const amx_qspec_t *s)
+{
+    if (s->calib.kind == AMX_CAL_HISTOGRAM)
+        return (uint64_t)s->calib.num_bins + 1;
+    if (s->calib.kind == AMX_CAL_MSE)
+        return ((uint64_t)s->calib.nsteps + 1) * s->ncells;
+    return 0;
+}
+
+uint64_t amx_qspec_stat_cells(const amx_qspec_t *s)
+{
+    if (s->calib.kind == AMX_CAL_HISTOGRAM)
+        return 1;
+    if (s->calib.kind == AMX_CAL_MSE)
+        return s->ncells;
+    return 0;
 }
 
 const char *amx_peer_mode_name(int mode)
@@ -265,7 +482,7 @@ int amx_qspec_equal(const amx_qspec_t *a, const amx_qspec_t *b)
            recipe_equal(&a->recipe, &b->recipe) && a->accumulation == b->accumulation &&
            strcmp(a->peer_group, b->peer_group) == 0 &&
            strcmp(a->scale_group, b->scale_group) == 0 && a->peer_mode == b->peer_mode &&
-           a->global_axes == b->global_axes;
+           a->global_axes == b->global_axes && amx_calib_equal(&a->calib, &b->calib);
 }
 
 amx_qspec_t *amx_qspec_dup(const amx_qspec_t *s)
@@ -337,6 +554,20 @@ void amx_qspec_diff(const amx_qspec_t *a, const amx_qspec_t *b, char *buf, size_
                  amx_peer_mode_name(b->peer_mode));
     } else if (a->global_axes != b->global_axes) {
         snprintf(buf, len, "global_axes %u vs %u", a->global_axes, b->global_axes);
+    } else if (!amx_calib_equal(&a->calib, &b->calib)) {
+        const amx_calib_t *x = &a->calib, *y = &b->calib;
+        snprintf(buf, len,
+                 "calibrator (%s, bins %u, method %d, percentile %g, start_bin %u, stride %u, "
+                 "bits %u, unsigned %d, grid %d, skip_zeros %d, torch_cpu %d, multipliers "
+                 "%g..%g step %g) vs (%s, bins %u, method %d, percentile %g, start_bin %u, "
+                 "stride %u, bits %u, unsigned %d, grid %d, skip_zeros %d, torch_cpu %d, "
+                 "multipliers %g..%g step %g)",
+                 amx_calib_kind_name(x->kind), x->num_bins, x->method, x->percentile, x->start_bin,
+                 x->stride, x->num_bits, x->is_unsigned, x->grid, x->skip_zeros, x->torch_cpu,
+                 x->start_mult, x->stop_mult, x->step_size, amx_calib_kind_name(y->kind),
+                 y->num_bins, y->method, y->percentile, y->start_bin, y->stride, y->num_bits,
+                 y->is_unsigned, y->grid, y->skip_zeros, y->torch_cpu, y->start_mult, y->stop_mult,
+                 y->step_size);
     } else {
         snprintf(buf, len, "no difference");
     }
@@ -408,6 +639,17 @@ uint64_t amx_catalog_hash(amx_qspec_t *const *q, uint32_t n)
         h = fnv(h, s->scale_group, strlen(s->scale_group) + 1);
         uint8_t g[2] = {s->peer_mode, s->global_axes};
         h = fnv(h, g, sizeof(g));
+        if (s->calib.kind != AMX_CAL_MAX) {
+            /* Max quantizers hash as before calibrators existed. */
+            const amx_calib_t *c = &s->calib;
+            uint8_t cb[6] = {c->kind,        c->method,     c->grid,
+                             c->is_unsigned, c->skip_zeros, c->torch_cpu};
+            uint32_t cu[5] = {c->num_bins, c->num_bits, c->start_bin, c->stride, c->nsteps};
+            double cd[4] = {c->percentile, c->start_mult, c->stop_mult, c->step_size};
+            h = fnv(h, cb, sizeof(cb));
+            h = fnv(h, cu, sizeof(cu));
+            h = fnv(h, cd, sizeof(cd));
+        }
     }
     return h;
 }
@@ -446,6 +688,8 @@ amx_status_t amx_catalog_build(amx_qspec_t **specs, uint32_t n, amx_catalog_t **
         c->ncells += c->q[i]->ncells;
         c->nhist += amx_qspec_hist_cells(c->q[i]);
         c->nslices += amx_qspec_slices(c->q[i]);
+        c->nstat += amx_qspec_stat_values(c->q[i]);
+        c->nscell += amx_qspec_stat_cells(c->q[i]);
     }
     c->n = n;
     c->hash = amx_catalog_hash(c->q, n);
@@ -511,7 +755,7 @@ static int32_t group_index(char **g, uint32_t n, const char *name)
 
 void amx_catalog_layout(const amx_catalog_t *c, amx_qdesc_t *desc)
 {
-    uint64_t base = 0, hist = 0, slices = 0;
+    uint64_t base = 0, hist = 0, slices = 0, sbase = 0, obase = 0;
     for (uint32_t i = 0; i < c->n; i++) {
         const amx_qspec_t *s = c->q[i];
         amx_qdesc_t *d = &desc[i];
@@ -529,8 +773,14 @@ void amx_catalog_layout(const amx_catalog_t *c, amx_qdesc_t *desc)
         d->slice_cells = d->nslices ? s->ncells / d->nslices : 0;
         d->accumulation = s->accumulation;
         d->recipe = s->recipe;
+        d->stat = s->calib.kind;
+        d->sbase = sbase;
+        d->svals = amx_qspec_stat_values(s);
+        d->obase = obase;
         base += s->ncells;
         hist += amx_qspec_hist_cells(s);
         slices += d->nslices;
+        sbase += d->svals;
+        obase += amx_qspec_stat_cells(s);
     }
 }

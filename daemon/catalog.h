@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "calib.h"
 #include "recipe.h"
 #include "state.h"
 #include "status.h"
@@ -40,6 +41,7 @@ typedef struct amx_qspec {
     char *scale_group;    /* "" = none */
     uint8_t peer_mode;    /* AMX_PEER_FILL / AMX_PEER_SHARE with a peer group, else 0 */
     uint8_t global_axes;  /* 0, or the leading axes that index separate globals (< ndim) */
+    amx_calib_t calib;    /* how data becomes amax (calib.h); kind AMX_CAL_MAX: the max */
 } amx_qspec_t;
 
 /* A recipe as it came off the wire, before defaults are resolved. */
@@ -50,6 +52,15 @@ typedef struct amx_recipe_in {
     uint32_t history_len;
     float margin, eps;
 } amx_recipe_in_t;
+
+/* A calibrator as it came off the wire (proto Calibrator). */
+typedef struct amx_calib_in {
+    int present;
+    int kind, method, grid, torch_cpu;
+    uint32_t num_bins, num_bits, start_bin, stride;
+    int is_unsigned, skip_zeros;
+    double percentile, start_mult, stop_mult, step_size;
+} amx_calib_in_t;
 
 /* One quantizer of a Register request, as it came off the wire. */
 typedef struct amx_qspec_in {
@@ -63,6 +74,7 @@ typedef struct amx_qspec_in {
     size_t n_offset, n_local_shape;
     int peer_mode;
     uint32_t global_axes;
+    amx_calib_in_t calib;
 } amx_qspec_in_t;
 
 /* Whether `s` is a valid job name: 1..128 characters of [A-Za-z0-9._-]. */
@@ -99,6 +111,21 @@ void amx_qspec_diff(const amx_qspec_t *a, const amx_qspec_t *b, char *buf, size_
 /* History cells a spec needs: ncells * H for PER_EPOCH, else 0. */
 uint64_t amx_qspec_hist_cells(const amx_qspec_t *s);
 
+/* AMX_OK when s->calib is a normalized calibrator valid for the rest of
+ * the spec (what amx_qspec_parse makes); EINVAL otherwise. For specs that
+ * come from stored or transferred state. */
+amx_status_t amx_qspec_check_calib(const amx_qspec_t *s);
+
+/* Statistic values a spec holds in the stat buffers (state.h): a
+ * histogram's num_bins counts and its overflow count; an MSE search's
+ * nsteps losses and one presence count per cell (cell-major). 0 for max
+ * quantizers. */
+uint64_t amx_qspec_stat_values(const amx_qspec_t *s);
+
+/* Stat cells (basis and calibrated amax) a spec holds: 1 for a histogram
+ * (one per tensor), its cells for an MSE search, 0 for max. */
+uint64_t amx_qspec_stat_cells(const amx_qspec_t *s);
+
 /* Global slices a spec has: prod(shape[:global_axes]) when global_axes > 0,
  * else 0 (the quantizer's one global lives in the per-quantizer arrays). */
 uint64_t amx_qspec_slices(const amx_qspec_t *s);
@@ -114,6 +141,8 @@ typedef struct amx_catalog {
     uint32_t npeer, nscale;
     uint64_t ncells, nhist;
     uint64_t nslices; /* global slices of all quantizers (amx_qspec_slices) */
+    uint64_t nstat;   /* statistic values of all quantizers (amx_qspec_stat_values) */
+    uint64_t nscell;  /* stat cells of all quantizers (amx_qspec_stat_cells) */
     uint64_t hash;
     amx_strmap_t map; /* name -> index in q */
 } amx_catalog_t;

@@ -48,6 +48,47 @@ void amx_codec_recipe_out(const amx_recipe_t *r, Amaxd__V1__Recipe *out)
     out->mxfp8_convention = r->mxfp8_convention;
 }
 
+void amx_codec_calib_in(const Amaxd__V1__Calibrator *c, amx_calib_in_t *out)
+{
+    memset(out, 0, sizeof(*out));
+    if (c == NULL)
+        return;
+    out->present = 1;
+    out->kind = c->kind;
+    out->num_bins = c->num_bins;
+    out->method = c->method;
+    out->percentile = c->percentile;
+    out->start_bin = c->start_bin;
+    out->stride = c->stride;
+    out->skip_zeros = c->skip_zeros;
+    out->num_bits = c->num_bits;
+    out->is_unsigned = c->is_unsigned;
+    out->grid = c->grid;
+    out->torch_cpu = c->torch_cpu;
+    out->start_mult = c->start_multiplier;
+    out->stop_mult = c->stop_multiplier;
+    out->step_size = c->step_size;
+}
+
+void amx_codec_calib_out(const amx_calib_t *c, Amaxd__V1__Calibrator *out)
+{
+    amaxd__v1__calibrator__init(out);
+    out->kind = (Amaxd__V1__CalibratorKind)c->kind;
+    out->num_bins = c->num_bins;
+    out->method = (Amaxd__V1__HistogramMethod)c->method;
+    out->percentile = c->percentile;
+    out->start_bin = c->start_bin;
+    out->stride = c->stride;
+    out->skip_zeros = c->skip_zeros;
+    out->num_bits = c->num_bits;
+    out->is_unsigned = c->is_unsigned;
+    out->grid = (Amaxd__V1__SearchGrid)c->grid;
+    out->torch_cpu = (Amaxd__V1__TorchCpu)c->torch_cpu;
+    out->start_multiplier = c->start_mult;
+    out->stop_multiplier = c->stop_mult;
+    out->step_size = c->step_size;
+}
+
 void amx_codec_spec_in(const Amaxd__V1__QuantizerSpec *q, amx_qspec_in_t *out)
 {
     memset(out, 0, sizeof(*out));
@@ -64,12 +105,24 @@ void amx_codec_spec_in(const Amaxd__V1__QuantizerSpec *q, amx_qspec_in_t *out)
     out->n_offset = q->n_offset;
     out->local_shape = q->local_shape;
     out->n_local_shape = q->n_local_shape;
+    amx_codec_calib_in(q->calibrator, &out->calib);
 }
 
-void amx_codec_spec_out(const amx_qspec_t *s, Amaxd__V1__QuantizerSpec *q, Amaxd__V1__Recipe *r)
+amx_status_t amx_codec_spec_out(const amx_qspec_t *s, Amaxd__V1__QuantizerSpec *q, amx_arena_t *a)
 {
     amaxd__v1__quantizer_spec__init(q);
+    Amaxd__V1__Recipe *r = amx_arena_alloc(a, sizeof(*r));
+    if (r == NULL)
+        return AMX_ENOMEM;
     amx_codec_recipe_out(&s->recipe, r);
+    if (s->calib.kind != AMX_CAL_MAX) {
+        /* Max quantizers go without one, as before calibrators existed. */
+        Amaxd__V1__Calibrator *c = amx_arena_alloc(a, sizeof(*c));
+        if (c == NULL)
+            return AMX_ENOMEM;
+        amx_codec_calib_out(&s->calib, c);
+        q->calibrator = c;
+    }
     q->name = s->name;
     q->n_global_shape = s->ndim;
     q->global_shape = (uint32_t *)s->shape;
@@ -79,6 +132,7 @@ void amx_codec_spec_out(const amx_qspec_t *s, Amaxd__V1__QuantizerSpec *q, Amaxd
     q->scale_group = s->scale_group;
     q->peer_mode = (Amaxd__V1__PeerMode)s->peer_mode;
     q->global_axes = s->global_axes;
+    return AMX_OK;
 }
 
 amx_status_t amx_codec_spec_parse(const Amaxd__V1__QuantizerSpec *q, amx_qspec_t *s, amx_err_t *err)
@@ -245,11 +299,15 @@ amx_status_t amx_codec_send_parse(amx_codec_scratch_t *s, const uint8_t *d, size
             q->job = take_str(s, &at, d + i, len);
         } else if (f == 4) {
             amx_update_in_t *up = &s->ups[u++];
-            *up = (amx_update_in_t){"", NULL, 0, NULL, 0};
+            *up = (amx_update_in_t){"", NULL, 0, NULL, 0, NULL, 0, 0};
             const uint8_t *name = NULL;
             size_t name_len = 0;
             while (i < end) {
                 uint64_t t = amx_wire_get_varint(d, end, &i);
+                if ((t & 7) == 0 && t >> 3 == 5) {
+                    up->stat_epoch = amx_wire_get_varint(d, end, &i);
+                    continue;
+                }
                 if ((t & 7) != 2) {
                     skip_field(d, end, &i, (unsigned)(t & 7));
                     continue;
@@ -264,6 +322,9 @@ amx_status_t amx_codec_send_parse(amx_codec_scratch_t *s, const uint8_t *d, size
                 } else if (t >> 3 == 3) {
                     up->has_data = d + i;
                     up->has_data_len = k;
+                } else if (t >> 3 == 4) {
+                    up->stat = d + i;
+                    up->stat_len = k;
                 }
                 i += k;
             }
@@ -334,6 +395,12 @@ amx_status_t amx_codec_packed_parse(uint8_t *d, size_t n, amx_codec_packed_in_t 
             } else if (f == 6) {
                 in->has_data = v;
                 in->has_data_len = len;
+            } else if (f == 9) {
+                in->stats = v;
+                in->stats_len = len;
+            } else if (f == 10) {
+                in->stat_epochs = v;
+                in->stat_epochs_len = len;
             }
             break;
         }
@@ -381,10 +448,11 @@ static uint8_t *put_array(uint8_t *buf, size_t *pos, uint32_t field, size_t n)
     return d;
 }
 
-size_t amx_codec_packed_cap(size_t n, size_t q, size_t ns)
+size_t amx_codec_packed_cap(size_t n, size_t q, size_t ns, int stats)
 {
+    size_t st = stats ? array_room(q) + 3 * array_room(8 * q) + array_room(4 * n) : 0;
     return 4 * array_room(4 * n) + 4 * array_room(n) + 7 * array_room(4 * q) + array_room(q) +
-           3 * array_room(4 * ns) + 64;
+           3 * array_room(4 * ns) + st + 64;
 }
 
 void amx_codec_packed_layout(uint8_t *buf, amx_packed_t *p, size_t *pos_out, size_t *end_out)
@@ -403,6 +471,13 @@ void amx_codec_packed_layout(uint8_t *buf, amx_packed_t *p, size_t *pos_out, siz
         p->s_amax = (float *)(void *)put_array(buf, &pos, 17, 4 * ns);
         p->s_scale = (float *)(void *)put_array(buf, &pos, 18, 4 * ns);
         p->s_inv = (float *)(void *)put_array(buf, &pos, 19, 4 * ns);
+    }
+    if (p->stats) {
+        p->st_epoch = (uint64_t *)(void *)put_array(buf, &pos, 22, 8 * q);
+        p->st_total = (double *)(void *)put_array(buf, &pos, 23, 8 * q);
+        p->st_over = (double *)(void *)put_array(buf, &pos, 24, 8 * q);
+        p->st_basis = (float *)(void *)put_array(buf, &pos, 25, 4 * n);
+        p->st_state = put_array(buf, &pos, 21, q);
     }
     p->block_scales = put_array(buf, &pos, 7, n);
     p->has_previous = put_array(buf, &pos, 12, q);

@@ -37,9 +37,16 @@ void amx_codec_recipe_out(const amx_recipe_t *r, Amaxd__V1__Recipe *out);
  * registry take it (borrows q's strings and arrays). */
 void amx_codec_spec_in(const Amaxd__V1__QuantizerSpec *q, amx_qspec_in_t *out);
 
-/* An agreed spec for another daemon (borrows s's strings and arrays; r is
- * the recipe message q points to). */
-void amx_codec_spec_out(const amx_qspec_t *s, Amaxd__V1__QuantizerSpec *q, Amaxd__V1__Recipe *r);
+/* A request's calibrator as amx_qspec_parse takes it (c NULL: absent, max). */
+void amx_codec_calib_in(const Amaxd__V1__Calibrator *c, amx_calib_in_t *out);
+
+/* A spec's calibrator for an answer. */
+void amx_codec_calib_out(const amx_calib_t *c, Amaxd__V1__Calibrator *out);
+
+/* An agreed spec for another daemon (borrows s's strings and arrays; the
+ * recipe and calibrator messages q points to are allocated in `a`).
+ * ENOMEM when the arena cannot grow. */
+amx_status_t amx_codec_spec_out(const amx_qspec_t *s, Amaxd__V1__QuantizerSpec *q, amx_arena_t *a);
 
 /* A spec from another daemon, validated as a trainer's is (borrows q's
  * strings). */
@@ -91,6 +98,8 @@ typedef struct amx_codec_packed_in {
     int shm_has_data;
     uint8_t *values, *has_data; /* into the message */
     size_t values_len, has_data_len;
+    uint8_t *stats, *stat_epochs; /* into the message */
+    size_t stats_len, stat_epochs_len;
 } amx_codec_packed_in_t;
 
 /* The fields of a SendPackedRequest that amx_wire_check accepted. EINVAL
@@ -101,8 +110,8 @@ amx_status_t amx_codec_packed_parse(uint8_t *d, size_t n, amx_codec_packed_in_t 
 /* ---- ReconcilePackedResponse, written in place ---- */
 
 /* The most bytes a packed answer of n cells, q quantizers and ns global
- * slices takes. */
-size_t amx_codec_packed_cap(size_t n, size_t q, size_t ns);
+ * slices takes (`stats`: with the arrays of calibrators beyond max). */
+size_t amx_codec_packed_cap(size_t n, size_t q, size_t ns, int stats);
 
 /*
  * Lays out the array fields of a packed answer in `buf` (at least

@@ -13,7 +13,7 @@
  *   gloo   CPU buffers, TCP transport, through a C++ shim (comm_gloo.cc)
  *   nccl   device buffers; every NCCL call runs on one thread (comm_nccl.c)
  *
- * Threads: create, allreduce_max and destroy are called on the job's engine
+ * Threads: create, allreduce_max, allreduce_sum_f64 and destroy are called on the job's engine
  * thread (engine.c) and block it, never the loop thread. abort may be called
  * from any thread; it makes an operation in flight (or the next one) fail
  * promptly where the backend can (NCCL: ncclCommAbort; Gloo: closes the
@@ -69,6 +69,15 @@ typedef struct amx_comm_ops {
      * prepare one); a backend with a thread of its own may wake it now so
      * that its wake-up does not add to the collective. */
     void (*soon)(amx_comm_t *c);
+    /*
+     * Element-wise SUM of `n` float64 values (statistics of calibrators
+     * beyond max), otherwise as allreduce_max. Each element is reduced
+     * once and the result distributed, so every participant gets the same
+     * bytes; the order of the additions depends on the number of
+     * participants (exact for integers below 2^53, as bin counts are).
+     */
+    amx_status_t (*allreduce_sum_f64)(amx_comm_t *c, const double *send, double *recv, size_t n,
+                                      void *stream, uint64_t deadline_ms, amx_err_t *err);
 } amx_comm_ops_t;
 
 struct amx_comm {

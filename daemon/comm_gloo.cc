@@ -487,7 +487,7 @@ struct GlooComm {
     void connect(const amx_comm_params_t *p);
     void watch(int k) noexcept;
     void teardown() noexcept;
-    void ring(float *recv, size_t n, uint64_t deadline_ms);
+    template <typename T> void ring(T *recv, size_t n, uint64_t deadline_ms);
     void wait(UnboundBuffer *b, bool is_recv, int peer, uint64_t deadline_ms, bool later_left,
               bool later_right);
 };
@@ -669,13 +669,26 @@ size_t chunk_off(size_t n, int p, int i)
  * both, on buffers registered in `live` so that abort can wake the waits.
  * Empty chunks (n < P) are skipped on both sides of a transfer alike.
  */
-void GlooComm::ring(float *recv, size_t n, uint64_t deadline_ms)
+/* The reduction of one step: MAX of float32 (the amax), SUM of float64
+ * (statistics of calibrators beyond max). */
+void reduce_into(float *acc, const float *in, size_t n)
+{
+    max_into(acc, in, n);
+}
+
+void reduce_into(double *acc, const double *in, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        acc[i] += in[i];
+}
+
+template <typename T> void GlooComm::ring(T *recv, size_t n, uint64_t deadline_ms)
 {
     const int P = size(), r = rank();
     auto mod = [P](long x) { return static_cast<int>(((x % P) + P) % P); };
     auto off = [&](int c) { return chunk_off(n, P, c); };
     auto len = [&](int c) { return chunk_off(n, P, c + 1) - chunk_off(n, P, c); };
-    const size_t fsz = sizeof(float);
+    const size_t fsz = sizeof(T);
 
     /* Offsets and lengths in elements; a step with slen (rlen) 0 sends
      * (receives) nothing. later_*: whether a step after this one still
@@ -699,7 +712,7 @@ void GlooComm::ring(float *recv, size_t n, uint64_t deadline_ms)
         steps[i - 1].later_right = steps[i].later_right || steps[i].slen > 0;
     }
 
-    std::vector<float> tmp(len(0)); /* chunk 0 is the largest */
+    std::vector<T> tmp(len(0)); /* chunk 0 is the largest */
     std::unique_ptr<UnboundBuffer> out = ctx->createUnboundBuffer(recv, n * fsz);
     std::unique_ptr<UnboundBuffer> scratch = ctx->createUnboundBuffer(tmp.data(), tmp.size() * fsz);
 
@@ -731,7 +744,7 @@ void GlooComm::ring(float *recv, size_t n, uint64_t deadline_ms)
         if (st.rlen > 0) {
             wait(into, true, left, deadline_ms, st.later_left, st.later_right);
             if (st.reduce)
-                max_into(recv + st.roff, tmp.data(), st.rlen);
+                reduce_into(recv + st.roff, tmp.data(), st.rlen);
         }
         if (st.slen > 0)
             wait(out.get(), false, right, deadline_ms, st.later_left, st.later_right);
@@ -769,10 +782,10 @@ amx_status_t classify(std::exception_ptr ep, std::string *msg)
     }
 }
 
-amx_status_t gloo_allreduce_max(amx_comm_t *base, const float *send, float *recv, size_t n,
-                                void *stream, uint64_t deadline_ms, amx_err_t *err) noexcept
+template <typename T>
+amx_status_t gloo_allreduce(amx_comm_t *base, const T *send, T *recv, size_t n,
+                            uint64_t deadline_ms, const char *what, amx_err_t *err) noexcept
 {
-    (void)stream;
     GlooComm *c = self(base);
     const int r = c->rank(), P = c->size();
     amx_status_t st = AMX_OK;
@@ -794,15 +807,15 @@ amx_status_t gloo_allreduce_max(amx_comm_t *base, const float *send, float *recv
             return AMX_OK;
         /* Bad arguments fail the communicator too: the peers are already
          * in this collective and must not wait for us until the deadline. */
-        if (send == nullptr || recv == nullptr || n > SIZE_MAX / sizeof(float))
+        if (send == nullptr || recv == nullptr || n > SIZE_MAX / sizeof(T))
             throw AmxError(AMX_EINVAL, "NULL buffer or too many elements");
         const char *sb = reinterpret_cast<const char *>(send);
         const char *rb = reinterpret_cast<const char *>(recv);
-        if (sb < rb + n * sizeof(float) && rb < sb + n * sizeof(float))
+        if (sb < rb + n * sizeof(T) && rb < sb + n * sizeof(T))
             throw AmxError(AMX_EINVAL, "send and recv overlap");
 
         if (P == 1) {
-            std::memcpy(recv, send, n * sizeof(float));
+            std::memcpy(recv, send, n * sizeof(T));
             return AMX_OK;
         }
         {
@@ -815,7 +828,7 @@ amx_status_t gloo_allreduce_max(amx_comm_t *base, const float *send, float *recv
         if (ms_left(deadline_ms) == 0)
             throw AmxError(AMX_ETIMEDOUT, "the deadline had passed before the collective began");
         SigpipeGuard guard;
-        std::memcpy(recv, send, n * sizeof(float));
+        std::memcpy(recv, send, n * sizeof(T));
         c->ring(recv, n, deadline_ms);
         return AMX_OK;
     } catch (...) {
@@ -833,12 +846,26 @@ amx_status_t gloo_allreduce_max(amx_comm_t *base, const float *send, float *recv
         c->request_reset_locked(); /* peers blocked on us fail now, not at their deadline */
     } catch (...) {
     }
-    amx_status_t ret = amx_err_set(
-        err, st, "gloo allreduce of %zu floats (rank %d of %d) failed: %s", n, r, P, msg.c_str());
+    amx_status_t ret = amx_err_set(err, st, "gloo allreduce of %zu %s (rank %d of %d) failed: %s",
+                                   n, what, r, P, msg.c_str());
     if (first_failure)
-        AMX_WARN("gloo", "allreduce of %zu floats (rank %d of %d) failed: %s: %s", n, r, P,
+        AMX_WARN("gloo", "allreduce of %zu %s (rank %d of %d) failed: %s: %s", n, what, r, P,
                  amx_strerror(st), msg.c_str());
     return ret;
+}
+
+amx_status_t gloo_allreduce_max(amx_comm_t *base, const float *send, float *recv, size_t n,
+                                void *stream, uint64_t deadline_ms, amx_err_t *err) noexcept
+{
+    (void)stream;
+    return gloo_allreduce<float>(base, send, recv, n, deadline_ms, "floats", err);
+}
+
+amx_status_t gloo_allreduce_sum_f64(amx_comm_t *base, const double *send, double *recv, size_t n,
+                                    void *stream, uint64_t deadline_ms, amx_err_t *err) noexcept
+{
+    (void)stream;
+    return gloo_allreduce<double>(base, send, recv, n, deadline_ms, "float64 sums", err);
 }
 
 void gloo_abort(amx_comm_t *base) noexcept
@@ -867,7 +894,8 @@ void gloo_destroy(amx_comm_t *base) noexcept
     delete self(base);
 }
 
-const amx_comm_ops_t gloo_ops = {"gloo", gloo_allreduce_max, gloo_abort, gloo_destroy, nullptr};
+const amx_comm_ops_t gloo_ops = {"gloo",  gloo_allreduce_max,    gloo_abort, gloo_destroy,
+                                 nullptr, gloo_allreduce_sum_f64};
 
 } // namespace
 

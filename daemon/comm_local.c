@@ -15,6 +15,16 @@ static amx_status_t local_allreduce_max(amx_comm_t *c, const float *send, float 
     return AMX_OK;
 }
 
+static amx_status_t local_allreduce_sum_f64(amx_comm_t *c, const double *send, double *recv,
+                                            size_t n, void *stream, uint64_t deadline_ms,
+                                            amx_err_t *err)
+{
+    (void)c, (void)stream, (void)deadline_ms, (void)err;
+    if (send != recv)
+        memcpy(recv, send, n * sizeof(double));
+    return AMX_OK;
+}
+
 static void local_abort(amx_comm_t *c)
 {
     (void)c;
@@ -25,8 +35,8 @@ static void local_destroy(amx_comm_t *c)
     free(c);
 }
 
-static const amx_comm_ops_t local_ops = {"local", local_allreduce_max, local_abort, local_destroy,
-                                         NULL};
+static const amx_comm_ops_t local_ops = {
+    "local", local_allreduce_max, local_abort, local_destroy, NULL, local_allreduce_sum_f64};
 
 amx_status_t amx__comm_local_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
 {

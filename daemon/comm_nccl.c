@@ -44,10 +44,11 @@ typedef struct nreq {
     /* R_INIT */
     ncclUniqueId id;
     int nranks, rank;
-    /* R_ALLREDUCE */
-    const float *send;
-    float *recv;
+    /* R_ALLREDUCE: MAX of float32, or (sum_f64) SUM of float64 */
+    const void *send;
+    void *recv;
     size_t n;
+    int sum_f64;
     cudaStream_t stream;
     cudaEvent_t ev;
     int launched;
@@ -145,7 +146,8 @@ static int issue(nreq_t *r)
     if (r->kind == R_ALLREDUCE) {
         r->t_issue = amx_now_us();
         ncclResult_t e =
-            ncclAllReduce(r->send, r->recv, r->n, ncclFloat32, ncclMax, c->comm, r->stream);
+            ncclAllReduce(r->send, r->recv, r->n, r->sum_f64 ? ncclFloat64 : ncclFloat32,
+                          r->sum_f64 ? ncclSum : ncclMax, c->comm, r->stream);
         if (e == ncclSuccess)
             r->t_enqueued = amx_now_us();
         if (e != ncclSuccess && e != ncclInProgress) {
@@ -371,8 +373,8 @@ static amx_status_t submit(nreq_t *r, amx_err_t *err)
 
 /* ---- amx_comm_t ---- */
 
-static amx_status_t nccl_allreduce_max(amx_comm_t *base, const float *send, float *recv, size_t n,
-                                       void *stream, uint64_t deadline_ms, amx_err_t *err)
+static amx_status_t nccl_allreduce(amx_comm_t *base, const void *send, void *recv, size_t n,
+                                   int sum_f64, void *stream, uint64_t deadline_ms, amx_err_t *err)
 {
     nccl_comm_t *c = (nccl_comm_t *)base;
     nreq_t r;
@@ -382,6 +384,7 @@ static amx_status_t nccl_allreduce_max(amx_comm_t *base, const float *send, floa
     r.send = send;
     r.recv = recv;
     r.n = n;
+    r.sum_f64 = sum_f64;
     r.stream = (cudaStream_t)stream;
     r.deadline = deadline_ms;
     r.t_submit = amx_now_us();
@@ -389,13 +392,29 @@ static amx_status_t nccl_allreduce_max(amx_comm_t *base, const float *send, floa
     const char *pv = getenv("AMAXD_PROFILE");
     if (pv != NULL && pv[0] != '\0' && strcmp(pv, "0") != 0)
         AMX_INFO("profile",
-                 "nccl all-reduce of %zu floats: to the NCCL thread %llu us, enqueue %llu us, "
+                 "nccl all-reduce of %zu %s: to the NCCL thread %llu us, enqueue %llu us, "
                  "run %llu us, back to the engine %llu us",
-                 n, (unsigned long long)(r.t_issue - r.t_submit),
+                 n, sum_f64 ? "float64 sums" : "floats",
+                 (unsigned long long)(r.t_issue - r.t_submit),
                  (unsigned long long)(r.t_enqueued - r.t_issue),
                  (unsigned long long)(r.t_done - r.t_enqueued),
                  (unsigned long long)(amx_now_us() - r.t_done));
     return st;
+}
+
+static amx_status_t nccl_allreduce_max(amx_comm_t *base, const float *send, float *recv, size_t n,
+                                       void *stream, uint64_t deadline_ms, amx_err_t *err)
+{
+    return nccl_allreduce(base, send, recv, n, 0, stream, deadline_ms, err);
+}
+
+/* SUM of float64 statistics (calibrators beyond max), on the same thread
+ * and with the same deadline and abort as the MAX. */
+static amx_status_t nccl_allreduce_sum_f64(amx_comm_t *base, const double *send, double *recv,
+                                           size_t n, void *stream, uint64_t deadline_ms,
+                                           amx_err_t *err)
+{
+    return nccl_allreduce(base, send, recv, n, 1, stream, deadline_ms, err);
 }
 
 static void nccl_abort(amx_comm_t *base)
@@ -429,8 +448,8 @@ static void nccl_soon(amx_comm_t *base)
     pthread_mutex_unlock(&G.mu);
 }
 
-static const amx_comm_ops_t nccl_ops = {"nccl", nccl_allreduce_max, nccl_abort, nccl_destroy,
-                                        nccl_soon};
+static const amx_comm_ops_t nccl_ops = {"nccl",       nccl_allreduce_max, nccl_abort,
+                                        nccl_destroy, nccl_soon,          nccl_allreduce_sum_f64};
 
 amx_status_t amx__comm_nccl_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
 {

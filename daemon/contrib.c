@@ -117,7 +117,8 @@ amx_status_t amx__job_reserve_lq(amx_job_t *j, uint32_t n)
 /* Cells a local view holds: agreed, history, provisional. */
 uint64_t amx__view_cells(const amx_job_t *j)
 {
-    return j->cat->ncells + j->cat->nhist + j->prov_cells + j->prov_hist;
+    /* A statistic value (float64, four copies) counts as a cell. */
+    return j->cat->ncells + j->cat->nhist + j->cat->nstat + j->prov_cells + j->prov_hist;
 }
 
 /* The memory budget (configuration may be reloaded: an explicit value is
@@ -255,7 +256,7 @@ amx_status_t amx__do_register(amx_registry_t *reg, amx_job_t *j, const amx_regis
         if (it->lid < 0) {
             new_q++;
             new_cells += it->spec.ncells;
-            new_hist += amx_qspec_hist_cells(&it->spec);
+            new_hist += amx_qspec_hist_cells(&it->spec) + amx_qspec_stat_values(&it->spec);
         }
         if (!it->same_placement)
             new_pls++;
@@ -347,7 +348,7 @@ amx_status_t amx__do_register(amx_registry_t *reg, amx_job_t *j, const amx_regis
             q->status = LQ_PROPOSED;
             q->base = j->cat->ncells + j->prov_cells;
             j->prov_cells += q->spec->ncells;
-            j->prov_hist += amx_qspec_hist_cells(q->spec);
+            j->prov_hist += amx_qspec_hist_cells(q->spec) + amx_qspec_stat_values(q->spec);
             j->nprop++;
             amx_strmap_put(&j->lqmap, q->spec->name, lid); /* reserved: cannot fail */
             amx_qspec_free(old);
@@ -469,6 +470,176 @@ static int normalize_slab(float *dst, const void *src, const uint8_t *mask, uint
 
 static uint64_t bad_cell(const float *v, const uint8_t *mask, uint64_t total);
 
+/* ---- statistics of calibrators beyond max ---- */
+
+/* 2^53: float64 holds every integer up to it, so counts below it sum
+ * exactly in any order. */
+#define STAT_COUNT_MAX 9007199254740992.0
+
+/* The published statistic of agreed quantizer `cidx` (NULL: none yet). */
+static const amx_stat_result_t *published_stat(const amx_job_t *j, int32_t cidx)
+{
+    const amx_state_t *st = j->state;
+    int f = st->front;
+    if (cidx < 0 || st->p_sq[f] == NULL || (uint32_t)cidx >= st->p_nq[f])
+        return NULL;
+    return &st->p_sq[f][cidx];
+}
+
+/*
+ * Checks that quantizer `lid` takes a statistic now (`what` names the
+ * request, `u` the update or -1): a calibrator beyond max, agreed, with
+ * an agreed basis of epoch `stat_epoch`, while no epoch of the job is in
+ * flight; and that `len` bytes are a statistic of it for rank block `pl`:
+ * a histogram's num_bins counts (overflow count optional unless `exact`),
+ * an MSE search's nsteps losses per cell. *nvals: float64 values sent.
+ */
+static amx_status_t check_stat(const amx_job_t *j, uint32_t lid, const amx_placement_t *pl,
+                               size_t len, uint64_t stat_epoch, int exact, uint32_t rank,
+                               const char *what, amx_err_t *err)
+{
+    const amx_lq_t *q = &j->lq[lid];
+    const amx_calib_t *c = &q->spec->calib;
+    if (c->kind == AMX_CAL_MAX)
+        return amx_err_set(err, AMX_EINVAL,
+                           "%s of rank %u, job '%s': quantizer '%s' is a max quantizer "
+                           "(calibrator CALIBRATOR_MAX) and takes no statistic; register it "
+                           "with a histogram or MSE calibrator (under a new name or after "
+                           "Reset(drop_job)) or send only its max",
+                           what, rank, j->name, q->spec->name);
+    if (j->in_flight)
+        return amx_err_set(err, AMX_EPRECOND,
+                           "%s of rank %u, job '%s': an epoch of the job is being reconciled; "
+                           "send the statistic of quantizer '%s' after this rank's Reconcile "
+                           "answer, against the basis it carries",
+                           what, rank, j->name, q->spec->name);
+    const amx_stat_result_t *ps = q->status == LQ_AGREED ? published_stat(j, q->cidx) : NULL;
+    if (ps == NULL || ps->epoch == 0)
+        return amx_err_set(err, AMX_EPRECOND,
+                           "%s of rank %u, job '%s': quantizer '%s' has no agreed basis yet (%s); "
+                           "send its max, reconcile, then count against the basis the answer "
+                           "carries (stat_basis, stat_epoch)",
+                           what, rank, j->name, q->spec->name,
+                           q->status != LQ_AGREED ? "it is not agreed yet"
+                                                  : "no epoch reconciled its max");
+    if (stat_epoch != ps->epoch)
+        return amx_err_set(err, AMX_EPRECOND,
+                           "%s of rank %u, job '%s': the statistic of quantizer '%s' names the "
+                           "basis of epoch %llu, the agreed basis is that of epoch %llu (a Reset "
+                           "cleared the other); compute it again against the last answer's "
+                           "stat_basis and stat_epoch",
+                           what, rank, j->name, q->spec->name, (unsigned long long)stat_epoch,
+                           (unsigned long long)ps->epoch);
+    if (len % 8 != 0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "%s of rank %u, job '%s': the statistic of quantizer '%s' has %zu "
+                           "bytes, not a multiple of 8 (float64 LE values)",
+                           what, rank, j->name, q->spec->name, len);
+    uint64_t n = len / 8;
+    if (c->kind == AMX_CAL_HISTOGRAM) {
+        if (n != c->num_bins + 1ull && (exact || n != c->num_bins))
+            return amx_err_set(err, AMX_EINVAL,
+                               "%s of rank %u, job '%s': histogram quantizer '%s' has %u bins; "
+                               "its statistic is %u counts%s (got %llu values)",
+                               what, rank, j->name, q->spec->name, c->num_bins,
+                               exact ? c->num_bins + 1 : c->num_bins,
+                               exact ? " (the bins, then the overflow count)"
+                                     : ", optionally followed by the overflow count",
+                               (unsigned long long)n);
+    } else if (n != (uint64_t)c->nsteps * pl->ncells) {
+        return amx_err_set(err, AMX_EINVAL,
+                           "%s of rank %u, job '%s': MSE quantizer '%s' has %u candidates and "
+                           "rank %u's block %llu cells; its statistic is %llu losses (got %llu)",
+                           what, rank, j->name, q->spec->name, c->nsteps, rank,
+                           (unsigned long long)pl->ncells,
+                           (unsigned long long)c->nsteps * pl->ncells, (unsigned long long)n);
+    }
+    return AMX_OK;
+}
+
+/* Validates `n` float64 LE statistic values of quantizer `spec` read from
+ * `src` into `dst` (histogram counts: non-negative integers below 2^53;
+ * losses: finite and >= 0; -0 becomes +0). */
+static amx_status_t read_stat(const amx_job_t *j, const amx_qspec_t *spec, const uint8_t *src,
+                              uint64_t n, double *dst, uint32_t rank, const char *what,
+                              amx_err_t *err)
+{
+    int hist = spec->calib.kind == AMX_CAL_HISTOGRAM;
+    for (uint64_t i = 0; i < n; i++) {
+        double v;
+        memcpy(&v, src + 8 * i, 8);
+        if (!(v >= 0.0 && v <= DBL_MAX) || (hist && (v != floor(v) || v > STAT_COUNT_MAX)))
+            return amx_err_set(err, AMX_EINVAL,
+                               "%s of rank %u, job '%s': quantizer '%s' statistic[%llu] = %g; %s "
+                               "(nothing of this request was applied)",
+                               what, rank, j->name, spec->name, (unsigned long long)i, v,
+                               hist ? "bin counts must be integers in [0, 2^53]"
+                                    : "losses must be finite and >= 0");
+        dst[i] = v + 0.0;
+    }
+    return AMX_OK;
+}
+
+typedef struct stat_ctx {
+    amx_registry_t *reg;
+    uint64_t sbase, src_base, per_cell;
+} stat_ctx_t;
+
+/* An MSE search's block row: `len` cells of per_cell values each. */
+static void stat_row(void *ud, uint64_t dst, uint64_t src, uint64_t len)
+{
+    stat_ctx_t *c = ud;
+    c->reg->sruns[c->reg->nsruns++] = (amx_run_t){
+        c->sbase + dst * c->per_cell, c->src_base + src * c->per_cell, len * c->per_cell};
+}
+
+/* Stages quantizer lid's validated statistic (n values at `vals`, already
+ * checked) for rank block `pl`: histogram counts as they are (overflow 0
+ * when absent); MSE losses with one presence count after each cell's.
+ * Room was reserved. */
+static void stage_stat(amx_registry_t *reg, const amx_job_t *j, uint32_t lid,
+                       const amx_placement_t *pl, const double *vals, uint64_t n)
+{
+    const amx_lq_t *q = &j->lq[lid];
+    const amx_qdesc_t *d = &j->desc[q->cidx];
+    const amx_calib_t *c = &q->spec->calib;
+    double *dst = reg->sstage + reg->nsstage;
+    if (c->kind == AMX_CAL_HISTOGRAM) {
+        memmove(dst, vals, n * sizeof(double)); /* vals may lie inside dst's room */
+        if (n == c->num_bins)
+            dst[n] = 0.0;
+        reg->sruns[reg->nsruns++] = (amx_run_t){d->sbase, reg->nsstage, c->num_bins + 1ull};
+        reg->nsstage += c->num_bins + 1ull;
+        return;
+    }
+    uint64_t k = c->nsteps;
+    for (uint64_t cell = 0; cell < pl->ncells; cell++) {
+        memmove(dst + cell * (k + 1), vals + cell * k, k * sizeof(double));
+        dst[cell * (k + 1) + k] = 1.0;
+    }
+    stat_ctx_t ctx = {reg, d->sbase, reg->nsstage, k + 1};
+    amx_placement_rows(pl, q->spec->shape, 0, stat_row, &ctx);
+    reg->nsstage += pl->ncells * (k + 1);
+}
+
+/* Staged values a statistic of quantizer lid takes (stage_stat). */
+static uint64_t staged_size(const amx_job_t *j, uint32_t lid, const amx_placement_t *pl)
+{
+    const amx_calib_t *c = &j->lq[lid].spec->calib;
+    return c->kind == AMX_CAL_HISTOGRAM ? c->num_bins + 1ull : pl->ncells * (c->nsteps + 1ull);
+}
+
+static amx_status_t sstage_reserve(amx_registry_t *reg, uint64_t nvals, size_t nruns)
+{
+    reg->nsstage = 0;
+    reg->nsruns = 0;
+    if (nvals > SIZE_MAX / sizeof(double) ||
+        amx_grow(&reg->sstage, &reg->sstage_cap, (size_t)nvals, sizeof(double), 1024, 0) != 0 ||
+        amx_grow(&reg->sruns, &reg->sruns_cap, nruns, sizeof(amx_run_t), 64, 0) != 0)
+        return AMX_ENOMEM;
+    return AMX_OK;
+}
+
 amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, uint64_t *accepted,
                                uint64_t *epoch, amx_err_t *err)
 {
@@ -483,8 +654,8 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
                            "amax before calling Reconcile (this update belongs to the next epoch)",
                            req->rank, j->name, (unsigned long long)j->epoch);
     /* Pass 1: names, placements and sizes. */
-    uint64_t nvals = 0;
-    size_t nruns = 0;
+    uint64_t nvals = 0, nstat = 0;
+    size_t nruns = 0, nsruns = 0;
     int overlap = 0;
     if (++j->batch == 0) { /* wrapped: forget old stamps */
         for (uint32_t i = 0; i < j->nlq; i++)
@@ -506,8 +677,29 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
                                "'%s'; Register it from this rank first",
                                u, req->rank, up->name, j->name);
         const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
-        overlap |= j->lq[lid].stamp == j->batch; /* named twice in this batch */
+        int twice = j->lq[lid].stamp == j->batch; /* named twice in this batch */
+        overlap |= twice;
         j->lq[lid].stamp = j->batch;
+        if (up->stat_len > 0) {
+            AMX_CHECK(check_stat(j, lid, pl, up->stat_len, up->stat_epoch, 0, req->rank, "SendAmax",
+                                 err));
+            if (twice)
+                return amx_err_set(err, AMX_EINVAL,
+                                   "update %zu: quantizer '%s' is named twice in one request "
+                                   "with a statistic; send its statistic once per request",
+                                   u, up->name);
+            nstat += staged_size(j, lid, pl);
+            nsruns +=
+                j->lq[lid].spec->calib.kind == AMX_CAL_HISTOGRAM ? 1 : amx_placement_nrows(pl);
+        } else if (up->stat_epoch != 0) {
+            return amx_err_set(err, AMX_EINVAL,
+                               "update %zu: quantizer '%s' has a stat_epoch but no statistic", u,
+                               up->name);
+        }
+        if (up->values_len == 0 && up->stat_len > 0 && up->has_data_len == 0) {
+            reg->lids[u] = lid; /* a statistic alone: no max this time */
+            continue;
+        }
         if (up->values_len != pl->ncells * sizeof(float))
             return amx_err_set(err, AMX_EINVAL,
                                "update %zu: quantizer '%s' has %zu bytes of values; rank %u's "
@@ -525,15 +717,25 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
         nruns += amx_placement_nrows(pl);
         reg->lids[u] = lid;
     }
-    if (amx__stage_reserve(reg, nvals, nruns) != AMX_OK)
+    if (amx__stage_reserve(reg, nvals, nruns) != AMX_OK ||
+        sstage_reserve(reg, nstat, nsruns) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of memory staging %llu amax values",
                            (unsigned long long)nvals);
-    /* Pass 2: values, staged as host floats. */
+    /* Pass 2: values, staged as host floats; statistics as float64. */
     stage_ctx_t ctx = {reg, 0, 0};
     for (size_t u = 0; u < req->n; u++) {
         const amx_update_in_t *up = &req->u[u];
         uint32_t lid = reg->lids[u]; /* found in pass 1: one lookup per update */
         const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
+        if (up->stat_len > 0) {
+            /* Read into the stage's tail, then placed by stage_stat. */
+            uint64_t n = up->stat_len / 8;
+            double *tmp = reg->sstage + reg->nsstage + (staged_size(j, lid, pl) - n);
+            AMX_CHECK(read_stat(j, j->lq[lid].spec, up->stat, n, tmp, req->rank, "SendAmax", err));
+            stage_stat(reg, j, lid, pl, tmp, n);
+        }
+        if (up->values_len == 0 && up->stat_len > 0 && up->has_data_len == 0)
+            continue;
         float *dst = reg->stage + ctx.src_base;
         const uint8_t *mask = up->has_data_len ? up->has_data : NULL;
         /* float32 LE on an LE host; cells without data -inf (the merge
@@ -552,11 +754,17 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
         j->state->ops->merge(j->state, reg->stage, nvals, reg->runs, ctx.nruns, overlap, err);
     if (mst != AMX_OK)
         return amx__note_fault(reg, mst, err->msg);
+    if (reg->nsruns > 0) {
+        mst = j->state->ops->stat_merge(j->state, reg->sstage, reg->nsstage, reg->sruns,
+                                        reg->nsruns, err);
+        if (mst != AMX_OK)
+            return amx__note_fault(reg, mst, err->msg);
+    }
     j->updates += req->n;
     if (reg->metrics != NULL) {
         uint64_t bytes = 0;
         for (size_t u = 0; u < req->n; u++)
-            bytes += req->u[u].values_len + req->u[u].has_data_len;
+            bytes += req->u[u].values_len + req->u[u].has_data_len + req->u[u].stat_len;
         amx_metrics_job_updates(reg->metrics, j->name, req->n, bytes);
     }
     *accepted = req->n;
@@ -633,6 +841,80 @@ static uint32_t slab_index(const amx_slab_t *sl, uint64_t c)
     return lo;
 }
 
+/* Validates and stages the statistics of a SendPacked (reg->sstage,
+ * reg->sruns; none when the request has none). Nothing is merged. */
+static amx_status_t packed_stats(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r,
+                                 const amx_slab_t *sl, const amx_send_packed_req_t *req,
+                                 amx_err_t *err)
+{
+    reg->nsstage = reg->nsruns = 0;
+    if (req->stats_len == 0 && req->stat_epochs_len == 0)
+        return AMX_OK;
+    uint32_t n = sl->n;
+    if (sl->nstatq == 0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "SendPacked of rank %u, job '%s': statistics sent, but no quantizer of "
+                           "the layout has a histogram or MSE calibrator",
+                           req->rank, j->name);
+    if (req->stats_len != sl->stoff[n] * 8 || req->stat_epochs_len != (size_t)n * 8)
+        return amx_err_set(err, AMX_EINVAL,
+                           "SendPacked of rank %u, job '%s': %zu bytes of stats and %zu of "
+                           "stat_epochs; the layout %016llx has %llu float64 statistic values "
+                           "(%llu bytes) and %u quantizers (one uint64 stat_epoch each)",
+                           req->rank, j->name, req->stats_len, req->stat_epochs_len,
+                           (unsigned long long)sl->id, (unsigned long long)sl->stoff[n],
+                           (unsigned long long)sl->stoff[n] * 8, n);
+    uint64_t nvals = 0;
+    size_t nruns = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t ep;
+        memcpy(&ep, req->stat_epochs + 8 * (size_t)i, 8);
+        uint32_t lid = sl->lid[i];
+        const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
+        uint64_t k = sl->stoff[i + 1] - sl->stoff[i];
+        if (ep == 0) {
+            for (uint64_t v = 0; v < k; v++) {
+                double x;
+                memcpy(&x, req->stats + 8 * (sl->stoff[i] + v), 8);
+                if (x != 0.0)
+                    return amx_err_set(err, AMX_EINVAL,
+                                       "SendPacked of rank %u, job '%s': quantizer '%s' has a "
+                                       "statistic (value %llu = %g) but stat_epochs[%u] is 0; "
+                                       "name the basis it was computed against, or send zeros",
+                                       req->rank, j->name, j->lq[lid].spec->name,
+                                       (unsigned long long)v, x, i);
+            }
+            continue;
+        }
+        if (k == 0)
+            return amx_err_set(err, AMX_EINVAL,
+                               "SendPacked of rank %u, job '%s': stat_epochs[%u] is %llu for "
+                               "quantizer '%s', which takes no statistic",
+                               req->rank, j->name, i, (unsigned long long)ep,
+                               j->lq[lid].spec->name);
+        AMX_CHECK(check_stat(j, lid, pl, (size_t)k * 8, ep, 1, req->rank, "SendPacked", err));
+        nvals += staged_size(j, lid, pl);
+        nruns += j->lq[lid].spec->calib.kind == AMX_CAL_HISTOGRAM ? 1 : amx_placement_nrows(pl);
+    }
+    if (sstage_reserve(reg, nvals, nruns) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory staging %llu statistic values",
+                           (unsigned long long)nvals);
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t ep;
+        memcpy(&ep, req->stat_epochs + 8 * (size_t)i, 8);
+        if (ep == 0)
+            continue;
+        uint32_t lid = sl->lid[i];
+        const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
+        uint64_t k = sl->stoff[i + 1] - sl->stoff[i];
+        double *tmp = reg->sstage + reg->nsstage + (staged_size(j, lid, pl) - k);
+        AMX_CHECK(read_stat(j, j->lq[lid].spec, req->stats + 8 * sl->stoff[i], k, tmp, req->rank,
+                            "SendPacked", err));
+        stage_stat(reg, j, lid, pl, tmp, k);
+    }
+    return AMX_OK;
+}
+
 amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed_req_t *req,
                                       uint64_t *accepted, uint64_t *epoch, amx_err_t *err)
 {
@@ -675,9 +957,16 @@ amx_status_t amx_registry_send_packed(amx_registry_t *reg, const amx_send_packed
                            req->rank, j->name, (unsigned long long)c, j->lq[sl->lid[qi]].spec->name,
                            (unsigned long long)(c - sl->off[qi]), (double)v[c]);
     }
+    AMX_CHECK(packed_stats(reg, j, r, sl, req, err));
     amx_status_t mst = j->state->ops->merge(j->state, v, total, sl->merge, sl->nmerge, 0, err);
     if (mst != AMX_OK)
         return amx__note_fault(reg, mst, err->msg);
+    if (reg->nsruns > 0) {
+        mst = j->state->ops->stat_merge(j->state, reg->sstage, reg->nsstage, reg->sruns,
+                                        reg->nsruns, err);
+        if (mst != AMX_OK)
+            return amx__note_fault(reg, mst, err->msg);
+    }
     j->updates += sl->n;
     if (reg->metrics != NULL)
         amx_metrics_job_updates(reg->metrics, j->name, sl->n, req->values_len + req->has_data_len);

@@ -199,6 +199,32 @@ static amx_status_t state_runs(const amx_catalog_t *from, const amx_qdesc_t *fde
     return AMX_OK;
 }
 
+/* Runs for moving statistics laid out as `from` (desc `fdesc`) to `to`:
+ * their values (*stat) and their stat cells (*scells). A quantizer keeps
+ * its statistic only under the same calibrator. */
+static amx_status_t stat_runs(const amx_catalog_t *from, const amx_qdesc_t *fdesc,
+                              const amx_catalog_t *to, const amx_qdesc_t *tdesc, amx_run_t **stat,
+                              size_t *ns, amx_run_t **scells, size_t *nsc)
+{
+    *stat = malloc((to->n ? to->n : 1) * sizeof(amx_run_t));
+    *scells = malloc((to->n ? to->n : 1) * sizeof(amx_run_t));
+    if (*stat == NULL || *scells == NULL)
+        return AMX_ENOMEM;
+    *ns = *nsc = 0;
+    for (uint32_t i = 0; from != NULL && to->nstat > 0 && i < to->n; i++) {
+        if (tdesc[i].stat == 0)
+            continue;
+        int64_t k = amx_catalog_find(from, to->q[i]->name);
+        if (k < 0 || !amx_calib_equal(&from->q[k]->calib, &to->q[i]->calib) ||
+            from->q[k]->ncells != to->q[i]->ncells)
+            continue;
+        (*stat)[(*ns)++] = (amx_run_t){tdesc[i].sbase, fdesc[k].sbase, tdesc[i].svals};
+        (*scells)[(*nsc)++] =
+            (amx_run_t){tdesc[i].obase, fdesc[k].obase, amx_qspec_stat_cells(to->q[i])};
+    }
+    return AMX_OK;
+}
+
 /* Runs for moving the loop's pending layout (agreed bases and provisional
  * bases of the quantizer table, frozen while in flight) to `to`. */
 static amx_status_t pend_runs_original(const amx_job_t *j, const amx_catalog_t *to,
@@ -232,7 +258,8 @@ amx_status_t amx__engine_change_layout(amx_engine_t *e, amx_catalog_t *to)
     amx_err_t err = {0};
     amx_qdesc_t *tdesc = malloc((to->n ? to->n : 1) * sizeof(amx_qdesc_t));
     amx_run_t *cells = NULL, *hist = NULL, *qs = NULL, *sl = NULL, *pend = NULL, *pend_loop = NULL;
-    size_t nc = 0, nh = 0, nq = 0, ns = 0, np = 0, npl = 0;
+    amx_run_t *srun = NULL, *scrun = NULL, *sprun = NULL, *spscratch = NULL;
+    size_t nc = 0, nh = 0, nq = 0, ns = 0, np = 0, npl = 0, nsr = 0, nscr = 0, nspr = 0, nspx = 0;
     amx_status_t st = AMX_ENOMEM;
     if (tdesc == NULL)
         goto out;
@@ -242,6 +269,13 @@ amx_status_t amx__engine_change_layout(amx_engine_t *e, amx_catalog_t *to)
     if (state_runs(scat, sdesc, to, tdesc, &cells, &nc, &hist, &nh, &qs, &nq, &sl, &ns) != AMX_OK)
         goto out;
     if (pend_runs_original(j, to, tdesc, &pend_loop, &npl) != AMX_OK)
+        goto out;
+    /* Statistics: the accumulated sums as the replicated state; the
+     * in-flight values in the agreed layout they were merged in. */
+    if (stat_runs(scat, sdesc, to, tdesc, &srun, &nsr, &scrun, &nscr) != AMX_OK)
+        goto out;
+    if (stat_runs(e->pend_original ? j->cat : e->w_cat, e->pend_original ? j->desc : e->w_desc, to,
+                  tdesc, &sprun, &nspr, &spscratch, &nspx) != AMX_OK)
         goto out;
     if (e->pend_original) {
         pend = pend_loop;
@@ -281,6 +315,14 @@ amx_status_t amx__engine_change_layout(amx_engine_t *e, amx_catalog_t *to)
         .slices = sl,
         .nslice_runs = ns,
         .outputs_from_back = e->imp_cat != NULL || e->w_owned,
+        .nstat = to->nstat,
+        .nscell = to->nscell,
+        .stat = srun,
+        .nstat_runs = nsr,
+        .spend = sprun,
+        .nspend_runs = nspr,
+        .scells = scrun,
+        .nscell_runs = nscr,
     };
     st = j->state->ops->remap(j->state, &lc, &err);
     if (st != AMX_OK) {
@@ -299,7 +341,9 @@ amx_status_t amx__engine_change_layout(amx_engine_t *e, amx_catalog_t *to)
                                                .nslices = to->nslices,
                                                .nq = to->n,
                                                .pend = e->res.pend_runs,
-                                               .npend_runs = npl};
+                                               .npend_runs = npl,
+                                               .nstat = to->nstat,
+                                               .nscell = to->nscell};
     if (e->w_owned) {
         amx_catalog_free(e->res.cat);
         free(e->res.desc);
@@ -328,6 +372,10 @@ out:
     free(hist);
     free(qs);
     free(sl);
+    free(srun);
+    free(scrun);
+    free(sprun);
+    free(spscratch);
     free(tdesc);
     return st;
 }
@@ -481,9 +529,17 @@ static amx_status_t finish(amx_engine_t *e, int from_send)
         had_reset = e->w_desc[i].reset;
     dirty |= had_reset;
     uint64_t t0 = amx_now_us();
+    if (amx__engine_stat_begin(e, from_send) != AMX_OK) {
+        j->state->ovr = NULL;
+        e->fin_ok = 0;
+        return e->res.st;
+    }
     amx_status_t st =
         j->state->ops->finish(j->state, e->w_desc, e->w_cat->n, e->w_cat->ncells, e->w_cat->npeer,
                               e->w_cat->nscale, from_send, dirty, &err);
+    j->state->ovr = NULL;
+    if (st == AMX_OK && amx__engine_stat_end(e) != AMX_OK)
+        st = e->res.st;
     /* The backend's copy has reset flags that are cleared below: upload
      * the descriptors again next time. After a failure, the backend's copy
      * is not trusted at all. */
@@ -493,7 +549,7 @@ static amx_status_t finish(amx_engine_t *e, int from_send)
     e->res.finish_us = amx_now_us() - t0;
     if (st != AMX_OK)
         return amx__engine_fail(e, st, "job '%s', epoch %llu: finishing failed: %s", j->name,
-                                (unsigned long long)e->epoch, err.msg);
+                                (unsigned long long)e->epoch, err.msg[0] ? err.msg : e->res.msg);
     if (e->marked || e->w_cat->nhist > 0)
         for (uint32_t i = 0; i < e->w_cat->n; i++) {
             amx_qdesc_t *d = &e->w_desc[i];
@@ -698,6 +754,8 @@ static void run_epoch(amx_engine_t *e)
         if (amx__engine_agree(e) != AMX_OK)
             goto out;
     }
+    if (amx__engine_stat_collective(e) != AMX_OK)
+        goto out;
     if (finish(e, 0) != AMX_OK)
         goto out;
     e->res.reconciled = 1;
@@ -878,6 +936,7 @@ void amx_engine_destroy(amx_engine_t *e)
         pthread_join(e->th, NULL);
     res_clear(&e->res);
     free(e->blob);
+    amx__engine_stat_free(e);
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->blob_mu);

@@ -80,6 +80,20 @@ struct amx_engine {
     int marked;       /* some w_desc[].reset may be set: clean epochs skip the O(n) scans */
     int fin_ok;       /* the last finish succeeded (its descriptors may be reused) */
     uint64_t snap_ms; /* when this engine last wrote the job's snapshot (0: never) */
+    /* Statistics (engine_stat.c): the accumulated sums on the host, their
+     * copy and the calibrated amaxes of the last finish (reused while a
+     * quantizer's sums did not change, under descriptor generation
+     * scache_gen), this finish's amaxes and results, method scratch. */
+    double *shost, *sprev;
+    uint64_t shost_cap, sprev_n;
+    float *ovr, *ocache, *otmp;
+    uint64_t ovr_cap;
+    amx_stat_result_t *sres;
+    uint32_t sres_cap;
+    uint64_t scache_gen;
+    int scache_ok;
+    void *sscratch;
+    size_t sscratch_cap;
 };
 
 /* Records the epoch's first error (printf-style sentence); returns st. */
@@ -103,5 +117,23 @@ void amx__engine_mark_resets(amx_engine_t *e, char **names, size_t n);
 /* One agreement round at the coordinator and what follows from it
  * (engine_agree.c). */
 amx_status_t amx__engine_agree(amx_engine_t *e);
+
+/* Statistics of calibrators beyond max (engine_stat.c). The SUM
+ * collective of the stat buffer, run after the MAX one when some
+ * quantizer of the working catalog has an agreed basis (the same decision
+ * on every daemon: the basis is replicated state). */
+amx_status_t amx__engine_stat_collective(amx_engine_t *e);
+
+/* Before finish: resets, accumulation of the reduced statistic (the
+ * in-flight buffer itself when `from_send`) and each calibrator's amax,
+ * handed to finish in state->ovr. */
+amx_status_t amx__engine_stat_begin(amx_engine_t *e, int from_send);
+
+/* After a successful finish: bases fixed from this epoch's max where none
+ * was, and the stat results published with the back outputs. */
+amx_status_t amx__engine_stat_end(amx_engine_t *e);
+
+/* Frees what the statistics keep (engine destroy). */
+void amx__engine_stat_free(amx_engine_t *e);
 
 #endif

@@ -66,6 +66,11 @@ typedef struct amx_slab {
     uint32_t *cidx;
     uint32_t *pendq, npendq;
     uint32_t *peerq, npeerq;
+    /* Calibrators beyond max: quantizer i's statistic is values
+     * [stoff[i], stoff[i + 1]) of the rank's stat slab (none for max
+     * quantizers); nstatq of them have one. */
+    uint64_t *stoff; /* n + 1 */
+    uint32_t nstatq;
 } amx_slab_t;
 
 /* A trainer rank hosted by this daemon. */

@@ -72,17 +72,35 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
         amx_putstr(&w, s->peer_group);
         amx_putstr(&w, s->scale_group);
         amx_put32(&w, desc[i].hist_head);
+        const amx_calib_t *c = &s->calib;
+        unsigned char cb[6] = {c->kind,        c->method,     c->grid,
+                               c->is_unsigned, c->skip_zeros, c->torch_cpu};
+        amx_put(&w, cb, sizeof(cb));
+        amx_put32(&w, c->num_bins);
+        amx_put32(&w, c->num_bits);
+        amx_put32(&w, c->start_bin);
+        amx_put32(&w, c->stride);
+        amx_put32(&w, c->nsteps);
+        amx_put(&w, &c->percentile, 8);
+        amx_put(&w, &c->start_mult, 8);
+        amx_put(&w, &c->stop_mult, 8);
+        amx_put(&w, &c->step_size, 8);
     }
     uint64_t nc = cat->ncells, nh = cat->nhist, nq = cat->n, ns = cat->nslices;
+    uint64_t nst = cat->nstat, nsc = cat->nscell;
     amx_put64(&w, nc);
     amx_put64(&w, nh);
     amx_put64(&w, ns);
+    amx_put64(&w, nst);
+    amx_put64(&w, nsc);
     size_t o_accum = reserve(&w, nc * 4), o_prev = reserve(&w, nc * 4),
            o_hist = reserve(&w, nh * 4), o_prevg = reserve(&w, nq * 4),
            o_amax = reserve(&w, nc * 4), o_scale = reserve(&w, nc * 4), o_inv = reserve(&w, nc * 4),
            o_bytes = reserve(&w, nc), o_ga = reserve(&w, nq * 4), o_gs = reserve(&w, nq * 4),
            o_gi = reserve(&w, nq * 4), o_pgs = reserve(&w, ns * 4), o_sa = reserve(&w, ns * 4),
            o_ss = reserve(&w, ns * 4), o_si = reserve(&w, ns * 4);
+    size_t o_st = reserve(&w, nst * 8), o_sb = reserve(&w, nsc * 4),
+           o_sq = reserve(&w, nst > 0 ? nq * sizeof(amx_stat_result_t) : 0);
     amx_put_align8(&w);
     size_t body = w.len;
     amx_put64(&w, 0); /* checksum, below */
@@ -106,6 +124,11 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
         .s_amax = (float *)(w.p + o_sa),
         .s_scale = (float *)(w.p + o_ss),
         .s_inv = (float *)(w.p + o_si),
+        .nstat = nst,
+        .nscell = nsc,
+        .stat = (double *)(w.p + o_st),
+        .basis = (float *)(w.p + o_sb),
+        .sq = nst > 0 ? (amx_stat_result_t *)(w.p + o_sq) : NULL,
     };
     amx_status_t rc = st->ops->export_state(st, nc, nh, (uint32_t)nq, ns, back, &a, err);
     if (rc != AMX_OK) {
@@ -161,9 +184,9 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
     if (amx_get32(&r) != MAGIC)
         return amx_err_set(err, AMX_EINVAL, "not a job state (bad magic)");
     uint32_t ver = amx_get32(&r);
-    if (ver != AMX_JOBSTATE_VERSION)
-        return amx_err_set(err, AMX_EINVAL, "job state format %u is not the supported %u", ver,
-                           AMX_JOBSTATE_VERSION);
+    if (ver != AMX_JOBSTATE_VERSION && ver != 3)
+        return amx_err_set(err, AMX_EINVAL, "job state format %u is not the supported %u (or 3)",
+                           ver, AMX_JOBSTATE_VERSION);
     char name[AMX_MAX_JOB_NAME + 1], qname[AMX_MAX_NAME + 1], pg[AMX_MAX_NAME + 1],
         sg[AMX_MAX_NAME + 1];
     amx_qspec_t **specs = NULL;
@@ -232,13 +255,41 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
             out->hist_head[i] >= (s.accumulation == 2 ? s.recipe.history_len : 1) ||
             !amx_valid_name(s.name) || (i > 0 && strcmp(specs[i - 1]->name, s.name) >= 0))
             goto bad;
+        if (ver >= 4) {
+            const unsigned char *cb = amx_get(&r, 6);
+            if (r.bad)
+                goto bad;
+            amx_calib_t *c = &s.calib;
+            c->kind = cb[0], c->method = cb[1], c->grid = cb[2];
+            c->is_unsigned = cb[3], c->skip_zeros = cb[4], c->torch_cpu = cb[5];
+            c->num_bins = amx_get32(&r);
+            c->num_bits = amx_get32(&r);
+            c->start_bin = amx_get32(&r);
+            c->stride = amx_get32(&r);
+            c->nsteps = amx_get32(&r);
+            const void *d[4];
+            for (int k = 0; k < 4; k++)
+                d[k] = amx_get(&r, 8);
+            if (r.bad)
+                goto bad;
+            memcpy(&c->percentile, d[0], 8);
+            memcpy(&c->start_mult, d[1], 8);
+            memcpy(&c->stop_mult, d[2], 8);
+            memcpy(&c->step_size, d[3], 8);
+            if (amx_qspec_check_calib(&s) != AMX_OK)
+                goto bad;
+        }
         if ((specs[i] = amx_qspec_dup(&s)) == NULL) {
             st = amx_err_set(err, AMX_ENOMEM, "out of memory parsing a job state");
             goto fail;
         }
         made++;
     }
-    uint64_t nc = amx_get64(&r), nh = amx_get64(&r), ns = amx_get64(&r);
+    uint64_t nc = amx_get64(&r), nh = amx_get64(&r), ns = amx_get64(&r), nst = 0, nsc = 0;
+    if (ver >= 4) {
+        nst = amx_get64(&r);
+        nsc = amx_get64(&r);
+    }
     if (r.bad)
         goto bad;
     if (amx_catalog_build(specs, n, &out->cat, err) != AMX_OK) {
@@ -246,7 +297,8 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         goto fail;
     }
     made = 0; /* the catalog owns the specs now */
-    if (out->cat->ncells != nc || out->cat->nhist != nh || out->cat->nslices != ns)
+    if (out->cat->ncells != nc || out->cat->nhist != nh || out->cat->nslices != ns ||
+        out->cat->nstat != nst || out->cat->nscell != nsc)
         goto bad;
     out->a.accum = (float *)get_array(&r, nc * 4);
     out->a.prev = (float *)get_array(&r, nc * 4);
@@ -263,6 +315,15 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
     out->a.s_amax = (float *)get_array(&r, ns * 4);
     out->a.s_scale = (float *)get_array(&r, ns * 4);
     out->a.s_inv = (float *)get_array(&r, ns * 4);
+    out->a.nstat = nst;
+    out->a.nscell = nsc;
+    if (ver >= 4) {
+        out->a.stat = (double *)get_array(&r, nst * 8);
+        out->a.basis = (float *)get_array(&r, nsc * 4);
+        out->a.sq =
+            nst > 0 ? (amx_stat_result_t *)get_array(&r, (uint64_t)n * sizeof(amx_stat_result_t))
+                    : NULL;
+    }
     r.off += (8 - r.off % 8) % 8;
     if (r.bad || r.off != r.len)
         goto bad;

@@ -22,8 +22,11 @@
 
 /* 3: each spec carries its peer mode and global axes, and the state its
  * per-slice arrays (previous delayed global scales; global amax, scale and
- * inverse of the published results). */
-#define AMX_JOBSTATE_VERSION 3
+ * inverse of the published results). 4: each spec its calibrator, and the
+ * state the statistics of calibrators beyond max (accumulated sums,
+ * bases, published stat results). Version 3 is still read (no
+ * calibrators). */
+#define AMX_JOBSTATE_VERSION 4
 
 typedef struct amx_jobstate {
     char *job;

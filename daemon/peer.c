@@ -566,12 +566,10 @@ amx_status_t amx_peer_call_sync(amx_peer_t *p, const amx_coord_sync_req_t *req,
     }
     for (size_t i = 0; i < q.n_proposals; i++) {
         Amaxd__V1__QuantizerSpec *s = amx_arena_alloc(&a, sizeof(*s));
-        Amaxd__V1__Recipe *r = amx_arena_alloc(&a, sizeof(*r));
-        if (s == NULL || r == NULL) {
+        if (s == NULL || amx_codec_spec_out(req->proposals[i], s, &a) != AMX_OK) {
             amx_arena_free(&a);
             return amx_err_set(err, AMX_ENOMEM, "out of memory");
         }
-        amx_codec_spec_out(req->proposals[i], s, r);
         q.proposals[i] = s;
     }
     uint8_t *out = NULL;

@@ -190,6 +190,8 @@ static void on_async_closed(uv_handle_t *h)
         return;
     amx_swapq_destroy(&reg->done);
     free(reg->stage);
+    free(reg->sstage);
+    free(reg->sruns);
     free(reg->runs);
     free(reg->lids);
     free(reg);

@@ -51,6 +51,12 @@ struct amx_registry {
     size_t runs_cap;
     uint32_t *lids; /* SendAmax: each update's lid, found once */
     size_t lids_cap;
+    /* Statistics of calibrators beyond max (SendAmax, SendPacked): staged
+     * float64 values and their runs in the stat buffers. */
+    double *sstage;
+    size_t sstage_cap, nsstage;
+    amx_run_t *sruns;
+    size_t sruns_cap, nsruns;
     /* Growths of pending buffers that ended (job.h growing). */
     uv_async_t grow_async;
     int open_asyncs; /* the registry is freed when both asyncs are closed */

@@ -35,6 +35,9 @@ typedef struct amx_update_in {
     size_t values_len;
     const uint8_t *has_data; /* one byte per cell, or NULL */
     size_t has_data_len;
+    const uint8_t *stat; /* calibrators beyond max: float64 LE statistic, or NULL */
+    size_t stat_len;
+    uint64_t stat_epoch;
 } amx_update_in_t;
 
 typedef struct amx_send_req {
@@ -68,6 +71,10 @@ typedef struct amx_send_packed_req {
     size_t values_len;       /* bytes */
     const uint8_t *has_data; /* one byte per cell, or NULL */
     size_t has_data_len;
+    const uint8_t *stats; /* float64 LE statistics of the stat slab, or NULL */
+    size_t stats_len;
+    const uint8_t *stat_epochs; /* uint64 LE per quantizer of the layout */
+    size_t stat_epochs_len;
 } amx_send_packed_req_t;
 
 /* A rank's slab layout (GetLayout), arrays in the arena. */
@@ -83,6 +90,11 @@ typedef struct amx_layout {
     uint32_t *global_axes;  /* n */
     uint64_t *slice_offset; /* n: first global slice of each in the answer */
     uint64_t total_slices;
+    /* Calibrators beyond max (NULL / 0 when no quantizer has one): kind
+     * and first statistic value in the stat slab, per quantizer. */
+    int *calibrator;
+    uint64_t *stat_offset;
+    uint64_t total_stats;
 } amx_layout_t;
 
 /* The packed answer of a ReconcilePacked: the registry sets layout_id,
@@ -106,6 +118,14 @@ typedef struct amx_packed {
     float *s_amax, *s_scale, *s_inv; /* nslices each (NULL when 0) */
     int peer_fill_known;             /* set by the registry */
     uint64_t nfilled;                /* cells marked in `filled` */
+    /* Calibrators beyond max: `stats` set by the registry when a quantizer
+     * of the layout has one; then the arrays: per quantizer state, epoch,
+     * total, overflow; per cell the basis. */
+    int stats;
+    uint8_t *st_state;
+    uint64_t *st_epoch;
+    double *st_total, *st_over;
+    float *st_basis;
 } amx_packed_t;
 
 typedef struct amx_scales_req {
@@ -153,6 +173,13 @@ typedef struct amx_result {
     /* The epoch before the last one's global amax and scale. */
     int has_previous;
     float previous_global_amax, previous_global_scale;
+    /* Calibrators beyond max (stat_state != AMX_STAT_NONE): the published
+     * statistic's state, basis epoch, counts, and the basis of each cell
+     * of the result (arena; NULL without a basis). */
+    int stat_state;
+    uint64_t stat_epoch;
+    double stat_total, stat_overflow;
+    float *stat_basis;
 } amx_result_t;
 
 typedef struct amx_reply {

@@ -186,6 +186,8 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
     res.pend_change.nhist = cat->nhist;
     res.pend_change.nslices = cat->nslices;
     res.pend_change.nq = cat->n;
+    res.pend_change.nstat = cat->nstat;
+    res.pend_change.nscell = cat->nscell;
     amx__install_catalog(reg, j, &res);
     /* Placements. */
     for (uint32_t i = 0; i < m->nranks; i++) {

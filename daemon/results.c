@@ -77,6 +77,69 @@ static uint32_t zero_missing(float *a, uint64_t n)
     return (uint32_t)miss;
 }
 
+typedef struct basis_ctx {
+    const float *basis; /* the quantizer's stat cells */
+    float *out;
+    uint64_t w0, w1;
+} basis_ctx_t;
+
+/* One block row (global cell `flat`, block cell `boff`), clipped to the
+ * window: the basis of its cells. */
+static void basis_row(void *ud, uint64_t flat, uint64_t boff, uint64_t len)
+{
+    basis_ctx_t *c = ud;
+    uint64_t lo = boff > c->w0 ? boff : c->w0;
+    uint64_t hi = boff + len < c->w1 ? boff + len : c->w1;
+    for (uint64_t b = lo; b < hi; b++)
+        c->out[b - c->w0] = c->basis[flat + (b - boff)];
+}
+
+/* The published statistic of result `x` (cells [first_cell, + ncells)
+ * of block `pl` of stat quantizer `q`) from output set `f` (-1: none yet):
+ * state, epoch and counts, and the basis into x->stat_basis (x->ncells
+ * floats, left alone without a basis). 1 when it has a basis. */
+static int basis_into(amx_result_t *x, const amx_job_t *j, const amx_lq_t *q,
+                      const amx_placement_t *pl, int f)
+{
+    const amx_state_t *st = j->state;
+    x->stat_state = AMX_STAT_WAITING;
+    if (f < 0 || q->status != LQ_AGREED || q->cidx < 0 || st->p_sq[f] == NULL ||
+        (uint32_t)q->cidx >= st->p_nq[f])
+        return 0;
+    const amx_stat_result_t *r = &st->p_sq[f][q->cidx];
+    x->stat_state = r->state != AMX_STAT_NONE ? r->state : AMX_STAT_WAITING;
+    x->stat_epoch = r->epoch;
+    x->stat_total = r->total;
+    x->stat_overflow = r->overflow;
+    const amx_qdesc_t *d = &j->desc[q->cidx];
+    if (r->epoch == 0 || st->p_basis[f] == NULL ||
+        d->obase + amx_qspec_stat_cells(q->spec) > st->p_nscell[f] || x->ncells == 0)
+        return 0;
+    if (q->spec->calib.kind == AMX_CAL_HISTOGRAM) {
+        x->stat_basis[0] = st->p_basis[f][d->obase]; /* one cell */
+        return 1;
+    }
+    basis_ctx_t bc = {st->p_basis[f] + d->obase, x->stat_basis, x->first_cell,
+                      x->first_cell + x->ncells};
+    amx_placement_rows(pl, q->spec->shape, 0, basis_row, &bc);
+    return 1;
+}
+
+/* result_stat for a named result: the basis in the arena. */
+static amx_status_t result_stat(amx_result_t *x, const amx_job_t *j, const amx_lq_t *q,
+                                const amx_placement_t *pl, int f, amx_arena_t *a)
+{
+    if (q->spec->calib.kind == AMX_CAL_MAX)
+        return AMX_OK;
+    float *b = amx_arena_alloc(a, (x->ncells ? x->ncells : 1) * sizeof(float));
+    if (b == NULL)
+        return AMX_ENOMEM;
+    x->stat_basis = b;
+    if (!basis_into(x, j, q, pl, f))
+        x->stat_basis = NULL;
+    return AMX_OK;
+}
+
 /* The packed answer of rank r: arrays from the waiter's owner, filled
  * from the published outputs in slab order. */
 amx_status_t amx__build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, amx_waiter_t *w,
@@ -89,6 +152,7 @@ amx_status_t amx__build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r
     p->ncells = sl->off[sl->n];
     p->nq = sl->n;
     p->nslices = sl->soff[sl->n];
+    p->stats = sl->nstatq > 0;
     p->cache = &r->answer;
     if (w->alloc_packed(w, p) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of memory building a packed answer of %llu cells",
@@ -157,6 +221,24 @@ amx_status_t amx__build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r
             for (uint64_t c = sl->off[sl->peerq[k]]; c < sl->off[sl->peerq[k] + 1]; c++)
                 nfilled += p->filled[c];
     p->nfilled = nfilled;
+    /* Calibrators beyond max: as result_stat gives them. */
+    for (uint32_t i = 0; p->stats && i < sl->n; i++) {
+        const amx_lq_t *q = &j->lq[sl->lid[i]];
+        uint64_t c0 = sl->off[i], c1 = sl->off[i + 1];
+        amx_result_t x;
+        memset(&x, 0, sizeof(x));
+        x.ncells = c1 - c0;
+        x.stat_basis = p->st_basis + c0;
+        memset(x.stat_basis, 0, (c1 - c0) * sizeof(float));
+        if (q->spec->calib.kind != AMX_CAL_MAX) {
+            const amx_placement_t *pl = &r->pls[r->pl_of[sl->lid[i]] - 1];
+            basis_into(&x, j, q, pl, f);
+        }
+        p->st_state[i] = (uint8_t)x.stat_state;
+        p->st_epoch[i] = x.stat_epoch;
+        p->st_total[i] = x.stat_total;
+        p->st_over[i] = x.stat_overflow;
+    }
     /* Global slices: the state's, as result_slices gives them (0, 1, 1
      * for a quantizer not agreed yet, or before an output has them). */
     for (uint32_t i = 0; p->nslices > 0 && i < sl->n; i++) {
@@ -331,7 +413,7 @@ static uint64_t result_bytes(const char *name, uint32_t ndim, uint64_t n, uint64
     /* 13 bytes per cell (amax, scale, scale_inv, block scale) and one for
      * the peer-fill mark, which only quantizers with filled cells carry;
      * 12 per global slice. */
-    return 14 * n + 12 * ns + strlen(name) + 12ull * ndim + 112;
+    return 18 * n + 12 * ns + strlen(name) + 12ull * ndim + 160;
 }
 
 /*
@@ -419,7 +501,9 @@ amx_status_t amx__build_results(amx_registry_t *reg, amx_job_t *j, int64_t rank,
         x->first_cell = lo - b0;
         x->ncells = hi - lo;
         if (q->status != LQ_AGREED) {
-            if (empty_result(x, a) != AMX_OK || result_slices(x, j->state, q, pl, -1, a) != AMX_OK)
+            if (empty_result(x, a) != AMX_OK ||
+                result_slices(x, j->state, q, pl, -1, a) != AMX_OK ||
+                result_stat(x, j, q, pl, -1, a) != AMX_OK)
                 return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
             continue;
         }
@@ -436,7 +520,8 @@ amx_status_t amx__build_results(amx_registry_t *reg, amx_job_t *j, int64_t rank,
         x->global_amax = have ? j->state->g_amax[f][c] : 0.0f;
         x->global_scale = have ? j->state->g_scale[f][c] : 1.0f;
         x->global_scale_inv = have ? j->state->g_inv[f][c] : 1.0f;
-        if (result_slices(x, j->state, q, pl, f, a) != AMX_OK)
+        if (result_slices(x, j->state, q, pl, f, a) != AMX_OK ||
+            result_stat(x, j, q, pl, f, a) != AMX_OK)
             return amx_err_set(err, AMX_ENOMEM, "out of memory building results");
         if (filled != NULL)
             x->filled = filled + (x->amax - amax);

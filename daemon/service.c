@@ -86,6 +86,16 @@ static Amaxd__V1__QuantizerResult **results_to_pb(const amx_reply_t *rep, amx_ar
             r->previous_global_amax = x->previous_global_amax;
             r->previous_global_scale = x->previous_global_scale;
         }
+        if (x->stat_state != AMX_STAT_NONE) {
+            r->stat_state = (Amaxd__V1__StatState)x->stat_state;
+            r->stat_epoch = x->stat_epoch;
+            r->stat_total = x->stat_total;
+            r->stat_overflow = x->stat_overflow;
+            if (x->stat_basis != NULL) {
+                r->stat_basis.data = (uint8_t *)x->stat_basis;
+                r->stat_basis.len = x->ncells * sizeof(float);
+            }
+        }
         v[i] = r;
     }
     return v;
@@ -418,6 +428,15 @@ static void h_list(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         info->scale_group = s->scale_group;
         info->peer_mode = (Amaxd__V1__PeerMode)s->peer_mode;
         info->global_axes = s->global_axes;
+        if (s->calib.kind != AMX_CAL_MAX) {
+            Amaxd__V1__Calibrator *cal = amx_arena_alloc(&a, sizeof(*cal));
+            if (cal == NULL) {
+                resp.quantizers = NULL;
+                break;
+            }
+            amx_codec_calib_out(&s->calib, cal);
+            info->calibrator = cal;
+        }
         info->placements = q[i].placements;
         info->agreed = q[i].agreed;
         resp.quantizers[resp.n_quantizers++] = info;
@@ -461,11 +480,18 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     r.global_axes = l.global_axes;
     r.slice_offset = l.slice_offset;
     r.total_slices = l.total_slices;
+    if (l.calibrator != NULL) {
+        r.n_calibrator = r.n_stat_offset = l.n;
+        r.calibrator = (Amaxd__V1__CalibratorKind *)l.calibrator;
+        r.stat_offset = l.stat_offset;
+        r.total_stats = l.total_stats;
+    }
     amx_shm_region_t g;
     if (req->shm) {
-        if (amx_shm_open(svc->shm, req->job, req->rank, l.id, l.total_cells,
-                         amx_codec_packed_cap(l.total_cells, l.n, l.total_slices), &g,
-                         &err) != AMX_OK) {
+        if (amx_shm_open(
+                svc->shm, req->job, req->rank, l.id, l.total_cells,
+                amx_codec_packed_cap(l.total_cells, l.n, l.total_slices, l.calibrator != NULL), &g,
+                &err) != AMX_OK) {
             reply_err(c, "GetLayout", &err);
             amx_arena_free(&a);
             return;
@@ -496,7 +522,7 @@ static amx_status_t alloc_packed(amx_waiter_t *w, amx_packed_t *p)
 {
     packed_out_t *o = w->ext;
     size_t n = (size_t)p->ncells, q = p->nq, ns = (size_t)p->nslices;
-    o->cap = amx_codec_packed_cap(n, q, ns);
+    o->cap = amx_codec_packed_cap(n, q, ns, p->stats);
     o->buf = NULL;
     if (o->shm_id != 0) {
         /* Built in place in the rank's answer file. */
@@ -599,8 +625,18 @@ static amx_status_t send_packed(amx_svc_t *svc, uint8_t *data, size_t len, uint6
         size_t n = 0;
         AMX_CHECK(amx_shm_read(svc->shm, in.job, in.rank, in.shm_id, in.layout_id, in.shm_has_data,
                                &sv, &sh, &n, err));
-        amx_send_packed_req_t q = {in.job, in.rank, in.epoch, in.layout_id,
-                                   sv,     4 * n,   sh,       sh != NULL ? n : 0};
+        amx_send_packed_req_t q = {in.job,
+                                   in.rank,
+                                   in.epoch,
+                                   in.layout_id,
+                                   sv,
+                                   4 * n,
+                                   sh,
+                                   sh != NULL ? n : 0,
+                                   in.stats,
+                                   in.stats_len,
+                                   in.stat_epochs,
+                                   in.stat_epochs_len};
         return amx_registry_send_packed(svc->reg, &q, accepted, epoch, err);
     }
     if (in.shm_has_data)
@@ -617,8 +653,9 @@ static amx_status_t send_packed(amx_svc_t *svc, uint8_t *data, size_t len, uint6
         memcpy(copy, in.values, in.values_len);
         vals = copy;
     }
-    amx_send_packed_req_t q = {in.job, in.rank,       in.epoch,    in.layout_id,
-                               vals,   in.values_len, in.has_data, in.has_data_len};
+    amx_send_packed_req_t q = {in.job,   in.rank,       in.epoch,       in.layout_id,
+                               vals,     in.values_len, in.has_data,    in.has_data_len,
+                               in.stats, in.stats_len,  in.stat_epochs, in.stat_epochs_len};
     amx_status_t st = amx_registry_send_packed(svc->reg, &q, accepted, epoch, err);
     free(copy);
     return st;

@@ -180,10 +180,8 @@ static int delta_since(const amx_coord_sync_ans_t *ans, uint64_t from,
     for (size_t i = 0; i < k; i++) {
         int64_t at = amx_catalog_find(ans->catalog, ans->added[v->nadded + i]);
         Amaxd__V1__QuantizerSpec *s = amx_arena_alloc(a, sizeof(*s));
-        Amaxd__V1__Recipe *rc = amx_arena_alloc(a, sizeof(*rc));
-        if (at < 0 || s == NULL || rc == NULL)
+        if (at < 0 || s == NULL || amx_codec_spec_out(ans->catalog->q[at], s, a) != AMX_OK)
             return -1;
-        amx_codec_spec_out(ans->catalog->q[at], s, rc);
         q[i] = s;
     }
     *out = q;
@@ -282,12 +280,9 @@ static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
         ok = r.catalog != NULL;
         for (uint32_t i = 0; ok && i < ans->catalog->n; i++) {
             Amaxd__V1__QuantizerSpec *q = amx_arena_alloc(&a, sizeof(*q));
-            Amaxd__V1__Recipe *rc = amx_arena_alloc(&a, sizeof(*rc));
-            ok = q != NULL && rc != NULL;
-            if (ok) {
-                amx_codec_spec_out(ans->catalog->q[i], q, rc);
+            ok = q != NULL && amx_codec_spec_out(ans->catalog->q[i], q, &a) == AMX_OK;
+            if (ok)
                 r.catalog[i] = q;
-            }
         }
         nspecs = ans->catalog->n;
     }

@@ -32,7 +32,20 @@ void amx__slab_free(amx_slab_t *sl)
     free(sl->cidx);
     free(sl->pendq);
     free(sl->peerq);
+    free(sl->stoff);
     free(sl);
+}
+
+/* Statistic values quantizer q's block pl takes in the stat slab: a
+ * histogram's counts and overflow count, an MSE search's losses per cell
+ * (the presence counts are the daemon's own); 0 for max. */
+static uint64_t block_stats(const amx_qspec_t *q, const amx_placement_t *pl)
+{
+    if (q->calib.kind == AMX_CAL_HISTOGRAM)
+        return q->calib.num_bins + 1ull;
+    if (q->calib.kind == AMX_CAL_MSE)
+        return (uint64_t)q->calib.nsteps * pl->ncells;
+    return 0;
 }
 
 /* Global slices that quantizer q's block pl overlaps (0 without slices). */
@@ -122,10 +135,11 @@ amx_status_t amx__slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx_e
         sl->cidx = malloc((n ? n : 1) * sizeof(uint32_t));
         sl->pendq = malloc((n ? n : 1) * sizeof(uint32_t));
         sl->peerq = malloc((n ? n : 1) * sizeof(uint32_t));
+        sl->stoff = malloc((n + 1) * sizeof(uint64_t));
     }
     if (sl == NULL || e == NULL || sl->lid == NULL || sl->off == NULL || sl->merge == NULL ||
         sl->gather == NULL || sl->soff == NULL || sl->sg == NULL || sl->cidx == NULL ||
-        sl->pendq == NULL || sl->peerq == NULL) {
+        sl->pendq == NULL || sl->peerq == NULL || sl->stoff == NULL) {
         free(e);
         amx__slab_free(sl);
         return amx_err_set(err, AMX_ENOMEM, "out of memory building the slab layout of rank %u",
@@ -153,7 +167,7 @@ amx_status_t amx__slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx_e
         }
         qsort(e, n, sizeof(*e), ent_cmp);
     }
-    uint64_t h = 1469598103934665603ull, cell = 0, ns = 0;
+    uint64_t h = 1469598103934665603ull, cell = 0, ns = 0, nst = 0;
     slab_build_t b = {sl, 0, 0};
     for (uint32_t i = 0; i < n; i++) {
         uint32_t lid = e[i].lid;
@@ -168,6 +182,16 @@ amx_status_t amx__slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx_e
         h = fnv(h, pl->shape, pl->ndim * sizeof(uint32_t));
         h = fnv(h, &q->spec->recipe.format, sizeof(q->spec->recipe.format));
         h = fnv(h, &q->spec->global_axes, sizeof(q->spec->global_axes));
+        sl->stoff[i] = nst;
+        uint64_t bst = block_stats(q->spec, pl);
+        if (bst > 0) {
+            /* Only layouts with calibrators beyond max hash them: the ids
+             * of the others are what they were. */
+            h = fnv(h, &q->spec->calib.kind, 1);
+            h = fnv(h, &bst, sizeof(bst));
+            sl->nstatq++;
+        }
+        nst += bst;
         sl->soff[i] = ns;
         sl->cidx[i] = q->status == LQ_AGREED ? (uint32_t)q->cidx : UINT32_MAX;
         if (q->status != LQ_AGREED)
@@ -188,6 +212,7 @@ amx_status_t amx__slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx_e
     }
     sl->off[n] = cell;
     sl->soff[n] = ns;
+    sl->stoff[n] = nst;
     sl->n = n;
     sl->gen = j->layout_gen;
     sl->id = fnv(h, &n, sizeof(n));
@@ -241,6 +266,13 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
     out->global_axes = amx_arena_alloc(a, m * sizeof(uint32_t));
     out->slice_offset = amx_arena_alloc(a, m * sizeof(uint64_t));
     out->total_slices = sl->soff[n];
+    if (sl->nstatq > 0) {
+        out->calibrator = amx_arena_alloc(a, m * sizeof(int));
+        out->stat_offset = amx_arena_alloc(a, m * sizeof(uint64_t));
+        out->total_stats = sl->stoff[n];
+        if (out->calibrator == NULL || out->stat_offset == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory describing a layout");
+    }
     if (out->names == NULL || out->slab_offset == NULL || out->ncells == NULL ||
         out->ndim == NULL || out->format == NULL || out->block_offset == NULL ||
         out->block_shape == NULL || out->global_shape == NULL || out->global_axes == NULL ||
@@ -258,6 +290,10 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
         out->format[i] = q->spec->recipe.format;
         out->global_axes[i] = q->spec->global_axes;
         out->slice_offset[i] = sl->soff[i];
+        if (out->calibrator != NULL) {
+            out->calibrator[i] = q->spec->calib.kind;
+            out->stat_offset[i] = sl->stoff[i];
+        }
         for (uint32_t k = 0; k < pl->ndim; k++, d++) {
             out->block_offset[d] = pl->off[k];
             out->block_shape[d] = pl->shape[k];

@@ -94,6 +94,116 @@ amx_status_t amx__state_size_slices(amx_state_t *st, int k, uint64_t ns, amx_err
     return AMX_OK;
 }
 
+/* ---- statistics (calibrators beyond max) ---- */
+
+static void copy_runs(void *dst, const void *src, size_t elem, const amx_run_t *runs, size_t n)
+{
+    for (size_t r = 0; r < n; r++)
+        if (runs[r].len > 0)
+            memcpy((char *)dst + runs[r].dst * elem, (const char *)src + runs[r].src * elem,
+                   runs[r].len * elem);
+}
+
+amx_status_t amx__state_size_stat_results(amx_state_t *st, int k, uint32_t nq, uint64_t nscell,
+                                          amx_err_t *err)
+{
+    if (nq != st->p_nq[k] || st->p_sq[k] == NULL) {
+        amx_stat_result_t *p = realloc(st->p_sq[k], (size_t)(nq ? nq : 1) * sizeof(*p));
+        if (p == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of host memory for %u statistic results", nq);
+        st->p_sq[k] = p;
+        st->p_nq[k] = nq;
+    }
+    if (nscell != st->p_nscell[k] || st->p_basis[k] == NULL) {
+        float *p = realloc(st->p_basis[k], (size_t)(nscell ? nscell : 1) * sizeof(float));
+        if (p == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of host memory for %llu statistic bases",
+                               (unsigned long long)nscell);
+        st->p_basis[k] = p;
+        st->p_nscell[k] = nscell;
+    }
+    return AMX_OK;
+}
+
+amx_status_t amx__state_remap_stats(amx_state_t *st, const amx_layout_change_t *lc, int src,
+                                    int back, amx_err_t *err)
+{
+    uint64_t ns = lc->nscell;
+    uint32_t nq = lc->nq;
+    float *basis = calloc(ns ? ns : 1, sizeof(float));
+    float *pb = calloc(ns ? ns : 1, sizeof(float));
+    uint64_t *ep = calloc(nq ? nq : 1, sizeof(uint64_t));
+    amx_stat_result_t *ps = calloc(nq ? nq : 1, sizeof(*ps));
+    if (basis == NULL || pb == NULL || ep == NULL || ps == NULL) {
+        free(basis), free(pb), free(ep), free(ps);
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping statistics");
+    }
+    if (st->basis != NULL)
+        copy_runs(basis, st->basis, sizeof(float), lc->scells, lc->nscell_runs);
+    if (st->sq_epoch != NULL)
+        copy_runs(ep, st->sq_epoch, sizeof(uint64_t), lc->qs, lc->nq_runs);
+    if (st->p_basis[src] != NULL)
+        copy_runs(pb, st->p_basis[src], sizeof(float), lc->scells, lc->nscell_runs);
+    if (st->p_sq[src] != NULL)
+        copy_runs(ps, st->p_sq[src], sizeof(*ps), lc->qs, lc->nq_runs);
+    free(st->basis);
+    free(st->sq_epoch);
+    free(st->p_basis[back]);
+    free(st->p_sq[back]);
+    st->basis = basis;
+    st->sq_epoch = ep;
+    st->p_basis[back] = pb;
+    st->p_sq[back] = ps;
+    st->p_nscell[back] = ns;
+    st->p_nq[back] = nq;
+    st->nstat = lc->nstat;
+    st->nscell = ns;
+    return AMX_OK;
+}
+
+amx_status_t amx__state_import_stats(amx_state_t *st, const amx_state_arrays_t *a, uint32_t nq,
+                                     int back, amx_err_t *err)
+{
+    uint64_t ns = a->nscell;
+    float *basis = calloc(ns ? ns : 1, sizeof(float));
+    uint64_t *ep = calloc(nq ? nq : 1, sizeof(uint64_t));
+    if (basis == NULL || ep == NULL) {
+        free(basis), free(ep);
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory importing statistics");
+    }
+    AMX_CHECK(amx__state_size_stat_results(st, back, nq, ns, err));
+    if (ns > 0 && a->basis != NULL) {
+        memcpy(basis, a->basis, ns * sizeof(float));
+        memcpy(st->p_basis[back], a->basis, ns * sizeof(float));
+    }
+    for (uint32_t i = 0; i < nq; i++) {
+        amx_stat_result_t r = {0};
+        if (a->sq != NULL)
+            r = a->sq[i];
+        st->p_sq[back][i] = r;
+        ep[i] = r.epoch;
+    }
+    free(st->basis);
+    free(st->sq_epoch);
+    st->basis = basis;
+    st->sq_epoch = ep;
+    st->nstat = a->nstat;
+    st->nscell = ns;
+    return AMX_OK;
+}
+
+void amx__state_export_stats(const amx_state_t *st, uint32_t nq, int f, const amx_state_arrays_t *d)
+{
+    if (d->nscell > 0 && d->basis != NULL && st->basis != NULL)
+        memcpy(d->basis, st->basis, d->nscell * sizeof(float));
+    for (uint32_t i = 0; d->sq != NULL && i < nq; i++) {
+        amx_stat_result_t r = {0};
+        if (st->p_sq[f] != NULL && i < st->p_nq[f])
+            r = st->p_sq[f][i];
+        d->sq[i] = r;
+    }
+}
+
 #ifndef AMX_HAVE_CUDA
 amx_status_t amx__state_cuda_create(int device, amx_state_t **out, amx_err_t *err)
 {
@@ -149,7 +259,11 @@ void amx_state_destroy(amx_state_t *st)
         globals_free(st, st->s_amax[k]);
         globals_free(st, st->s_scale[k]);
         globals_free(st, st->s_inv[k]);
+        free(st->p_basis[k]);
+        free(st->p_sq[k]);
     }
+    free(st->basis);
+    free(st->sq_epoch);
     st->ops->destroy(st);
     free(st);
 }

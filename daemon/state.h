@@ -58,7 +58,8 @@ typedef struct amx_qdesc {
     uint8_t accumulation;
     uint8_t reset;     /* finish: clear accumulated state before this epoch's values */
     uint8_t peer_mode; /* AMX_PEER_FILL / AMX_PEER_SHARE (with a peer group) */
-    uint8_t pad[5];
+    uint8_t stat;      /* its calibrator's kind (calib.h AMX_CAL_*): 0 for max */
+    uint8_t pad[4];
     /* Global slices (global_axes > 0): nslices globals, entries
      * [gbase, gbase + nslices) of the per-slice arrays; cell c (of this
      * quantizer) belongs to slice c / slice_cells. nslices 0: the one
@@ -67,6 +68,11 @@ typedef struct amx_qdesc {
     uint64_t gbase;
     uint64_t nslices;
     uint64_t slice_cells;
+    /* Calibrators beyond max (stat != 0): its statistic values are
+     * [sbase, sbase + svals) of the stat buffers, its stat cells (basis and
+     * calibrated amax, one per histogram, one per cell of an MSE search)
+     * start at obase of the stat-cell arrays. */
+    uint64_t sbase, svals, obase;
     amx_recipe_t recipe;
 } amx_qdesc_t;
 
@@ -95,6 +101,20 @@ typedef struct amx_layout_change {
     size_t npend_runs;
     const amx_run_t *slices; /* per-slice arrays */
     size_t nslice_runs;
+    /* Statistics (calibrators beyond max): the new layout's stat values and
+     * stat cells, and runs moving the accumulated statistic (stat, from
+     * the replicated state's layout), the in-flight stat buffer (spend,
+     * from the layout its values were merged in), the basis and the
+     * published basis (scells). The active stat buffer is never remapped:
+     * the loop takes statistics only while nothing is in flight, so it is
+     * empty. */
+    uint64_t nstat, nscell;
+    const amx_run_t *stat;
+    size_t nstat_runs;
+    const amx_run_t *spend;
+    size_t nspend_runs;
+    const amx_run_t *scells;
+    size_t nscell_runs;
     int outputs_from_back; /* remap the back outputs (after an import) instead of the front */
 } amx_layout_change_t;
 
@@ -105,7 +125,31 @@ typedef struct amx_state_arrays {
     uint8_t *out_bytes;
     float *prev_gs;                  /* per slice: previous delayed global scale (replicated) */
     float *s_amax, *s_scale, *s_inv; /* per slice: global amax, scale, inverse (outputs) */
+    /* Statistics: nstat accumulated values and nscell bases (replicated),
+     * and per quantizer its published amx_stat_result_t (nq entries; its
+     * epoch is the replicated one). The sizes travel here so that
+     * export_state and import_state keep their signatures; 0 and NULL for
+     * a job without calibrators beyond max. */
+    uint64_t nstat, nscell;
+    double *stat;
+    float *basis;
+    struct amx_stat_result *sq;
 } amx_state_arrays_t;
+
+/* The published statistic of one quantizer (calibrators beyond max). */
+enum {
+    AMX_STAT_NONE = 0,     /* a max quantizer */
+    AMX_STAT_WAITING = 1,  /* no basis yet: send the max first */
+    AMX_STAT_AGREED = 2,   /* basis fixed; no statistic yet: the amax is the max */
+    AMX_STAT_COMPUTED = 3, /* the amax is the calibrator's (every cell had a statistic) */
+};
+typedef struct amx_stat_result {
+    uint64_t epoch;  /* the epoch whose results fixed the basis (0: none) */
+    double total;    /* histogram: counts summed (the overflow count included) */
+    double overflow; /* histogram: values above the agreed range, counted in the last bin */
+    uint8_t state;   /* AMX_STAT_* */
+    uint8_t pad[7];
+} amx_stat_result_t;
 
 /* The global slices of a layout: the last quantizer's gbase + nslices. */
 static inline uint64_t amx_qdesc_slices(const struct amx_qdesc *q, uint32_t nq)
@@ -196,6 +240,37 @@ typedef struct amx_state_ops {
      * the front outputs were not made by a finish (a remap or an import). */
     amx_status_t (*read_filled)(amx_state_t *st, const amx_run_t *runs, size_t nruns,
                                 uint8_t *filled, amx_err_t *err);
+    /* Statistics (calibrators beyond max; docs/API.md). A backend keeps
+     * stat buffers of float64 values laid out by the agreed catalog
+     * (amx_qdesc_t.sbase): pending[2] flipped with the amax buffers, a
+     * receive buffer, and the accumulated sums. remap moves them with
+     * lc->stat, remap_active resizes the (empty) active one, unflip adds
+     * the in-flight values back, export_state and import_state carry the
+     * accumulated sums in amx_state_arrays_t.
+     *
+     * Loop, nothing in flight. Adds `nruns` runs of `vals` (run.src
+     * indexes vals) into the active stat buffer; runs never overlap. */
+    amx_status_t (*stat_merge)(amx_state_t *st, const double *vals, uint64_t nvals,
+                               const amx_run_t *runs, size_t nruns, amx_err_t *err);
+    /* Engine. The SUM collective's buffers: *send the in-flight stat
+     * buffer's first n values, *recv a receive buffer of n (device memory
+     * for the CUDA backend), *stream as prepare. */
+    amx_status_t (*stat_prepare)(amx_state_t *st, uint64_t n, double **send, double **recv,
+                                 void **stream, amx_err_t *err);
+    /* Engine. Accumulates the reduced statistic (recv, or the in-flight
+     * buffer itself when `from_send`): the runs `clear` of the accumulated
+     * sums are zeroed first, then the runs `add` take += the reduced
+     * values; the in-flight stat buffer is zeroed. Copies all n = nstat
+     * accumulated values into `host`. */
+    amx_status_t (*stat_accumulate)(amx_state_t *st, uint64_t n, const amx_run_t *clear,
+                                    size_t nclear, const amx_run_t *add, size_t nadd, int from_send,
+                                    double *host, amx_err_t *err);
+    /* Engine. Copies the replicated accumulated amax (running max, -inf =
+     * no data) of `nruns` runs (run.src = cell, run.dst = index in `out`)
+     * into host memory: the max a basis is fixed from. */
+    amx_status_t (*read_accum)(amx_state_t *st, const amx_run_t *runs, size_t nruns, float *out,
+                               amx_err_t *err);
+
 } amx_state_ops_t;
 
 struct amx_state {
@@ -227,6 +302,23 @@ struct amx_state {
      * (cell_counts = 1), for metrics. Written by the engine in finish. */
     int cell_counts;
     uint64_t last_filled, last_missing;
+    /* Statistics (calibrators beyond max), host memory, kept by state.c's
+     * helpers for every backend. Sizes of the replicated layout: */
+    uint64_t nstat, nscell;
+    /* Replicated (engine while in flight, like the backend's buffers): the
+     * basis of each stat cell (0 until fixed) and, per quantizer, the
+     * epoch that fixed it (0: not yet). */
+    float *basis;
+    uint64_t *sq_epoch;
+    /* Engine, for finish only (NULL: none): per stat cell the amax its
+     * calibrator computed, NaN where the cell keeps its max. */
+    const float *ovr;
+    /* Published with the outputs (front / back, swapped by publish): the
+     * basis of each stat cell and each quantizer's amx_stat_result_t. */
+    float *p_basis[2];
+    amx_stat_result_t *p_sq[2];
+    uint64_t p_nscell[2];
+    uint32_t p_nq[2];
 };
 
 /* Creates an empty state of the named backend ("host" or "cuda") on CUDA
@@ -268,6 +360,28 @@ amx_status_t amx__state_grow_globals(amx_state_t *st, int k, uint32_t nq, amx_er
  * slices (kept entries unchanged, new ones 0, 1, 1). ENOMEM leaves them
  * unchanged. */
 amx_status_t amx__state_size_slices(amx_state_t *st, int k, uint64_t ns, amx_err_t *err);
+
+/* For backends' remap: the replicated basis and epochs and the published
+ * stat results (from output set `src` into `back`) moved to layout `lc`.
+ * ENOMEM leaves everything as it was. */
+amx_status_t amx__state_remap_stats(amx_state_t *st, const amx_layout_change_t *lc, int src,
+                                    int back, amx_err_t *err);
+
+/* For backends' import_state: the replicated basis and epochs, and output
+ * set `back`'s published stat results, from `a` (a layout of nq
+ * quantizers). ENOMEM leaves everything as it was. */
+amx_status_t amx__state_import_stats(amx_state_t *st, const amx_state_arrays_t *a, uint32_t nq,
+                                     int back, amx_err_t *err);
+
+/* For backends' export_state: the replicated basis and output set f's
+ * published stat results into `d` (nq quantizers). */
+void amx__state_export_stats(const amx_state_t *st, uint32_t nq, int f,
+                             const amx_state_arrays_t *d);
+
+/* Engine: sizes output set k's published stat arrays for nq quantizers
+ * and nscell stat cells (contents undefined). */
+amx_status_t amx__state_size_stat_results(amx_state_t *st, int k, uint32_t nq, uint64_t nscell,
+                                          amx_err_t *err);
 
 #ifdef __cplusplus
 }

@@ -44,6 +44,11 @@ typedef struct host_state {
     int filled_ok[2];
     float *group_max; /* scratch: peer groups then scale groups */
     size_t group_cap;
+    /* Statistics (state.h): pending[2] (flipped with pend), receive and
+     * accumulated sums, all of st->nstat float64 values; the active
+     * buffer remap_active installs, zeroed by remap. */
+    double *spend[2], *srecv, *saccum, *snext;
+    uint64_t spend_n[2], srecv_n, snext_n;
 } host_state_t;
 
 static void fill(float *p, uint64_t n, float v)
@@ -196,6 +201,11 @@ static amx_status_t host_unflip(amx_state_t *st, amx_err_t *err)
     (void)err;
     max_into(a, f, n);
     fill(f, h->pend_n[fl], -INFINITY);
+    uint64_t ns = h->spend_n[fl] < h->spend_n[h->active] ? h->spend_n[fl] : h->spend_n[h->active];
+    for (uint64_t i = 0; i < ns; i++)
+        h->spend[h->active][i] += h->spend[fl][i];
+    if (h->spend[fl] != NULL)
+        memset(h->spend[fl], 0, h->spend_n[fl] * sizeof(double));
     return AMX_OK;
 }
 
@@ -234,6 +244,123 @@ static amx_status_t host_remap_active(amx_state_t *st, const amx_layout_change_t
         return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping pending amax");
     }
     st->pend_cells = h->pend_n[k];
+    /* The active stat buffer is empty (statistics are taken only while
+     * nothing is in flight): it only takes the new size. */
+    if (h->snext != NULL && h->snext_n == lc->nstat) {
+        free(h->spend[k]);
+        h->spend[k] = h->snext;
+        h->spend_n[k] = lc->nstat;
+        h->snext = NULL;
+    } else if (h->spend_n[k] != lc->nstat || h->spend[k] == NULL) {
+        double *z = calloc(lc->nstat ? lc->nstat : 1, sizeof(double));
+        if (z == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping pending statistics");
+        free(h->spend[k]);
+        h->spend[k] = z;
+        h->spend_n[k] = lc->nstat;
+    }
+    return AMX_OK;
+}
+
+/* ---- statistics ---- */
+
+/* Stat buffer k at n values at least (new values 0): both pending buffers
+ * follow the replicated layout's size, whichever path (remap, import, a
+ * restore) set it. */
+static amx_status_t ensure_spend(host_state_t *h, int k, uint64_t n)
+{
+    if (h->spend[k] != NULL && h->spend_n[k] >= n)
+        return AMX_OK;
+    double *p = realloc(h->spend[k], (size_t)(n ? n : 1) * sizeof(double));
+    if (p == NULL)
+        return AMX_ENOMEM;
+    uint64_t old = h->spend[k] == NULL ? 0 : h->spend_n[k];
+    memset(p + old, 0, (size_t)(n - old) * sizeof(double));
+    h->spend[k] = p;
+    h->spend_n[k] = n;
+    return AMX_OK;
+}
+
+static amx_status_t host_stat_merge(amx_state_t *st, const double *vals, uint64_t nvals,
+                                    const amx_run_t *runs, size_t nruns, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    if (ensure_spend(h, h->active, st->nstat) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory for pending statistics");
+    double *p = h->spend[h->active];
+    (void)nvals;
+    for (size_t r = 0; r < nruns; r++) {
+        if (p == NULL || runs[r].dst + runs[r].len > h->spend_n[h->active])
+            return amx_err_set(err, AMX_EINTERNAL, "statistic run past the stat buffer");
+        for (uint64_t i = 0; i < runs[r].len; i++)
+            p[runs[r].dst + i] += vals[runs[r].src + i];
+    }
+    return AMX_OK;
+}
+
+static amx_status_t host_stat_prepare(amx_state_t *st, uint64_t n, double **send, double **recv,
+                                      void **stream, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    int fl = h->active ^ 1;
+    if (ensure_spend(h, fl, n) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory for pending statistics");
+    if (h->srecv == NULL || n > h->srecv_n) {
+        double *r = realloc(h->srecv, (size_t)(n ? n : 1) * sizeof(double));
+        if (r == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of host memory for a stat receive buffer");
+        h->srecv = r;
+        h->srecv_n = n;
+    }
+    *send = h->spend[fl];
+    *recv = h->srecv;
+    *stream = NULL;
+    return AMX_OK;
+}
+
+static amx_status_t host_stat_accumulate(amx_state_t *st, uint64_t n, const amx_run_t *clear,
+                                         size_t nclear, const amx_run_t *add, size_t nadd,
+                                         int from_send, double *host, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    int fl = h->active ^ 1;
+    if (ensure_spend(h, fl, n) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory for pending statistics");
+    if (n != st->nstat || (n > 0 && h->saccum == NULL))
+        return amx_err_set(err, AMX_EINTERNAL, "statistics over %llu values, the state holds %llu",
+                           (unsigned long long)n, (unsigned long long)st->nstat);
+    const double *red = from_send ? h->spend[fl] : h->srecv;
+    for (size_t r = 0; r < nclear; r++)
+        memset(h->saccum + clear[r].dst, 0, clear[r].len * sizeof(double));
+    for (size_t r = 0; r < nadd; r++)
+        for (uint64_t i = 0; i < add[r].len; i++)
+            h->saccum[add[r].dst + i] += red[add[r].src + i];
+    if (h->spend[fl] != NULL)
+        memset(h->spend[fl], 0, h->spend_n[fl] * sizeof(double));
+    if (n > 0)
+        memcpy(host, h->saccum, n * sizeof(double));
+    return AMX_OK;
+}
+
+static amx_status_t host_read_accum(amx_state_t *st, const amx_run_t *runs, size_t nruns,
+                                    float *out, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    (void)err;
+    copy_runs(out, h->accum, sizeof(float), runs, nruns);
+    return AMX_OK;
+}
+
+/* A float64 array of n values: runs of *p copied, the rest 0. */
+static amx_status_t remap_doubles(double **p, uint64_t n, const amx_run_t *runs, size_t nruns)
+{
+    double *np = calloc(n ? n : 1, sizeof(double));
+    if (np == NULL)
+        return AMX_ENOMEM;
+    if (*p != NULL)
+        copy_runs(np, *p, sizeof(double), runs, nruns);
+    free(*p);
+    *p = np;
     return AMX_OK;
 }
 
@@ -311,6 +438,14 @@ static amx_status_t host_remap(amx_state_t *st, const amx_layout_change_t *lc, a
         remap_floats(&h->prev_g, lc->nq, 1.0f, lc->qs, lc->nq_runs) != AMX_OK ||
         remap_floats(&h->prev_gs, lc->nslices, 1.0f, lc->slices, lc->nslice_runs) != AMX_OK)
         return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping the amax state");
+    if (remap_doubles(&h->spend[fl], lc->nstat, lc->spend, lc->nspend_runs) != AMX_OK ||
+        remap_doubles(&h->saccum, lc->nstat, lc->stat, lc->nstat_runs) != AMX_OK)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping statistics");
+    h->spend_n[fl] = lc->nstat;
+    AMX_CHECK(amx__state_remap_stats(st, lc, src, back, err));
+    free(h->snext);
+    h->snext = calloc(lc->nstat ? lc->nstat : 1, sizeof(double));
+    h->snext_n = lc->nstat;
     st->ncells = lc->ncells;
     st->nhist = lc->nhist;
     st->nq = lc->nq;
@@ -426,6 +561,20 @@ static float fin_accumulate(fin_t *f, const amx_qdesc_t *q)
     if (q->accumulation == AMX_ACC_PER_EPOCH) {
         for (; c < q->ncells; c++) {
             float a = amx_pp_accumulate(q, &acc[c], h->hist + q->hist_base, c, red[c]);
+            out[c] = a;
+            m = amx_fmaxf(m, a);
+        }
+        return m;
+    }
+    if (q->stat != 0 && f->st->ovr != NULL) {
+        /* A calibrator beyond max: the running max stays the basis's source;
+         * the output is the calibrator's amax where it computed one. */
+        const float *o = f->st->ovr + q->obase;
+        for (; c < q->ncells; c++) {
+            float a = amx_fmaxf(acc[c], red[c]);
+            acc[c] = a;
+            if (o[c] == o[c])
+                a = o[c];
             out[c] = a;
             m = amx_fmaxf(m, a);
         }
@@ -730,6 +879,13 @@ static amx_status_t host_export(amx_state_t *st, uint64_t ncells, uint64_t nhist
         memcpy(d->s_scale, st->s_scale[f], nslices * sizeof(float));
         memcpy(d->s_inv, st->s_inv[f], nslices * sizeof(float));
     }
+    if (d->nstat != st->nstat || d->nscell != st->nscell)
+        return amx_err_set(err, AMX_EINTERNAL,
+                           "state export of %llu statistic values, the state holds %llu",
+                           (unsigned long long)d->nstat, (unsigned long long)st->nstat);
+    if (d->nstat > 0 && d->stat != NULL)
+        memcpy(d->stat, h->saccum, d->nstat * sizeof(double));
+    amx__state_export_stats(st, nq, f, d);
     return AMX_OK;
 }
 
@@ -768,6 +924,21 @@ static amx_status_t host_import(amx_state_t *st, uint64_t ncells, uint64_t nhist
     copy_runs(st->s_amax[back], s->s_amax, sizeof(float), &all_s, 1);
     copy_runs(st->s_scale[back], s->s_scale, sizeof(float), &all_s, 1);
     copy_runs(st->s_inv[back], s->s_inv, sizeof(float), &all_s, 1);
+    /* Statistics: the accumulated sums. The stat buffers keep their
+     * layout (the loop's) until the remap that follows every import. */
+    uint64_t nst = s->nstat;
+    double *acc = calloc(nst ? nst : 1, sizeof(double));
+    if (acc == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of host memory importing statistics");
+    amx_status_t rc = amx__state_import_stats(st, s, nq, back, err);
+    if (rc != AMX_OK) {
+        free(acc);
+        return rc;
+    }
+    if (nst > 0 && s->stat != NULL)
+        memcpy(acc, s->stat, nst * sizeof(double));
+    free(h->saccum);
+    h->saccum = acc;
     return AMX_OK;
 }
 
@@ -790,6 +961,11 @@ static void host_destroy(amx_state_t *st)
     free(h->prev_g);
     free(h->prev_gs);
     free(h->group_max);
+    for (int k = 0; k < 2; k++)
+        free(h->spend[k]);
+    free(h->srecv);
+    free(h->saccum);
+    free(h->snext);
     free(h);
 }
 
@@ -813,6 +989,10 @@ static const amx_state_ops_t host_ops = {
     .grow_pending = host_grow_pending,
     .fill_pending = host_fill_pending,
     .read_filled = host_read_filled,
+    .stat_merge = host_stat_merge,
+    .stat_prepare = host_stat_prepare,
+    .stat_accumulate = host_stat_accumulate,
+    .read_accum = host_read_accum,
 };
 
 amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err)

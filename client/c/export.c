@@ -186,6 +186,17 @@ static int write_file(const char *path, const char *job, uint64_t epoch, q_t *qs
         cJSON_AddStringToObject(o, "block_scale", block_name[in->recipe->format]);
         if (in->global_axes > 0)
             cJSON_AddNumberToObject(o, "global_axes", in->global_axes);
+        /* Calibrators beyond max (issue 23): the amax is the method's. */
+        const Amaxd__V1__Calibrator *cal = in->calibrator;
+        if (cal != NULL && cal->kind == AMAXD__V1__CALIBRATOR_KIND__CALIBRATOR_MSE)
+            cJSON_AddStringToObject(o, "calibrator", "mse");
+        else if (cal != NULL && cal->kind == AMAXD__V1__CALIBRATOR_KIND__CALIBRATOR_HISTOGRAM) {
+            static const char *method[] = {"", "entropy", "percentile", "mse"};
+            char name[32];
+            snprintf(name, sizeof(name), "histogram/%s",
+                     cal->method >= 1 && cal->method <= 3 ? method[cal->method] : "");
+            cJSON_AddStringToObject(o, "calibrator", name);
+        }
         cJSON_AddItemToArray(list, o);
     }
     char *ls = cJSON_PrintUnformatted(list);

@@ -22,7 +22,7 @@ INSTALLED = os.path.dirname(amaxd.__file__)
 LAYERS = [
     {"_gen", "errors", "placement"},
     {"types", "tiles"},  # tiles: placement geometry of flat-sharded weights (numpy only)
-    {"wire", "transport", "export"},
+    {"wire", "transport", "export", "calib"},  # calib: a rank's statistics (numpy, torch)
     {"packed"},
     {"client"},
     {"__init__"},

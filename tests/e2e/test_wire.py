@@ -98,7 +98,7 @@ RECIPE_FIELDS = {"format", "rule", "margin", "history_len", "history_reduce", "e
                  "power_of_2", "nvfp4_convention", "output_convention", "history_convention",
                  "mxfp8_convention"}
 SPEC_FIELDS = {"name", "global_shape", "recipe", "accumulation", "peer_group", "scale_group",
-               "offset", "local_shape", "peer_mode", "global_axes"}
+               "offset", "local_shape", "peer_mode", "global_axes", "calibrator"}
 
 
 def test_the_test_knows_every_field():
@@ -124,6 +124,26 @@ def random_recipe(rng):
                         mxfp8_convention=enum())
 
 
+def random_calibrator(rng):
+    """None, ModelOpt-like calibrators, or any field values (the daemon
+    validates; the codec writes what it is given)."""
+    r = rng.random()
+    if r < 0.5:
+        return None
+    if r < 0.7:
+        return rng.choice([amaxd.Calibrator.histogram("entropy", torch_cpu_build="avx512"),
+                           amaxd.Calibrator.histogram("mse", 512, grid="e4m3",
+                                                      torch_cpu_build="default"),
+                           amaxd.Calibrator.mse(torch_cpu_build="avx2"), amaxd.Calibrator()])
+    enum = lambda: rng.choice([0, 1, 2, 3, 99])  # noqa: E731
+    f64 = lambda: rng.choice([0.0, -0.0, 99.99, 1e300, float("inf"), 0.1])  # noqa: E731
+    return amaxd.Calibrator(kind=enum(), num_bins=rng.choice(U32), method=enum(),
+                            percentile=f64(), start_bin=rng.choice(U32), stride=rng.choice(U32),
+                            skip_zeros=rng.random() < 0.5, num_bits=rng.choice(U32),
+                            is_unsigned=rng.random() < 0.5, grid=enum(), torch_cpu=enum(),
+                            start_multiplier=f64(), stop_multiplier=f64(), step_size=f64())
+
+
 def random_quantizer(rng):
     ndim = rng.randint(0, 4)
     shape = [rng.choice(U32[1:]) for _ in range(ndim)]
@@ -136,7 +156,8 @@ def random_quantizer(rng):
                            accumulation=rng.choice([0, amaxd.RUNNING_MAX, amaxd.PER_EPOCH, 7]),
                            peer_group=rng.choice(NAMES), scale_group=rng.choice(NAMES),
                            peer_mode=rng.choice([None, "fill", "share"]),
-                           global_axes=rng.choice([0, 0, 1, 2, 3, 2**32 - 1]))
+                           global_axes=rng.choice([0, 0, 1, 2, 3, 2**32 - 1]),
+                           calibrator=random_calibrator(rng))
 
 
 def test_quantizer_spec_matches_protobuf():
@@ -157,7 +178,8 @@ def test_every_spec_field_is_written():
     in field-number order, once."""
     q = amaxd.Quantizer("q", [4, 8], amaxd.Recipe.fp8_delayed(margin=-1.5, history_len=3),
                         P.shard([4, 8], 1, 1, 2), accumulation=amaxd.PER_EPOCH,
-                        peer_group="g", scale_group="s", peer_mode="share", global_axes=1)
+                        peer_group="g", scale_group="s", peer_mode="share", global_axes=1,
+                        calibrator=amaxd.Calibrator.mse(torch_cpu_build="avx2"))
     spec = pb.RegisterRequest.FromString(wire.spec_bytes(q, {})).quantizers[0]
     assert {f.name for f, _ in spec.ListFields()} == SPEC_FIELDS
     assert {f.name for f, _ in spec.recipe.ListFields()} == {
@@ -210,7 +232,8 @@ def test_client_register_bytes(monkeypatch):
 
 # -- SendPackedRequest --
 
-SEND_PACKED_HAND = {"job", "rank", "epoch", "layout_id", "values", "has_data", "align"}
+SEND_PACKED_HAND = {"job", "rank", "epoch", "layout_id", "values", "has_data", "align", "stats",
+                    "stat_epochs"}
 # With Client(shm=True) the request carries no array and protobuf makes it.
 SEND_PACKED_PROTOBUF = {"shm_id", "shm_has_data"}
 
@@ -242,12 +265,18 @@ def test_send_packed_matches_protobuf():
             m = amaxd.packed.as_mask(rng.random(n) < 0.5)
         job, rank = prng.choice(NAMES), prng.choice(U32)
         epoch, layout_id = prng.choice(U64), prng.choice(U64 + [prng.getrandbits(64)])
-        got = wire.encode_send_packed(job, rank, epoch, layout_id, v, m)
+        st = se = None
+        if it % 3 == 1:  # statistics of calibrators beyond max
+            st = rng.standard_normal(int(rng.integers(0, 50))).astype("<f8")
+            se = rng.integers(0, 2**63, size=int(rng.integers(0, 6)), dtype=np.uint64)
+        got = wire.encode_send_packed(job, rank, epoch, layout_id, v, m, st, se)
 
         msg = pb.SendPackedRequest.FromString(got)
         want = pb.SendPackedRequest(job=job, rank=rank, epoch=epoch, layout_id=layout_id,
                                     values=v.tobytes(), align=msg.align,
-                                    has_data=b"" if m is None else m.tobytes())
+                                    has_data=b"" if m is None else m.tobytes(),
+                                    stats=b"" if st is None else st.tobytes(),
+                                    stat_epochs=b"" if se is None else se.tobytes())
         same_message(msg, want)
         assert set(msg.align) <= {0} and len(msg.align) < 16
         # The values come last, 16-byte aligned in the message.
@@ -256,7 +285,7 @@ def test_send_packed_matches_protobuf():
         # Each field once: job, rank, epoch (when not 0), layout_id,
         # has_data (when given), align, values.
         order = [1] + ([2] if rank else []) + ([3] if epoch else []) + [4] + \
-            ([6] if m is not None else []) + [15, 5]
+            ([6] if m is not None else []) + ([9, 10] if st is not None else []) + [15, 5]
         assert [k for k, _ in keys(got)] == order
 
 
@@ -283,7 +312,9 @@ RPR_ARRAYS = {"amax": "<f4", "scale": "<f4", "scale_inv": "<f4", "block_scales":
               "global_amax": "<f4", "global_scale": "<f4", "global_scale_inv": "<f4",
               "missing": "<u4", "has_previous": "u1", "previous_global_amax": "<f4",
               "previous_global_scale": "<f4", "filled": "u1", "global_amaxes": "<f4",
-              "global_scales": "<f4", "global_scale_invs": "<f4"}
+              "global_scales": "<f4", "global_scale_invs": "<f4", "stat_state": "u1",
+              "stat_epoch": "<u8", "stat_total": "<f8", "stat_overflow": "<f8",
+              "stat_basis": "<f4"}
 RPR_NUMBERS = {"epoch": U64, "next_epoch": U64, "layout_id": U64, "shm_bytes": U64,
                "peer_fill_known": [False, True]}
 
@@ -293,9 +324,12 @@ def random_rpr(rng, prng, present=0.7):
     for name, dt in RPR_ARRAYS.items():
         if prng.random() < present:
             n = int(rng.integers(0, 40))
+            if dt == "<f8":
+                kw[name] = rng.standard_normal(n).tobytes()
+                continue
             kw[name] = (random_f32(rng, n) if dt == "<f4" else
-                        rng.integers(0, 2**32 if dt == "<u4" else 256, size=n,
-                                     dtype=np.uint64).astype(dt)).tobytes()
+                        rng.integers(0, 2**63 if dt == "<u8" else 2**32 if dt == "<u4" else 256,
+                                     size=n, dtype=np.uint64).astype(dt)).tobytes()
     for name, vals in RPR_NUMBERS.items():
         if prng.random() < present:
             kw[name] = prng.choice(vals + [prng.getrandbits(64)] if vals is U64 else vals)
@@ -333,7 +367,7 @@ def test_reconcile_packed_parser_matches_protobuf():
 def unknown_fields(prng):
     """Fields this message does not have, of every wire type."""
     out = b""
-    for num in prng.sample([21, 22, 30, 32, 100, 1000, 2**29 - 1], 3):
+    for num in prng.sample([26, 27, 30, 32, 100, 1000, 2**29 - 1], 3):
         wt = prng.choice([0, 1, 2, 5])
         out += wire.varint(num << 3 | wt)
         if wt == 0:

@@ -66,6 +66,22 @@ def main():
         (C + "SendAmax", pb.SendAmaxRequest(job="j", updates=[
             pb.AmaxUpdate(name="w", values=f32(1, 2, 3, 4)),
             pb.AmaxUpdate(name="e", values=f32(5, 6), has_data=b"\x01\x00")])),
+        # Calibrators beyond max (issue 23): a histogram and an MSE search,
+        # then a statistic against a basis.
+        (C + "RegisterQuantizers", pb.RegisterRequest(job="j", quantizers=[
+            pb.QuantizerSpec(name="h", global_shape=[], recipe=pb.Recipe(format=pb.FP8_E4M3),
+                             calibrator=pb.Calibrator(
+                                 kind=pb.CALIBRATOR_HISTOGRAM, num_bins=8,
+                                 method=pb.PERCENTILE, percentile=99.9, start_bin=4,
+                                 stride=1, num_bits=8, torch_cpu=pb.TORCH_CPU_AVX2)),
+            pb.QuantizerSpec(name="m", global_shape=[2], recipe=pb.Recipe(format=pb.FP8_E4M3),
+                             calibrator=pb.Calibrator(
+                                 kind=pb.CALIBRATOR_MSE, start_multiplier=0.5,
+                                 stop_multiplier=1.0, step_size=0.25,
+                                 torch_cpu=pb.TORCH_CPU_AVX2))])),
+        (C + "SendAmax", pb.SendAmaxRequest(job="j", epoch=2, updates=[
+            pb.AmaxUpdate(name="h", values=f32(3), stat=struct.pack("<9d", *range(9)),
+                          stat_epoch=1)])),
         (C + "StreamAmax", pb.SendAmaxRequest(job="j", epoch=1, updates=[
             pb.AmaxUpdate(name="x", values=f32(1, 2, 3, 4, 5, 6))])),
         (C + "Reconcile", pb.ReconcileRequest(job="j", names=["w"])),

@@ -98,8 +98,8 @@ START_TEST(specs_round_trip_through_protobuf)
         parsed_spec(k, &s, shape);
         /* Out (another daemon's view), packed, unpacked, parsed back. */
         Amaxd__V1__QuantizerSpec q;
-        Amaxd__V1__Recipe r;
-        amx_codec_spec_out(&s, &q, &r);
+        amx_arena_t ar = {0};
+        ck_assert_int_eq(amx_codec_spec_out(&s, &q, &ar), AMX_OK);
         size_t len;
         uint8_t *b = pack(&q.base, &len);
         Amaxd__V1__QuantizerSpec *u = amaxd__v1__quantizer_spec__unpack(NULL, len, b);
@@ -125,6 +125,7 @@ START_TEST(specs_round_trip_through_protobuf)
         ck_assert_float_eq(rin.eps, s.recipe.eps);
         amaxd__v1__quantizer_spec__free_unpacked(u, NULL);
         free(b);
+        amx_arena_free(&ar);
     }
     /* No recipe: absent, which parsing refuses. */
     amx_recipe_in_t rin;
@@ -468,7 +469,7 @@ START_TEST(packed_answer_is_what_protobuf_c_reads)
                                       {64, 3, 4}, {1000, 17, 9}, {4099, 1, 1}};
     for (size_t z = 0; z < sizeof(sizes) / sizeof(sizes[0]); z++) {
         size_t n = sizes[z][0], q = sizes[z][1], ns = sizes[z][2];
-        size_t cap = amx_codec_packed_cap(n, q, ns);
+        size_t cap = amx_codec_packed_cap(n, q, ns, 0);
         uint8_t *mem = malloc(cap + 16);
         for (size_t shift = 0; shift < 16; shift += 3) { /* wherever the buffer lies */
             for (int with_fill = 0; with_fill < 2; with_fill++) {

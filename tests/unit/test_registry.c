@@ -179,7 +179,7 @@ static amx_status_t reg1(const char *job, uint32_t rank, const char *name, uint3
 static amx_status_t send1(const char *job, uint32_t rank, uint64_t epoch, const char *name,
                           const float *v, size_t n, amx_err_t *err)
 {
-    amx_update_in_t u = {name, (const uint8_t *)v, n * sizeof(float), NULL, 0};
+    amx_update_in_t u = {name, (const uint8_t *)v, n * sizeof(float), NULL, 0, NULL, 0, 0};
     amx_send_req_t req = {job, rank, epoch, &u, 1};
     uint64_t acc, ep;
     return amx_registry_send(reg, &req, &acc, &ep, err);

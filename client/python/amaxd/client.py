@@ -179,7 +179,7 @@ class Client:
         return self._layout
 
     def _packed_req(self, values: object, has_data: object, epoch: Optional[int],
-                    inline: bool = False) -> bytes:
+                    inline: bool = False, stats: Optional[Mapping[str, Any]] = None) -> bytes:
         L = self.layout()
         v = as_f32(values)
         if v.size != L.total_cells:
@@ -190,23 +190,32 @@ class Client:
             if m.size != L.total_cells:
                 raise ValueError(f"send_packed: has_data has {m.size} entries, the layout has "
                                  f"{L.total_cells} cells")
+        sv = se = None
+        if stats:
+            sv, se = L.pack_stats(stats)
         shm = self._shm
         if shm is not None and not inline:
             pwrite_all(shm.slab_fd, v, 0)
             if m is not None:
                 pwrite_all(shm.slab_fd, m, shm.has_data_offset)
-            return pb.SendPackedRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
-                                        layout_id=L.id, shm_id=shm.id,
-                                        shm_has_data=m is not None).SerializeToString()
-        return wire.encode_send_packed(self.job, self.rank, self._epoch(epoch), L.id, v, m)
+            req = pb.SendPackedRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
+                                       layout_id=L.id, shm_id=shm.id, shm_has_data=m is not None)
+            if sv is not None:
+                req.stats, req.stat_epochs = sv.tobytes(), se.tobytes()
+            return req.SerializeToString()
+        return wire.encode_send_packed(self.job, self.rank, self._epoch(epoch), L.id, v, m, sv, se)
 
     def send_packed(self, values: object, has_data: object = None,
-                    epoch: Optional[int] = None) -> pb.SendAmaxResponse:
+                    epoch: Optional[int] = None,
+                    stats: Optional[Mapping[str, Any]] = None) -> pb.SendAmaxResponse:
         """Merges one slab (float32 per cell of layout(), numpy or torch, CPU
         or CUDA; copied once) into the epoch; has_data: optional per-cell
-        mask (bool/uint8; 0 = no data). A stale layout raises
-        FailedPrecondition: call layout(refresh=True) and repack."""
-        data = self._packed_req(values, has_data, epoch)
+        mask (bool/uint8; 0 = no data); stats: {name: amaxd.Stat} of
+        quantizers with calibrators beyond max (packed by
+        Layout.pack_stats; a histogram's with its overflow count). A stale
+        layout raises FailedPrecondition: call layout(refresh=True) and
+        repack."""
+        data = self._packed_req(values, has_data, epoch, stats=stats)
         return self._tracked(epoch, lambda: self._raw("SendPacked", data,
                                                       pb.SendAmaxResponse.FromString))
 

@@ -13,8 +13,10 @@ Per quantizer NAME (whole global tensors, the last reconciled epoch):
 `__metadata__` holds "amaxd.format" ("scales/1"), the job, the epoch and
 "amaxd.quantizers": a JSON list of {name, shape, format, block_scale} (and
 "global_axes": k when k > 0) where format is fp8_e4m3 | fp8_e5m2 | nvfp4 |
-mxfp8 and block_scale e4m3 | e8m0 | "" . `amaxctl export` writes the same
-file.
+mxfp8 and block_scale e4m3 | e8m0 | "" ; a quantizer with a calibrator
+beyond max (issue 23) also has "calibrator": "histogram/entropy" |
+"histogram/percentile" | "histogram/mse" | "mse" (its amax is the method's).
+`amaxctl export` writes the same file.
 """
 import json
 import os
@@ -79,5 +81,11 @@ def metadata(job: str, epoch: int, infos: Sequence[pb.QuantizerInfo]) -> Dict[st
     for d, q in zip(qs, infos):
         if getattr(q, "global_axes", 0):
             d["global_axes"] = int(q.global_axes)
+        cal = q.calibrator if q.HasField("calibrator") else None
+        if cal is not None and cal.kind == pb.CALIBRATOR_MSE:
+            d["calibrator"] = "mse"
+        elif cal is not None and cal.kind == pb.CALIBRATOR_HISTOGRAM:
+            d["calibrator"] = "histogram/" + {1: "entropy", 2: "percentile", 3: "mse"}.get(
+                cal.method, "")
     return {"amaxd.format": "scales/1", "amaxd.job": job, "amaxd.epoch": str(epoch),
             "amaxd.quantizers": json.dumps(qs, separators=(",", ":"))}

@@ -76,7 +76,7 @@ import numpy as np
 
 from . import placement as P
 from ._gen import amaxd_pb2 as pb
-from .types import Masked, Quantizer, Recipe, Result
+from .types import Calibrator, Masked, Quantizer, Recipe, Result, Stat
 
 if TYPE_CHECKING:  # torch is imported when first needed
     import torch
@@ -85,7 +85,8 @@ if TYPE_CHECKING:  # torch is imported when first needed
 
 __all__ = ["Layout", "Entry", "Unsupported", "plan", "register", "send", "reconcile",
            "write_back", "sync", "supports_share", "global_name", "DEFAULT_COLUMN",
-           "DEFAULT_ROW"]
+           "DEFAULT_ROW", "HistEntry", "plan_histograms", "sync_histograms", "MseEntry",
+           "plan_mse", "sync_mse"]
 
 # Last name component of a linear whose output features are split over TP
 # (column-parallel) or whose input features are (row-parallel): the usual
@@ -583,6 +584,8 @@ def plan(model: "torch.nn.Module", layout: Layout = Layout(), *, column: Sequenc
     for qname, q in model.named_modules():
         if not isinstance(q, TensorQuantizer) or id(q) in handled or not q.is_enabled:
             continue
+        if _is_histogram(q):
+            continue  # sync_histograms(): two passes over the data
         role, module, mod_name, attr = _resolve(model, qname, q, layout)
         is_weight = role == "linear" and attr == "weight_quantizer"
         kind = _classify(q, is_weight, qname)
@@ -890,4 +893,304 @@ def sync(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
     send(client, entries)
     results = reconcile(client, entries)
     write_back(entries, results)
+    return results
+
+
+# -- calibrators beyond max (docs/MODELOPT.md "Histogram and MSE calibration") --
+
+def _is_histogram(q) -> bool:
+    from modelopt.torch.quantization.calib import HistogramCalibrator
+    return isinstance(getattr(q, "_calibrator", None), HistogramCalibrator)
+
+
+def _counts_here(role: str, attr: str, par: str, tp_rank: int, layout: Layout,
+                 expert: Optional[int] = None) -> bool:
+    """Whether this rank's data of a quantizer is its own (summed with the
+    other ranks') rather than a copy another rank counts too: TP ranks
+    see the same input of a column-parallel (or TP-replicated) linear, and
+    DP ranks hold the same weights (a routed expert's weights: its
+    expert-data-parallel replicas, EP being carved out of DP as Megatron
+    does, edp_rank = dp_rank // ep_size); one of the copies counts."""
+    if attr == "weight_quantizer":
+        if expert is not None and layout.dp_size % layout.ep_size == 0:
+            return layout.dp_rank // layout.ep_size == 0
+        return layout.dp_rank == 0
+    if role == "linear" and attr == "input_quantizer" and par != "row":
+        return tp_rank == 0
+    return True
+
+
+@dataclass
+class HistEntry:
+    """One histogram-calibrated quantizer of the model, as registered."""
+
+    local_name: str
+    name: str
+    quantizer: object
+    spec: Quantizer
+    counts: bool  # this rank's values are its own (see _counts_here)
+
+
+def plan_histograms(model: "torch.nn.Module", layout: Layout = Layout(), method: str = "percentile",
+                    *, percentile: float = 99.99, start_bin: int = 128, stride: int = 1,
+                    column: Sequence[str] = DEFAULT_COLUMN, row: Sequence[str] = DEFAULT_ROW,
+                    torch_cpu_build: Optional[str] = None) -> List[HistEntry]:
+    """The enabled quantizers of `model` whose calibrator is ModelOpt's
+    HistogramCalibrator (config ``"calibrator": "histogram"``), each an
+    amaxd histogram quantizer with the calibrator's num_bins, skip_zeros,
+    num_bits and unsigned and the method and options ModelOpt's
+    ``load_calib_amax(method, ...)`` would be given. Per-tensor only (as
+    HistogramCalibrator); an FP8 quantizer ((4, 3)) registers FP8 current
+    scaling with ModelOpt's output convention, an integer one (INT8) the
+    same recipe as a carrier: only ``_amax`` is written back, from which
+    ModelOpt derives its own scales. Entropy needs an integer num_bits (as
+    ModelOpt's _compute_amax_entropy)."""
+    TensorQuantizer = _tensor_quantizer_cls()
+    out = []
+    for qname, q in model.named_modules():
+        if not isinstance(q, TensorQuantizer) or not q.is_enabled or not _is_histogram(q):
+            continue
+        if getattr(q, "_dynamic", False):
+            continue
+        if q.axis is not None or q.block_sizes:
+            raise Unsupported(f"{qname}: a histogram calibrator with axis {q.axis} / block sizes "
+                              f"{q.block_sizes}; ModelOpt's HistogramCalibrator and amaxd's "
+                              "histograms are per tensor")
+        role, module, mod_name, attr = _resolve(model, qname, q, layout)
+        if role == "fused_input":
+            raise Unsupported(f"{qname}: histograms of fused experts' inputs are not supported")
+        par = _parallel_kind(module, mod_name, column, row) if role == "linear" else "replicated"
+        gname, expert, _ = _global_name(model, qname, layout)
+        tp_rank, tp = layout.etp if expert is not None else (layout.tp_rank, layout.tp_size)
+        if attr == "output_quantizer" and par == "row" and tp > 1:
+            raise Unsupported(f"{qname}: the output of row-parallel {mod_name!r} is a partial "
+                              "sum on each TP rank; its histogram is not the output's")
+        cal = q._calibrator
+        nb, uns = cal._num_bits, bool(cal._unsigned)
+        kw: Dict[str, Any] = {}
+        if method == "entropy":
+            if not isinstance(nb, int):
+                raise ValueError(f"{qname}: entropy calibration needs an integer num_bits "
+                                 f"(ModelOpt's _compute_amax_entropy), not {nb}")
+            kw = dict(num_bits=nb, unsigned=uns, start_bin=start_bin, stride=stride)
+        elif method == "mse":
+            if isinstance(nb, int):
+                kw = dict(grid="int", num_bits=nb, unsigned=uns, start_bin=start_bin,
+                          stride=stride)
+            elif tuple(nb) == (4, 3):
+                kw = dict(grid="e4m3", start_bin=start_bin, stride=stride)
+            else:
+                raise ValueError(f"{qname}: histogram MSE on num_bits {nb} (integers or (4, 3))")
+        elif method == "percentile":
+            kw = dict(percentile=percentile)
+        else:
+            raise ValueError(f"method {method!r}: use entropy, percentile or mse")
+        calib = Calibrator.histogram(method, int(cal._num_bins), skip_zeros=bool(cal._skip_zeros),
+                                     torch_cpu_build=torch_cpu_build, **kw)
+        spec = Quantizer(gname, (), Recipe.fp8_current(output="modelopt"), calibrator=calib)
+        out.append(HistEntry(qname, gname, q, spec,
+                             _counts_here(role, attr, par, tp_rank, layout, expert)))
+    return out
+
+
+class _MaxRecorder:
+    """Stands in for a HistogramCalibrator during the first pass: the max of
+    |x| over what the quantizer sees."""
+
+    def __init__(self):
+        self.amax = None
+
+    def collect(self, x):
+        m = float(x.detach().abs().max().float().item()) if x.numel() else None
+        if m is not None and (self.amax is None or m > self.amax):
+            self.amax = np.float32(m)
+
+    def reset(self):
+        self.amax = None
+
+
+class _HistRecorder:
+    """The second pass: the histogram of |x| against the agreed edges
+    (amaxd.calib.histogram, torch.histc's bins), summed over batches."""
+
+    def __init__(self, basis, calib):
+        self.basis, self.calib = basis, calib
+        self.counts = np.zeros(calib.num_bins + 1)
+
+    def collect(self, x):
+        from . import calib as C
+        self.counts += C.histogram(x, self.basis, self.calib)
+
+    def reset(self):
+        self.counts[:] = 0
+
+
+def _calibrating(entries, recorders):
+    """Puts each entry's quantizer in calibration mode with recorder r; the
+    caller restores (the returned list of (quantizer, calibrator, flags))."""
+    saved = []
+    for e, r in zip(entries, recorders):
+        q = e.quantizer
+        saved.append((q, q._calibrator, q._if_quant, q._if_calib))
+        q._calibrator = r
+        q.disable_quant()
+        q.enable_calib()
+    return saved
+
+
+def _restore(saved):
+    for q, cal, if_quant, if_calib in saved:
+        q._calibrator = cal
+        q._if_quant, q._if_calib = if_quant, if_calib
+
+
+def sync_histograms(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
+                    forward_loop: Any = None, method: str = "percentile",
+                    **plan_kw: Any) -> Dict[str, Result]:
+    """Histogram calibration of the model's HistogramCalibrator quantizers
+    across every rank (docs/MODELOPT.md): two passes of `forward_loop`
+    (`forward_loop(model)` runs this rank's calibration data), the first for
+    the max (reconciled: the bin edges [0, global max] every rank agrees
+    on), the second counting |x| against those edges; the daemons sum the
+    counts and compute the amax by `method` (ModelOpt's
+    ``load_calib_amax(method, ...)``; options: plan_histograms). Writes
+    ``_amax`` back (a quantizer no rank fed keeps none) and leaves each
+    quantizer quantizing, as ModelOpt's calibration ends. Returns {global
+    name: Result}. Every rank calls it, with or without such quantizers."""
+    torch = _torch()
+    entries = plan_histograms(model, layout, method, **plan_kw)
+    if entries:
+        client.register([e.spec for e in entries])
+    maxes = [_MaxRecorder() for _ in entries]
+    saved = _calibrating(entries, maxes)
+    try:
+        if entries and forward_loop is not None:
+            forward_loop(model)
+    finally:
+        _restore(saved)
+    if entries:
+        client.send({e.name: (Masked(0.0, True) if m.amax is None else m.amax)
+                     for e, m in zip(entries, maxes)})
+    r1 = client.reconcile([e.name for e in entries])
+    hists = [_HistRecorder(r1[e.name].stat_basis, e.spec.calibrator)
+             if r1[e.name].stat_epoch else None for e in entries]
+    live = [(e, h) for e, h in zip(entries, hists) if h is not None]
+    saved = _calibrating([e for e, _ in live], [h for _, h in live])
+    try:
+        if live and forward_loop is not None:
+            forward_loop(model)
+    finally:
+        _restore(saved)
+    stats = {e.name: Stat(h.counts, r1[e.name].stat_epoch) for e, h in live if e.counts}
+    if stats:
+        client.send(stats)
+    results = client.reconcile([e.name for e in entries])
+    for e in entries:
+        r = results[e.name]
+        if r.stat_state == pb.STAT_WAITING:
+            continue  # no rank saw data: no _amax, as ModelOpt leaves it
+        _set_amax(e.quantizer, torch.tensor(np.float32(r.amax.reshape(())), dtype=torch.float32))
+        e.quantizer.enable_quant()
+        e.quantizer.disable_calib()
+    return results
+
+
+@dataclass
+class MseEntry:
+    """One weight quantizer whose amax an MSE search refines, as registered
+    (its amaxd name is the quantizer's global name + ".mse")."""
+
+    local_name: str
+    name: str
+    quantizer: object
+    weight: object
+    spec: Quantizer
+    axis: Optional[int]
+    owner: bool  # this rank's copy of the weight block sends its losses
+
+
+def plan_mse(model: "torch.nn.Module", layout: Layout = Layout(), *, step_size: float = 0.1,
+             start_multiplier: float = 0.25, stop_multiplier: float = 4.0,
+             column: Sequence[str] = DEFAULT_COLUMN, row: Sequence[str] = DEFAULT_ROW,
+             torch_cpu_build: Optional[str] = None) -> List[MseEntry]:
+    """The weight quantizers ModelOpt's ``mse_calibrate`` refines with an
+    MseCalibrator (multiplier search, ``fp8_scale_sweep=False``): static
+    FP8 weights per tensor (``[]``) or per output channel (``[C_out]``,
+    split over TP for a column-parallel linear). Other formats are left
+    out, as NVFP4's per-block FP8-scale sweep (``fp8_scale_sweep``) runs on
+    the rank that owns the block and needs no reduction: reconcile its
+    global amax with ``sync`` first."""
+    TensorQuantizer = _tensor_quantizer_cls()
+    out = []
+    for qname, q in model.named_modules():
+        if (not isinstance(q, TensorQuantizer) or not q.is_enabled or _is_histogram(q)
+                or getattr(q, "_dynamic", False) or not qname.endswith("weight_quantizer")):
+            continue
+        role, module, mod_name, attr = _resolve(model, qname, q, layout)
+        if role != "linear" or attr != "weight_quantizer":
+            continue
+        kind = _classify(q, True, qname)
+        if kind not in ("fp8_tensor", "fp8_channel"):
+            continue
+        par = _parallel_kind(module, mod_name, column, row)
+        gname, expert, _ = _global_name(model, qname, layout)
+        tp_rank, tp = layout.etp if expert is not None else (layout.tp_rank, layout.tp_size)
+        w = module.weight
+        if kind == "fp8_tensor":
+            gshape, pl, axis = (), None, None
+        else:
+            rows = w.shape[0]
+            axis = 0
+            if par == "column":
+                gshape = (rows * tp,)
+                pl = P.column_parallel(gshape, tp_rank, tp)
+            else:
+                gshape, pl = (rows,), None
+        cal = Calibrator.mse(start_multiplier, stop_multiplier, step_size,
+                             torch_cpu_build=torch_cpu_build)
+        spec = Quantizer(gname + ".mse", gshape, Recipe.fp8_current(output="modelopt"), pl,
+                         calibrator=cal)
+        out.append(MseEntry(qname, gname + ".mse", q, w, spec, axis,
+                            _counts_here(role, attr, par, tp_rank, layout, expert)))
+    return out
+
+
+def sync_mse(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
+             **plan_kw: Any) -> Dict[str, Result]:
+    """ModelOpt's MSE weight calibration (``mse_calibrate``'s multiplier
+    search) with the losses summed over every rank's shard: the weights'
+    max reconciled (the search's initial amax, MseCalibrator's
+    ``initial_amax``), each rank's squared errors of ModelOpt's own fake
+    quantization of its block for every candidate (``_mse_quant_func``),
+    summed by the daemons (float64), the smallest candidate taken. Writes
+    ``_amax`` back. Every rank calls it."""
+    from functools import partial
+
+    from modelopt.torch.quantization.model_calib import _mse_quant_func
+    from . import calib as C
+    torch = _torch()
+    entries = plan_mse(model, layout, **plan_kw)
+    if entries:
+        client.register([e.spec for e in entries])
+        m = {}
+        for e in entries:
+            a = e.weight.detach().float().abs()
+            m[e.name] = a.amax(dim=1).cpu().numpy() if e.axis == 0 else float(a.max())
+        client.send(m)
+    r1 = client.reconcile([e.name for e in entries])
+    stats = {}
+    for e in entries:
+        if not e.owner:
+            continue
+        quant = partial(_mse_quant_func, quantizer=e.quantizer)
+        losses = C.mse_losses(e.weight.detach(), r1[e.name].stat_basis, e.spec.calibrator, quant,
+                              axis=e.axis)
+        stats[e.name] = Stat(losses, r1[e.name].stat_epoch)
+    if stats:
+        client.send(stats)
+    results = client.reconcile([e.name for e in entries])
+    for e in entries:
+        r = results[e.name]
+        a = torch.from_numpy(np.array(r.amax, np.float32))
+        _set_amax(e.quantizer, a.reshape(-1, 1) if e.axis == 0 else a.reshape(()))
     return results

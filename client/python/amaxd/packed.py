@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from ._gen import amaxd_pb2 as pb
-from .types import Masked, Result, as_f32, as_mask, to_bool_array
+from .types import Masked, Result, Stat, as_f32, as_f64, as_mask, to_bool_array
 from .wire import encode_send_packed, parse_reconcile_packed, read_varint, varint
 
 # Layout and PackedResult live here; the rest is importable from here too,
@@ -40,6 +40,11 @@ class Layout:
     global_axes: List[int] = None  # type: ignore[assignment]  # None: all 0
     slice_offsets: np.ndarray = None  # type: ignore[assignment]  # uint64; None: all 0
     total_slices: int = 0
+    # Calibrators beyond max: per quantizer its pb.CalibratorKind and first
+    # value in the stat slab (float64); None / 0 when no quantizer has one.
+    calibrators: Optional[List[int]] = None
+    stat_offsets: Optional[np.ndarray] = None
+    total_stats: int = 0
 
     def __post_init__(self) -> None:
         if self.global_axes is None:
@@ -65,7 +70,9 @@ class Layout:
                       np.array(r.ncells, dtype=np.uint64), offs, shapes, gshapes,
                       list(r.format), list(r.global_axes) or [0] * n,
                       np.array(r.slice_offset or [0] * n, dtype=np.uint64),
-                      r.total_slices)
+                      r.total_slices, list(r.calibrator) or None,
+                      np.array(r.stat_offset, dtype=np.uint64) if len(r.stat_offset) else None,
+                      r.total_stats)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -79,6 +86,31 @@ class Layout:
         """The block of quantizer `name` in a per-cell array of the slab (a view)."""
         a, b = self.span(name)
         return slab[a:b].reshape(self.block_shapes[self.index[name]])
+
+    def stat_span(self, name: str) -> Tuple[int, int]:
+        """Where quantizer `name`'s statistic lies in the stat slab."""
+        if self.stat_offsets is None:
+            raise ValueError(f"{name}: no quantizer of this layout has a calibrator beyond max")
+        i = self.index[name]
+        a = int(self.stat_offsets[i])
+        b = int(self.stat_offsets[i + 1]) if i + 1 < len(self.names) else self.total_stats
+        return a, b
+
+    def pack_stats(self, stats: Mapping[str, Stat]) -> Tuple[np.ndarray, np.ndarray]:
+        """{name: Stat} -> (stat slab float64, stat_epochs uint64 per
+        quantizer); quantizers not named send no statistic (epoch 0, zeros).
+        A histogram's statistic here has the overflow count (num_bins + 1
+        values, as amaxd.calib.histogram returns)."""
+        slab = np.zeros(self.total_stats, dtype="<f8")
+        epochs = np.zeros(len(self.names), dtype="<u8")
+        for name, st in stats.items():
+            a, b = self.stat_span(name)
+            v = as_f64(st.values)
+            if v.size != b - a:
+                raise ValueError(f"{name}: a statistic of {v.size} values, the layout has {b - a}")
+            slab[a:b] = v
+            epochs[self.index[name]] = int(st.epoch)
+        return slab, epochs
 
     def empty(self, fill: float = 0.0) -> np.ndarray:
         """A slab to fill in place (float32, total_cells)."""
@@ -165,6 +197,10 @@ class PackedResult:
         self.missing = np.zeros(0, dtype="<u4")
         self.has_previous = np.zeros(0, dtype=u8)
         self.filled = None
+        self.stat_state = np.zeros(0, dtype=u8)
+        self.stat_epoch = np.zeros(0, dtype="<u8")
+        self.stat_total = self.stat_overflow = np.zeros(0, dtype="<f8")
+        self.stat_basis = empty_f
         for name, v in parse_reconcile_packed(raw).items():
             setattr(self, name, v)
         if self.layout_id == layout.id and (len(self.amax) != n or len(self.global_amax) != q or
@@ -195,13 +231,20 @@ class PackedResult:
             slices = [self.global_amaxes[s0:s1].reshape(shape[:k]),
                       self.global_scales[s0:s1].reshape(shape[:k]),
                       self.global_scale_invs[s0:s1].reshape(shape[:k])]
-        return Result(name, L.block_offsets[i], shape, self.amax[a:b].reshape(shape),
-                      self.scale[a:b].reshape(shape), self.scale_inv[a:b].reshape(shape),
-                      self.block_scales[a:b].reshape(shape), float(self.global_amax[i]),
-                      float(self.global_scale[i]), float(self.global_scale_inv[i]),
-                      int(self.missing[i]), filled,
-                      float(self.previous_global_amax[i]) if has_prev else None,
-                      float(self.previous_global_scale[i]) if has_prev else None, *slices)
+        res = Result(name, L.block_offsets[i], shape, self.amax[a:b].reshape(shape),
+                     self.scale[a:b].reshape(shape), self.scale_inv[a:b].reshape(shape),
+                     self.block_scales[a:b].reshape(shape), float(self.global_amax[i]),
+                     float(self.global_scale[i]), float(self.global_scale_inv[i]),
+                     int(self.missing[i]), filled,
+                     float(self.previous_global_amax[i]) if has_prev else None,
+                     float(self.previous_global_scale[i]) if has_prev else None, *slices)
+        if len(self.stat_state) and self.stat_state[i]:
+            res.stat_state, res.stat_epoch = int(self.stat_state[i]), int(self.stat_epoch[i])
+            res.stat_total, res.stat_overflow = float(self.stat_total[i]), float(
+                self.stat_overflow[i])
+            if res.stat_epoch:
+                res.stat_basis = self.stat_basis[a:b].reshape(shape)
+        return res
 
     def __getitem__(self, name: str) -> Result:
         return self.result(name)

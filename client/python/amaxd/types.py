@@ -17,8 +17,9 @@ from .errors import AmaxdError
 from .placement import Placement
 
 __all__ = ["FP8_E4M3", "FP8_E5M2", "NVFP4", "MXFP8", "RUNNING_MAX", "PER_EPOCH", "Recipe",
-           "Quantizer", "Masked", "Result", "peer_mode_value", "amax_update", "as_f32", "as_mask",
-           "to_bool_array", "to_f32_bytes"]
+           "Calibrator", "Quantizer", "Masked", "Stat", "Result", "peer_mode_value",
+           "amax_update", "as_f32", "as_f64", "as_mask", "to_bool_array", "to_f32_bytes",
+           "torch_cpu"]
 
 FP8_E4M3 = pb.FP8_E4M3
 FP8_E5M2 = pb.FP8_E5M2
@@ -133,6 +134,102 @@ class Recipe:
                          mxfp8_convention=self.mxfp8_convention)
 
 
+_METHOD = {"entropy": pb.ENTROPY, "percentile": pb.PERCENTILE, "mse": pb.HISTOGRAM_MSE}
+_GRID = {"int": pb.GRID_INT, "e4m3": pb.GRID_E4M3}
+_TORCH_CPU = {"avx2": pb.TORCH_CPU_AVX2, "avx512": pb.TORCH_CPU_AVX512,
+              "default": pb.TORCH_CPU_DEFAULT}
+
+
+def torch_cpu(name: Optional[str] = None) -> int:
+    """The pb.TorchCpu of a torch CPU build: `name` ("avx2", "avx512",
+    "default"), or this process's torch (torch.backends.cpu.
+    get_cpu_capability(); AVX2 when torch is not installed or says
+    something else). It names whose float32 linspace and sum a calibrator
+    reproduces (docs/NUMERICS.md); every rank must declare the same."""
+    if name is None:
+        try:
+            import torch  # only to ask which kernels it runs
+            name = str(torch.backends.cpu.get_cpu_capability()).lower()
+        except Exception:  # no torch: the common x86-64 build
+            name = "avx2"
+        if name not in _TORCH_CPU:
+            name = "avx2"
+    return _conv(_TORCH_CPU, "torch_cpu", name)
+
+
+@dataclass(frozen=True)
+class Calibrator:
+    """How a quantizer's data becomes its amax (docs/API.md, "Calibration
+    beyond max"). The default is the max. Build the others with
+    Calibrator.histogram() and Calibrator.mse(); their defaults are
+    ModelOpt 0.47's."""
+
+    kind: int = 0  # pb.CalibratorKind
+    num_bins: int = 0
+    method: int = 0  # pb.HistogramMethod
+    percentile: float = 0.0
+    start_bin: int = 0
+    stride: int = 0
+    skip_zeros: bool = False
+    num_bits: int = 0
+    is_unsigned: bool = False
+    grid: int = 0  # pb.SearchGrid
+    torch_cpu: int = 0  # pb.TorchCpu
+    start_multiplier: float = 0.0
+    stop_multiplier: float = 0.0
+    step_size: float = 0.0
+
+    @staticmethod
+    def histogram(method: str = "percentile", num_bins: int = 2048, *,
+                  percentile: float = 99.99, start_bin: int = 128, stride: int = 1,
+                  num_bits: int = 8, unsigned: bool = False, grid: str = "int",
+                  skip_zeros: bool = False, torch_cpu_build: Optional[str] = None
+                  ) -> "Calibrator":
+        """ModelOpt's HistogramCalibrator with compute_amax(method): "entropy"
+        (num_bits, unsigned, start_bin, stride), "percentile" (percentile) or
+        "mse" (grid "int" with num_bits and unsigned, or "e4m3"; start_bin,
+        stride). torch_cpu_build: whose CPU arithmetic to reproduce (None:
+        this process's torch)."""
+        m = _conv(_METHOD, "histogram method", method)
+        c = dict(kind=pb.CALIBRATOR_HISTOGRAM, num_bins=int(num_bins), method=m,
+                 skip_zeros=bool(skip_zeros), torch_cpu=torch_cpu(torch_cpu_build))
+        if m == pb.PERCENTILE:
+            c.update(percentile=float(percentile))
+        elif m == pb.ENTROPY:
+            c.update(num_bits=int(num_bits), is_unsigned=bool(unsigned), start_bin=int(start_bin),
+                     stride=int(stride))
+        else:
+            g = _conv(_GRID, "grid", grid)
+            c.update(grid=g, start_bin=int(start_bin), stride=int(stride))
+            if g == pb.GRID_INT:
+                c.update(num_bits=int(num_bits), is_unsigned=bool(unsigned))
+        return Calibrator(**c)
+
+    @staticmethod
+    def mse(start_multiplier: float = 0.25, stop_multiplier: float = 4.0, step_size: float = 0.1,
+            torch_cpu_build: Optional[str] = None) -> "Calibrator":
+        """ModelOpt's MseCalibrator: candidates torch.linspace(start, stop,
+        ceil((stop - start) / step) + 1) times the agreed max."""
+        return Calibrator(kind=pb.CALIBRATOR_MSE, torch_cpu=torch_cpu(torch_cpu_build),
+                          start_multiplier=float(start_multiplier),
+                          stop_multiplier=float(stop_multiplier), step_size=float(step_size))
+
+    @property
+    def nsteps(self) -> int:
+        """MSE: the number of candidates (ModelOpt's ceil((stop - start) / step) + 1)."""
+        import math
+        return math.ceil((self.stop_multiplier - self.start_multiplier) / self.step_size) + 1
+
+    def to_pb(self) -> pb.Calibrator:
+        return _pb.Calibrator(kind=self.kind, num_bins=self.num_bins, method=self.method,
+                              percentile=self.percentile, start_bin=self.start_bin,
+                              stride=self.stride, skip_zeros=self.skip_zeros,
+                              num_bits=self.num_bits, is_unsigned=self.is_unsigned,
+                              grid=self.grid, torch_cpu=self.torch_cpu,
+                              start_multiplier=self.start_multiplier,
+                              stop_multiplier=self.stop_multiplier, step_size=self.step_size)
+
+
 @dataclass(frozen=True)
 class Quantizer:
     """A quantizer as this rank sees it. `placement` None means the whole tensor."""
@@ -151,6 +248,9 @@ class Quantizer:
     # 0: one global amax; k > 0: one per index of the first k axes of
     # global_shape (e.g. 1 on [E, R, C/16] NVFP4 blocks: per-expert globals).
     global_axes: int = 0
+    # None: the max. Calibrator.histogram() or Calibrator.mse(): a statistic
+    # summed over the ranks decides the amax (docs/API.md).
+    calibrator: Optional[Calibrator] = None
 
     def __post_init__(self) -> None:
         if self.peer_mode is not None:
@@ -162,6 +262,8 @@ class Quantizer:
                              recipe=self.recipe.to_pb(), accumulation=self.accumulation,
                              peer_group=self.peer_group, scale_group=self.scale_group,
                              peer_mode=mode, global_axes=int(self.global_axes))
+        if self.calibrator is not None and self.calibrator.kind != 0:
+            q.calibrator.CopyFrom(self.calibrator.to_pb())
         if self.placement is not None:
             q.offset.extend(int(o) for o in self.placement.offset)
             q.local_shape.extend(int(d) for d in self.placement.local_shape)
@@ -178,6 +280,20 @@ class Masked:
 
     values: object
     no_data: object
+
+
+@dataclass(frozen=True)
+class Stat:
+    """A statistic for a quantizer with a calibrator beyond max (send it as
+    the quantizer's value in Client.send): `values` float64 (histogram:
+    num_bins counts, optionally then the overflow count; MSE: nsteps losses
+    per cell of the rank's block, shape [cells, nsteps] or flat); `epoch`
+    the stat_epoch of the Result whose basis it was computed against;
+    `amax` optionally this rank's max in the same message (None: none)."""
+
+    values: object
+    epoch: int
+    amax: object = None
 
 
 @dataclass
@@ -211,6 +327,25 @@ class Result:
     global_amaxes: Optional[np.ndarray] = None
     global_scales: Optional[np.ndarray] = None
     global_scale_invs: Optional[np.ndarray] = None
+    # Calibrators beyond max (0 / None for max quantizers): pb.StatState,
+    # the epoch that fixed the basis (echo it in Stat.epoch), the basis per
+    # cell (histogram: the range top g; MSE: each cell's agreed max),
+    # histogram counts summed so far and values counted above the range.
+    stat_state: int = 0
+    stat_epoch: int = 0
+    stat_basis: Optional[np.ndarray] = None
+    stat_total: float = 0.0
+    stat_overflow: float = 0.0
+
+    def _stat_from(self, parts: Sequence[pb.QuantizerResult]) -> "Result":
+        r = parts[0]
+        if r.stat_state:
+            self.stat_state, self.stat_epoch = r.stat_state, r.stat_epoch
+            self.stat_total, self.stat_overflow = r.stat_total, r.stat_overflow
+            if all(len(p.stat_basis) for p in parts):
+                b = b"".join(p.stat_basis for p in parts)
+                self.stat_basis = np.frombuffer(b, dtype="<f4").reshape(self.shape)
+        return self
 
     @staticmethod
     def from_pb(r: pb.QuantizerResult) -> "Result":
@@ -233,7 +368,7 @@ class Result:
                       fb(r.block_scales, np.uint8).reshape(shape), r.global_amax,
                       r.global_scale, r.global_scale_inv, r.missing, filled,
                       r.previous_global_amax if prev else None,
-                      r.previous_global_scale if prev else None)
+                      r.previous_global_scale if prev else None)._stat_from([r])
 
     @staticmethod
     def from_parts(parts: Sequence[pb.QuantizerResult]) -> "Result":
@@ -287,7 +422,8 @@ class Result:
                       r.global_amax, r.global_scale, r.global_scale_inv,
                       sum(p.missing for p in parts), filled,
                       r.previous_global_amax if r.has_previous else None,
-                      r.previous_global_scale if r.has_previous else None, *slices)
+                      r.previous_global_scale if r.has_previous else None,
+                      *slices)._stat_from(parts)
 
 
 # -- numpy arrays, torch tensors and numbers as the arrays sent --
@@ -337,10 +473,25 @@ def as_mask(has_data: object) -> np.ndarray:
     return a
 
 
+def as_f64(values: object) -> np.ndarray:
+    """A contiguous little-endian float64 numpy array of `values` (numpy,
+    torch on any device, numbers), flattened."""
+    if _is_torch(values):
+        import torch  # only when one was given
+        values = values.detach().to(device="cpu", dtype=torch.float64).contiguous().numpy()  # type: ignore[attr-defined]
+    return np.ascontiguousarray(values, dtype="<f8").reshape(-1)
+
+
 def amax_update(name: str, values: object) -> pb.AmaxUpdate:
     """An AmaxUpdate from an array, or from a Masked / numpy masked array
     whose masked cells had no data on this rank (e.g. experts that received
-    no tokens)."""
+    no tokens), or from a Stat (a calibrator's statistic, with or without
+    a max)."""
+    if isinstance(values, Stat):
+        u = amax_update(name, values.amax) if values.amax is not None else pb.AmaxUpdate(name=name)
+        u.stat = as_f64(values.values).tobytes()
+        u.stat_epoch = int(values.epoch)
+        return u
     if isinstance(values, Masked):
         mask = to_bool_array(values.no_data)
         data = values.values

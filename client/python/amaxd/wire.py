@@ -95,11 +95,13 @@ _QS_ACCUMULATION, _QS_PEER_GROUP, _QS_SCALE_GROUP = (
     _key(_QS, "accumulation"), _key(_QS, "peer_group"), _key(_QS, "scale_group"))
 _QS_OFFSET, _QS_LOCAL_SHAPE = _key(_QS, "offset"), _key(_QS, "local_shape")
 _QS_PEER_MODE, _QS_GLOBAL_AXES = _key(_QS, "peer_mode"), _key(_QS, "global_axes")
+_QS_CALIBRATOR = _key(_QS, "calibrator")
 
 _SP = pb.SendPackedRequest
 _SP_JOB, _SP_RANK, _SP_EPOCH = _key(_SP, "job"), _key(_SP, "rank"), _key(_SP, "epoch")
 _SP_LAYOUT_ID, _SP_VALUES = _key(_SP, "layout_id"), _key(_SP, "values")
 _SP_HAS_DATA, _SP_ALIGN = _key(_SP, "has_data"), _key(_SP, "align")
+_SP_STATS, _SP_STAT_EPOCHS = _key(_SP, "stats"), _key(_SP, "stat_epochs")
 assert len(_SP_ALIGN) == 1, "encode_send_packed counts on a one-byte key for align"
 
 
@@ -155,18 +157,28 @@ def spec_bytes(q: Quantizer, cache: MutableMapping[Any, bytes]) -> bytes:
         parts.append(_QS_PEER_MODE + varint(peer_mode_value(q.peer_mode)))
     if q.global_axes:
         parts.append(_QS_GLOBAL_AXES + varint(int(q.global_axes)))
+    c = q.calibrator
+    if c is not None and c.kind:
+        cb = cache.get(("calibrator", c))
+        if cb is None:
+            cb = _len_field(_QS_CALIBRATOR, c.to_pb().SerializeToString())
+            cache[("calibrator", c)] = cb
+        parts.append(cb)
     return _len_field(_REG_QUANTIZER, b"".join(parts))
 
 
 # -- SendPackedRequest --
 
 def encode_send_packed(job: str, rank: int, epoch: int, layout_id: int, values: np.ndarray,
-                       has_data: Optional[np.ndarray] = None) -> bytes:
+                       has_data: Optional[np.ndarray] = None,
+                       stats: Optional[np.ndarray] = None,
+                       stat_epochs: Optional[np.ndarray] = None) -> bytes:
     """A serialized SendPackedRequest; `values` (float32, contiguous) is
     copied once, into the message, 16-byte aligned in it. The values come
-    last, after has_data and the align field (not protobuf's field order;
-    any order parses the same); job and layout_id are written even when
-    empty or 0."""
+    last, after has_data, the statistics (float64 `stats` and uint64
+    `stat_epochs`, calibrators beyond max) and the align field (not
+    protobuf's field order; any order parses the same); job and layout_id
+    are written even when empty or 0."""
     head = [_str_field(_SP_JOB, job)]
     if rank:
         head += [_SP_RANK, varint(rank)]
@@ -179,6 +191,11 @@ def encode_send_packed(job: str, rank: int, epoch: int, layout_id: int, values: 
         h = _SP_HAS_DATA + varint(has_data.nbytes)
         parts += [h, memoryview(has_data).cast("B")]
         pos += len(h) + has_data.nbytes
+    for key, arr in ((_SP_STATS, stats), (_SP_STAT_EPOCHS, stat_epochs)):
+        if arr is not None:
+            h = key + varint(arr.nbytes)
+            parts += [h, memoryview(np.ascontiguousarray(arr)).cast("B")]
+            pos += len(h) + arr.nbytes
     nbytes = values.nbytes
     vh = _SP_VALUES + varint(nbytes)
     # The align field: its key, a 1-byte length and 0..15 zero bytes.
@@ -194,7 +211,9 @@ _RPR_ARRAYS = {"amax": "<f4", "scale": "<f4", "scale_inv": "<f4", "block_scales"
                "global_amax": "<f4", "global_scale": "<f4", "global_scale_inv": "<f4",
                "missing": "<u4", "has_previous": "u1", "previous_global_amax": "<f4",
                "previous_global_scale": "<f4", "filled": "u1", "global_amaxes": "<f4",
-               "global_scales": "<f4", "global_scale_invs": "<f4"}
+               "global_scales": "<f4", "global_scale_invs": "<f4", "stat_state": "u1",
+               "stat_epoch": "<u8", "stat_total": "<f8", "stat_overflow": "<f8",
+               "stat_basis": "<f4"}
 _RPR_FIELDS = {f.number: (f.name, _WIRE_TYPE.get(f.type, _VARINT), f.type)
                for f in pb.ReconcilePackedResponse.DESCRIPTOR.fields}
 assert {n for n, wt, _ in _RPR_FIELDS.values() if wt == _LEN} == set(_RPR_ARRAYS) | {"align"}, \

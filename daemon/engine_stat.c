@@ -1,0 +1,306 @@
+/*
+ * engine_stat.c - the statistics of calibrators beyond max in an epoch
+ * (docs/API.md "Calibration beyond max", docs/NUMERICS.md): the SUM
+ * collective beside the MAX one, accumulation, each quantizer's
+ * calibrated amax (calib.h, on the host for both state backends), and the
+ * bases fixed from the reconciled max.
+ *
+ * Engine thread of the job, like the rest of an epoch (engine.c); the
+ * replicated basis and epochs live in the state (state.h) and move with
+ * it through layout changes, catch-up and snapshots.
+ */
+#include "engine_impl.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "calib.h"
+#include "clock.h"
+#include "comm.h"
+#include "log.h"
+
+/* Whether some quantizer of the working catalog has an agreed basis that
+ * this epoch keeps (a reset clears it): then the statistic is reduced. */
+static int any_open(const amx_engine_t *e)
+{
+    const amx_state_t *st = e->job->state;
+    if (e->w_cat->nstat == 0 || st->sq_epoch == NULL)
+        return 0;
+    for (uint32_t i = 0; i < e->w_cat->n; i++)
+        if (e->w_desc[i].stat != 0 && st->sq_epoch[i] != 0 && !e->w_desc[i].reset)
+            return 1;
+    return 0;
+}
+
+amx_status_t amx__engine_stat_collective(amx_engine_t *e)
+{
+    amx_job_t *j = e->job;
+    amx_err_t err = {0};
+    if (!any_open(e))
+        return AMX_OK;
+    uint64_t n = e->w_cat->nstat;
+    double *send, *recv;
+    void *stream;
+    if (e->comm->ops->allreduce_sum_f64 == NULL)
+        return amx__engine_fail(e, AMX_EINTERNAL,
+                                "job '%s': the %s collective cannot sum statistics", j->name,
+                                e->env.collective);
+    if (e->comm->ops->soon != NULL)
+        e->comm->ops->soon(e->comm);
+    amx_status_t st = j->state->ops->stat_prepare(j->state, n, &send, &recv, &stream, &err);
+    if (st != AMX_OK)
+        return amx__engine_fail(e, st, "job '%s': %s", j->name, err.msg);
+    uint64_t t0 = amx_now_us();
+    st = e->comm->ops->allreduce_sum_f64(e->comm, send, recv, n, stream, e->deadline, &err);
+    e->res.collective_us += amx_now_us() - t0;
+    e->res.collectives++;
+    if (st != AMX_OK) {
+        if (atomic_load(&e->abort_flag))
+            return amx__engine_fail_aborted(e, "the statistics' collective");
+        return amx__engine_fail(e, st,
+                                "job '%s', epoch %llu: the %s all-reduce(SUM) of %llu statistic "
+                                "values across %u daemons failed: %s",
+                                j->name, (unsigned long long)e->epoch, e->env.collective,
+                                (unsigned long long)n, j->mship.npart, err.msg);
+    }
+    return AMX_OK;
+}
+
+static int grow(void **p, uint64_t *cap, uint64_t n, size_t elem)
+{
+    if (n <= *cap && *p != NULL)
+        return 0;
+    void *q = realloc(*p, (size_t)(n ? n : 1) * elem);
+    if (q == NULL)
+        return -1;
+    *p = q;
+    *cap = n;
+    return 0;
+}
+
+/* The calibrated amax of histogram quantizer i (one stat cell) from the
+ * summed counts `s`, and its published counts. */
+static void hist_amax(amx_engine_t *e, uint32_t i, const double *s, int cached)
+{
+    const amx_qdesc_t *d = &e->w_desc[i];
+    const amx_calib_t *c = &e->w_cat->q[i]->calib;
+    amx_stat_result_t *r = &e->sres[i];
+    double total = 0.0;
+    for (uint32_t b = 0; b < c->num_bins; b++)
+        total += s[b];
+    r->total = total;
+    r->overflow = s[c->num_bins];
+    if (!(total > 0.0)) {
+        r->state = AMX_STAT_AGREED;
+        return;
+    }
+    r->state = AMX_STAT_COMPUTED;
+    if (cached) {
+        e->ovr[d->obase] = e->ocache[d->obase];
+        return;
+    }
+    e->ovr[d->obase] = amx_hist_amax(c, s, e->job->state->basis[d->obase], e->sscratch);
+}
+
+/* The amax of each cell of MSE-search quantizer i with losses: the basis
+ * times the candidate of the smallest summed loss. */
+static void mse_amax(amx_engine_t *e, uint32_t i, const double *s, float *cand)
+{
+    const amx_qdesc_t *d = &e->w_desc[i];
+    const amx_calib_t *c = &e->w_cat->q[i]->calib;
+    const float *basis = e->job->state->basis + d->obase;
+    amx_stat_result_t *r = &e->sres[i];
+    uint64_t have = 0, k1 = (uint64_t)c->nsteps + 1;
+    amx_mse_candidates(c, cand);
+    for (uint64_t cell = 0; cell < d->ncells; cell++) {
+        const double *l = s + cell * k1;
+        if (!(l[c->nsteps] > 0.0))
+            continue; /* no rank sent losses for this cell */
+        uint32_t k = amx_mse_argmin(l, c->nsteps);
+        /* MseCalibrator._compute_candidate_amax: initial_amax * candidate,
+         * float32. */
+        e->ovr[d->obase + cell] = basis[cell] * cand[k];
+        have++;
+    }
+    r->total = (double)have;
+    r->state = have == d->ncells && have > 0 ? AMX_STAT_COMPUTED : AMX_STAT_AGREED;
+}
+
+amx_status_t amx__engine_stat_begin(amx_engine_t *e, int from_send)
+{
+    amx_job_t *j = e->job;
+    amx_state_t *st = j->state;
+    const amx_catalog_t *cat = e->w_cat;
+    amx_err_t err = {0};
+    st->ovr = NULL;
+    if (cat->nstat == 0)
+        return AMX_OK;
+    uint32_t nq = cat->n;
+    uint64_t ns = cat->nscell;
+    if (st->sq_epoch == NULL || st->basis == NULL || st->nstat != cat->nstat || st->nscell != ns)
+        return amx__engine_fail(
+            e, AMX_EINTERNAL, "job '%s': the statistics hold %llu values, the catalog %llu",
+            j->name, (unsigned long long)st->nstat, (unsigned long long)cat->nstat);
+    size_t scratch = 0;
+    for (uint32_t i = 0; i < nq; i++)
+        if (e->w_desc[i].stat == AMX_CAL_HISTOGRAM) {
+            size_t k = amx_hist_scratch(&cat->q[i]->calib);
+            scratch = k > scratch ? k : scratch;
+        } else if (e->w_desc[i].stat == AMX_CAL_MSE) {
+            size_t k = (size_t)cat->q[i]->calib.nsteps * sizeof(float);
+            scratch = k > scratch ? k : scratch;
+        }
+    if (ns > e->ovr_cap || e->ovr == NULL) {
+        float *a = realloc(e->ovr, (size_t)(ns ? ns : 1) * sizeof(float));
+        if (a != NULL)
+            e->ovr = a;
+        float *b = realloc(e->ocache, (size_t)(ns ? ns : 1) * sizeof(float));
+        if (b != NULL)
+            e->ocache = b;
+        float *c = realloc(e->otmp, (size_t)(ns ? ns : 1) * sizeof(float));
+        if (c != NULL)
+            e->otmp = c;
+        if (a == NULL || b == NULL || c == NULL)
+            return amx__engine_fail(e, AMX_ENOMEM, "out of memory for the statistics of job '%s'",
+                                    j->name);
+        e->ovr_cap = ns;
+        e->scache_ok = 0;
+    }
+    uint64_t scap = e->sscratch_cap, rc = e->sres_cap;
+    if (grow((void **)&e->shost, &e->shost_cap, cat->nstat, sizeof(double)) != 0 ||
+        grow((void **)&e->sres, &rc, nq, sizeof(amx_stat_result_t)) != 0 ||
+        grow(&e->sscratch, &scap, scratch, 1) != 0)
+        return amx__engine_fail(e, AMX_ENOMEM, "out of memory for the statistics of job '%s'",
+                                j->name);
+    e->sres_cap = (uint32_t)rc;
+    e->sscratch_cap = (size_t)scap;
+    amx_run_t *clear = malloc((size_t)(nq ? nq : 1) * sizeof(amx_run_t));
+    amx_run_t *add = malloc((size_t)(nq ? nq : 1) * sizeof(amx_run_t));
+    if (clear == NULL || add == NULL) {
+        free(clear), free(add);
+        return amx__engine_fail(e, AMX_ENOMEM, "out of memory for the statistics of job '%s'",
+                                j->name);
+    }
+    size_t nclear = 0, nadd = 0;
+    for (uint32_t i = 0; i < nq; i++) {
+        const amx_qdesc_t *d = &e->w_desc[i];
+        if (d->stat == 0)
+            continue;
+        if (d->reset) {
+            /* Reset: the statistic, the basis and this epoch's values go
+             * (they were counted against the basis being cleared). */
+            clear[nclear++] = (amx_run_t){d->sbase, d->sbase, d->svals};
+            st->sq_epoch[i] = 0;
+            memset(st->basis + d->obase, 0, amx_qspec_stat_cells(cat->q[i]) * sizeof(float));
+        } else if (st->sq_epoch[i] != 0) {
+            add[nadd++] = (amx_run_t){d->sbase, d->sbase, d->svals};
+        }
+    }
+    amx_status_t rs = st->ops->stat_accumulate(st, cat->nstat, clear, nclear, add, nadd, from_send,
+                                               e->shost, &err);
+    free(clear);
+    free(add);
+    if (rs != AMX_OK)
+        return amx__engine_fail(e, rs, "job '%s', epoch %llu: accumulating statistics failed: %s",
+                                j->name, (unsigned long long)e->epoch, err.msg);
+    int cache = e->scache_ok && e->scache_gen == e->desc_gen && e->sprev_n == cat->nstat;
+    for (uint64_t c = 0; c < ns; c++)
+        e->ovr[c] = NAN;
+    for (uint32_t i = 0; i < nq; i++) {
+        const amx_qdesc_t *d = &e->w_desc[i];
+        amx_stat_result_t *r = &e->sres[i];
+        memset(r, 0, sizeof(*r));
+        if (d->stat == 0)
+            continue;
+        r->epoch = st->sq_epoch[i];
+        if (st->sq_epoch[i] == 0) {
+            r->state = AMX_STAT_WAITING;
+            continue;
+        }
+        const double *s = e->shost + d->sbase;
+        if (d->stat == AMX_CAL_HISTOGRAM) {
+            int same = cache && memcmp(s, e->sprev + d->sbase, d->svals * sizeof(double)) == 0;
+            hist_amax(e, i, s, same);
+        } else {
+            mse_amax(e, i, s, (float *)e->sscratch);
+        }
+    }
+    uint64_t pn = e->sprev_n;
+    if (grow((void **)&e->sprev, &pn, cat->nstat, sizeof(double)) == 0) {
+        (void)pn;
+        memcpy(e->sprev, e->shost, cat->nstat * sizeof(double));
+        memcpy(e->ocache, e->ovr, ns * sizeof(float));
+        e->sprev_n = cat->nstat;
+        e->scache_gen = e->desc_gen;
+        e->scache_ok = 1;
+    } else {
+        e->scache_ok = 0;
+    }
+    st->ovr = e->ovr;
+    return AMX_OK;
+}
+
+amx_status_t amx__engine_stat_end(amx_engine_t *e)
+{
+    amx_job_t *j = e->job;
+    amx_state_t *st = j->state;
+    const amx_catalog_t *cat = e->w_cat;
+    amx_err_t err = {0};
+    st->ovr = NULL;
+    if (cat->nstat == 0)
+        return AMX_OK; /* nothing to publish: results read p_sq only for calibrators */
+    uint32_t nq = cat->n;
+    /* Bases: a quantizer without one takes this epoch's reconciled max of
+     * every cell once every cell has data. */
+    amx_run_t *runs = malloc((size_t)(nq ? nq : 1) * sizeof(amx_run_t));
+    if (runs == NULL)
+        return amx__engine_fail(e, AMX_ENOMEM, "out of memory for the statistics of job '%s'",
+                                j->name);
+    size_t nr = 0;
+    for (uint32_t i = 0; i < nq; i++) {
+        const amx_qdesc_t *d = &e->w_desc[i];
+        if (d->stat != 0 && st->sq_epoch[i] == 0)
+            runs[nr++] = (amx_run_t){d->obase, d->base, d->ncells};
+    }
+    amx_status_t rs = AMX_OK;
+    if (nr > 0)
+        rs = st->ops->read_accum(st, runs, nr, e->otmp, &err);
+    free(runs);
+    if (rs != AMX_OK)
+        return amx__engine_fail(e, rs, "job '%s', epoch %llu: reading the max failed: %s", j->name,
+                                (unsigned long long)e->epoch, err.msg);
+    for (uint32_t i = 0; nr > 0 && i < nq; i++) {
+        const amx_qdesc_t *d = &e->w_desc[i];
+        if (d->stat == 0 || st->sq_epoch[i] != 0)
+            continue;
+        uint64_t ncell = amx_qspec_stat_cells(cat->q[i]);
+        int all = 1;
+        for (uint64_t c = 0; c < ncell; c++)
+            all &= e->otmp[d->obase + c] != -INFINITY;
+        if (!all)
+            continue;
+        memcpy(st->basis + d->obase, e->otmp + d->obase, ncell * sizeof(float));
+        st->sq_epoch[i] = e->epoch;
+        e->sres[i].epoch = e->epoch;
+        e->sres[i].state = AMX_STAT_AGREED;
+    }
+    /* Published with the back outputs. */
+    int back = st->front ^ 1;
+    AMX_CHECK(amx__state_size_stat_results(st, back, nq, cat->nscell, &err));
+    if (cat->nscell > 0)
+        memcpy(st->p_basis[back], st->basis, cat->nscell * sizeof(float));
+    memcpy(st->p_sq[back], e->sres, (size_t)nq * sizeof(amx_stat_result_t));
+    return AMX_OK;
+}
+
+void amx__engine_stat_free(amx_engine_t *e)
+{
+    free(e->shost);
+    free(e->sprev);
+    free(e->ovr);
+    free(e->ocache);
+    free(e->otmp);
+    free(e->sres);
+    free(e->sscratch);
+}
