@@ -4,10 +4,11 @@
  *
  * What it owns: per communicator, one gloo tcp Device (which owns one epoll
  * thread of gloo's), one gloo Context connected to the two ring neighbours
- * only (RingContext: two TCP connections, two rendezvous keys read), one "sentinel" receive per ring neighbour and one watchdog
- * thread per ring neighbour (none for a single participant). Nothing else
- * outlives a call: the rendezvous store, the buffers of an allreduce and the
- * strings of amx_comm_params_t are used only during the call.
+ * only (RingContext: two TCP connections, two rendezvous keys read), one
+ * "sentinel" receive per ring neighbour and one watchdog thread per ring
+ * neighbour (none for a single participant). Nothing else outlives a call:
+ * the rendezvous store, the buffers of an allreduce and the strings of
+ * amx_comm_params_t are used only during the call.
  *
  * Threads: create, allreduce_max and destroy are called on one thread at a
  * time (the job's engine thread); abort may be called from any thread, at
@@ -236,9 +237,8 @@ class RingContext : public gloo::Context
             std::vector<int> of = neighbours(p);
             if (theirs.empty() || theirs.size() % of.size() != 0)
                 throw AmxError(AMX_EINVAL, "rendezvous key '" + std::to_string(p) + "' holds " +
-                                               std::to_string(theirs.size()) +
-                                               " bytes, not " + std::to_string(of.size()) +
-                                               " addresses");
+                                               std::to_string(theirs.size()) + " bytes, not " +
+                                               std::to_string(of.size()) + " addresses");
             size_t len = theirs.size() / of.size();
             size_t at = of[0] == rank ? 0 : 1;
             std::vector<char> addr(theirs.begin() + (long)(at * len),

@@ -74,6 +74,17 @@ static void join_cancelled(amx_waiter_t *w)
     (void)c;
 }
 
+/* A call the coordinator answered (or refused): it waits no more, and a
+ * cancellation has nothing left to cancel. */
+static amx_waiter_t *coord_answered(amx_call_t *c)
+{
+    amx_waiter_t *w = amx__call_waiter(c);
+    w->on_cancel = NULL;
+    w->ext = NULL;
+    w->job = NULL;
+    return w;
+}
+
 typedef struct join_cache {
     uint64_t hash;
     int rejoined;
@@ -86,10 +97,7 @@ static join_cache_t g_join; /* loop lock */
 static void on_coord_join(void *ud, amx_status_t st, const char *msg, const amx_membership_t *m)
 {
     amx_call_t *c = ud;
-    amx_waiter_t *w = amx__call_waiter(c);
-    w->on_cancel = NULL;
-    w->ext = NULL;
-    w->job = NULL;
+    coord_answered(c);
     if (st != AMX_OK) {
         amx__call_reply(c, st, msg, NULL);
         return;
@@ -145,8 +153,7 @@ static void h_join(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     amx_creq_t *h = NULL;
     amx_err_t err = {0};
     if (amx_coord_join(svc->coord, &req, on_coord_join, c, &h, &err) != AMX_OK) {
-        w->on_cancel = NULL;
-        w->job = NULL;
+        coord_answered(c);
         reply_err(c, err.code, err.msg);
         return;
     }
@@ -224,11 +231,7 @@ static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
                           const amx_coord_sync_ans_t *ans)
 {
     amx_call_t *c = ud;
-    amx_waiter_t *w = amx__call_waiter(c);
-    const sync_caller_t *caller = w->ext2;
-    w->on_cancel = NULL;
-    w->ext = NULL;
-    w->job = NULL;
+    const sync_caller_t *caller = coord_answered(c)->ext2;
     if (st != AMX_OK) {
         amx__call_reply(c, st, msg, NULL);
         return;
@@ -410,8 +413,7 @@ static void h_sync(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     free(specs);
     free(ptrs);
     if (st != AMX_OK) {
-        w->on_cancel = NULL;
-        w->job = NULL;
+        coord_answered(c);
         reply_err(c, err.code, err.msg);
         return;
     }
@@ -434,10 +436,7 @@ static void h_kvset(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 static void on_coord_kv(void *ud, amx_status_t st, const char *msg, const void *val, size_t len)
 {
     amx_call_t *c = ud;
-    amx_waiter_t *w = amx__call_waiter(c);
-    w->on_cancel = NULL;
-    w->ext = NULL;
-    w->job = NULL;
+    coord_answered(c);
     if (st != AMX_OK) {
         amx__call_reply(c, st, msg, NULL);
         return;
@@ -460,8 +459,7 @@ static void h_kvget(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     amx_err_t err = {0};
     if (amx_coord_kv_get(svc->coord, q->key, deadline_in(q->timeout_ms), on_coord_kv, c, &h,
                          &err) != AMX_OK) {
-        w->on_cancel = NULL;
-        w->job = NULL;
+        coord_answered(c);
         reply_err(c, err.code, err.msg);
         return;
     }
