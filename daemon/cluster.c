@@ -104,12 +104,46 @@ bad:
                        list);
 }
 
+/* The comma-separated coordinator list into id->coords. */
+static amx_status_t parse_coords(const char *list, amx_cluster_id_t *id, amx_err_t *err)
+{
+    const char *p = list;
+    id->ncoord = 0;
+    for (;;) {
+        const char *end = strchr(p, ',');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        char one[256], host[200];
+        uint32_t port;
+        if (id->ncoord == AMX_MAX_COORDS)
+            return amx_err_set(err, AMX_EINVAL, "coordinator lists more than %d candidates: '%s'",
+                               AMX_MAX_COORDS, list);
+        if (n == 0 || n >= sizeof(one))
+            return amx_err_set(err, AMX_EINVAL, "coordinator '%s' has an empty or overlong entry",
+                               list);
+        memcpy(one, p, n);
+        one[n] = '\0';
+        if (split_hostport(one, host, sizeof(host), &port) != 0 || host[0] == '\0')
+            return amx_err_set(err, AMX_EINVAL, "coordinator entry %u '%s' is not HOST:PORT",
+                               id->ncoord, one);
+        for (uint32_t i = 0; i < id->ncoord; i++)
+            if (strcmp(id->coords[i], one) == 0)
+                return amx_err_set(err, AMX_EINVAL,
+                                   "coordinator names %s twice (entries %u and %u): each entry is "
+                                   "another daemon's peer service",
+                                   one, i, id->ncoord);
+        snprintf(id->coords[id->ncoord++], sizeof(id->coords[0]), "%s", one);
+        if (end == NULL)
+            return AMX_OK;
+        p = end + 1;
+    }
+}
+
 amx_status_t amx_cluster_resolve(const amx_config_t *cfg, const char *(*env)(const char *),
                                  amx_cluster_id_t *id, amx_err_t *err)
 {
     memset(id, 0, sizeof(*id));
     uint32_t rank = (uint32_t)cfg->cluster_rank, size = (uint32_t)cfg->cluster_size;
-    char coord[256] = "";
+    char coord[AMX_MAX_COORDS * 256] = "";
     uint32_t port = (uint32_t)cfg->peer_port;
     const char *src = "default";
     const char *s_id = env_or_null(env, "SLURM_NODEID"), *s_nn = env_or_null(env, "SLURM_NNODES");
@@ -179,9 +213,16 @@ amx_status_t amx_cluster_resolve(const amx_config_t *cfg, const char *(*env)(con
                            "cluster_size is %u but no coordinator address is known: set "
                            "coordinator=HOST:PORT (or run under Slurm / with MASTER_ADDR)",
                            size);
-    if (split_hostport(coord, host, sizeof(host), &cport) != 0 || host[0] == '\0')
-        return amx_err_set(err, AMX_EINVAL, "coordinator '%s' is not HOST:PORT", coord);
-    snprintf(id->coordinator, sizeof(id->coordinator), "%s", coord);
+    AMX_CHECK(parse_coords(coord, id, err));
+    if (id->ncoord > size)
+        return amx_err_set(err, AMX_EINVAL,
+                           "coordinator names %u candidates but cluster_size is %u: entry i is "
+                           "the peer service of cluster rank i",
+                           id->ncoord, size);
+    /* A candidate listens where the list says others reach it. */
+    const char *own = rank < id->ncoord ? id->coords[rank] : id->coords[0];
+    split_hostport(own, host, sizeof(host), &cport);
+    snprintf(id->coordinator, sizeof(id->coordinator), "%s", id->coords[0]);
     if (cfg->peer_listen[0] != '\0') {
         uint32_t lp;
         char lh[200];
@@ -193,7 +234,9 @@ amx_status_t amx_cluster_resolve(const amx_config_t *cfg, const char *(*env)(con
         uint32_t lp = amx_config_is_set(cfg, "peer_port") ? port : cport;
         snprintf(id->listen, sizeof(id->listen), "0.0.0.0:%u", lp);
     }
-    if (cfg->peer_advertise[0] != '\0') {
+    if (cfg->peer_advertise[0] == '\0' && id->ncoord > 1 && rank < id->ncoord) {
+        snprintf(id->advertise, sizeof(id->advertise), "%s", id->coords[rank]);
+    } else if (cfg->peer_advertise[0] != '\0') {
         uint32_t ap;
         char ah[200];
         if (split_hostport(cfg->peer_advertise, ah, sizeof(ah), &ap) != 0 || ah[0] == '\0')

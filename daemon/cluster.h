@@ -16,14 +16,21 @@
 #include "config.h"
 #include "status.h"
 
+/* At most this many coordinator candidates (the `coordinator` list). */
+#define AMX_MAX_COORDS 8
+
 /* Who this daemon is in the cluster (config.c + cluster sources). */
 typedef struct amx_cluster_id {
     uint32_t rank, size;
     char coordinator[256]; /* host:port of rank 0's peer service */
-    char listen[256];      /* host:port the peer service binds */
-    char advertise[256];   /* host:port the others reach it on */
-    char source[64];       /* where rank/size came from: config, slurm, torchrun, default */
-    uint64_t incarnation;  /* random at each start */
+    /* The coordinator candidates: the peer services of ranks 0..ncoord-1
+     * (coords[0] is `coordinator`); the lowest live one coordinates. */
+    uint32_t ncoord;
+    char coords[AMX_MAX_COORDS][256];
+    char listen[256];     /* host:port the peer service binds */
+    char advertise[256];  /* host:port the others reach it on */
+    char source[64];      /* where rank/size came from: config, slurm, torchrun, default */
+    uint64_t incarnation; /* random at each start */
 } amx_cluster_id_t;
 
 /*

@@ -186,6 +186,9 @@ static void apply_typed(amx_config_t *cfg, int i, int64_t iv)
     case AMX_CFG_peer_port:
         cfg->peer_port = iv;
         break;
+    case AMX_CFG_coordinator_failover_ms:
+        cfg->coordinator_failover_ms = iv;
+        break;
     case AMX_CFG_cuda_device:
         cfg->cuda_device = iv;
         break;

@@ -87,10 +87,14 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
     X(cluster_size, AMX_CFG_INT, "1", 1, 65536, NULL, AMX_CFG_IMMUTABLE,                           \
       "daemons in the cluster (else from SLURM_NNODES or WORLD_SIZE; 1: a single daemon)")         \
     X(cluster_rank, AMX_CFG_INT, "0", 0, 65535, NULL, AMX_CFG_IMMUTABLE,                           \
-      "this daemon's rank in the cluster; 0 is the coordinator (else SLURM_NODEID or RANK)")       \
+      "this daemon's rank in the cluster; 0 coordinates (else SLURM_NODEID or RANK)")              \
     X(coordinator, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                                 \
-      "host:port of rank 0's peer service (else the first host of SLURM_JOB_NODELIST, or "         \
-      "MASTER_ADDR:MASTER_PORT)")                                                                  \
+      "host:port of rank 0's peer service, or a comma-separated list of the peer services of "     \
+      "ranks 0, 1, ...: the coordinator candidates, the lowest live one coordinates (else the "    \
+      "first host of SLURM_JOB_NODELIST, or MASTER_ADDR:MASTER_PORT)")                             \
+    X(coordinator_failover_ms, AMX_CFG_INT, "3000", 100, 3600000, NULL, AMX_CFG_IMMUTABLE,         \
+      "with several coordinator candidates: how long one may not answer before the next takes "    \
+      "its role")                                                                                  \
     X(peer_port, AMX_CFG_INT, "7420", 1, 65535, NULL, AMX_CFG_IMMUTABLE,                           \
       "TCP port of the peer service when neither coordinator nor peer_listen names one")           \
     X(peer_listen, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                                 \
@@ -133,7 +137,7 @@ typedef struct amx_config {
     int64_t snapshot_interval_ms;
     int64_t join_timeout_ms, reconcile_timeout_ms, shutdown_grace_ms;
     int allow_remote, socket_guard, metrics_allow_remote;
-    int64_t cluster_size, cluster_rank, peer_port, cuda_device;
+    int64_t cluster_size, cluster_rank, peer_port, cuda_device, coordinator_failover_ms;
     const char *coordinator, *peer_listen, *peer_advertise, *cluster_secret_file;
     const char *peer_tls_cert, *peer_tls_key, *peer_tls_ca, *collective, *gloo_host;
 } amx_config_t;

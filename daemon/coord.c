@@ -265,6 +265,7 @@ amx_coord_t *amx_coord_create(uint64_t incarnation, uint64_t join_timeout_ms)
 {
     amx_coord_t *co = calloc(1, sizeof(*co));
     if (co != NULL) {
+        co->active = 1;
         co->incarnation = incarnation;
         co->started_ms = amx_now_ms();
         co->join_timeout_ms = join_timeout_ms;
@@ -314,6 +315,34 @@ void amx_coord_destroy(amx_coord_t *co)
     amx_strmap_free(&co->kvmap);
     free(co->kv);
     free(co);
+}
+
+void amx_coord_step_down(amx_coord_t *co, const char *why)
+{
+    amx_coord_fail_all(co, why);
+    while (co->jobs != NULL) {
+        cjob_t *j = co->jobs;
+        co->jobs = j->next;
+        job_free(j);
+    }
+    co->njobs = 0;
+    amx__coord_kv_drop_prefix(co, "");
+    co->active = 0;
+}
+
+void amx_coord_take_over(amx_coord_t *co, uint64_t incarnation)
+{
+    if (co->active)
+        return;
+    memset(&co->stats, 0, sizeof(co->stats));
+    co->incarnation = incarnation;
+    co->started_ms = amx_now_ms();
+    co->active = 1;
+}
+
+int amx_coord_active(const amx_coord_t *co)
+{
+    return co != NULL && co->active;
 }
 
 uint64_t amx_coord_incarnation(const amx_coord_t *co)

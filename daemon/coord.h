@@ -69,7 +69,17 @@ typedef struct amx_coord_stats {
  * ranks); equal memberships hash alike on every daemon. */
 uint64_t amx_membership_hash(const amx_membership_t *m);
 
+/* A coordinator that serves from the start (active). */
 amx_coord_t *amx_coord_create(uint64_t incarnation, uint64_t join_timeout_ms);
+
+/* The role of a coordinator candidate (docs/CLUSTER.md, "Coordinator
+ * failover"). Stepping down fails every waiting request with UNAVAILABLE
+ * and `why` and forgets every job and key; taking the role back starts
+ * empty, with a new incarnation (the members rebuild it, as for a
+ * restart). Whether it serves now. */
+void amx_coord_step_down(amx_coord_t *co, const char *why);
+void amx_coord_take_over(amx_coord_t *co, uint64_t incarnation);
+int amx_coord_active(const amx_coord_t *co);
 /* Frees it, failing every waiting request with UNAVAILABLE first. */
 void amx_coord_destroy(amx_coord_t *co);
 uint64_t amx_coord_incarnation(const amx_coord_t *co);

@@ -107,6 +107,7 @@ typedef struct kv_entry {
 } kv_entry_t;
 
 struct amx_coord {
+    int active; /* serves the coordinator's calls (amx_coord_take_over) */
     amx_coord_stats_t stats;
     uint64_t incarnation;
     uint64_t started_ms; /* CLOCK_MONOTONIC */

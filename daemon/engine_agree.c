@@ -462,12 +462,16 @@ static amx_status_t sync_round(amx_engine_t *e, int full, int specs, int want,
     free(resets);
     if (st != AMX_OK && atomic_load(&e->abort_flag))
         return amx__engine_fail_aborted(e, "the agreement round");
-    if (st != AMX_OK)
+    if (st != AMX_OK) {
+        uint32_t crank;
+        char caddr[256];
+        amx_peer_coordinator(e->env.peer, &crank, caddr, sizeof(caddr));
         return amx__engine_fail(
             e, st,
-            "job '%s', epoch %llu: the agreement round at the coordinator (daemon 0, %s) "
+            "job '%s', epoch %llu: the agreement round at the coordinator (daemon %u, %s) "
             "failed: %s",
-            j->name, (unsigned long long)e->epoch, amx_peer_id(e->env.peer)->coordinator, err.msg);
+            j->name, (unsigned long long)e->epoch, crank, caddr, err.msg);
+    }
     if (!out->send_catalog && !out->send_offer)
         AMX_DEBUG("epoch",
                   "job %s: agreement %llu in %llu ms: catalog %016" PRIx64 "%s, target "

@@ -34,7 +34,7 @@ typedef struct amx_daemon {
     amx_config_t cfg;
     amx_cluster_id_t id;
     amx_cluster_t *cluster;
-    amx_coord_t *coord; /* rank 0 only */
+    amx_coord_t *coord; /* coordinator candidates only (rank 0 and the list's) */
     amx_peer_t *peer;
     amx_registry_t *reg;
     amx_svc_t *svc;
@@ -98,7 +98,8 @@ static void on_tick(uv_timer_t *t)
     amx_daemon_t *d = t->data;
     uint64_t now = amx__now_ms();
     amx_registry_expire(d->reg, now);
-    if (d->coord != NULL)
+    amx_peer_tick(d->peer); /* the coordinator's role, when it moved */
+    if (amx_coord_active(d->coord))
         amx_coord_expire(d->coord, now);
     trim_when_idle(d);
     if (d->metrics != NULL) {
@@ -290,7 +291,8 @@ int main(int argc, char **argv)
         AMX_ERROR("main", "%s", err.msg);
         return fail_start(&d, err.msg);
     }
-    if (d.id.rank == 0 &&
+    /* Rank 0 and the other coordinator candidates (docs/CLUSTER.md). */
+    if ((d.id.rank == 0 || d.id.rank < d.id.ncoord) &&
         (d.coord = amx_coord_create(d.id.incarnation, (uint64_t)d.cfg.join_timeout_ms)) == NULL) {
         amx_cluster_free(d.cluster);
         return fail_start(&d, "out of memory");

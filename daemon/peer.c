@@ -16,6 +16,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
 
 #include "amaxd/peer/v1/peer.pb-c.h"
 #include "clock.h"
@@ -37,12 +39,29 @@ struct amx_peer {
     const amx_config_t *cfg;
     const amx_cluster_t *cl;
     amx_cluster_id_t id;
-    amx_coord_t *coord; /* this daemon's coordinator (rank 0), borrowed; else NULL */
+    amx_coord_t *coord; /* this daemon's coordinator (a candidate), borrowed; else NULL */
     amx_rpc_t *rpc;
     pthread_mutex_t ch_mu;
     chan_t *chans;
     size_t nchans, cap_chans;
+    /* The coordinator's role: candidates (ranks 0..ncand-1), the one this
+     * daemon takes for the coordinator and when each candidate last
+     * answered a ping (co_mu); co_gen changes with `cur`. */
+    uint32_t ncand;
+    uint64_t failover_ms;
+    pthread_mutex_t co_mu;
+    pthread_cond_t co_cv;
+    uint32_t cur;
+    atomic_uint co_gen;
+    uint64_t last_ok[AMX_MAX_COORDS];
+    int w_stop, watching;
+    pthread_t watcher;
+    atomic_int want_active; /* the watcher's word: this daemon coordinates */
+    int active;             /* loop thread: what its coordinator does */
+    uint64_t last_tick;     /* loop thread */
 };
+
+static void *watch_main(void *arg);
 
 /* ======================= the object ======================= */
 
@@ -58,6 +77,23 @@ amx_status_t amx_peer_create(uv_loop_t *loop, const amx_config_t *cfg, const amx
     p->id = *amx_cluster_id(cl);
     p->coord = coord;
     pthread_mutex_init(&p->ch_mu, NULL);
+    pthread_mutex_init(&p->co_mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&p->co_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    p->ncand = p->id.size > 1 && p->id.ncoord > 0 ? p->id.ncoord : 1;
+    p->failover_ms = (uint64_t)cfg->coordinator_failover_ms;
+    uint64_t now = amx_now_ms();
+    for (uint32_t i = 0; i < AMX_MAX_COORDS; i++)
+        p->last_ok[i] = now; /* every candidate has its grace period at start */
+    /* Rank 0 coordinates from the start; another candidate once the ones
+     * below it stopped answering. */
+    if (coord != NULL && p->id.rank != 0)
+        amx_coord_step_down(coord, "not the coordinator");
+    p->active = amx_coord_active(coord);
+    atomic_store(&p->want_active, p->active);
     *out = p;
     return AMX_OK;
 }
@@ -65,12 +101,29 @@ amx_status_t amx_peer_create(uv_loop_t *loop, const amx_config_t *cfg, const amx
 void amx_peer_set_rpc(amx_peer_t *p, amx_rpc_t *rpc)
 {
     p->rpc = rpc;
+    /* The watcher pings the candidates below this daemon. */
+    if (p->ncand > 1 && p->id.rank != 0 && !p->watching)
+        p->watching = pthread_create(&p->watcher, NULL, watch_main, p) == 0;
+    if (p->ncand > 1 && p->id.rank != 0 && !p->watching)
+        AMX_ERROR("peer",
+                  "cannot start the coordinator watcher: this daemon never takes over "
+                  "from coordinator %s",
+                  p->id.coords[0]);
 }
 
 void amx_peer_destroy(amx_peer_t *p)
 {
     if (p == NULL)
         return;
+    if (p->watching) {
+        pthread_mutex_lock(&p->co_mu);
+        p->w_stop = 1;
+        pthread_cond_signal(&p->co_cv);
+        pthread_mutex_unlock(&p->co_mu);
+        pthread_join(p->watcher, NULL);
+    }
+    pthread_cond_destroy(&p->co_cv);
+    pthread_mutex_destroy(&p->co_mu);
     for (size_t i = 0; i < p->nchans; i++)
         grpc_channel_destroy(p->chans[i].ch);
     free(p->chans);
@@ -81,6 +134,75 @@ void amx_peer_destroy(amx_peer_t *p)
 const amx_cluster_id_t *amx_peer_id(const amx_peer_t *p)
 {
     return &p->id;
+}
+
+uint32_t amx_peer_coordinator(amx_peer_t *p, uint32_t *rank, char *addr, size_t len)
+{
+    pthread_mutex_lock(&p->co_mu);
+    uint32_t r = p->cur;
+    unsigned gen = atomic_load(&p->co_gen);
+    pthread_mutex_unlock(&p->co_mu);
+    if (rank != NULL)
+        *rank = r;
+    if (addr != NULL)
+        snprintf(addr, len, "%s", p->ncand > 1 ? p->id.coords[r] : p->id.coordinator);
+    return gen;
+}
+
+int amx_peer_coordinating(const amx_peer_t *p)
+{
+    return p->coord != NULL && p->active;
+}
+
+/* A new incarnation for this daemon's coordinator. */
+static uint64_t new_incarnation(const amx_peer_t *p)
+{
+    uint64_t inc = 0;
+    if (getrandom(&inc, sizeof(inc), 0) != sizeof(inc))
+        inc = amx_now_us() ^ ((uint64_t)p->id.rank << 48);
+    return inc | 1;
+}
+
+void amx_peer_tick(amx_peer_t *p)
+{
+    if (p->coord == NULL || p->ncand <= 1)
+        return;
+    uint64_t now = amx_now_ms(), gap = p->last_tick ? now - p->last_tick : 0;
+    p->last_tick = now;
+    if (p->active && gap >= p->failover_ms) {
+        /* This daemon did not run for that long (stopped, or starved): the
+         * others may have moved on under another coordinator, so what it
+         * holds is stale. It starts over as if it had restarted. */
+        char why[300];
+        snprintf(why, sizeof(why),
+                 "daemon %u did not run for %llu ms (stopped?); it keeps the coordinator's role "
+                 "but drops what it held: the members rebuild it",
+                 p->id.rank, (unsigned long long)gap);
+        amx_coord_step_down(p->coord, why);
+        amx_coord_take_over(p->coord, new_incarnation(p));
+        AMX_WARN("peer", "%s", why);
+    }
+    int want = atomic_load(&p->want_active);
+    if (want == p->active)
+        return;
+    if (want) {
+        amx_coord_take_over(p->coord, new_incarnation(p));
+        AMX_WARN("peer",
+                 "this daemon (rank %u) is the coordinator now: no candidate below it answered "
+                 "within %llu ms; the members rebuild its membership and catalogs",
+                 p->id.rank, (unsigned long long)p->failover_ms);
+    } else {
+        uint32_t r;
+        char addr[256], why[400];
+        amx_peer_coordinator(p, &r, addr, sizeof(addr));
+        snprintf(why, sizeof(why),
+                 "daemon %u is no longer the coordinator: daemon %u (%s) answers again and takes "
+                 "the role back",
+                 p->id.rank, r, addr);
+        amx_coord_step_down(p->coord, why);
+        AMX_WARN("peer", "%s", why);
+    }
+    p->active = want;
 }
 
 static void token_for(const amx_peer_t *p, const char *method, char *out, size_t len)
@@ -135,6 +257,8 @@ typedef struct join_op {
     void *ud;
     amx_creq_t *creq;  /* local coordinator */
     amx_ccall_t *call; /* remote */
+    char addr[256];    /* remote: the coordinator it went to */
+    uint32_t crank;
     int done;
     uint64_t started_ms, deadline_ms; /* remote: when the Join was sent, and its deadline */
 } join_op_t;
@@ -161,18 +285,21 @@ static void on_remote_join(void *ud, amx_status_t st, const char *msg, const uin
                      "the coordinator %s did not answer this Join within %llu ms (is its daemon "
                      "running and not stopped? a Join it times out names the ranks that never "
                      "joined)",
-                     op->p->id.coordinator, (unsigned long long)(op->deadline_ms - op->started_ms));
+                     op->addr, (unsigned long long)(op->deadline_ms - op->started_ms));
             msg = buf;
         } else if (st == AMX_EUNAVAIL || st == AMX_EINTERNAL) {
-            snprintf(buf, sizeof(buf), "the coordinator %s could not be reached: %s",
-                     op->p->id.coordinator, msg);
+            snprintf(buf, sizeof(buf), "the coordinator %s could not be reached: %s%s", op->addr,
+                     msg,
+                     op->p->ncand > 1 ? " (another candidate takes its role within "
+                                        "coordinator_failover_ms: Join again)"
+                                      : "");
             msg = buf;
             st = AMX_EUNAVAIL;
         } else if (st == AMX_EAUTH) {
             snprintf(buf, sizeof(buf),
                      "the coordinator %s refused this daemon (%s): every daemon of a cluster "
                      "needs the same cluster_secret_file",
-                     op->p->id.coordinator, msg);
+                     op->addr, msg);
             msg = buf;
         }
         op->cb(op->ud, st, msg, NULL);
@@ -206,7 +333,7 @@ amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint3
     op->p = p;
     op->cb = cb;
     op->ud = ud;
-    if (p->coord != NULL) {
+    if (amx_peer_coordinating(p)) {
         amx_coord_join_req_t req = {
             job, world, rank, p->id.rank, p->id.incarnation, p->id.advertise, 0, deadline_ms};
         amx_creq_t *cr = NULL;
@@ -240,7 +367,8 @@ amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint3
     op->deadline_ms = deadline_ms;
     size_t len;
     uint8_t *buf = amx_codec_pack(&q.base, &len);
-    grpc_channel *ch = channel_to(p, p->id.coordinator);
+    amx_peer_coordinator(p, &op->crank, op->addr, sizeof(op->addr));
+    grpc_channel *ch = channel_to(p, op->addr);
     if (buf == NULL || ch == NULL) {
         free(buf);
         free(op);
@@ -322,7 +450,7 @@ void amx_peer_drop(amx_peer_t *p, const char *job)
 {
     if (p->id.size <= 1)
         return;
-    if (p->coord != NULL) {
+    if (amx_peer_coordinating(p)) {
         amx_membership_t mem;
         if (amx_coord_drop(p->coord, job, &mem) == AMX_OK) {
             amx_peer_tell_drop(p, job, &mem, p->id.rank);
@@ -335,8 +463,7 @@ void amx_peer_drop(amx_peer_t *p, const char *job)
     q.from = p->id.rank;
     amx_membership_t only = {0};
     amx_part_t coord = {0};
-    coord.daemon = 0;
-    snprintf(coord.addr, sizeof(coord.addr), "%s", p->id.coordinator);
+    amx_peer_coordinator(p, &coord.daemon, coord.addr, sizeof(coord.addr));
     only.npart = 1;
     only.part = &coord;
     fan_out(p, &only, p->id.rank, p->id.rank, SVC "Drop", &q.base);
@@ -454,10 +581,12 @@ static amx_status_t bcall_result(bcall_t *b, uint8_t **out, size_t *len, char *m
     return AMX_OK;
 }
 
-/* One blocking call: polls every 50 ms for `abort`. */
-static amx_status_t call_one(amx_peer_t *p, const char *addr, const char *method,
-                             const ProtobufCMessage *req, uint64_t deadline,
-                             const atomic_int *abort, uint8_t **out, size_t *olen, amx_err_t *err)
+/* One blocking call: polls every 50 ms for `abort`, and for `gen` moving
+ * away from gen0 (the coordinator changed: UNAVAILABLE) when gen is set. */
+static amx_status_t call_one_gen(amx_peer_t *p, const char *addr, const char *method,
+                                 const ProtobufCMessage *req, uint64_t deadline,
+                                 const atomic_int *abort, const atomic_uint *gen, unsigned gen0,
+                                 uint8_t **out, size_t *olen, amx_err_t *err)
 {
     size_t len;
     uint8_t *buf = amx_codec_pack(req, &len);
@@ -467,7 +596,7 @@ static amx_status_t call_one(amx_peer_t *p, const char *addr, const char *method
     bcall_t b;
     int started = bcall_start(p, cq, &b, addr, method, buf, len, deadline) == 0;
     free(buf);
-    int cancelled = 0;
+    int cancelled = 0, moved = 0;
     while (started) {
         gpr_timespec slice = amx_rpc_deadline(amx_now_ms() + 50);
         grpc_event ev = grpc_completion_queue_pluck(cq, &b, slice, NULL);
@@ -477,11 +606,19 @@ static amx_status_t call_one(amx_peer_t *p, const char *addr, const char *method
             grpc_call_cancel(b.call, NULL);
             cancelled = 1;
         }
+        if (!cancelled && !moved && gen != NULL && atomic_load(gen) != gen0) {
+            grpc_call_cancel(b.call, NULL);
+            moved = 1;
+        }
     }
     amx_status_t st;
     char msg[700];
     if (!started) {
         st = amx_err_set(err, AMX_EINTERNAL, "cannot start %s to %s", method, addr);
+    } else if (moved && !cancelled) {
+        st = amx_err_set(err, AMX_EUNAVAIL,
+                         "%s to %s was abandoned: another daemon took the coordinator's role",
+                         method, addr);
     } else if (cancelled) {
         st = amx_err_set(err, AMX_EABORTED, "%s to %s was abandoned (the epoch was aborted)",
                          method, addr);
@@ -497,6 +634,61 @@ static amx_status_t call_one(amx_peer_t *p, const char *addr, const char *method
     }
     grpc_completion_queue_destroy(cq);
     return st;
+}
+
+static amx_status_t call_one(amx_peer_t *p, const char *addr, const char *method,
+                             const ProtobufCMessage *req, uint64_t deadline,
+                             const atomic_int *abort, uint8_t **out, size_t *olen, amx_err_t *err)
+{
+    return call_one_gen(p, addr, method, req, deadline, abort, NULL, 0, out, olen, err);
+}
+
+/* A call to the coordinator from an engine thread. With several
+ * candidates, one that finds the coordinator gone (UNAVAILABLE, or the
+ * watcher names another while it waits) ends UNAVAILABLE, or, with
+ * `retry`, waits for the next coordinator and is sent there, until `until` and at most 2 x
+ * coordinator_failover_ms + 1 s after the first failure; *timeout_ms (when set) is refreshed to
+ * what is left of `until` before each try. */
+static amx_status_t call_coord(amx_peer_t *p, const char *method, ProtobufCMessage *req, int retry,
+                               uint32_t *timeout_ms, uint64_t until, uint64_t call_deadline,
+                               const atomic_int *abort, uint8_t **out, size_t *olen, amx_err_t *err)
+{
+    uint64_t give_up = 0;
+    for (;;) {
+        char addr[256];
+        uint32_t rank;
+        unsigned gen = amx_peer_coordinator(p, &rank, addr, sizeof(addr));
+        uint64_t now = amx_now_ms();
+        if (timeout_ms != NULL)
+            *timeout_ms = until > now ? (uint32_t)(until - now) : 1;
+        amx_status_t st = call_one_gen(p, addr, method, req, call_deadline, abort,
+                                       p->ncand > 1 ? &p->co_gen : NULL, gen, out, olen, err);
+        if (st != AMX_EUNAVAIL || p->ncand <= 1 || !retry || (abort != NULL && atomic_load(abort)))
+            return st;
+        now = amx_now_ms();
+        if (give_up == 0) {
+            give_up = now + 2 * p->failover_ms + 1000;
+            AMX_INFO("peer",
+                     "%s at the coordinator (daemon %u, %s) failed: %s; sent again to the "
+                     "coordinator this daemon finds next",
+                     method + sizeof(SVC) - 1, rank, addr, err->msg);
+        }
+        if (now >= until || now >= give_up) {
+            char m2[sizeof(err->msg)];
+            snprintf(m2, sizeof(m2), "%s", err->msg);
+            return amx_err_set(err, st,
+                               "%s (no other coordinator candidate took over within %llu ms)", m2,
+                               (unsigned long long)(2 * p->failover_ms + 1000));
+        }
+        /* Until the watcher names another, or 200 ms (the same one may
+         * answer again, or refuse because it does not know yet). */
+        for (int k = 0; k < 4 && atomic_load(&p->co_gen) == gen; k++) {
+            if (abort != NULL && atomic_load(abort))
+                return st;
+            struct timespec ts = {0, 50 * 1000 * 1000};
+            nanosleep(&ts, NULL);
+        }
+    }
 }
 
 void amx_sync_result_free(amx_sync_result_t *r)
@@ -552,8 +744,6 @@ amx_status_t amx_peer_call_sync(amx_peer_t *p, const amx_coord_sync_req_t *req,
     q.n_resets = req->nresets;
     q.resets = req->resets;
     q.need_comm = req->need_comm;
-    uint64_t now = amx_now_ms();
-    q.timeout_ms = req->deadline_ms > now ? (uint32_t)(req->deadline_ms - now) : 1;
     q.world_size = req->world;
     q.n_ranks = req->nranks;
     q.ranks = (uint32_t *)req->ranks;
@@ -574,8 +764,8 @@ amx_status_t amx_peer_call_sync(amx_peer_t *p, const amx_coord_sync_req_t *req,
     }
     uint8_t *out = NULL;
     size_t olen = 0;
-    amx_status_t st = call_one(p, p->id.coordinator, SVC "Sync", &q.base, req->deadline_ms + 1000,
-                               abort, &out, &olen, err);
+    amx_status_t st = call_coord(p, SVC "Sync", &q.base, 1, &q.timeout_ms, req->deadline_ms,
+                                 req->deadline_ms + 1000, abort, &out, &olen, err);
     amx_arena_free(&a);
     if (st != AMX_OK)
         return st;
@@ -660,8 +850,9 @@ static amx_status_t kv_set(void *ud, const char *key, const void *val, size_t le
     q.value.len = len;
     uint8_t *out = NULL;
     size_t olen;
-    amx_status_t st = call_one(k->p, k->p->id.coordinator, SVC "KvSet", &q.base,
-                               amx_now_ms() + 10000, k->abort, &out, &olen, err);
+    uint64_t until = amx_now_ms() + 10000;
+    amx_status_t st =
+        call_coord(k->p, SVC "KvSet", &q.base, 0, NULL, until, until, k->abort, &out, &olen, err);
     free(out);
     return st;
 }
@@ -672,12 +863,10 @@ static amx_status_t kv_get(void *ud, const char *key, uint64_t deadline, void **
     kv_ctx_t *k = ud;
     Amaxd__Peer__V1__KvGetRequest q = AMAXD__PEER__V1__KV_GET_REQUEST__INIT;
     q.key = (char *)key;
-    uint64_t now = amx_now_ms();
-    q.timeout_ms = deadline > now ? (uint32_t)(deadline - now) : 1;
     uint8_t *out = NULL;
     size_t olen = 0;
-    amx_status_t st = call_one(k->p, k->p->id.coordinator, SVC "KvGet", &q.base, deadline + 1000,
-                               k->abort, &out, &olen, err);
+    amx_status_t st = call_coord(k->p, SVC "KvGet", &q.base, 0, &q.timeout_ms, deadline,
+                                 deadline + 1000, k->abort, &out, &olen, err);
     if (st != AMX_OK)
         return st;
     Amaxd__Peer__V1__KvGetResponse *r = amaxd__peer__v1__kv_get_response__unpack(NULL, olen, out);
@@ -902,4 +1091,94 @@ void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const
     multi_t *v = call_all(p, m, me, SVC "Abort", &q.base, timeout_ms, &n);
     if (v != NULL)
         free_all(v, n);
+}
+
+/* ======================= the watcher: who coordinates ======================= */
+
+/* Pings the candidates below this daemon every quarter of
+ * coordinator_failover_ms and names the lowest that answered within it
+ * (this daemon itself when it is a candidate and none did). */
+static void *watch_main(void *arg)
+{
+    amx_peer_t *p = arg;
+    uint64_t period = p->failover_ms / 4 > 25 ? p->failover_ms / 4 : 25;
+    uint64_t ping_ms = period < 1000 ? period : 1000;
+    uint32_t me = p->id.rank;
+    uint32_t below = me < p->ncand ? me : p->ncand;
+    amx_part_t parts[AMX_MAX_COORDS];
+    memset(parts, 0, sizeof(parts));
+    for (uint32_t i = 0; i < below; i++) {
+        parts[i].daemon = i;
+        snprintf(parts[i].addr, sizeof(parts[i].addr), "%s", p->id.coords[i]);
+    }
+    amx_membership_t m = {0};
+    m.npart = below;
+    m.part = parts;
+    Amaxd__Peer__V1__PingRequest q = AMAXD__PEER__V1__PING_REQUEST__INIT;
+    q.from = me;
+    q.incarnation = p->id.incarnation;
+    int none_logged = 0;
+    pthread_mutex_lock(&p->co_mu);
+    while (!p->w_stop) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        ts.tv_sec += (time_t)(period / 1000);
+        ts.tv_nsec += (long)(period % 1000) * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&p->co_cv, &p->co_mu, &ts);
+        if (p->w_stop)
+            break;
+        pthread_mutex_unlock(&p->co_mu);
+        size_t n = 0;
+        multi_t *v = call_all(p, &m, -1, SVC "Ping", &q.base, ping_ms, &n);
+        uint64_t now = amx_now_ms();
+        pthread_mutex_lock(&p->co_mu);
+        for (size_t i = 0; v != NULL && i < n; i++) {
+            char msg[200];
+            if (v[i].started && v[i].b.done &&
+                bcall_result(&v[i].b, NULL, NULL, msg, sizeof(msg)) == AMX_OK)
+                p->last_ok[i] = now;
+        }
+        if (v != NULL)
+            free_all(v, n);
+        uint32_t best = me < p->ncand ? me : UINT32_MAX;
+        for (uint32_t i = 0; i < below; i++)
+            if (now - p->last_ok[i] < p->failover_ms) {
+                best = i;
+                break;
+            }
+        if (best == UINT32_MAX) {
+            /* Not a candidate and none answers: keep the last one. */
+            if (!none_logged)
+                AMX_ERROR("peer",
+                          "no coordinator candidate answered within %llu ms; calls to the "
+                          "coordinator go to daemon %u (%s) until one does",
+                          (unsigned long long)p->failover_ms, p->cur, p->id.coords[p->cur]);
+            none_logged = 1;
+            continue;
+        }
+        none_logged = 0;
+        if (best != p->cur) {
+            uint32_t old = p->cur;
+            if (best > old)
+                AMX_WARN("peer",
+                         "coordinator daemon %u (%s) did not answer for %llu ms: daemon %u (%s) "
+                         "takes its role",
+                         old, p->id.coords[old], (unsigned long long)(now - p->last_ok[old]), best,
+                         p->id.coords[best]);
+            else
+                AMX_WARN("peer",
+                         "daemon %u (%s) answers again: it takes the coordinator's role back "
+                         "from daemon %u",
+                         best, p->id.coords[best], old);
+            p->cur = best;
+            atomic_fetch_add(&p->co_gen, 1);
+        }
+        atomic_store(&p->want_active, best == me);
+    }
+    pthread_mutex_unlock(&p->co_mu);
+    return NULL;
 }

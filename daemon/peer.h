@@ -35,7 +35,8 @@ typedef struct amx_rpc amx_rpc_t;
 typedef struct amx_peer amx_peer_t;
 
 /* The calls of a daemon of cluster `cl` (borrowed); `coord` is its own
- * coordinator on rank 0 (borrowed), else NULL. Loop thread, at start. */
+ * coordinator (borrowed) on a coordinator candidate (a rank of the
+ * `coordinator` list), else NULL. Loop thread, at start. */
 amx_status_t amx_peer_create(uv_loop_t *loop, const amx_config_t *cfg, const amx_cluster_t *cl,
                              amx_coord_t *coord, amx_peer_t **out, amx_err_t *err);
 
@@ -49,6 +50,27 @@ void amx_peer_destroy(amx_peer_t *p);
 
 /* This daemon's identity. Any thread. */
 const amx_cluster_id_t *amx_peer_id(const amx_peer_t *p);
+
+/* ---- the coordinator's role (docs/CLUSTER.md, "Coordinator failover") ----
+ *
+ * The coordinator is the lowest-ranked candidate of the `coordinator` list
+ * that this daemon heard from within coordinator_failover_ms (itself, when
+ * it is one). With several candidates a watcher thread pings the
+ * candidates below this daemon a few times per coordinator_failover_ms;
+ * the calls to the coordinator go to the one it names, and an agreement or
+ * rendezvous call that finds it gone waits for the next one and is sent
+ * again there, within its deadline. */
+
+/* The coordinator as this daemon sees it now: its rank and address; returns
+ * a number that changes whenever that does. Any thread. */
+uint32_t amx_peer_coordinator(amx_peer_t *p, uint32_t *rank, char *addr, size_t len);
+
+/* Makes this daemon's own coordinator serve or step down when the watcher
+ * found that its role changed. Loop thread, often (the daemon's tick). */
+void amx_peer_tick(amx_peer_t *p);
+
+/* Whether this daemon serves the coordinator's calls now. Loop thread. */
+int amx_peer_coordinating(const amx_peer_t *p);
 
 /* ---- loop thread, asynchronous ---- */
 

@@ -319,10 +319,13 @@ static void h_status(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     const amx_cluster_id_t *id = amx_cluster_id(svc->cluster);
     resp.cluster_rank = id->rank;
     resp.cluster_size = id->size;
-    resp.coordinator = (char *)id->coordinator;
+    char coord_addr[256] = "";
+    if (svc->peer != NULL && id->size > 1)
+        amx_peer_coordinator(svc->peer, &resp.coordinator_rank, coord_addr, sizeof(coord_addr));
+    resp.coordinator = coord_addr;
     resp.peer_address = (char *)id->advertise;
     Amaxd__V1__CoordinatorStatus cs = AMAXD__V1__COORDINATOR_STATUS__INIT;
-    if (svc->coord != NULL && id->size > 1) {
+    if (amx_coord_active(svc->coord) && id->size > 1) {
         const amx_coord_stats_t *x = amx_coord_stats(svc->coord);
         amx_coord_counts(svc->coord, &cs.jobs, &cs.waiting, &cs.keys);
         cs.syncs = x->syncs;

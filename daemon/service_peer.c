@@ -2,8 +2,9 @@
  * service_peer.c - the peer service (amaxd.peer.v1.Peer) that this daemon
  * serves to the others of its cluster: every call is checked against the
  * cluster's secret; Join, Sync, KvSet, KvGet and Drop go to the
- * coordinator (rank 0 only), FetchState, Abort, Progress and Drop to the
- * registry. Beside the trainer service (service.c), above everything else.
+ * coordinator (while this daemon has the role), FetchState, Abort,
+ * Progress and Drop to the registry; Ping is answered here. Beside the trainer service (service.c),
+ * above everything else.
  */
 #include "service.h"
 
@@ -38,13 +39,30 @@ static int authed(amx_svc_t *svc, amx_call_t *c)
     return 0;
 }
 
+/* The coordinator's calls are served by the candidate that has the role
+ * now; another candidate answers UNAVAILABLE (the caller finds the
+ * coordinator again), any other daemon FAILED_PRECONDITION. */
 static int need_coord(amx_svc_t *svc, amx_call_t *c)
 {
-    if (svc->coord != NULL)
+    if (amx_coord_active(svc->coord))
         return 1;
-    char msg[200];
-    snprintf(msg, sizeof(msg), "daemon %u is not the coordinator (cluster rank 0)",
-             amx_cluster_id(svc->cluster)->rank);
+    const amx_cluster_id_t *id = amx_cluster_id(svc->cluster);
+    char msg[400];
+    if (svc->coord != NULL && svc->peer != NULL) {
+        uint32_t r;
+        char addr[256];
+        amx_peer_coordinator(svc->peer, &r, addr, sizeof(addr));
+        snprintf(msg, sizeof(msg),
+                 "daemon %u is not the coordinator now: daemon %u (%s) is, as far as it knows",
+                 id->rank, r, addr);
+        AMX_INFO("peer", "%s refused: %s", amx__call_method(c), msg);
+        amx__call_reply(c, AMX_EUNAVAIL, msg, NULL);
+        return 0;
+    }
+    snprintf(msg, sizeof(msg),
+             "daemon %u is not the coordinator (nor a candidate: the coordinator list names "
+             "ranks 0-%u)",
+             id->rank, id->ncoord > 0 ? id->ncoord - 1 : 0);
     AMX_WARN("peer", "%s rejected: %s", amx__call_method(c), msg);
     amx__call_reply(c, AMX_EPRECOND, msg, NULL);
     return 0;
@@ -532,7 +550,7 @@ static void h_drop(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     if (!authed(svc, c))
         return;
     const Amaxd__Peer__V1__DropRequest *q = (const void *)m;
-    if (svc->coord != NULL) {
+    if (amx_coord_active(svc->coord)) {
         amx_membership_t mem;
         if (amx_coord_drop(svc->coord, q->job, &mem) == AMX_OK) {
             AMX_INFO("peer", "job %s dropped at the request of daemon %u", q->job, q->from);
@@ -543,6 +561,21 @@ static void h_drop(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     if (q->from != amx_cluster_id(svc->cluster)->rank)
         amx_registry_peer_drop(svc->reg, q->job, q->from);
     Amaxd__Peer__V1__DropResponse r = AMAXD__PEER__V1__DROP_RESPONSE__INIT;
+    amx__call_reply(c, AMX_OK, NULL, &r.base);
+}
+
+static void h_ping(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
+{
+    (void)m;
+    if (!authed(svc, c))
+        return;
+    const amx_cluster_id_t *id = amx_cluster_id(svc->cluster);
+    Amaxd__Peer__V1__PingResponse r = AMAXD__PEER__V1__PING_RESPONSE__INIT;
+    r.daemon = id->rank;
+    r.incarnation = id->incarnation;
+    r.coordinating = amx_coord_active(svc->coord);
+    if (svc->peer != NULL)
+        amx_peer_coordinator(svc->peer, &r.coordinator, NULL, 0);
     amx__call_reply(c, AMX_OK, NULL, &r.base);
 }
 
@@ -562,6 +595,8 @@ const amx_method_t amx__peer_methods[] = {
     {SVC "Progress", &amaxd__peer__v1__progress_request__descriptor, h_progress, 0, AMX_SERVER_PEER,
      NULL, NULL},
     {SVC "Drop", &amaxd__peer__v1__drop_request__descriptor, h_drop, 0, AMX_SERVER_PEER, NULL,
+     NULL},
+    {SVC "Ping", &amaxd__peer__v1__ping_request__descriptor, h_ping, 0, AMX_SERVER_PEER, NULL,
      NULL},
 };
 const size_t amx__n_peer_methods = sizeof(amx__peer_methods) / sizeof(amx__peer_methods[0]);

@@ -43,10 +43,12 @@ class Cluster:
     """n daemons; daemon i listens for peers on 127.0.0.1:ports[i]."""
 
     def __init__(self, root, n, *args, secret=b"0123456789abcdef-cluster-secret", env=None,
-                 state=False):
-        """state: each daemon snapshots its jobs under state_dir(i)."""
+                 state=False, candidates=1):
+        """state: each daemon snapshots its jobs under state_dir(i);
+        candidates: daemons 0..candidates-1 are the coordinator list."""
         self.root = root
         self.state = state
+        self.candidates = candidates
         self.n = n
         self.args = list(args)
         self.env = env
@@ -64,7 +66,8 @@ class Cluster:
 
     def flags(self, i):
         return [f"--cluster-size={self.n}", f"--cluster-rank={i}",
-                f"--coordinator=127.0.0.1:{self.ports[0]}",
+                "--coordinator=" + ",".join(f"127.0.0.1:{self.ports[k]}"
+                                            for k in range(self.candidates)),
                 f"--peer-listen=127.0.0.1:{self.ports[i]}",
                 f"--peer-advertise=127.0.0.1:{self.ports[i]}",
                 f"--cluster-secret-file={self.secret_path}",

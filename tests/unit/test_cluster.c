@@ -138,6 +138,66 @@ END_TEST
 
 /* ---- authentication ---- */
 
+/* The coordinator list: entry i is the peer service of rank i; those
+ * daemons are the candidates (docs/CLUSTER.md, "Coordinator failover"). */
+START_TEST(coordinator_candidates)
+{
+    amx_cluster_id_t id;
+    amx_err_t err = {0};
+    const char *three[] = {"cluster_size",
+                           "4",
+                           "cluster_rank",
+                           "2",
+                           "coordinator",
+                           "h0:7420,h1:7421,h2:7422",
+                           "cluster_secret_file",
+                           "/x",
+                           NULL};
+    ck_assert_int_eq(resolve(NULL, three, &id, &err), AMX_OK);
+    ck_assert_uint_eq(id.ncoord, 3);
+    ck_assert_str_eq(id.coords[0], "h0:7420");
+    ck_assert_str_eq(id.coords[2], "h2:7422");
+    ck_assert_str_eq(id.coordinator, "h0:7420");
+    /* A candidate listens on its own entry's port and is reached there. */
+    ck_assert_str_eq(id.listen, "0.0.0.0:7422");
+    ck_assert_str_eq(id.advertise, "h2:7422");
+    /* A daemon beyond the list listens on the first entry's port. */
+    three[3] = "3";
+    ck_assert_int_eq(resolve(NULL, three, &id, &err), AMX_OK);
+    ck_assert_uint_eq(id.ncoord, 3);
+    ck_assert_str_eq(id.listen, "0.0.0.0:7420");
+    /* One entry: one candidate, as before. */
+    const char *one[] = {
+        "cluster_size", "2", "cluster_rank", "1", "coordinator", "h0:7420", "cluster_secret_file",
+        "/x",           NULL};
+    ck_assert_int_eq(resolve(NULL, one, &id, &err), AMX_OK);
+    ck_assert_uint_eq(id.ncoord, 1);
+    struct {
+        const char *list, *says;
+    } bad[] = {{"h0:1,h0:1", "names h0:1 twice"},
+               {"h0:1,,h2:3", "empty"},
+               {"h0:1,h1", "entry 1 'h1' is not HOST:PORT"},
+               {"h0:1,h1:2,h2:3,h3:4,h4:5", "5 candidates but cluster_size is 4"},
+               {"a:1,b:1,c:1,d:1,e:1,f:1,g:1,h:1,i:1", "more than 8"}};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        const char *kv[] = {"cluster_size",
+                            "4",
+                            "cluster_rank",
+                            "1",
+                            "coordinator",
+                            bad[i].list,
+                            "cluster_secret_file",
+                            "/x",
+                            NULL};
+        if (strcmp(bad[i].says, "more than 8") == 0)
+            kv[1] = "16";
+        amx_err_clear(&err);
+        ck_assert_msg(resolve(NULL, kv, &id, &err) == AMX_EINVAL, "%s", bad[i].list);
+        AMX_ASSERT_HAS(err.msg, bad[i].says);
+    }
+}
+END_TEST
+
 START_TEST(auth_tokens)
 {
     const uint8_t s1[] = "0123456789abcdef", s2[] = "fedcba9876543210";
@@ -305,6 +365,7 @@ int main(void)
     tcase_set_timeout(tc, 30);
     tcase_add_test(tc, slurm_first_host);
     tcase_add_test(tc, identity_sources);
+    tcase_add_test(tc, coordinator_candidates);
     tcase_add_test(tc, auth_tokens);
     tcase_add_test(tc, secret_file_rules);
     tcase_add_test(tc, cluster_tokens_between_daemons);
