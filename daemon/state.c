@@ -96,12 +96,23 @@ amx_status_t amx__state_size_slices(amx_state_t *st, int k, uint64_t ns, amx_err
 
 /* ---- statistics (calibrators beyond max) ---- */
 
-static void copy_runs(void *dst, const void *src, size_t elem, const amx_run_t *runs, size_t n)
+/* Copies the runs of `src` (src_n elements) into dst; the part of a run
+ * beyond src_n is left as it is (zero). A side of the published statistic
+ * results is only rewritten by epochs that have statistics, so it may
+ * still be in an older, smaller layout than the runs assume. */
+static void copy_runs(void *dst, const void *src, size_t elem, const amx_run_t *runs, size_t n,
+                      uint64_t src_n)
 {
-    for (size_t r = 0; r < n; r++)
-        if (runs[r].len > 0)
+    for (size_t r = 0; r < n; r++) {
+        uint64_t len = runs[r].len;
+        if (runs[r].src >= src_n)
+            continue;
+        if (len > src_n - runs[r].src)
+            len = src_n - runs[r].src;
+        if (len > 0)
             memcpy((char *)dst + runs[r].dst * elem, (const char *)src + runs[r].src * elem,
-                   runs[r].len * elem);
+                   len * elem);
+    }
 }
 
 amx_status_t amx__state_size_stat_results(amx_state_t *st, int k, uint32_t nq, uint64_t nscell,
@@ -139,19 +150,21 @@ amx_status_t amx__state_remap_stats(amx_state_t *st, const amx_layout_change_t *
         return amx_err_set(err, AMX_ENOMEM, "out of host memory remapping statistics");
     }
     if (st->basis != NULL)
-        copy_runs(basis, st->basis, sizeof(float), lc->scells, lc->nscell_runs);
+        copy_runs(basis, st->basis, sizeof(float), lc->scells, lc->nscell_runs, st->nscell);
     if (st->sq_epoch != NULL)
-        copy_runs(ep, st->sq_epoch, sizeof(uint64_t), lc->qs, lc->nq_runs);
+        copy_runs(ep, st->sq_epoch, sizeof(uint64_t), lc->qs, lc->nq_runs, st->sq_n);
     if (st->p_basis[src] != NULL)
-        copy_runs(pb, st->p_basis[src], sizeof(float), lc->scells, lc->nscell_runs);
+        copy_runs(pb, st->p_basis[src], sizeof(float), lc->scells, lc->nscell_runs,
+                  st->p_nscell[src]);
     if (st->p_sq[src] != NULL)
-        copy_runs(ps, st->p_sq[src], sizeof(*ps), lc->qs, lc->nq_runs);
+        copy_runs(ps, st->p_sq[src], sizeof(*ps), lc->qs, lc->nq_runs, st->p_nq[src]);
     free(st->basis);
     free(st->sq_epoch);
     free(st->p_basis[back]);
     free(st->p_sq[back]);
     st->basis = basis;
     st->sq_epoch = ep;
+    st->sq_n = nq;
     st->p_basis[back] = pb;
     st->p_sq[back] = ps;
     st->p_nscell[back] = ns;
@@ -187,6 +200,7 @@ amx_status_t amx__state_import_stats(amx_state_t *st, const amx_state_arrays_t *
     free(st->sq_epoch);
     st->basis = basis;
     st->sq_epoch = ep;
+    st->sq_n = nq;
     st->nstat = a->nstat;
     st->nscell = ns;
     return AMX_OK;

@@ -310,6 +310,7 @@ struct amx_state {
      * epoch that fixed it (0: not yet). */
     float *basis;
     uint64_t *sq_epoch;
+    uint64_t sq_n; /* entries of sq_epoch */
     /* Engine, for finish only (NULL: none): per stat cell the amax its
      * calibrator computed, NaN where the cell keeps its max. */
     const float *ovr;
