@@ -234,6 +234,24 @@ amx_status_t amx_cluster_resolve(const amx_config_t *cfg, const char *(*env)(con
         uint32_t lp = amx_config_is_set(cfg, "peer_port") ? port : cport;
         snprintf(id->listen, sizeof(id->listen), "0.0.0.0:%u", lp);
     }
+    /* A candidate must be where the list says: entry `rank` is how the
+     * others reach it when it takes the coordinator's role. */
+    if (id->ncoord > 1 && rank < id->ncoord) {
+        char eh[200], lh[200];
+        uint32_t ep = 0, lp = 0;
+        split_hostport(id->coords[rank], eh, sizeof(eh), &ep);
+        split_hostport(id->listen, lh, sizeof(lh), &lp);
+        if (lp != ep)
+            return amx_err_set(err, AMX_EINVAL,
+                               "coordinator entry %u is %s, but this daemon (cluster rank %u) "
+                               "listens on %s: entry i must be the peer service of rank i",
+                               rank, id->coords[rank], rank, id->listen);
+        if (cfg->peer_advertise[0] != '\0' && strcmp(cfg->peer_advertise, id->coords[rank]) != 0)
+            return amx_err_set(err, AMX_EINVAL,
+                               "coordinator entry %u is %s, but this daemon (cluster rank %u) "
+                               "advertises %s: entry i must be the peer service of rank i",
+                               rank, id->coords[rank], rank, cfg->peer_advertise);
+    }
     if (cfg->peer_advertise[0] == '\0' && id->ncoord > 1 && rank < id->ncoord) {
         snprintf(id->advertise, sizeof(id->advertise), "%s", id->coords[rank]);
     } else if (cfg->peer_advertise[0] != '\0') {

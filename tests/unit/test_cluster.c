@@ -166,6 +166,26 @@ START_TEST(coordinator_candidates)
     ck_assert_int_eq(resolve(NULL, three, &id, &err), AMX_OK);
     ck_assert_uint_eq(id.ncoord, 3);
     ck_assert_str_eq(id.listen, "0.0.0.0:7420");
+    /* A candidate that listens or advertises elsewhere than its entry. */
+    const char *moved[] = {"cluster_size",
+                           "4",
+                           "cluster_rank",
+                           "1",
+                           "coordinator",
+                           "h0:7420,h1:7421",
+                           "cluster_secret_file",
+                           "/x",
+                           "peer_listen",
+                           "0.0.0.0:7500",
+                           NULL};
+    ck_assert_int_eq(resolve(NULL, moved, &id, &err), AMX_EINVAL);
+    AMX_ASSERT_HAS(err.msg, "entry 1 is h1:7421, but this daemon (cluster rank 1) listens on");
+    const char *other[] = {
+        "cluster_size",        "4",  "cluster_rank",   "1",       "coordinator", "h0:7420,h1:7421",
+        "cluster_secret_file", "/x", "peer_advertise", "h0:7421", NULL};
+    amx_err_clear(&err);
+    ck_assert_int_eq(resolve(NULL, other, &id, &err), AMX_EINVAL);
+    AMX_ASSERT_HAS(err.msg, "advertises h0:7421");
     /* One entry: one candidate, as before. */
     const char *one[] = {
         "cluster_size", "2", "cluster_rank", "1", "coordinator", "h0:7420", "cluster_secret_file",
