@@ -621,8 +621,10 @@ void amx_coord_expire(amx_coord_t *co, uint64_t now_ms)
             if (!j->ready) {
                 missing_list(j, missing, sizeof(missing));
                 snprintf(msg, sizeof(msg),
-                         "the agreement of job '%s' timed out: the coordinator does not know "
-                         "where ranks %s are (it restarted, and their daemons have not come back)",
+                         "the agreement of job '%s' timed out: no daemon hosting ranks %s sent "
+                         "this coordinator an agreement request (it restarted or took the role "
+                         "over, and it learns where ranks are from those requests: their "
+                         "daemons are down, or their trainers did not enter Reconcile)",
                          j->name, missing);
             } else {
                 snprintf(msg, sizeof(msg), "the agreement of job '%s' timed out waiting for %s",
