@@ -1117,39 +1117,66 @@ static void *watch_main(void *arg)
     Amaxd__Peer__V1__PingRequest q = AMAXD__PEER__V1__PING_REQUEST__INIT;
     q.from = me;
     q.incarnation = p->id.incarnation;
-    int none_logged = 0;
+    int none_logged = 0, first = 1;
+    uint8_t ever[AMX_MAX_COORDS] = {0}; /* answered since this daemon started */
     pthread_mutex_lock(&p->co_mu);
     while (!p->w_stop) {
+        /* The first round at once: a daemon that starts while another
+         * candidate coordinates finds it without waiting. */
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_sec += (time_t)(period / 1000);
-        ts.tv_nsec += (long)(period % 1000) * 1000000L;
+        uint64_t wait_ms = first ? 0 : period;
+        first = 0;
+        ts.tv_sec += (time_t)(wait_ms / 1000);
+        ts.tv_nsec += (long)(wait_ms % 1000) * 1000000L;
         if (ts.tv_nsec >= 1000000000L) {
             ts.tv_sec++;
             ts.tv_nsec -= 1000000000L;
         }
-        pthread_cond_timedwait(&p->co_cv, &p->co_mu, &ts);
+        if (wait_ms > 0)
+            pthread_cond_timedwait(&p->co_cv, &p->co_mu, &ts);
         if (p->w_stop)
             break;
         pthread_mutex_unlock(&p->co_mu);
         size_t n = 0;
         multi_t *v = call_all(p, &m, -1, SVC "Ping", &q.base, ping_ms, &n);
         uint64_t now = amx_now_ms();
+        uint32_t serving = UINT32_MAX; /* the lowest candidate that says it coordinates */
         pthread_mutex_lock(&p->co_mu);
         for (size_t i = 0; v != NULL && i < n; i++) {
             char msg[200];
-            if (v[i].started && v[i].b.done &&
-                bcall_result(&v[i].b, NULL, NULL, msg, sizeof(msg)) == AMX_OK)
-                p->last_ok[i] = now;
+            uint8_t *out = NULL;
+            size_t olen = 0;
+            if (!v[i].started || !v[i].b.done ||
+                bcall_result(&v[i].b, &out, &olen, msg, sizeof(msg)) != AMX_OK) {
+                free(out);
+                continue;
+            }
+            p->last_ok[i] = now;
+            ever[i] = 1;
+            Amaxd__Peer__V1__PingResponse *r =
+                amaxd__peer__v1__ping_response__unpack(NULL, olen, out);
+            free(out);
+            if (r != NULL && r->coordinating && serving == UINT32_MAX)
+                serving = (uint32_t)i;
+            if (r != NULL)
+                amaxd__peer__v1__ping_response__free_unpacked(r, NULL);
         }
         if (v != NULL)
             free_all(v, n);
         uint32_t best = me < p->ncand ? me : UINT32_MAX;
-        for (uint32_t i = 0; i < below; i++)
-            if (now - p->last_ok[i] < p->failover_ms) {
+        for (uint32_t i = 0; i < below; i++) {
+            /* A candidate that coordinates while those below it never
+             * answered this daemon is taken at once, grace or not. */
+            if (i == serving) {
                 best = i;
                 break;
             }
+            if (now - p->last_ok[i] < p->failover_ms && (ever[i] || serving == UINT32_MAX)) {
+                best = i;
+                break;
+            }
+        }
         if (best == UINT32_MAX) {
             /* Not a candidate and none answers: keep the last one. */
             if (!none_logged)
