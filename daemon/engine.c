@@ -21,6 +21,7 @@
 #include "job_snap.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -589,7 +590,7 @@ static amx_status_t snapshot_previous(const amx_job_t *j, const amx_catalog_t *c
          * previous ones, not this daemon's own stale front. */
         for (uint32_t i = 0; res->prev_cat != NULL && i < cat->n; i++) {
             int64_t k = amx_catalog_find(res->prev_cat, cat->q[i]->name);
-            if (k < 0)
+            if (k < 0 || isnan(res->prev_ga[k]))
                 continue;
             m->prev_ok[i] = 1;
             m->prev_ga[i] = res->prev_ga[k];
@@ -601,7 +602,7 @@ static amx_status_t snapshot_previous(const amx_job_t *j, const amx_catalog_t *c
         return AMX_OK;
     for (uint32_t i = 0; i < cat->n; i++) {
         int64_t old = cat == j->cat ? (int64_t)i : amx_catalog_find(j->cat, cat->q[i]->name);
-        if (old < 0 || (uint64_t)old >= st->out_nq[f])
+        if (old < 0 || (uint64_t)old >= st->out_nq[f] || !amx_job_published(j, (uint32_t)old))
             continue;
         m->prev_ok[i] = 1;
         m->prev_ga[i] = st->g_amax[f][old];

@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <math.h>
+
 #include "clock.h"
 #include "comm.h"
 #include "jobstate.h"
@@ -34,8 +36,21 @@ static amx_status_t publish_state(amx_engine_t *e, uint64_t seq)
     amx_err_t err = {0};
     void *blob;
     size_t len;
-    amx_status_t st = amx_jobstate_export(j->name, e->last_reconciled, e->w_cat, e->w_desc,
-                                          j->state, 0, &blob, &len, &err);
+    /* Quantizers whose front global is a layout change's placeholder (an
+     * epoch that agreed on them failed) are marked: the daemon behind must
+     * not take it for the previous epoch's global. */
+    uint8_t *g_ok = calloc(e->w_cat->n ? e->w_cat->n : 1, 1);
+    if (g_ok == NULL)
+        return amx__engine_fail(e, AMX_ENOMEM, "out of memory serving the state of job '%s'",
+                                j->name);
+    for (uint32_t i = 0; i < e->w_cat->n; i++) {
+        int64_t k =
+            e->w_cat == j->cat ? (int64_t)i : amx_catalog_find(j->cat, e->w_cat->q[i]->name);
+        g_ok[i] = k >= 0 && amx_job_published(j, (uint32_t)k);
+    }
+    amx_status_t st = amx_jobstate_export_marked(j->name, e->last_reconciled, e->w_cat, e->w_desc,
+                                                 j->state, 0, g_ok, &blob, &len, &err);
+    free(g_ok);
     if (st != AMX_OK)
         return amx__engine_fail(e, st,
                                 "job '%s': preparing the state for daemons that are behind: %s",
@@ -116,6 +131,15 @@ static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
     st = amx_jobstate_parse(blob, len, &js, &err);
     if (st == AMX_OK && strcmp(js.job, j->name) != 0)
         st = amx_err_set(&err, AMX_EINVAL, "it is the state of job '%s'", js.job);
+    /* The donor's globals are the previous epoch's (NaN: it had none);
+     * the state takes the placeholders a layout change gives. */
+    if (st == AMX_OK && stash_previous(e, &js) != AMX_OK)
+        st = amx_err_set(&err, AMX_ENOMEM, "out of memory");
+    for (uint32_t i = 0; st == AMX_OK && i < js.cat->n; i++)
+        if (isnan(js.a.g_amax[i])) {
+            js.a.g_amax[i] = 0.0f;
+            js.a.g_scale[i] = js.a.g_inv[i] = 1.0f;
+        }
     if (st == AMX_OK)
         st = j->state->ops->import_state(j->state, js.cat->ncells, js.cat->nhist, js.cat->n,
                                          js.cat->nslices, &js.a, &err);
@@ -126,7 +150,7 @@ static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
                                 j->name, sr->donor, err.msg);
     }
     amx_qdesc_t *d = malloc((js.cat->n ? js.cat->n : 1) * sizeof(amx_qdesc_t));
-    if (d == NULL || stash_previous(e, &js) != AMX_OK) {
+    if (d == NULL) {
         free(d);
         amx_jobstate_free(&js);
         free(blob);

@@ -157,6 +157,7 @@ void amx__job_free(amx_job_t *j)
     free(j->prev_ga);
     free(j->prev_gs);
     free(j->prev_ok);
+    free(j->pub_ok);
     free(j->name);
     free(j);
 }

@@ -164,8 +164,20 @@ typedef struct amx_job {
     uint8_t *prev_ok;
     uint32_t prev_n;
     size_t prev_cap;
+    /* Per quantizer of cat (< pub_n): whether the front outputs hold a
+     * global that an epoch published for it, rather than the placeholder
+     * (0, 1) a layout change gives a quantizer new to it. NULL: all do. */
+    uint8_t *pub_ok;
+    uint32_t pub_n;
     struct amx_job *next;
 } amx_job_t;
+
+/* Whether the front outputs hold a published global of quantizer `ci` of
+ * the installed catalog (amx_job_t.pub_ok). */
+static inline int amx_job_published(const amx_job_t *j, uint32_t ci)
+{
+    return j->pub_ok == NULL || (ci < j->pub_n && j->pub_ok[ci]);
+}
 
 /* The registry's own state (registry.c). */
 struct amx_registry;

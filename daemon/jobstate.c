@@ -3,6 +3,7 @@
 
 #include "bytebuf.h"
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,6 +48,15 @@ static size_t reserve(amx_wbuf_t *w, size_t n)
 amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
                                  const amx_catalog_t *cat, const amx_qdesc_t *desc, amx_state_t *st,
                                  int back, void **blob, size_t *len, amx_err_t *err)
+{
+    return amx_jobstate_export_marked(job, last_reconciled, cat, desc, st, back, NULL, blob, len,
+                                      err);
+}
+
+amx_status_t amx_jobstate_export_marked(const char *job, uint64_t last_reconciled,
+                                        const amx_catalog_t *cat, const amx_qdesc_t *desc,
+                                        amx_state_t *st, int back, const uint8_t *g_ok, void **blob,
+                                        size_t *len, amx_err_t *err)
 {
     amx_wbuf_t w = {0};
     amx_put32(&w, MAGIC);
@@ -135,6 +145,9 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
         free(w.p);
         return rc;
     }
+    for (uint32_t i = 0; g_ok != NULL && i < cat->n; i++)
+        if (!g_ok[i])
+            a.g_amax[i] = a.g_scale[i] = a.g_inv[i] = NAN;
     uint64_t sum = amx_checksum64(w.p, body);
     memcpy(w.p + body, &sum, 8);
     *blob = w.p;

@@ -46,6 +46,14 @@ amx_status_t amx_jobstate_export(const char *job, uint64_t last_reconciled,
                                  const amx_catalog_t *cat, const amx_qdesc_t *desc, amx_state_t *st,
                                  int back, void **blob, size_t *len, amx_err_t *err);
 
+/* The same; where g_ok (per quantizer of cat) is 0, the quantizer's
+ * global amax, scale and inverse are written as NaN: the state holds no
+ * published global for it, only a layout change's placeholder. */
+amx_status_t amx_jobstate_export_marked(const char *job, uint64_t last_reconciled,
+                                        const amx_catalog_t *cat, const amx_qdesc_t *desc,
+                                        amx_state_t *st, int back, const uint8_t *g_ok, void **blob,
+                                        size_t *len, amx_err_t *err);
+
 /* Parses and checks a blob; on AMX_OK `out` owns a catalog and borrows
  * arrays from `blob`, which must stay alive and 8-byte aligned. */
 amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *out, amx_err_t *err);

@@ -210,6 +210,13 @@ void amx__install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_t 
      * (without room for them: no previous values, nothing wrong). */
     float *pga = NULL, *pgs = NULL;
     uint8_t *pok = NULL;
+    /* So do the marks of published globals; a quantizer new to the
+     * catalog has none (its front global is a placeholder). */
+    uint8_t *pub = calloc(nc->n ? nc->n : 1, 1);
+    if (pub == NULL) {
+        AMX_ERROR("registry", "job %s: out of memory installing a catalog; aborting", j->name);
+        abort();
+    }
     if (j->prev_n > 0 && nc->n > 0) {
         pga = malloc(nc->n * sizeof(float));
         pgs = malloc(nc->n * sizeof(float));
@@ -232,6 +239,7 @@ void amx__install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_t 
             own = j->lq[lid].spec;
         }
         amx_lq_t *q = &j->lq[lid];
+        pub[i] = q->status == LQ_AGREED && q->cidx >= 0 && amx_job_published(j, (uint32_t)q->cidx);
         if (pok != NULL && q->status == LQ_AGREED && q->cidx >= 0 &&
             (uint32_t)q->cidx < j->prev_n && j->prev_ok[q->cidx]) {
             pok[i] = 1;
@@ -290,6 +298,9 @@ void amx__install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_t 
     j->prev_gs = pgs;
     j->prev_ok = pok;
     j->prev_n = j->prev_cap = pok != NULL ? nc->n : 0;
+    free(j->pub_ok);
+    j->pub_ok = pub;
+    j->pub_n = nc->n;
     j->layout_gen++; /* bases, statuses and placements may have moved */
     amx_catalog_free(j->cat);
     free(j->desc);
@@ -339,8 +350,8 @@ static void save_previous(amx_job_t *j)
         memcpy(j->prev_ga, st->g_amax[f], have * sizeof(float));
         memcpy(j->prev_gs, st->g_scale[f], have * sizeof(float));
     }
-    memset(j->prev_ok, 1, have);
-    memset(j->prev_ok + have, 0, n - have);
+    for (uint32_t i = 0; i < n; i++)
+        j->prev_ok[i] = i < have && amx_job_published(j, i);
     j->prev_n = n;
 }
 
@@ -357,9 +368,10 @@ static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res)
         return; /* out of memory: no previous values, nothing wrong */
     for (uint32_t i = 0; i < n; i++) {
         int64_t k = amx_catalog_find(res->prev_cat, j->cat->q[i]->name);
-        j->prev_ok[i] = k >= 0;
-        j->prev_ga[i] = k >= 0 ? res->prev_ga[k] : 0.0f;
-        j->prev_gs[i] = k >= 0 ? res->prev_gs[k] : 0.0f;
+        /* NaN: the donor had no published global for it either. */
+        j->prev_ok[i] = k >= 0 && !isnan(res->prev_ga[k]);
+        j->prev_ga[i] = j->prev_ok[i] ? res->prev_ga[k] : 0.0f;
+        j->prev_gs[i] = j->prev_ok[i] ? res->prev_gs[k] : 0.0f;
     }
     j->prev_n = n;
 }
@@ -395,6 +407,18 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
         j->epoch = res->last_reconciled + 1;
         if (res->reconciled && !j->dropped)
             previous_from_donor(j, res);
+        if (!res->reconciled && !j->dropped && j->cat != NULL && res->prev_cat != NULL) {
+            /* The front holds the donor's globals now (published with the
+             * imported state): those it had published itself. */
+            uint8_t *pub = calloc(j->cat->n ? j->cat->n : 1, 1);
+            for (uint32_t i = 0; pub != NULL && i < j->cat->n; i++) {
+                int64_t k = amx_catalog_find(res->prev_cat, j->cat->q[i]->name);
+                pub[i] = k >= 0 && !isnan(res->prev_ga[k]);
+            }
+            free(j->pub_ok);
+            j->pub_ok = pub; /* out of memory: NULL, as before this mark existed */
+            j->pub_n = pub != NULL ? j->cat->n : 0;
+        }
     }
     j->last_epoch_us = res->total_us;
     j->last_collective_us = res->collective_us;
@@ -414,6 +438,10 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
         return;
     }
     if (res->reconciled) {
+        /* Every quantizer of the epoch's catalog has its global now. */
+        free(j->pub_ok);
+        j->pub_ok = NULL;
+        j->pub_n = 0;
         j->state->ops->publish(j->state);
         j->last_reconciled = res->epoch;
         j->epoch = res->epoch + 1;

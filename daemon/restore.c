@@ -189,6 +189,10 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
     res.pend_change.nstat = cat->nstat;
     res.pend_change.nscell = cat->nscell;
     amx__install_catalog(reg, j, &res);
+    /* The restored outputs are what the last epoch published. */
+    free(j->pub_ok);
+    j->pub_ok = NULL;
+    j->pub_n = 0;
     /* Placements. */
     for (uint32_t i = 0; i < m->nranks; i++) {
         const amx_snap_rank_t *sr = &m->ranks[i];

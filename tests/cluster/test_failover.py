@@ -362,3 +362,79 @@ def test_second_failover(make_cluster):
         wait_coordinator(c, (2, 3), want, 5)
     for cl in cls.values():
         cl.close()
+
+
+def test_a_failed_epoch_that_agreed_leaves_no_false_previous(make_cluster):
+    """Found from outside: after daemon 0 is gone, an epoch agrees on a new
+    quantizer ("late") and then fails (daemon 3 is killed while the others
+    wait for its late rank, and restarted). Once the epoch completes, the
+    new quantizer has no previous-epoch globals on any daemon (it had none:
+    the placeholder a layout change gives it is not a published global),
+    and every daemon holds the bytes of an uninterrupted run."""
+    needs_four()
+    want = reference(make_cluster, 4)[4]
+    c = make_cluster(4, *FLAGS, candidates=3)
+    cls = clients(c)
+    start_job(cls)
+    for e in (1, 2, 3):
+        out, errs = run_epoch(cls, e)
+        assert not errs, errs
+    c.kill(0)
+    restarted = threading.Event()
+
+    def reconcile_until_done(r):
+        for attempt in range(60):
+            try:
+                return cls[r].reconcile()
+            except (amaxd.errors.Unavailable, amaxd.errors.DeadlineExceeded,
+                    amaxd.errors.Aborted):
+                time.sleep(0.1)
+        return cls[r].reconcile()
+
+    def rank(r):
+        """Epoch 4 as a trainer does it: Reconcile again after a typed
+        error; daemon 3's ranks join again once it is back."""
+        cls[r].register(new_quantizers("late"))
+        if r == 5:
+            time.sleep(2.0)
+        if HOME[r] != 3:
+            cls[r].send(values(r, 4, extras(r, 4)))
+            return reconcile_until_done(r)
+        try:
+            cls[r].send(values(r, 4, extras(r, 4)))
+            return cls[r].reconcile()
+        except amaxd.AmaxdError:
+            pass
+        restarted.wait(30)
+        cls[r].close()
+        cls[r] = amaxd.Client("fo", r, WORLD, socket=c.socket(3), timeout=60)
+        for attempt in range(50):  # a Join while the role moves: UNAVAILABLE, Join again
+            try:
+                cls[r].join(timeout=TIMEOUT_MS / 1000 + 5)
+                break
+            except amaxd.errors.Unavailable:
+                time.sleep(0.1)
+        cls[r].register(quantizers(r) + new_quantizers("late"))
+        cls[r].send(values(r, 4, extras(r, 4)))
+        return reconcile_until_done(r)
+    res = {}
+
+    def epoch4():
+        res["out"], res["errs"] = run_threads({r: (lambda r=r: rank(r)) for r in range(WORLD)},
+                                              timeout=120)
+    t = threading.Thread(target=epoch4)
+    t.start()
+    time.sleep(0.8)  # daemons 1 and 2 wait for daemon 3's late rank 5
+    c.kill(3)
+    time.sleep(1.0)
+    c.start(3)
+    restarted.set()
+    t.join(130)
+    assert not t.is_alive()
+    assert not res["errs"], f"{res['errs']}\n{c.logs()}"
+    for r in ONE_PER_DAEMON:
+        late = cls[r].get_scales(["late"], whole=True)["late"]
+        assert late.previous_global_amax is None, (r, late)
+    check_same(c, cls, want)
+    for cl in cls.values():
+        cl.close()
