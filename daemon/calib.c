@@ -477,12 +477,10 @@ void amx_nvfp4_mse_candidates(float *out)
     }
 }
 
-int amx_nvfp4_mse_index(float g, double v)
+int amx_nvfp4_mse_index(const float *c, float g, double v)
 {
-    float c[AMX_NVFP4_MSE_STEPS];
     if (!(v >= 0.0) || (double)(float)v != v)
         return -1;
-    amx_nvfp4_mse_candidates(c);
     /* g * c_k is non-decreasing in k (c increases, g >= 0, rounding is
      * monotone): the first k whose product is >= v. */
     uint32_t lo = 0, hi = AMX_NVFP4_MSE_STEPS;

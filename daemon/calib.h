@@ -144,11 +144,11 @@ uint32_t amx_mse_argmin(const double *loss, uint32_t n);
 void amx_nvfp4_mse_candidates(float *out);
 
 /*
- * Which candidate amax `v` is for global amax g >= 0: the index k with v
- * == float32(g * c_k) (NVFP4MSECalibrator._compute_candidate_amax), the
- * first one when several products are equal (g 0 or tiny); -1 when v is
- * none of them.
+ * Which candidate amax `v` is for global amax g >= 0 and the candidates
+ * `cand` (amx_nvfp4_mse_candidates): the index k with v == float32(g *
+ * c_k) (NVFP4MSECalibrator._compute_candidate_amax), the first one when
+ * several products are equal (g 0 or tiny); -1 when v is none of them.
  */
-int amx_nvfp4_mse_index(float g, double v);
+int amx_nvfp4_mse_index(const float *cand, float g, double v);
 
 #endif

@@ -588,6 +588,9 @@ static amx_status_t read_stat(const amx_job_t *j, uint32_t lid, const uint8_t *s
     int hist = spec->calib.kind == AMX_CAL_HISTOGRAM;
     int fp4 = spec->calib.kind == AMX_CAL_NVFP4_MSE;
     float g = fp4 ? nvfp4_basis(j, lid) : 0.0f;
+    float cand[AMX_NVFP4_MSE_STEPS];
+    if (fp4)
+        amx_nvfp4_mse_candidates(cand);
     for (uint64_t i = 0; i < n; i++) {
         double v;
         memcpy(&v, src + 8 * i, 8);
@@ -608,7 +611,7 @@ static amx_status_t read_stat(const amx_job_t *j, uint32_t lid, const uint8_t *s
                                "nothing of this request was applied)",
                                what, rank, j->name, spec->name, (unsigned long long)i, rank, v,
                                (double)g);
-        if (fp4 && amx_nvfp4_mse_index(g, v) < 0)
+        if (fp4 && amx_nvfp4_mse_index(cand, g, v) < 0)
             return amx_err_set(err, AMX_EINVAL,
                                "%s of rank %u, job '%s': NVFP4_MSE quantizer '%s' block %llu of "
                                "rank %u's block: amax %.9g is not one of the candidates "

@@ -143,12 +143,14 @@ static void nvfp4_amax(amx_engine_t *e, uint32_t i, const double *s)
     float g = e->job->state->basis[d->obase];
     amx_stat_result_t *r = &e->sres[i];
     uint64_t have = 0, clash = 0;
+    float cand[AMX_NVFP4_MSE_STEPS];
+    amx_nvfp4_mse_candidates(cand);
     for (uint64_t cell = 0; cell < d->ncells; cell++) {
         const double *t = s + 3 * cell;
         if (!(t[2] > 0.0))
             continue; /* no rank searched this block */
         double v = t[0] / t[2];
-        if (t[1] != v * t[0] || amx_nvfp4_mse_index(g, v) < 0) {
+        if (t[1] != v * t[0] || amx_nvfp4_mse_index(cand, g, v) < 0) {
             clash++;
             continue;
         }

@@ -209,19 +209,19 @@ START_TEST(nvfp4_candidates)
         float g = gs[t];
         for (uint32_t k = 0; k < AMX_NVFP4_MSE_STEPS; k++) {
             float a = g * c[k];
-            int i = amx_nvfp4_mse_index(g, a);
+            int i = amx_nvfp4_mse_index(c, g, a);
             ck_assert_int_ge(i, 0);
             ck_assert_float_eq(g * c[i], a); /* the first of equal products */
             ck_assert_int_le(i, (int)k);
-            ck_assert_int_eq(amx_nvfp4_mse_index(g, nextafter((double)a, INFINITY)), -1);
+            ck_assert_int_eq(amx_nvfp4_mse_index(c, g, nextafter((double)a, INFINITY)), -1);
         }
-        ck_assert_int_eq(amx_nvfp4_mse_index(g, (double)g * 1.5), -1);
-        ck_assert_int_eq(amx_nvfp4_mse_index(g, -(double)(g * c[3])), -1);
-        ck_assert_int_eq(amx_nvfp4_mse_index(g, NAN), -1);
+        ck_assert_int_eq(amx_nvfp4_mse_index(c, g, (double)g * 1.5), -1);
+        ck_assert_int_eq(amx_nvfp4_mse_index(c, g, -(double)(g * c[3])), -1);
+        ck_assert_int_eq(amx_nvfp4_mse_index(c, g, NAN), -1);
     }
     /* g = 0: every candidate is 0; 0 is the first. */
-    ck_assert_int_eq(amx_nvfp4_mse_index(0.0f, 0.0), 0);
-    ck_assert_int_eq(amx_nvfp4_mse_index(0.0f, 1e-45), -1);
+    ck_assert_int_eq(amx_nvfp4_mse_index(c, 0.0f, 0.0), 0);
+    ck_assert_int_eq(amx_nvfp4_mse_index(c, 0.0f, 1e-45), -1);
 }
 END_TEST
 
