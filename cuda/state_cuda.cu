@@ -330,8 +330,8 @@ __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells
         out_amax[i] = a;
         if (a == AMX_NEG_INF)
             e = 1;
-        else
-            m = amx_fmaxf(m, a);
+        else /* NVFP4 per-block search: the global stays the running max's */
+            m = amx_fmaxf(m, q->global_of_max ? acc[k] : a);
     }
     /* Lanes past the end hold m = -inf, e = 0: publishing them is a no-op. */
     const unsigned full = 0xffffffffu;

@@ -23,12 +23,17 @@ uint64_t amx_calib_stat_values(const amx_calib_t *c, uint64_t ncells)
         return (uint64_t)c->num_bins + 1;
     if (c->kind == AMX_CAL_MSE)
         return (uint64_t)c->nsteps * ncells;
+    if (c->kind == AMX_CAL_NVFP4_MSE)
+        return ncells;
     return 0;
 }
 
 const char *amx_calib_kind_name(int kind)
 {
-    return kind == AMX_CAL_HISTOGRAM ? "histogram" : kind == AMX_CAL_MSE ? "mse" : "max";
+    return kind == AMX_CAL_HISTOGRAM   ? "histogram"
+           : kind == AMX_CAL_MSE       ? "mse"
+           : kind == AMX_CAL_NVFP4_MSE ? "nvfp4_mse"
+                                       : "max";
 }
 
 int amx_calib_equal(const amx_calib_t *a, const amx_calib_t *b)
@@ -452,4 +457,41 @@ uint32_t amx_mse_argmin(const double *loss, uint32_t n)
         if (loss[k] < loss[best])
             best = k;
     return best;
+}
+
+/* ---- NVFP4 per-block search ---- */
+
+/* FP8 E4M3 (fn) byte b in 1..126 as float: exponent field e = b >> 3,
+ * mantissa m = b & 7; subnormal (e 0) m * 2^-9, else (8 + m) * 2^(e - 10).
+ * Byte 127 is NaN. */
+static float e4m3_value(unsigned b)
+{
+    unsigned e = b >> 3, m = b & 7u;
+    return e == 0 ? ldexpf((float)m, -9) : ldexpf((float)(8u + m), (int)e - 10);
+}
+
+void amx_nvfp4_mse_candidates(float *out)
+{
+    for (unsigned b = 1; b <= AMX_NVFP4_MSE_STEPS; b++) {
+        out[b - 1] = e4m3_value(b) / 448.0f; /* float32, as torch divides */
+    }
+}
+
+int amx_nvfp4_mse_index(const float *c, float g, double v)
+{
+    if (!(v >= 0.0) || (double)(float)v != v)
+        return -1;
+    /* g * c_k is non-decreasing in k (c increases, g >= 0, rounding is
+     * monotone): the first k whose product is >= v. */
+    uint32_t lo = 0, hi = AMX_NVFP4_MSE_STEPS;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if ((double)(g * c[mid]) < v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == AMX_NVFP4_MSE_STEPS)
+        return -1;
+    return (double)(g * c[lo]) == v ? (int)lo : -1;
 }

@@ -25,7 +25,7 @@
 #include <stdint.h>
 
 /* Values of the wire enums (proto/amaxd/v1/amaxd.proto, Calibrator). */
-enum { AMX_CAL_MAX = 0, AMX_CAL_HISTOGRAM = 1, AMX_CAL_MSE = 2 };
+enum { AMX_CAL_MAX = 0, AMX_CAL_HISTOGRAM = 1, AMX_CAL_MSE = 2, AMX_CAL_NVFP4_MSE = 3 };
 enum { AMX_HM_ENTROPY = 1, AMX_HM_PERCENTILE = 2, AMX_HM_MSE = 3 };
 /* The grid a histogram MSE search quantizes bin centers to: ModelOpt's
  * integer fake quantization (num_bits, unsigned) or FP8 E4M3. */
@@ -41,6 +41,9 @@ enum { AMX_TORCH_AVX2 = 1, AMX_TORCH_AVX512 = 2, AMX_TORCH_DEFAULT = 3 };
 #define AMX_HIST_MAX_BINS 32767u
 /* The most candidates of an MSE search. */
 #define AMX_MSE_MAX_STEPS 4096u
+/* The candidates of an NVFP4 per-block search: the finite positive FP8
+ * E4M3 values. */
+#define AMX_NVFP4_MSE_STEPS 126u
 
 /* A quantizer's calibrator, normalized (every field zero for MAX). */
 typedef struct amx_calib {
@@ -65,7 +68,7 @@ typedef struct amx_calib {
  * nsteps losses per cell (cell-major). */
 uint64_t amx_calib_stat_values(const amx_calib_t *c, uint64_t ncells);
 
-/* "max", "histogram", "mse". */
+/* "max", "histogram", "mse", "nvfp4_mse". */
 const char *amx_calib_kind_name(int kind);
 
 /* Equal options? */
@@ -130,5 +133,22 @@ uint64_t amx_mse_nsteps(double start, double stop, double step);
 /* The index of the smallest of n losses, the first one on a tie
  * (torch.argmin); the values are finite. */
 uint32_t amx_mse_argmin(const double *loss, uint32_t n);
+
+/*
+ * The candidate multipliers of an NVFP4 per-block search (ModelOpt 0.47,
+ * kernels/quantization/gemm/_fp8_scale_candidates.py fp8_scale_candidates,
+ * used by calib/mse.py NVFP4MSECalibrator): the bytes 0..127 read as FP8
+ * E4M3, the finite positive ones (bytes 1..126) divided by 448 in float32,
+ * in byte order (increasing). `out` has AMX_NVFP4_MSE_STEPS entries.
+ */
+void amx_nvfp4_mse_candidates(float *out);
+
+/*
+ * Which candidate amax `v` is for global amax g >= 0 and the candidates
+ * `cand` (amx_nvfp4_mse_candidates): the index k with v == float32(g *
+ * c_k) (NVFP4MSECalibrator._compute_candidate_amax), the first one when
+ * several products are equal (g 0 or tiny); -1 when v is none of them.
+ */
+int amx_nvfp4_mse_index(const float *cand, float g, double v);
 
 #endif

@@ -175,6 +175,41 @@ static int recipe_equal(const amx_recipe_t *a, const amx_recipe_t *b)
 
 /* ---- calibrators ---- */
 
+/* The NVFP4 per-block search (calib.h AMX_CAL_NVFP4_MSE): static NVFP4
+ * blocks whose global amax phase 1 fixes; its candidates are fixed, so it
+ * takes no option. */
+static amx_status_t normalize_nvfp4_mse(const amx_calib_in_t *in, const amx_qspec_t *s,
+                                        amx_calib_t *out, amx_err_t *err)
+{
+    const char *q = s->name;
+    if (in->method || in->grid || in->torch_cpu || in->num_bins || in->num_bits || in->start_bin ||
+        in->stride || in->is_unsigned || in->skip_zeros || in->percentile != 0.0 ||
+        in->start_mult != 0.0 || in->stop_mult != 0.0 || in->step_size != 0.0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator NVFP4_MSE takes no other field (its 126 "
+                           "candidates are the FP8 E4M3 scales); leave them at 0",
+                           q);
+    if (s->recipe.format != AMX_FMT_NVFP4 || s->ndim == 0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator NVFP4_MSE needs format NVFP4 and a "
+                           "global_shape of blocks (1 to 4 dimensions, e.g. [R, C/16]), got "
+                           "format %d with %u dimensions",
+                           q, (int)s->recipe.format, s->ndim);
+    if (s->accumulation != AMX_ACC_RUNNING_MAX)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator NVFP4_MSE needs accumulation RUNNING_MAX "
+                           "(phase 1's max fixes the global amax)",
+                           q);
+    if (s->peer_group[0] != '\0' || s->global_axes != 0)
+        return amx_err_set(err, AMX_EINVAL,
+                           "quantizer '%s': calibrator NVFP4_MSE cannot be combined with a "
+                           "peer_group or global_axes (a scale_group is allowed)",
+                           q);
+    out->kind = AMX_CAL_NVFP4_MSE;
+    out->nsteps = AMX_NVFP4_MSE_STEPS;
+    return AMX_OK;
+}
+
 /* Validates a calibrator (calib.h) against the rest of spec `s` (shape,
  * accumulation, groups, global axes already parsed). */
 static amx_status_t normalize_calib(const amx_calib_in_t *in, const amx_qspec_t *s,
@@ -183,10 +218,10 @@ static amx_status_t normalize_calib(const amx_calib_in_t *in, const amx_qspec_t 
     const char *q = s->name;
     memset(out, 0, sizeof(*out));
     int kind = in->present ? in->kind : AMX_CAL_MAX;
-    if (kind < AMX_CAL_MAX || kind > AMX_CAL_MSE)
+    if (kind < AMX_CAL_MAX || kind > AMX_CAL_NVFP4_MSE)
         return amx_err_set(err, AMX_EINVAL,
                            "quantizer '%s': calibrator.kind %d is unknown (use CALIBRATOR_MAX, "
-                           "CALIBRATOR_HISTOGRAM or CALIBRATOR_MSE)",
+                           "CALIBRATOR_HISTOGRAM, CALIBRATOR_MSE or CALIBRATOR_NVFP4_MSE)",
                            q, in->kind);
     int hist = kind == AMX_CAL_HISTOGRAM, mse = kind == AMX_CAL_MSE;
     if (kind == AMX_CAL_MAX) {
@@ -201,6 +236,8 @@ static amx_status_t normalize_calib(const amx_calib_in_t *in, const amx_qspec_t 
                                q);
         return AMX_OK;
     }
+    if (kind == AMX_CAL_NVFP4_MSE)
+        return normalize_nvfp4_mse(in, s, out, err);
     const char *kn = hist ? "HISTOGRAM" : "MSE";
     if (s->accumulation != AMX_ACC_RUNNING_MAX)
         return amx_err_set(err, AMX_EINVAL,
@@ -448,6 +485,8 @@ uint64_t amx_qspec_stat_values(const amx_qspec_t *s)
         return (uint64_t)s->calib.num_bins + 1;
     if (s->calib.kind == AMX_CAL_MSE)
         return ((uint64_t)s->calib.nsteps + 1) * s->ncells;
+    if (s->calib.kind == AMX_CAL_NVFP4_MSE)
+        return 3 * s->ncells; /* per cell: sum of amaxes, of their squares, count */
     return 0;
 }
 
@@ -455,7 +494,7 @@ uint64_t amx_qspec_stat_cells(const amx_qspec_t *s)
 {
     if (s->calib.kind == AMX_CAL_HISTOGRAM)
         return 1;
-    if (s->calib.kind == AMX_CAL_MSE)
+    if (s->calib.kind == AMX_CAL_MSE || s->calib.kind == AMX_CAL_NVFP4_MSE)
         return s->ncells;
     return 0;
 }
@@ -774,6 +813,7 @@ void amx_catalog_layout(const amx_catalog_t *c, amx_qdesc_t *desc)
         d->accumulation = s->accumulation;
         d->recipe = s->recipe;
         d->stat = s->calib.kind;
+        d->global_of_max = s->calib.kind == AMX_CAL_NVFP4_MSE;
         d->sbase = sbase;
         d->svals = amx_qspec_stat_values(s);
         d->obase = obase;

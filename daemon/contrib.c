@@ -546,6 +546,14 @@ static amx_status_t check_stat(const amx_job_t *j, uint32_t lid, const amx_place
                                exact ? " (the bins, then the overflow count)"
                                      : ", optionally followed by the overflow count",
                                (unsigned long long)n);
+    } else if (c->kind == AMX_CAL_NVFP4_MSE) {
+        if (n != pl->ncells)
+            return amx_err_set(err, AMX_EINVAL,
+                               "%s of rank %u, job '%s': NVFP4_MSE quantizer '%s': rank %u's block "
+                               "has %llu blocks; its statistic is one amax per block (got %llu "
+                               "values)",
+                               what, rank, j->name, q->spec->name, rank,
+                               (unsigned long long)pl->ncells, (unsigned long long)n);
     } else if (n != (uint64_t)c->nsteps * pl->ncells) {
         return amx_err_set(err, AMX_EINVAL,
                            "%s of rank %u, job '%s': MSE quantizer '%s' has %u candidates and "
@@ -557,14 +565,32 @@ static amx_status_t check_stat(const amx_job_t *j, uint32_t lid, const amx_place
     return AMX_OK;
 }
 
-/* Validates `n` float64 LE statistic values of quantizer `spec` read from
- * `src` into `dst` (histogram counts: non-negative integers below 2^53;
- * losses: finite and >= 0; -0 becomes +0). */
-static amx_status_t read_stat(const amx_job_t *j, const amx_qspec_t *spec, const uint8_t *src,
-                              uint64_t n, double *dst, uint32_t rank, const char *what,
-                              amx_err_t *err)
+/* The global amax an NVFP4_MSE quantizer's basis fixed (every stat cell
+ * holds it; check_stat found the basis published). */
+static float nvfp4_basis(const amx_job_t *j, uint32_t lid)
 {
+    const amx_state_t *st = j->state;
+    const amx_qdesc_t *d = &j->desc[j->lq[lid].cidx];
+    int f = st->front;
+    if (st->p_basis[f] == NULL || d->obase >= st->p_nscell[f])
+        return 0.0f;
+    return st->p_basis[f][d->obase];
+}
+
+/* Validates `n` float64 LE statistic values of quantizer lid read from
+ * `src` into `dst` (histogram counts: non-negative integers below 2^53;
+ * losses: finite and >= 0; NVFP4 block amaxes: one of the candidates of
+ * the basis's global amax; -0 becomes +0). */
+static amx_status_t read_stat(const amx_job_t *j, uint32_t lid, const uint8_t *src, uint64_t n,
+                              double *dst, uint32_t rank, const char *what, amx_err_t *err)
+{
+    const amx_qspec_t *spec = j->lq[lid].spec;
     int hist = spec->calib.kind == AMX_CAL_HISTOGRAM;
+    int fp4 = spec->calib.kind == AMX_CAL_NVFP4_MSE;
+    float g = fp4 ? nvfp4_basis(j, lid) : 0.0f;
+    float cand[AMX_NVFP4_MSE_STEPS];
+    if (fp4)
+        amx_nvfp4_mse_candidates(cand);
     for (uint64_t i = 0; i < n; i++) {
         double v;
         memcpy(&v, src + 8 * i, 8);
@@ -573,9 +599,28 @@ static amx_status_t read_stat(const amx_job_t *j, const amx_qspec_t *spec, const
                                "%s of rank %u, job '%s': quantizer '%s' statistic[%llu] = %g; %s "
                                "(nothing of this request was applied)",
                                what, rank, j->name, spec->name, (unsigned long long)i, v,
-                               hist ? "bin counts must be integers in [0, 2^53]"
-                                    : "losses must be finite and >= 0");
-        dst[i] = v + 0.0;
+                               hist  ? "bin counts must be integers in [0, 2^53]"
+                               : fp4 ? "block amaxes must be finite and >= 0"
+                                     : "losses must be finite and >= 0");
+        v += 0.0;
+        if (fp4 && v > (double)g)
+            return amx_err_set(err, AMX_EINVAL,
+                               "%s of rank %u, job '%s': NVFP4_MSE quantizer '%s' block %llu of "
+                               "rank %u's block: amax %.9g is above the global amax %.9g that "
+                               "phase 1 fixed (the largest candidate is the global amax itself; "
+                               "nothing of this request was applied)",
+                               what, rank, j->name, spec->name, (unsigned long long)i, rank, v,
+                               (double)g);
+        if (fp4 && amx_nvfp4_mse_index(cand, g, v) < 0)
+            return amx_err_set(err, AMX_EINVAL,
+                               "%s of rank %u, job '%s': NVFP4_MSE quantizer '%s' block %llu of "
+                               "rank %u's block: amax %.9g is not one of the candidates "
+                               "float32(g * e4m3/448) of the global amax g = %.9g (search against "
+                               "the basis the answer carries; nothing of this request was "
+                               "applied)",
+                               what, rank, j->name, spec->name, (unsigned long long)i, rank, v,
+                               (double)g);
+        dst[i] = v;
     }
     return AMX_OK;
 }
@@ -612,6 +657,20 @@ static void stage_stat(amx_registry_t *reg, const amx_job_t *j, uint32_t lid,
         reg->nsstage += c->num_bins + 1ull;
         return;
     }
+    if (c->kind == AMX_CAL_NVFP4_MSE) {
+        /* Per block its amax, its square and a presence count: summed over
+         * ranks, equal amaxes stay recognizable (engine_stat.c). */
+        for (uint64_t cell = 0; cell < pl->ncells; cell++) {
+            double v = vals[cell]; /* read before dst's writes reach it */
+            dst[3 * cell] = v;
+            dst[3 * cell + 1] = v * v;
+            dst[3 * cell + 2] = 1.0;
+        }
+        stat_ctx_t ctx = {reg, d->sbase, reg->nsstage, 3};
+        amx_placement_rows(pl, q->spec->shape, 0, stat_row, &ctx);
+        reg->nsstage += pl->ncells * 3;
+        return;
+    }
     uint64_t k = c->nsteps;
     for (uint64_t cell = 0; cell < pl->ncells; cell++) {
         memmove(dst + cell * (k + 1), vals + cell * k, k * sizeof(double));
@@ -626,6 +685,8 @@ static void stage_stat(amx_registry_t *reg, const amx_job_t *j, uint32_t lid,
 static uint64_t staged_size(const amx_job_t *j, uint32_t lid, const amx_placement_t *pl)
 {
     const amx_calib_t *c = &j->lq[lid].spec->calib;
+    if (c->kind == AMX_CAL_NVFP4_MSE)
+        return pl->ncells * 3;
     return c->kind == AMX_CAL_HISTOGRAM ? c->num_bins + 1ull : pl->ncells * (c->nsteps + 1ull);
 }
 
@@ -731,7 +792,7 @@ amx_status_t amx_registry_send(amx_registry_t *reg, const amx_send_req_t *req, u
             /* Read into the stage's tail, then placed by stage_stat. */
             uint64_t n = up->stat_len / 8;
             double *tmp = reg->sstage + reg->nsstage + (staged_size(j, lid, pl) - n);
-            AMX_CHECK(read_stat(j, j->lq[lid].spec, up->stat, n, tmp, req->rank, "SendAmax", err));
+            AMX_CHECK(read_stat(j, lid, up->stat, n, tmp, req->rank, "SendAmax", err));
             stage_stat(reg, j, lid, pl, tmp, n);
         }
         if (up->values_len == 0 && up->stat_len > 0 && up->has_data_len == 0)
@@ -908,8 +969,8 @@ static amx_status_t packed_stats(amx_registry_t *reg, amx_job_t *j, amx_lrank_t 
         const amx_placement_t *pl = &r->pls[r->pl_of[lid] - 1];
         uint64_t k = sl->stoff[i + 1] - sl->stoff[i];
         double *tmp = reg->sstage + reg->nsstage + (staged_size(j, lid, pl) - k);
-        AMX_CHECK(read_stat(j, j->lq[lid].spec, req->stats + 8 * sl->stoff[i], k, tmp, req->rank,
-                            "SendPacked", err));
+        AMX_CHECK(
+            read_stat(j, lid, req->stats + 8 * sl->stoff[i], k, tmp, req->rank, "SendPacked", err));
         stage_stat(reg, j, lid, pl, tmp, k);
     }
     return AMX_OK;

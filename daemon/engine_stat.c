@@ -127,6 +127,48 @@ static void mse_amax(amx_engine_t *e, uint32_t i, const double *s, float *cand)
     r->state = have == d->ncells && have > 0 ? AMX_STAT_COMPUTED : AMX_STAT_AGREED;
 }
 
+/*
+ * The amax of each block of NVFP4 per-block-search quantizer i that a rank
+ * searched: per block the summed (amax, amax^2, count) of the ranks that
+ * sent one. Ranks that sent the same amax v (replicas of a block, or one
+ * rank again in a later epoch) sum to (k v, k v^2, k): v = sum / k, and
+ * sum of squares == v * sum holds exactly (v is a float32, k v^2 and k v
+ * need at most 53 bits for k <= 32). Different amaxes break it: their
+ * candidates differ by more than an eighth, far above float64 rounding.
+ * Such a block keeps its max and is counted in `overflow`.
+ */
+static void nvfp4_amax(amx_engine_t *e, uint32_t i, const double *s)
+{
+    const amx_qdesc_t *d = &e->w_desc[i];
+    float g = e->job->state->basis[d->obase];
+    amx_stat_result_t *r = &e->sres[i];
+    uint64_t have = 0, clash = 0;
+    float cand[AMX_NVFP4_MSE_STEPS];
+    amx_nvfp4_mse_candidates(cand);
+    for (uint64_t cell = 0; cell < d->ncells; cell++) {
+        const double *t = s + 3 * cell;
+        if (!(t[2] > 0.0))
+            continue; /* no rank searched this block */
+        double v = t[0] / t[2];
+        if (t[1] != v * t[0] || amx_nvfp4_mse_index(cand, g, v) < 0) {
+            clash++;
+            continue;
+        }
+        e->ovr[d->obase + cell] = (float)v;
+        have++;
+    }
+    if (clash > 0)
+        AMX_WARN("engine",
+                 "job '%s', epoch %llu: quantizer '%s': ranks sent different amaxes for %llu "
+                 "blocks of its NVFP4 per-block search; they keep their max (Reset the "
+                 "quantizer and let one rank per block search it)",
+                 e->job->name, (unsigned long long)e->epoch, e->w_cat->q[i]->name,
+                 (unsigned long long)clash);
+    r->total = (double)have;
+    r->overflow = (double)clash;
+    r->state = have == d->ncells && have > 0 ? AMX_STAT_COMPUTED : AMX_STAT_AGREED;
+}
+
 amx_status_t amx__engine_stat_begin(amx_engine_t *e, int from_send)
 {
     amx_job_t *j = e->job;
@@ -222,6 +264,8 @@ amx_status_t amx__engine_stat_begin(amx_engine_t *e, int from_send)
         if (d->stat == AMX_CAL_HISTOGRAM) {
             int same = cache && memcmp(s, e->sprev + d->sbase, d->svals * sizeof(double)) == 0;
             hist_amax(e, i, s, same);
+        } else if (d->stat == AMX_CAL_NVFP4_MSE) {
+            nvfp4_amax(e, i, s);
         } else {
             mse_amax(e, i, s, (float *)e->sscratch);
         }
@@ -280,7 +324,15 @@ amx_status_t amx__engine_stat_end(amx_engine_t *e)
             all &= e->otmp[d->obase + c] != -INFINITY;
         if (!all)
             continue;
-        memcpy(st->basis + d->obase, e->otmp + d->obase, ncell * sizeof(float));
+        if (d->global_of_max) {
+            /* The NVFP4 per-block search: its basis is the global amax
+             * this epoch reconciled (its scale group's when it has one). */
+            float g = st->g_amax[st->front ^ 1][i];
+            for (uint64_t c = 0; c < ncell; c++)
+                st->basis[d->obase + c] = g;
+        } else {
+            memcpy(st->basis + d->obase, e->otmp + d->obase, ncell * sizeof(float));
+        }
         st->sq_epoch[i] = e->epoch;
         e->sres[i].epoch = e->epoch;
         e->sres[i].state = AMX_STAT_AGREED;

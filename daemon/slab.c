@@ -38,13 +38,16 @@ void amx__slab_free(amx_slab_t *sl)
 
 /* Statistic values quantizer q's block pl takes in the stat slab: a
  * histogram's counts and overflow count, an MSE search's losses per cell
- * (the presence counts are the daemon's own); 0 for max. */
+ * (the presence counts are the daemon's own), an NVFP4 search's amax per
+ * block; 0 for max. */
 static uint64_t block_stats(const amx_qspec_t *q, const amx_placement_t *pl)
 {
     if (q->calib.kind == AMX_CAL_HISTOGRAM)
         return q->calib.num_bins + 1ull;
     if (q->calib.kind == AMX_CAL_MSE)
         return (uint64_t)q->calib.nsteps * pl->ncells;
+    if (q->calib.kind == AMX_CAL_NVFP4_MSE)
+        return pl->ncells;
     return 0;
 }
 

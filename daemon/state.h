@@ -59,7 +59,10 @@ typedef struct amx_qdesc {
     uint8_t reset;     /* finish: clear accumulated state before this epoch's values */
     uint8_t peer_mode; /* AMX_PEER_FILL / AMX_PEER_SHARE (with a peer group) */
     uint8_t stat;      /* its calibrator's kind (calib.h AMX_CAL_*): 0 for max */
-    uint8_t pad[4];
+    /* The global amax is the max of the accumulated (running) max, not of
+     * the calibrated cells: the NVFP4 per-block search keeps phase 1's. */
+    uint8_t global_of_max;
+    uint8_t pad[3];
     /* Global slices (global_axes > 0): nslices globals, entries
      * [gbase, gbase + nslices) of the per-slice arrays; cell c (of this
      * quantizer) belongs to slice c / slice_cells. nslices 0: the one

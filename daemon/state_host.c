@@ -637,6 +637,14 @@ static void fin_peer(fin_t *f, const amx_qdesc_t *q, uint32_t qi)
             m = amx_fmaxf(m, out[c]);
         }
         f->nmissing += miss;
+        if (q->global_of_max) {
+            /* The NVFP4 per-block search: the global amax stays phase 1's,
+             * the max of the running max, whatever amax the blocks took. */
+            const float *acc = h->accum + q->base;
+            m = -INFINITY;
+            for (c = 0; c < q->ncells; c++)
+                m = amx_fmaxf(m, acc[c]);
+        }
     } else {
         float gm = q->peer_group >= 0 ? f->peer_max[q->peer_group] : -INFINITY;
         float *samax = st->s_amax[f->back];

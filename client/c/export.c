@@ -190,6 +190,8 @@ static int write_file(const char *path, const char *job, uint64_t epoch, q_t *qs
         const Amaxd__V1__Calibrator *cal = in->calibrator;
         if (cal != NULL && cal->kind == AMAXD__V1__CALIBRATOR_KIND__CALIBRATOR_MSE)
             cJSON_AddStringToObject(o, "calibrator", "mse");
+        else if (cal != NULL && cal->kind == AMAXD__V1__CALIBRATOR_KIND__CALIBRATOR_NVFP4_MSE)
+            cJSON_AddStringToObject(o, "calibrator", "nvfp4_mse");
         else if (cal != NULL && cal->kind == AMAXD__V1__CALIBRATOR_KIND__CALIBRATOR_HISTOGRAM) {
             static const char *method[] = {"", "entropy", "percentile", "mse"};
             char name[32];

@@ -193,6 +193,38 @@ START_TEST(mse_search)
 }
 END_TEST
 
+START_TEST(nvfp4_candidates)
+{
+    float c[AMX_NVFP4_MSE_STEPS];
+    amx_nvfp4_mse_candidates(c);
+    /* The first subnormal, the first normal, the largest: bytes 1, 8, 126
+     * of E4M3 over 448 (fp8_scale_candidates). */
+    ck_assert_float_eq(c[0], ldexpf(1.0f, -9) / 448.0f);
+    ck_assert_float_eq(c[7], ldexpf(1.0f, -6) / 448.0f);
+    ck_assert_float_eq(c[AMX_NVFP4_MSE_STEPS - 1], 1.0f);
+    for (uint32_t k = 1; k < AMX_NVFP4_MSE_STEPS; k++)
+        ck_assert_float_lt(c[k - 1], c[k]);
+    const float gs[] = {3.0f, 0.3f, 1e-30f, 448.0f * 7.0f, 2.0e38f};
+    for (size_t t = 0; t < sizeof(gs) / sizeof(gs[0]); t++) {
+        float g = gs[t];
+        for (uint32_t k = 0; k < AMX_NVFP4_MSE_STEPS; k++) {
+            float a = g * c[k];
+            int i = amx_nvfp4_mse_index(c, g, a);
+            ck_assert_int_ge(i, 0);
+            ck_assert_float_eq(g * c[i], a); /* the first of equal products */
+            ck_assert_int_le(i, (int)k);
+            ck_assert_int_eq(amx_nvfp4_mse_index(c, g, nextafter((double)a, INFINITY)), -1);
+        }
+        ck_assert_int_eq(amx_nvfp4_mse_index(c, g, (double)g * 1.5), -1);
+        ck_assert_int_eq(amx_nvfp4_mse_index(c, g, -(double)(g * c[3])), -1);
+        ck_assert_int_eq(amx_nvfp4_mse_index(c, g, NAN), -1);
+    }
+    /* g = 0: every candidate is 0; 0 is the first. */
+    ck_assert_int_eq(amx_nvfp4_mse_index(c, 0.0f, 0.0), 0);
+    ck_assert_int_eq(amx_nvfp4_mse_index(c, 0.0f, 1e-45), -1);
+}
+END_TEST
+
 /* ---- specs ---- */
 
 static amx_qspec_in_t base_in(const uint32_t *shape, size_t ndim)
@@ -302,6 +334,38 @@ START_TEST(spec_validation)
     ck_assert_int_eq(parse(&bad, &s, &err), AMX_EINVAL);
     bad.calib.kind = 7;
     ck_assert_int_eq(parse(&bad, &s, &err), AMX_EINVAL);
+    /* NVFP4 per-block search: NVFP4 blocks, (amax, amax^2, count) a cell,
+     * no options; a scale group is allowed, a peer group is not. */
+    amx_qspec_in_t f = base_in(sh, 2);
+    f.recipe.format = AMX_FMT_NVFP4;
+    f.calib.present = 1;
+    f.calib.kind = AMX_CAL_NVFP4_MSE;
+    f.scale_group = "qkv";
+    ck_assert_int_eq(parse(&f, &s, &err), AMX_OK);
+    ck_assert_uint_eq(s.calib.nsteps, AMX_NVFP4_MSE_STEPS);
+    ck_assert_uint_eq(amx_qspec_stat_values(&s), 3 * 15);
+    ck_assert_uint_eq(amx_qspec_stat_cells(&s), 15);
+    ck_assert_int_eq(amx_qspec_check_calib(&s), AMX_OK);
+    bad = f;
+    bad.recipe.format = 1;
+    ck_assert_int_eq(parse(&bad, &s, &err), AMX_EINVAL);
+    ck_assert_ptr_nonnull(strstr(err.msg, "needs format NVFP4"));
+    bad = f;
+    bad.ndim = 0;
+    ck_assert_int_eq(parse(&bad, &s, &err), AMX_EINVAL);
+    bad = f;
+    bad.calib.torch_cpu = 1;
+    ck_assert_int_eq(parse(&bad, &s, &err), AMX_EINVAL);
+    bad = f;
+    bad.peer_group = "p";
+    ck_assert_int_eq(parse(&bad, &s, &err), AMX_EINVAL);
+    bad = f;
+    bad.global_axes = 1;
+    bad.scale_group = "";
+    ck_assert_int_eq(parse(&bad, &s, &err), AMX_EINVAL);
+    bad = f;
+    bad.accumulation = AMX_ACC_PER_EPOCH;
+    ck_assert_int_eq(parse(&bad, &s, &err), AMX_EINVAL);
 }
 END_TEST
 
@@ -347,6 +411,7 @@ int main(void)
     tcase_add_test(tc, percentile_edges);
     tcase_add_test(tc, hist_amax_dispatch);
     tcase_add_test(tc, mse_search);
+    tcase_add_test(tc, nvfp4_candidates);
     tcase_add_test(tc, spec_validation);
     tcase_add_test(tc, spec_equality_and_hash);
     suite_add_tcase(s, tc);

@@ -1,6 +1,7 @@
 """What a rank computes for a calibrator beyond max (docs/API.md,
 "Calibration beyond max"): its histogram of |x| against the agreed bin
-edges, or its per-candidate losses of an MSE search, ready for
+edges, its per-candidate losses of an MSE search, or the amax of each
+NVFP4 block it owns (the per-block FP8 scale search), ready for
 amaxd.Stat. numpy arrays and torch tensors (CPU or CUDA; the work stays on
 the tensor's device) are accepted.
 
@@ -25,7 +26,8 @@ import numpy as np
 
 from .types import Calibrator
 
-__all__ = ["edges", "histogram", "mse_candidates", "mse_losses"]
+__all__ = ["edges", "histogram", "mse_candidates", "mse_losses", "nvfp4_mse_candidates",
+           "nvfp4_static_fake_quant", "nvfp4_mse_amax"]
 
 _TORCH_DEFAULT = 3  # pb.TORCH_CPU_DEFAULT: no FMA in torch.linspace
 
@@ -200,3 +202,140 @@ def mse_losses(x: Any, basis: Any, cal: Calibrator,
             dims = tuple(d for d in range(xa.ndim) if d != axis % xa.ndim)
             out.append(err.astype(np.float64).sum(axis=dims))
     return np.stack(out, axis=1)
+
+
+# -- NVFP4 per-block search (Calibrator.nvfp4_mse; docs/NUMERICS.md "NVFP4
+# per-block MSE search"). ModelOpt 0.47: calib/mse.py NVFP4MSECalibrator,
+# kernels/quantization/gemm/_fp8_scale_candidates.py fp8_scale_candidates,
+# kernels/quantization/gemm/fp4_kernel.py static_blockwise_fp4_fake_quant
+# (compute_fp4_scales + nvfp4_scalar_quant), tensor_quant.py _fp8_eager.
+
+_FP4_STEPS = ((0.25, True, 0.0), (0.75, False, 0.5), (1.25, True, 1.0), (1.75, False, 1.5),
+              (2.5, True, 2.0), (3.5, False, 3.0), (5.0, True, 4.0))
+
+
+def nvfp4_mse_candidates() -> np.ndarray:
+    """The 126 candidate multipliers, float32, increasing: the finite
+    positive FP8 E4M3 values (bytes 1..126) divided by 448 in float32. A
+    candidate amax is float32(g * c_k), g the global amax (the basis)."""
+    b = np.arange(1, 127)
+    e, m = b >> 3, b & 7
+    v = np.where(e == 0, m * 2.0 ** -9, (8 + m) * np.exp2(e - 10.0)).astype(np.float32)
+    return (v / np.float32(448.0)).astype(np.float32)
+
+
+def _e4m3(v: np.ndarray) -> np.ndarray:
+    """float32 values in [-448, 448] rounded to FP8 E4M3 (nearest, ties to
+    even; torch's .to(torch.float8_e4m3fn)), as float32."""
+    a = np.abs(v).astype(np.float64)
+    _, ex = np.frexp(a)  # a = f * 2^ex, f in [0.5, 1): 3 mantissa bits below 2^(ex-1)
+    q = np.exp2(np.maximum(ex - 4, -9).astype(np.float64))
+    return (np.sign(v) * (np.round(a / q) * q)).astype(np.float32)
+
+
+def _fp4_round(a):
+    """|x| / scale to the nearest E2M1 magnitude, with nvfp4_scalar_quant's
+    thresholds (<= at 0.25, 1.25, 2.5, 5; < at 0.75, 1.75, 3.5)."""
+    if _is_torch(a):
+        import torch
+        out = torch.full_like(a, 6.0)
+        for t, le, val in reversed(_FP4_STEPS):
+            out = torch.where((a <= t) if le else (a < t), torch.full_like(a, val), out)
+        return out
+    out = np.full_like(a, 6.0, dtype=np.float32)
+    for t, le, val in reversed(_FP4_STEPS):
+        out = np.where((a <= t) if le else (a < t), np.float32(val), out)
+    return out.astype(np.float32)
+
+
+def nvfp4_static_fake_quant(xb: Any, amax: Any, g: float) -> Any:
+    """ModelOpt's static NVFP4 fake quantization (the CPU transcription of
+    its Triton kernel): `xb` [..., n, 16] blocks, `amax` [..., n] their
+    amaxes, `g` the global amax. Block scale s = e4m3-quantized amax/6
+    relative to g/6 (_fp8_eager: scale 448/(g/6) computed as
+    float32(float32(1/(g/6)) * 448), g/6 <= 2^-24 taken as 1),
+    each element sign(x) * fp4(|x|/s) * s, a zero scale zeroing the block.
+    float32 throughout; numpy or torch (on the tensor's device)."""
+    if _is_torch(xb):
+        import torch
+        x = xb.detach().float()
+        a = torch.as_tensor(amax, dtype=torch.float32, device=x.device).unsqueeze(-1)
+        gt = torch.tensor(float(np.float32(g)), dtype=torch.float32, device=x.device)
+        s = a / 6.0
+        q = gt * 1.0 / 6.0
+        q = torch.where(q <= 1.0 / (1 << 24), torch.ones_like(q), q)
+        sc = 448.0 / q
+        t = (s * sc).clamp(min=-448.0, max=448.0)
+        sq = t.to(torch.float8_e4m3fn).to(torch.float32) * (1 / sc)
+        zero = sq == 0.0
+        safe = torch.where(zero | torch.isnan(sq) | torch.isinf(sq), torch.ones_like(sq), sq)
+        y = _fp4_round(x.abs() / safe) * safe
+        y = torch.where(x >= 0, y, -y)
+        return torch.where(zero, torch.zeros_like(y), y)
+    f32 = np.float32
+    x = np.asarray(xb, dtype=f32)
+    a = np.asarray(amax, dtype=f32)[..., None]
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        s = (a / f32(6.0)).astype(f32)
+        q = f32(f32(g) * f32(1.0)) / f32(6.0)
+        q = f32(1.0) if q <= f32(1.0 / (1 << 24)) else q
+        # torch computes a Python number over a tensor as the tensor's
+        # reciprocal times the number: 448 / q is fl(fl(1/q) * 448).
+        sc = f32(f32(f32(1.0) / q) * f32(448.0))
+        sinv = f32(f32(1.0) / sc)
+        t = np.clip((s * sc).astype(f32), -448.0, 448.0).astype(f32)
+        sq = (_e4m3(t) * sinv).astype(f32)
+        zero = sq == 0.0
+        safe = np.where(zero | ~np.isfinite(sq), f32(1.0), sq).astype(f32)
+        y = (_fp4_round((np.abs(x) / safe).astype(f32)) * safe).astype(f32)
+        y = np.where(x >= 0, y, -y).astype(f32)
+        return np.where(zero, f32(0.0), y).astype(f32)
+
+
+def nvfp4_mse_amax(w: Any, basis: Any, quant: Optional[Callable[[Any, Any], Any]] = None,
+                   block: int = 16) -> np.ndarray:
+    """The phase-2 statistic of an NVFP4_MSE quantizer: the amax of each
+    16-element block of this rank's weight block `w` ([..., C], blocks
+    along the last axis; C a multiple of 16) that NVFP4MSECalibrator
+    picks against the global amax g = basis (Result.stat_basis, every cell
+    g): for each of the 126 candidates the amax float32(g * c_k), the
+    blocks fake-quantized with it (`quant(xb, amax)` with xb [n, 16] and
+    amax [n, 1], ModelOpt's own quantizer, or by default
+    nvfp4_static_fake_quant), each block's loss the float32 sum of its 16
+    squared errors (F.mse_loss, reduce_sum), and the first candidate with
+    the smallest loss (torch.argmin). float64 array shaped like w's blocks
+    ([..., C/16]), for amaxd.Stat. torch keeps the work on the tensor's
+    device and sums as ModelOpt does; numpy sums its own way (float32
+    pairwise), which can pick another candidate in an exact-looking
+    float32 near-tie."""
+    g = np.float32(np.asarray(basis, dtype=np.float32).reshape(-1)[0]) \
+        if np.asarray(basis).size else np.float32(0.0)
+    cand = nvfp4_mse_candidates()
+    if _is_torch(w):
+        import torch
+        x = w.detach().float()
+        shape = x.shape[:-1] + (x.shape[-1] // block,)
+        xb = x.reshape(-1, block)
+        gt = torch.tensor(float(g), dtype=torch.float32, device=x.device)
+        ct = torch.as_tensor(cand, device=x.device)
+        losses = []
+        for k in range(len(cand)):
+            a = (gt * ct[k]).expand(xb.shape[0]).reshape(-1, 1)
+            xq = (quant(xb, a) if quant is not None else
+                  nvfp4_static_fake_quant(xb, a.reshape(-1), float(g))).float()
+            losses.append(((xb - xq) ** 2).sum(dim=(1,)))
+        best = torch.argmin(torch.stack(losses), dim=0)
+        amax = gt * ct[best]
+        return amax.reshape(shape).double().cpu().numpy()
+    x = np.asarray(w, dtype=np.float32)
+    shape = x.shape[:-1] + (x.shape[-1] // block,)
+    xb = x.reshape(-1, block)
+    losses = np.empty((len(cand), xb.shape[0]), dtype=np.float32)
+    for k, c in enumerate(cand):
+        a = np.full((xb.shape[0], 1), np.float32(g * c), dtype=np.float32)
+        xq = np.asarray(quant(xb, a) if quant is not None else
+                        nvfp4_static_fake_quant(xb, a.reshape(-1), float(g)), dtype=np.float32)
+        losses[k] = (((xb - xq).astype(np.float32)) ** 2).astype(np.float32).sum(axis=1,
+                                                                                  dtype=np.float32)
+    best = np.argmin(losses, axis=0)
+    return (g * cand[best]).astype(np.float32).astype(np.float64).reshape(shape)

@@ -15,7 +15,8 @@ Per quantizer NAME (whole global tensors, the last reconciled epoch):
 "global_axes": k when k > 0) where format is fp8_e4m3 | fp8_e5m2 | nvfp4 |
 mxfp8 and block_scale e4m3 | e8m0 | "" ; a quantizer with a calibrator
 beyond max (issue 23) also has "calibrator": "histogram/entropy" |
-"histogram/percentile" | "histogram/mse" | "mse" (its amax is the method's).
+"histogram/percentile" | "histogram/mse" | "mse" | "nvfp4_mse" (its amax is
+the method's).
 `amaxctl export` writes the same file.
 """
 import json
@@ -84,6 +85,8 @@ def metadata(job: str, epoch: int, infos: Sequence[pb.QuantizerInfo]) -> Dict[st
         cal = q.calibrator if q.HasField("calibrator") else None
         if cal is not None and cal.kind == pb.CALIBRATOR_MSE:
             d["calibrator"] = "mse"
+        elif cal is not None and cal.kind == pb.CALIBRATOR_NVFP4_MSE:
+            d["calibrator"] = "nvfp4_mse"
         elif cal is not None and cal.kind == pb.CALIBRATOR_HISTOGRAM:
             d["calibrator"] = "histogram/" + {1: "entropy", 2: "percentile", 3: "mse"}.get(
                 cal.method, "")

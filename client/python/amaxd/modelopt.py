@@ -86,7 +86,7 @@ if TYPE_CHECKING:  # torch is imported when first needed
 __all__ = ["Layout", "Entry", "Unsupported", "plan", "register", "send", "reconcile",
            "write_back", "sync", "supports_share", "global_name", "DEFAULT_COLUMN",
            "DEFAULT_ROW", "HistEntry", "plan_histograms", "sync_histograms", "MseEntry",
-           "plan_mse", "sync_mse"]
+           "plan_mse", "sync_mse", "plan_nvfp4_mse"]
 
 # Last name component of a linear whose output features are split over TP
 # (column-parallel) or whose input features are (row-parallel): the usual
@@ -1106,7 +1106,8 @@ class MseEntry:
     weight: object
     spec: Quantizer
     axis: Optional[int]
-    owner: bool  # this rank's copy of the weight block sends its losses
+    owner: bool  # this rank's copy of the weight block sends its losses (or block amaxes)
+    kind: str = "mse"  # "mse" (multiplier search) or "nvfp4" (per-block FP8 scale sweep)
 
 
 def plan_mse(model: "torch.nn.Module", layout: Layout = Layout(), *, step_size: float = 0.1,
@@ -1117,9 +1118,8 @@ def plan_mse(model: "torch.nn.Module", layout: Layout = Layout(), *, step_size: 
     MseCalibrator (multiplier search, ``fp8_scale_sweep=False``): static
     FP8 weights per tensor (``[]``) or per output channel (``[C_out]``,
     split over TP for a column-parallel linear). Other formats are left
-    out, as NVFP4's per-block FP8-scale sweep (``fp8_scale_sweep``) runs on
-    the rank that owns the block and needs no reduction: reconcile its
-    global amax with ``sync`` first."""
+    out: NVFP4's per-block FP8-scale sweep (``fp8_scale_sweep``) is
+    plan_nvfp4_mse's."""
     TensorQuantizer = _tensor_quantizer_cls()
     out = []
     for qname, q in model.named_modules():
@@ -1155,15 +1155,99 @@ def plan_mse(model: "torch.nn.Module", layout: Layout = Layout(), *, step_size: 
     return out
 
 
+def plan_nvfp4_mse(model: "torch.nn.Module", layout: Layout = Layout(), *,
+                   column: Sequence[str] = DEFAULT_COLUMN, row: Sequence[str] = DEFAULT_ROW,
+                   shared_patterns: Optional[Sequence[str]] = None) -> List[MseEntry]:
+    """The weight quantizers ModelOpt's ``mse_calibrate(fp8_scale_sweep=True)``
+    refines with an NVFP4MSECalibrator: static NVFP4 weights (``[R, C/16]``
+    blocks placed as ``plan`` places them), each an amaxd quantizer
+    ``<global name>.mse`` with ``Calibrator.nvfp4_mse()``; fusible siblings
+    (q/k/v, gate/up) share their global amax through a scale group as in
+    ``plan``. Fused 3-D experts (per-expert globals) raise Unsupported."""
+    out = []
+    for e in plan(model, layout, column=column, row=row, shared_patterns=shared_patterns,
+                  moe_share=False):
+        if e.base_kind != "nvfp4_static":
+            continue
+        if e.fused:
+            raise Unsupported(f"{e.local_name}: the NVFP4 per-block search of fused experts "
+                              "(one global amax per expert) is not supported")
+        tp_rank = layout.etp[0] if e.expert is not None else layout.tp_rank
+        sg = e.spec.scale_group + ".mse" if e.spec.scale_group else ""
+        spec = Quantizer(e.name + ".mse", e.spec.global_shape, e.spec.recipe, e.spec.placement,
+                         scale_group=sg, calibrator=Calibrator.nvfp4_mse())
+        out.append(MseEntry(e.local_name, e.name + ".mse", e.quantizer, e.weight, spec, None,
+                            _counts_here("linear", "weight_quantizer", e.parallel, tp_rank,
+                                         layout, e.expert), "nvfp4"))
+    return out
+
+
+def _nvfp4_quant(q):
+    """The fake quantization the per-block search runs: ModelOpt's own
+    (``_mse_quant_func``: its Triton kernel) where ModelOpt has it, else
+    amaxd.calib's transcription of it (ModelOpt 0.47 has no CPU kernel for
+    static NVFP4 blocks)."""
+    from modelopt.torch.quantization import tensor_quant as TQ
+    if getattr(TQ.triton_kernel, "IS_AVAILABLE", False):
+        from functools import partial
+
+        from modelopt.torch.quantization.model_calib import _mse_quant_func
+        return partial(_mse_quant_func, quantizer=q)
+    return None
+
+
+def _sync_nvfp4_mse(client: "Client", model: "torch.nn.Module", layout: Layout,
+                    **plan_kw: Any) -> Dict[str, Result]:
+    from . import calib as C
+    torch = _torch()
+    entries = plan_nvfp4_mse(model, layout, **plan_kw)
+    if entries:
+        client.register([e.spec for e in entries])
+        client.send({e.name: _block_amax(e.weight, 16).cpu().numpy() for e in entries})
+    # Phase 1: the daemons fix each weight's global amax (the basis).
+    r1 = client.reconcile([e.name for e in entries])
+    stats = {}
+    for e in entries:
+        if not e.owner or not r1[e.name].stat_epoch:
+            continue
+        with torch.no_grad():
+            amax = C.nvfp4_mse_amax(e.weight.detach(), r1[e.name].stat_basis,
+                                    _nvfp4_quant(e.quantizer))
+        stats[e.name] = Stat(amax, r1[e.name].stat_epoch)
+    # Phase 2: each block's owner sends the amax its search chose.
+    if stats:
+        client.send(stats)
+    results = client.reconcile([e.name for e in entries])
+    for e in entries:
+        r = results[e.name]
+        if r.stat_state != pb.STAT_COMPUTED:
+            raise RuntimeError(f"{e.local_name}: the NVFP4 per-block search did not reach every "
+                               f"block (stat_state {r.stat_state}, {r.stat_total:.0f} blocks "
+                               f"searched, {r.stat_overflow:.0f} with disagreeing amaxes)")
+        _set_amax(e.quantizer, torch.from_numpy(np.array(r.amax, np.float32)).reshape(-1, 1))
+        _set_global_amax(e.quantizer, r.global_amax)
+    return results
+
+
 def sync_mse(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
-             **plan_kw: Any) -> Dict[str, Result]:
+             fp8_scale_sweep: bool = False, **plan_kw: Any) -> Dict[str, Result]:
     """ModelOpt's MSE weight calibration (``mse_calibrate``'s multiplier
     search) with the losses summed over every rank's shard: the weights'
     max reconciled (the search's initial amax, MseCalibrator's
     ``initial_amax``), each rank's squared errors of ModelOpt's own fake
     quantization of its block for every candidate (``_mse_quant_func``),
     summed by the daemons (float64), the smallest candidate taken. Writes
-    ``_amax`` back. Every rank calls it."""
+    ``_amax`` back. Every rank calls it.
+
+    ``fp8_scale_sweep=True`` (``mse_calibrate``'s argument): only static
+    NVFP4 weights, by NVFP4MSECalibrator's per-block FP8 scale sweep in two
+    phases: the blocks' max reconciled, which fixes the global amax (the
+    scale group's for fusible siblings); then each rank that owns blocks
+    (its TP shard; one DP replica) searches them against that global amax
+    and sends the chosen amaxes; every rank writes back ``_amax`` (its
+    shard's blocks) and ``_global_amax``."""
+    if fp8_scale_sweep:
+        return _sync_nvfp4_mse(client, model, layout, **plan_kw)
     from functools import partial
 
     from modelopt.torch.quantization.model_calib import _mse_quant_func

@@ -161,8 +161,8 @@ def torch_cpu(name: Optional[str] = None) -> int:
 class Calibrator:
     """How a quantizer's data becomes its amax (docs/API.md, "Calibration
     beyond max"). The default is the max. Build the others with
-    Calibrator.histogram() and Calibrator.mse(); their defaults are
-    ModelOpt 0.47's."""
+    Calibrator.histogram(), Calibrator.mse() and Calibrator.nvfp4_mse();
+    their defaults are ModelOpt 0.47's."""
 
     kind: int = 0  # pb.CalibratorKind
     num_bins: int = 0
@@ -214,10 +214,22 @@ class Calibrator:
                           start_multiplier=float(start_multiplier),
                           stop_multiplier=float(stop_multiplier), step_size=float(step_size))
 
+    @staticmethod
+    def nvfp4_mse() -> "Calibrator":
+        """ModelOpt's NVFP4MSECalibrator (``mse_calibrate(fp8_scale_sweep=True)``)
+        on static NVFP4 weight blocks: phase 1 reconciles the max and fixes
+        the global amax, phase 2 each block's owner searches its 126 FP8
+        E4M3 scale candidates against it (amaxd.calib.nvfp4_mse_amax) and
+        sends the chosen amax. No options."""
+        return Calibrator(kind=pb.CALIBRATOR_NVFP4_MSE)
+
     @property
     def nsteps(self) -> int:
-        """MSE: the number of candidates (ModelOpt's ceil((stop - start) / step) + 1)."""
+        """MSE: the number of candidates (ModelOpt's ceil((stop - start) / step) + 1);
+        NVFP4_MSE: 126."""
         import math
+        if self.kind == pb.CALIBRATOR_NVFP4_MSE:
+            return 126
         return math.ceil((self.stop_multiplier - self.start_multiplier) / self.step_size) + 1
 
     def to_pb(self) -> pb.Calibrator:
@@ -287,7 +299,8 @@ class Stat:
     """A statistic for a quantizer with a calibrator beyond max (send it as
     the quantizer's value in Client.send): `values` float64 (histogram:
     num_bins counts, optionally then the overflow count; MSE: nsteps losses
-    per cell of the rank's block, shape [cells, nsteps] or flat); `epoch`
+    per cell of the rank's block, shape [cells, nsteps] or flat; NVFP4_MSE:
+    the chosen amax of each block of the rank's block); `epoch`
     the stat_epoch of the Result whose basis it was computed against;
     `amax` optionally this rank's max in the same message (None: none)."""
 
