@@ -80,7 +80,7 @@ amx_status_t amx__ready_job(amx_registry_t *reg, const char *name, uint32_t rank
 
 static void lrank_free(amx_job_t *j, amx_lrank_t *r)
 {
-    amx__dev_close_rank(j, r, NULL);
+    amx__dev_close_rank(j, r, "its rank or its job is gone");
     amx__slab_free(r->slab);
     r->slab = NULL;
     amx_replybuf_unref(r->answer);
