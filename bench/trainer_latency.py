@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "e2e"))
@@ -89,6 +90,7 @@ def worker(rank, world, socks, port, args, q):
     import torch
     import torch.distributed as dist
     import amaxd
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -99,7 +101,7 @@ def worker(rank, world, socks, port, args, q):
         specs = catalog(size, rank, world)
         clients = {}
         for path in ("grpc", "shm", "device"):
-            c = amaxd.Client(f"lat-{size}-{path}", rank, world, socket=socks[rank], timeout=600,
+            c = amaxd.Client(f"lat-{size.replace('+', '_')}-{path}", rank, world, socket=socks[rank], timeout=600,
                              max_message_bytes=512 << 20, shm=(path == "shm"))
             c.join()
             for i in range(0, len(specs), 50000):

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, S
 import grpc
 
 from ._gen import amaxd_pb2 as pb
-from .errors import AmaxdError, FailedPrecondition, ResourceExhausted
+from .errors import AmaxdError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from .packed import Layout, PackedResult
 from .placement import Placement
 from .transport import (DEFAULT_SOCKET, Channel, ShmBuffers, open_shm, pread_all,  # noqa: F401
@@ -325,8 +325,20 @@ class Client:
         req = pb.ReconcileDeviceRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
                                         layout_id=L.id, device_id=bufs.id, send=bool(send),
                                         has_data=bool(has_data))
-        r = self._tracked(epoch, lambda: self._unary("ReconcileDevice", req,
-                                                     pb.ReconcileDeviceResponse, timeout))
+        try:
+            r = self._tracked(epoch, lambda: self._unary("ReconcileDevice", req,
+                                                         pb.ReconcileDeviceResponse, timeout))
+        except InvalidArgument:
+            # A slab that failed the daemon's check: the epoch was reconciled
+            # without it, so the open epoch moved on.
+            if epoch is None:
+                try:
+                    jobs = self.status(self.job).jobs
+                    if jobs:
+                        self.epoch = jobs[0].epoch
+                except AmaxdError:
+                    pass
+            raise
         bufs.wait_done(sp)
         self.epoch = r.next_epoch
         return dv.DeviceResult(bufs, L, r.epoch, r.next_epoch)
