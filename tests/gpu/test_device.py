@@ -132,26 +132,34 @@ def test_no_host_sync_long_kernel(start_daemon):
     torch.cuda._sleep(100_000_000)
     torch.cuda.synchronize()
     cycles = int(1e8 / (time.perf_counter() - t))
+    stacked = torch.stack([b_d, a_d])  # allocated before: no allocator call below
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    out = {k: torch.empty_like(getattr(c._dev, "answer")[k]) for k in ARRAYS}
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.stream(s):
+            h0 = time.perf_counter()
+            ev[0].record(s)
             torch.cuda._sleep(cycles)
-            done_sleep = torch.cuda.Event()
-            done_sleep.record(s)
-            torch.amax(torch.stack([b_d, a_d]), dim=0, out=slab)  # writes b, on s
+            ev[1].record(s)
+            torch.amax(stacked, dim=0, out=slab)  # writes b into the slab, on s, after the sleep
             t0 = time.perf_counter()
             res = c.reconcile_device(stream=s)
             t1 = time.perf_counter()
-            sleeping_after = not done_sleep.query()
-            out = {k: getattr(res, k).clone() for k in ARRAYS}  # read on s, after the done event
+            sleeping_after = not ev[1].query()
+            for k in ARRAYS:
+                out[k].copy_(getattr(res, k))  # read on s, after the done event
+            ev[2].record(s)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     s.synchronize()
     t_end = time.perf_counter()
-    print(f"long kernel ({cycles} cycles, the stream done {1e3 * (t_end - t0):.0f} ms after the "
-          f"call began): ReconcileDevice returned after {1e3 * (t1 - t0):.0f} ms "
-          f"(the daemon's stream waited on the trainer's ready event); kernel still running when "
-          f"it returned: {sleeping_after}")
+    print(f"long kernel: {ev[0].elapsed_time(ev[1]):.0f} ms on the trainer's stream "
+          f"({cycles} cycles), queued in {1e3 * (t0 - h0):.1f} ms; ReconcileDevice returned "
+          f"{1e3 * (t1 - t0):.0f} ms after the call began (the daemon's stream waited on the "
+          f"trainer's ready event); kernel still running when it returned: {sleeping_after}; "
+          f"the stream done {1e3 * (t_end - t0):.0f} ms after the call began")
     assert t1 - t0 > 0.3, "the daemon did not wait for the trainer's stream"
     for k in ARRAYS:
         assert host(out[k]) == np.asarray(getattr(want, k)).tobytes(), k
@@ -182,7 +190,8 @@ TRAINER = textwrap.dedent("""
     c.join()
     c.register([amaxd.Quantizer("big", [cells], amaxd.Recipe.fp8_current()),
                 amaxd.Quantizer("small", [], amaxd.Recipe.fp8_current())])
-    c.reconcile(names=["small"])  # one epoch: the daemon's state is all allocated
+    c.reconcile(names=["small"])  # two epochs: the daemon's state, both output sets, is all
+    c.reconcile(names=["small"])  # allocated before the baseline
     c.layout()
     torch.cuda.init(); torch.zeros(1, device="cuda")
     print("ctx", flush=True)
