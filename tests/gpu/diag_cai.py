@@ -1,16 +1,46 @@
-import time, torch, cupy
+"""Does a torch op writing into CUDA memory torch did not allocate (a view
+made through __cuda_array_interface__, as amaxd.device makes the device
+slab) block the host? Each write is queued behind a ~250 ms kernel on a
+side stream; the host time of the call is printed (0.x ms: asynchronous).
+Seen on torch 2.11 + H100 (bench/NOTES.md): reductions with out= into such
+a view block until the stream is idle; copy_ and elementwise ops do not.
+"""
+import time
+
+import torch
 from cupy.cuda import runtime as rt
-# Memory from cudaMalloc wrapped via CAI: does a torch kernel writing into it block the host?
+
+
 class CAI:
-    def __init__(s, p, n): s.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (p, False), "version": 3, "strides": None, "stream": None}
+    def __init__(s, p, n):
+        s.__cuda_array_interface__ = {"shape": (n,), "typestr": "<f4", "data": (p, False),
+                                      "version": 3, "strides": None, "stream": None}
+
+
 n = 20000
 p = rt.malloc(4 * n)
 v = torch.as_tensor(CAI(p, n), device="cuda")
-x = torch.rand(2, n, device="cuda"); y = torch.rand(n, device="cuda")
-s = torch.cuda.Stream(); torch.cuda.synchronize()
-for name, fn in [("amax", lambda: torch.amax(x, dim=0, out=v)), ("copy", lambda: v.copy_(y)), ("amax-normal", lambda: torch.amax(x, dim=0, out=y))]:
+x = torch.rand(2, n, device="cuda")
+y = torch.rand(n, device="cuda")
+w = torch.rand(64, 64, device="cuda")
+t = torch.empty(n, device="cuda")
+s = torch.cuda.Stream()
+torch.cuda.synchronize()
+cases = [
+    ("torch.amax(x, dim=0, out=view)", lambda: torch.amax(x, dim=0, out=v)),
+    ("torch.amax(w.abs(), out=view[3])", lambda: torch.amax(w.abs(), out=v[3])),
+    ("view[3:4].copy_(torch.amax(w.abs()))", lambda: v[3:4].copy_(torch.amax(w.abs()))),
+    ("torch.maximum(x[0], x[1], out=view)", lambda: torch.maximum(x[0], x[1], out=v)),
+    ("view.copy_(y)", lambda: v.copy_(y)),
+    ("torch.amax(x, dim=0, out=tmp); view.copy_(tmp)",
+     lambda: (torch.amax(x, dim=0, out=t), v.copy_(t))),
+    ("torch.amax(x, dim=0, out=torch_tensor)", lambda: torch.amax(x, dim=0, out=y)),
+]
+for name, fn in cases:
     with torch.cuda.stream(s):
-        torch.cuda._sleep(500_000_000)
-        t = time.perf_counter(); fn(); dt = time.perf_counter() - t
+        torch.cuda._sleep(400_000_000)
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
     s.synchronize()
-    print(f"{name}: host blocked {dt*1e3:.1f} ms")
+    print(f"{name:50s} host blocked {dt * 1e3:7.1f} ms")

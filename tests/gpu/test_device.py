@@ -144,7 +144,7 @@ def test_no_host_sync_long_kernel(start_daemon):
             torch.cuda._sleep(cycles)
             ev[1].record(s)
             h1 = time.perf_counter()
-            if os.environ.get("AMAXD_SLAB_WRITE", "amax") == "amax":
+            if os.environ.get("AMAXD_SLAB_WRITE", "copy") == "amax":
                 torch.amax(stacked, dim=0, out=slab)  # writes b into the slab, after the sleep
             else:
                 slab.copy_(b_d)
@@ -161,7 +161,7 @@ def test_no_host_sync_long_kernel(start_daemon):
     t_end = time.perf_counter()
     print(f"long kernel: {ev[0].elapsed_time(ev[1]):.0f} ms on the trainer's stream "
           f"({cycles} cycles), queued in {1e3 * (h1 - h0):.1f} ms, the slab written "
-          f"({os.environ.get('AMAXD_SLAB_WRITE', 'amax')}) in {1e3 * (t0 - h1):.1f} ms; "
+          f"({os.environ.get('AMAXD_SLAB_WRITE', 'copy')}) in {1e3 * (t0 - h1):.1f} ms; "
           f"ReconcileDevice returned "
           f"{1e3 * (t1 - t0):.0f} ms after the call began (the daemon's stream waited on the "
           f"trainer's ready event); kernel still running when it returned: {sleeping_after}; "
@@ -341,3 +341,43 @@ def test_bad_device_input(start_daemon):
     c0._dev = None  # freed by the drop; unmapped with the process
     c0.close()
     c1.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_daemons_nccl_same_bytes(tmp_path):
+    """Two daemons, one per GPU, reconciling over NCCL; rank r on GPU r
+    through daemon r: the device path gives the packed path's bytes."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+    from trainer_latency import start_daemons
+    ds = start_daemons(os.environ["AMAXD_BIN"], 2, str(tmp_path))
+    try:
+        W = 2
+
+        def rank(r):
+            torch.cuda.set_device(r)
+            rng = np.random.default_rng(2000 + r)
+            cp = amaxd.Client("pk2", r, W, socket=ds[r].socket, timeout=120)
+            cd = amaxd.Client("dv2", r, W, socket=ds[r].socket, timeout=120)
+            for c in (cp, cd):
+                c.join()
+                c.register(TP.catalog(r % TP.W))
+            bufs = cd.open_device(r)
+            assert bufs.slab.device.index == r
+            for e in range(3):
+                vals, has = cp.layout().pack(TP.contributions(r % TP.W, e, rng))
+                cp.send_packed(vals, has)
+                rp = cp.reconcile_packed()
+                bufs.slab.copy_(torch.from_numpy(vals).to(bufs.slab.device))
+                if has is not None:
+                    bufs.has_data.copy_(torch.from_numpy(has).to(bufs.slab.device))
+                rd = cd.reconcile_device(has_data=has is not None)
+                torch.cuda.current_stream(r).synchronize()
+                for k in ARRAYS:
+                    assert np.asarray(getattr(rp, k)).tobytes() == host(getattr(rd, k)), (r, e, k)
+            cp.close()
+            cd.close()
+            return bufs.bus_id
+        print("two daemons over NCCL, same bytes; buffers on", run_ranks(rank, W))
+    finally:
+        for d in ds:
+            d.stop()
