@@ -7,6 +7,7 @@ a view block until the stream is idle; copy_ and elementwise ops do not.
 """
 import time
 
+import cupy
 import torch
 from cupy.cuda import runtime as rt
 
@@ -20,6 +21,8 @@ class CAI:
 n = 20000
 p = rt.malloc(4 * n)
 v = torch.as_tensor(CAI(p, n), device="cuda")
+mem = cupy.cuda.UnownedMemory(p, 4 * n, None)
+vd = torch.from_dlpack(cupy.ndarray((n,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0)))
 x = torch.rand(2, n, device="cuda")
 y = torch.rand(n, device="cuda")
 w = torch.rand(64, 64, device="cuda")
@@ -32,6 +35,9 @@ cases = [
     ("view[3:4].copy_(torch.amax(w.abs()))", lambda: v[3:4].copy_(torch.amax(w.abs()))),
     ("torch.maximum(x[0], x[1], out=view)", lambda: torch.maximum(x[0], x[1], out=v)),
     ("view.copy_(y)", lambda: v.copy_(y)),
+    ("torch.amax(x, dim=0, out=dlpack_view)", lambda: torch.amax(x, dim=0, out=vd)),
+    ("torch.maximum(x[0], x[1], out=dlpack_view)", lambda: torch.maximum(x[0], x[1], out=vd)),
+    ("view.add_(0) (in place, no out=)", lambda: v.add_(0)),
     ("torch.amax(x, dim=0, out=tmp); view.copy_(tmp)",
      lambda: (torch.amax(x, dim=0, out=t), v.copy_(t))),
     ("torch.amax(x, dim=0, out=torch_tensor)", lambda: torch.amax(x, dim=0, out=y)),
