@@ -144,7 +144,7 @@ def test_no_host_sync_long_kernel(start_daemon):
             torch.cuda._sleep(cycles)
             ev[1].record(s)
             h1 = time.perf_counter()
-            if os.environ.get("AMAXD_SLAB_WRITE", "copy") == "amax":
+            if os.environ.get("AMAXD_SLAB_WRITE", "amax") == "amax":
                 torch.amax(stacked, dim=0, out=slab)  # writes b into the slab, after the sleep
             else:
                 slab.copy_(b_d)
@@ -161,7 +161,7 @@ def test_no_host_sync_long_kernel(start_daemon):
     t_end = time.perf_counter()
     print(f"long kernel: {ev[0].elapsed_time(ev[1]):.0f} ms on the trainer's stream "
           f"({cycles} cycles), queued in {1e3 * (h1 - h0):.1f} ms, the slab written "
-          f"({os.environ.get('AMAXD_SLAB_WRITE', 'copy')}) in {1e3 * (t0 - h1):.1f} ms; "
+          f"({os.environ.get('AMAXD_SLAB_WRITE', 'amax')}) in {1e3 * (t0 - h1):.1f} ms; "
           f"ReconcileDevice returned "
           f"{1e3 * (t1 - t0):.0f} ms after the call began (the daemon's stream waited on the "
           f"trainer's ready event); kernel still running when it returned: {sleeping_after}; "

@@ -22,6 +22,11 @@ hold the last epoch's results until the next ``reconcile_device()``.
 The IPC calls go through CuPy when it is installed, else through NVIDIA's
 ``cuda-bindings`` (``cuda.bindings.runtime``); torch with CUDA is needed
 for the views. Without them ``DeviceUnavailable`` says what is missing.
+With CuPy the views are made through DLPack, else through
+``__cuda_array_interface__``; torch 2.11 blocks the host in a kernel that
+writes into a ``__cuda_array_interface__`` view (``torch.amax(x,
+out=view)``) until the stream is idle (tests/gpu/diag_cai.py), so without
+CuPy write the slab with ``view.copy_(...)``, which does not.
 """
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -75,6 +80,18 @@ class _Cupy:
 
     def destroy_event(self, ev: int) -> None:
         self.rt.eventDestroy(ev)
+
+    def view(self, ptr: int, n: int, typestr: str, dev: int, owner: Any) -> Any:
+        """A torch tensor over device memory through DLPack: torch 2.11 blocks
+        the host in kernels that write into a __cuda_array_interface__ view
+        until the stream is idle, not into a DLPack one
+        (tests/gpu/diag_cai.py)."""
+        import cupy
+        t = _torch()
+        dt = {"<f4": cupy.float32, "|u1": cupy.uint8}[typestr]
+        mem = cupy.cuda.UnownedMemory(ptr, max(n, 1) * cupy.dtype(dt).itemsize, owner, dev)
+        a = cupy.ndarray((n,), dt, cupy.cuda.MemoryPointer(mem, 0))
+        return t.from_dlpack(a)
 
     def record(self, ev: int, stream: int) -> None:
         self.rt.eventRecord(ev, stream)
@@ -224,8 +241,11 @@ class DeviceBuffers:
                                     "namespaces") from e
         n, q, s = self.total_cells, self.quantizers, self.total_slices
         cuda = t.device("cuda", dev)
+        view_of = getattr(b, "view", None)
 
         def view(base: int, off: int, count: int, ts: str) -> Any:
+            if view_of is not None:
+                return view_of(base + off, count, ts, dev, self)
             return t.as_tensor(_CAI(base + off, count, ts, self), device=cuda)
         self.slab = view(slab, 0, n, "<f4")
         self.has_data = view(slab, r.has_data_offset, n, "|u1")
