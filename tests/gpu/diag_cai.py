@@ -2,8 +2,9 @@
 made through __cuda_array_interface__, as amaxd.device makes the device
 slab) block the host? Each write is queued behind a ~250 ms kernel on a
 side stream; the host time of the call is printed (0.x ms: asynchronous).
-Seen on torch 2.11 + H100 (bench/NOTES.md): reductions with out= into such
-a view block until the stream is idle; copy_ and elementwise ops do not.
+Seen on torch 2.11 + H100: what blocks is the first launch of each kernel
+in the process (CUDA lazy module loading waits for the device), whatever
+memory it writes; run with CUDA_MODULE_LOADING=EAGER and nothing blocks.
 """
 import time
 

@@ -23,10 +23,10 @@ The IPC calls go through CuPy when it is installed, else through NVIDIA's
 ``cuda-bindings`` (``cuda.bindings.runtime``); torch with CUDA is needed
 for the views. Without them ``DeviceUnavailable`` says what is missing.
 With CuPy the views are made through DLPack, else through
-``__cuda_array_interface__``; torch 2.11 blocks the host in a kernel that
-writes into a ``__cuda_array_interface__`` view (``torch.amax(x,
-out=view)``) until the stream is idle (tests/gpu/diag_cai.py), so without
-CuPy write the slab with ``view.copy_(...)``, which does not.
+``__cuda_array_interface__``: either way torch launches kernels on them
+asynchronously. (The first launch of a kernel in a process loads its
+module, CUDA's lazy loading, and that waits for the device: a trainer's
+first sync may block once; tests/gpu/diag_ipc.py.)
 """
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -82,10 +82,7 @@ class _Cupy:
         self.rt.eventDestroy(ev)
 
     def view(self, ptr: int, n: int, typestr: str, dev: int, owner: Any) -> Any:
-        """A torch tensor over device memory through DLPack: torch 2.11 blocks
-        the host in kernels that write into a __cuda_array_interface__ view
-        until the stream is idle, not into a DLPack one
-        (tests/gpu/diag_cai.py)."""
+        """A torch tensor over device memory, through DLPack."""
         import cupy
         t = _torch()
         dt = {"<f4": cupy.float32, "|u1": cupy.uint8}[typestr]
