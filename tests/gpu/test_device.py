@@ -386,3 +386,39 @@ def test_two_daemons_nccl_same_bytes(tmp_path):
     finally:
         for d in ds:
             d.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_one_daemon_two_gpus_same_bytes(start_daemon):
+    """One daemon (state on GPU 0) serving trainers on GPU 0 and GPU 1: the
+    buffers of rank 1 live on GPU 1, the daemon reads its slab and writes
+    its answer by peer access; the device path gives the packed path's
+    bytes."""
+    d = start_daemon("--cuda-device=0", env=ENV)
+    W = 2
+
+    def rank(r):
+        torch.cuda.set_device(r)
+        rng = np.random.default_rng(3000 + r)
+        cp, cd = d.client("pk1", r, W), d.client("dv1", r, W)
+        for c in (cp, cd):
+            c.join()
+            c.register(TP.catalog(r))
+        bufs = cd.open_device(r)
+        assert bufs.slab.device.index == r
+        for e in range(3):
+            vals, has = cp.layout().pack(TP.contributions(r, e, rng))
+            cp.send_packed(vals, has)
+            rp = cp.reconcile_packed()
+            bufs.slab.copy_(torch.from_numpy(vals).to(bufs.slab.device))
+            if has is not None:
+                bufs.has_data.copy_(torch.from_numpy(has).to(bufs.slab.device))
+            rd = cd.reconcile_device(has_data=has is not None)
+            torch.cuda.current_stream(r).synchronize()
+            for k in ARRAYS:
+                assert np.asarray(getattr(rp, k)).tobytes() == host(getattr(rd, k)), (r, e, k)
+        cp.close()
+        cd.close()
+        return bufs.bus_id
+    print("one daemon, two GPUs (peer access), same bytes; buffers on", run_ranks(rank, W))
+    assert "state on GPU 0" in d.log()
