@@ -4,12 +4,18 @@
  *
  * The daemon allocates both buffers (cudaMalloc: memory from a stream
  * pool cannot be exported by cudaIpcGetMemHandle) on the trainer's GPU and
- * creates two interprocess events: `ready`, on the trainer's GPU, which
- * the trainer records on its stream after writing its slab, and `done`,
- * on the state's GPU, which the daemon records after writing the answer
- * and the trainer's stream waits on. The daemon's streams wait on `ready`
- * on the device (cudaStreamWaitEvent): no thread of the daemon blocks for
- * the trainer's kernels, and the trainer never synchronizes from the host.
+ * creates two interprocess events there: `ready`, which the trainer
+ * records on its stream after writing its slab, and `done`, which the
+ * daemon records after writing the answer and the trainer's stream waits
+ * on. The daemon's streams wait on `ready` on the device
+ * (cudaStreamWaitEvent): no thread of the daemon blocks for the trainer's
+ * kernels, and the trainer never synchronizes from the host.
+ *
+ * Interprocess events are only waited on and recorded on a stream of
+ * their own GPU (`ds`, one per buffers); plain events carry the order
+ * between ds and the state's streams when the GPUs differ (a stream of
+ * GPU 0 waiting on an interprocess event of GPU 1 crashed the daemon on
+ * 2 x H100).
  *
  * A slab on another GPU than the state's is read, and the answer written,
  * through peer access (one daemon for all GPUs of a node).
@@ -30,9 +36,12 @@ struct amx_devbuf {
     int dev, state_dev;
     void *slab, *answer; /* on dev */
     uint64_t slab_bytes, answer_bytes;
-    cudaEvent_t ready;  /* on dev, recorded by the trainer */
-    cudaEvent_t done;   /* on state_dev, recorded by the daemon */
-    cudaEvent_t merged; /* on state_dev: the last merge's check copied back */
+    cudaStream_t ds;      /* on dev: waits on `ready`, records `done` */
+    cudaEvent_t ready;    /* on dev, interprocess, recorded by the trainer */
+    cudaEvent_t done;     /* on dev, interprocess, recorded by the daemon on ds */
+    cudaEvent_t seen;     /* on dev: ds got past `ready` */
+    cudaEvent_t answered; /* on state_dev: the answer is written */
+    cudaEvent_t merged;   /* on state_dev: the last merge's check copied back */
     int merged_used;
     unsigned long long *d_bad, *h_bad; /* first bad cell of the last merge */
     amx_run_t *d_runs, *h_runs;        /* merge runs (state_dev, pinned) */
@@ -210,8 +219,8 @@ extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
         cudaEventSynchronize(d->merged);
     if (d->merged != NULL)
         cudaEventDestroy(d->merged);
-    if (d->done != NULL)
-        cudaEventDestroy(d->done);
+    if (d->answered != NULL)
+        cudaEventDestroy(d->answered);
     cudaFree(d->d_bad);
     cudaFreeHost(d->h_bad);
     cudaFree(d->d_runs);
@@ -220,8 +229,16 @@ extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
     cudaFreeHost(d->h_gruns);
     cudaFreeHost(d->h_tail);
     cudaSetDevice(d->dev);
+    if (d->ds != NULL) {
+        cudaStreamSynchronize(d->ds);
+        cudaStreamDestroy(d->ds);
+    }
     if (d->ready != NULL)
         cudaEventDestroy(d->ready);
+    if (d->done != NULL)
+        cudaEventDestroy(d->done);
+    if (d->seen != NULL)
+        cudaEventDestroy(d->seen);
     cudaFree(d->slab);
     cudaFree(d->answer);
     cudaGetLastError();
@@ -239,6 +256,10 @@ static amx_status_t open_buffers(amx_devbuf_t *d, amx_devbuf_info_t *info, amx_e
     CU(cudaMemset(d->slab, 0, d->slab_bytes ? d->slab_bytes : 16), "cudaMemset (slab)");
     CU(cudaMemset(d->answer, 0, d->answer_bytes ? d->answer_bytes : 16), "cudaMemset (answer)");
     CU(cudaEventCreateWithFlags(&d->ready, ev), "cudaEventCreate (ready)");
+    CU(cudaEventCreateWithFlags(&d->done, ev), "cudaEventCreate (done)");
+    CU(cudaEventCreateWithFlags(&d->seen, cudaEventDisableTiming), "cudaEventCreate");
+    CU(cudaStreamCreateWithFlags(&d->ds, cudaStreamNonBlocking), "cudaStreamCreate");
+    CU(cudaIpcGetEventHandle((cudaIpcEventHandle_t *)info->done, d->done), "cudaIpcGetEventHandle");
     CU(cudaIpcGetMemHandle((cudaIpcMemHandle_t *)info->slab, d->slab), "cudaIpcGetMemHandle");
     CU(cudaIpcGetMemHandle((cudaIpcMemHandle_t *)info->answer, d->answer), "cudaIpcGetMemHandle");
     CU(cudaIpcGetEventHandle((cudaIpcEventHandle_t *)info->ready, d->ready),
@@ -257,8 +278,7 @@ static amx_status_t open_buffers(amx_devbuf_t *d, amx_devbuf_info_t *info, amx_e
             CU(e, "cudaDeviceEnablePeerAccess");
         cudaGetLastError();
     }
-    CU(cudaEventCreateWithFlags(&d->done, ev), "cudaEventCreate (done)");
-    CU(cudaIpcGetEventHandle((cudaIpcEventHandle_t *)info->done, d->done), "cudaIpcGetEventHandle");
+    CU(cudaEventCreateWithFlags(&d->answered, cudaEventDisableTiming), "cudaEventCreate");
     CU(cudaEventCreateWithFlags(&d->merged, cudaEventDisableTiming), "cudaEventCreate");
     CU(cudaMalloc(&d->d_bad, sizeof(unsigned long long)), "cudaMalloc");
     CU(cudaHostAlloc(&d->h_bad, sizeof(unsigned long long), cudaHostAllocDefault), "cudaHostAlloc");
@@ -336,8 +356,12 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
     }
     CU(cudaMemsetAsync(d->d_bad, 0xff, sizeof(unsigned long long), sd), "cudaMemsetAsync");
     /* Behind the trainer's writes of the slab: its last record of `ready`
-     * (before it called ReconcileDevice). */
-    CU(cudaStreamWaitEvent(sd, d->ready, 0), "cudaStreamWaitEvent (trainer's ready event)");
+     * (before it called ReconcileDevice), waited on by ds on its GPU. */
+    CU(cudaSetDevice(d->dev), "cudaSetDevice");
+    CU(cudaStreamWaitEvent(d->ds, d->ready, 0), "cudaStreamWaitEvent (trainer's ready event)");
+    CU(cudaEventRecord(d->seen, d->ds), "cudaEventRecord");
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    CU(cudaStreamWaitEvent(sd, d->seen, 0), "cudaStreamWaitEvent");
     const float *v = (const float *)d->slab;
     const uint8_t *has =
         has_data_off == UINT64_MAX ? NULL : (const uint8_t *)d->slab + has_data_off;
@@ -402,7 +426,11 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_ama
                            cudaMemcpyHostToDevice, s),
            "cudaMemcpyAsync (globals)");
     }
-    CU(cudaEventRecord(d->done, s), "cudaEventRecord (done event)");
+    CU(cudaEventRecord(d->answered, s), "cudaEventRecord");
+    CU(cudaSetDevice(d->dev), "cudaSetDevice");
+    CU(cudaStreamWaitEvent(d->ds, d->answered, 0), "cudaStreamWaitEvent");
+    CU(cudaEventRecord(d->done, d->ds), "cudaEventRecord (done event)");
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     /* Only the daemon's own work is on s: this wait is short, and keeps the
      * staging and the front outputs ours until the answer is written. */
     CU(cudaStreamSynchronize(s), "device answer");
