@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "clock.h"
+#include "devbuf.h"
 #include "kernels.h"
 #include "log.h"
 #include "postproc.h"
@@ -95,6 +96,14 @@ typedef struct cuda_state {
     pthread_mutex_t retired_mu; /* the loop and the engine thread both retire */
     void **retired;
     size_t nretired, cap_retired;
+    /* Device buffers shared with trainers (devbuf.cu): their slabs are
+     * merged on `sd` (behind each trainer's ready event) into the in-flight
+     * buffer, and `in` recorded after; every engine operation on the
+     * in-flight buffer, and unflip, waits for `in` on its own stream. Made
+     * by the first dev_open (the loop, before any epoch uses them). */
+    cudaStream_t sd;
+    cudaEvent_t in;
+    int dev_used;
 } cuda_state_t;
 
 /* Converts a CUDA error once, where it happens, keeping the original text. */
@@ -105,6 +114,14 @@ typedef struct cuda_state {
             return amx_err_set(err, AMX_EDEVICE, "CUDA %s failed: %s (%s)", what,                  \
                                cudaGetErrorString(e_), cudaGetErrorName(e_));                      \
     } while (0)
+
+/* Stream s waits for the device slabs merged into the in-flight buffer. */
+static amx_status_t wait_in(cuda_state_t *c, cudaStream_t s, amx_err_t *err)
+{
+    if (c->dev_used)
+        CU(cudaStreamWaitEvent(s, c->in, 0), "cudaStreamWaitEvent (device slabs)");
+    return AMX_OK;
+}
 
 static unsigned blocks_for(uint64_t n)
 {
@@ -838,6 +855,7 @@ static amx_status_t cuda_unflip(amx_state_t *st, amx_err_t *err)
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int fl = c->active ^ 1;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
+    AMX_CHECK(wait_in(c, c->sl, err));
     uint64_t n = c->pend_n[fl] < c->pend_n[c->active] ? c->pend_n[fl] : c->pend_n[c->active];
     if (n > 0)
         k_max_into<<<blocks_for(n), THREADS, 0, c->sl>>>(c->pend[c->active] + AMX_HDR_CELLS,
@@ -1063,6 +1081,7 @@ static amx_status_t cuda_remap(amx_state_t *st, const amx_layout_change_t *lc, a
     cuda_state_t *c = (cuda_state_t *)st->impl;
     cudaStream_t s = c->se;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
+    AMX_CHECK(wait_in(c, s, err));
     int fl = c->active ^ 1, back = st->front ^ 1;
     int src = lc->outputs_from_back ? back : st->front;
     /* All run lists in one upload: cells, hist, qs, pend, slices, stat, spend. */
@@ -1200,6 +1219,7 @@ static amx_status_t cuda_prepare(amx_state_t *st, const float *hdr, uint64_t nce
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int fl = c->active ^ 1;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
+    AMX_CHECK(wait_in(c, c->se, err));
     if (c->pend[fl] == NULL || ncells > c->pend_n[fl])
         return amx_err_set(err, AMX_EINTERNAL, "in-flight buffer holds %llu cells, not %llu",
                            (unsigned long long)(c->pend[fl] ? c->pend_n[fl] : 0),
@@ -1534,6 +1554,9 @@ static amx_status_t cuda_finish(amx_state_t *st, const amx_qdesc_t *qs, uint32_t
                                 uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
                                 int desc_dirty, amx_err_t *err)
 {
+    cuda_state_t *ci = (cuda_state_t *)st->impl;
+    CU(cudaSetDevice(ci->device), "cudaSetDevice");
+    AMX_CHECK(wait_in(ci, ci->se, err));
     amx_status_t r = finish_epoch(st, qs, nq, ncells, npeer, nscale, from_send, desc_dirty, err);
     if (r != AMX_OK) {
         cuda_state_t *c = (cuda_state_t *)st->impl;
@@ -1666,6 +1689,8 @@ static void cuda_destroy(amx_state_t *st)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     cudaSetDevice(c->device);
+    if (c->dev_used)
+        cudaStreamSynchronize(c->sd);
     cudaStreamSynchronize(c->sl);
     cudaStreamSynchronize(c->se);
     void *dev[] = {c->pend[0],     c->pend[1],     c->recv,        c->accum,       c->prev,
@@ -1693,7 +1718,65 @@ static void cuda_destroy(amx_state_t *st)
     pthread_mutex_destroy(&c->retired_mu);
     cudaStreamDestroy(c->sl);
     cudaStreamDestroy(c->se);
+    if (c->dev_used) {
+        cudaEventDestroy(c->in);
+        cudaStreamDestroy(c->sd);
+    }
     free(c);
+}
+
+/* ---- device buffers shared with trainers (devbuf.cu) ---- */
+
+static amx_status_t cuda_dev_open(amx_state_t *st, const char *device, uint64_t slab_bytes,
+                                  uint64_t answer_bytes, amx_devbuf_t **out,
+                                  amx_devbuf_info_t *info, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    if (!c->dev_used) {
+        CU(cudaSetDevice(c->device), "cudaSetDevice");
+        CU(cudaStreamCreateWithFlags(&c->sd, cudaStreamNonBlocking), "cudaStreamCreate");
+        cudaError_t e = cudaEventCreateWithFlags(&c->in, cudaEventDisableTiming);
+        if (e != cudaSuccess) {
+            cudaStreamDestroy(c->sd);
+            CU(e, "cudaEventCreate");
+        }
+        c->dev_used = 1;
+    }
+    return amx__cuda_dev_open(c->device, device, slab_bytes, answer_bytes, out, info, err);
+}
+
+static amx_status_t cuda_dev_merge(amx_state_t *st, amx_devbuf_t *d, const amx_run_t *runs,
+                                   size_t nruns, uint64_t ncells, uint64_t has_data_off,
+                                   amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    int fl = c->active ^ 1; /* just flipped: the in-flight buffer */
+    if (c->pend[fl] == NULL)
+        return amx_err_set(err, AMX_EINTERNAL, "no in-flight buffer to merge a device slab into");
+    return amx__cuda_dev_merge(d, c->pend[fl] + AMX_HDR_CELLS, runs, nruns, ncells, has_data_off,
+                               c->sd, c->in, err);
+}
+
+static int64_t cuda_dev_bad(amx_state_t *st, amx_devbuf_t *d)
+{
+    (void)st;
+    return amx__cuda_dev_bad(d);
+}
+
+static amx_status_t cuda_dev_answer(amx_state_t *st, amx_devbuf_t *d, const amx_run_t *gather,
+                                    size_t ngather, uint64_t ncells, const amx_devans_layout_t *lay,
+                                    const void *tail, size_t tail_bytes, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    int f = st->front;
+    return amx__cuda_dev_answer(d, c->o_amax[f], c->o_scale[f], c->o_inv[f], c->o_bytes[f], gather,
+                                ngather, ncells, lay, tail, tail_bytes, c->sl, err);
+}
+
+static void cuda_dev_close(amx_state_t *st, amx_devbuf_t *d)
+{
+    (void)st;
+    amx__cuda_dev_close(d);
 }
 
 /* Per-quantizer host results are pinned: finish copies into them directly. */
@@ -1736,6 +1819,11 @@ static const amx_state_ops_t cuda_ops = {
     cuda_stat_prepare,
     cuda_stat_accumulate,
     cuda_read_accum,
+    cuda_dev_open,
+    cuda_dev_merge,
+    cuda_dev_bad,
+    cuda_dev_answer,
+    cuda_dev_close,
 };
 
 extern "C" uint64_t amx__state_cuda_memory(int device)

@@ -78,8 +78,9 @@ amx_status_t amx__ready_job(amx_registry_t *reg, const char *name, uint32_t rank
     return AMX_OK;
 }
 
-static void lrank_free(amx_lrank_t *r)
+static void lrank_free(amx_job_t *j, amx_lrank_t *r)
 {
+    amx__dev_close_rank(j, r, "its rank or its job is gone");
     amx__slab_free(r->slab);
     r->slab = NULL;
     amx_replybuf_unref(r->answer);
@@ -141,7 +142,7 @@ void amx__job_free(amx_job_t *j)
     if (j->eng != NULL)
         amx_engine_destroy(j->eng);
     for (uint32_t i = 0; i < j->nlocal; i++)
-        lrank_free(&j->lr[i]);
+        lrank_free(j, &j->lr[i]);
     free(j->lr);
     free(j->slot);
     for (uint32_t i = 0; i < j->nlq; i++)
@@ -256,7 +257,7 @@ void amx__remove_local_rank(amx_job_t *j, uint32_t r)
     int32_t s = amx__job_slot(j, r);
     if (s < 0)
         return;
-    lrank_free(&j->lr[s]);
+    lrank_free(j, &j->lr[s]);
     uint32_t last = j->nlocal - 1;
     if ((uint32_t)s != last) {
         j->lr[s] = j->lr[last];

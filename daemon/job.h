@@ -92,6 +92,8 @@ typedef struct amx_lrank {
     /* ReconcilePacked answers of this rank: one buffer reused from epoch
      * to epoch while gRPC does not hold it any more (bytebuf.h). */
     struct amx_replybuf *answer;
+    /* GPU-direct: the rank's device buffers (device.c), or NULL. */
+    struct amx_devrank *dev;
 } amx_lrank_t;
 
 /* A request that waits until the epoch in flight has ended. */

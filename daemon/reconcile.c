@@ -111,6 +111,7 @@ static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *er
         if (j->lr[i].rec_w != NULL && j->lr[i].rec_w->deadline_ms < deadline)
             deadline = j->lr[i].rec_w->deadline_ms;
     j->state->ops->flip(j->state);
+    amx__dev_merge_epoch(reg, j);
     j->in_flight = 1;
     j->flight_deadline = deadline;
     j->flight_started_us = amx_now_us();
@@ -143,13 +144,17 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
                                     amx_waiter_t *w, uint64_t now_ms, amx_err_t *err)
 {
     amx_job_t *j;
+    if (req->device)
+        AMX_CHECK(amx__dev_need_backend(reg, "ReconcileDevice", err));
     AMX_CHECK(amx__ready_job(reg, req->job, req->rank, 1, &j, err));
     amx_lrank_t *r = amx__local_rank(j, req->rank);
     if (j->in_flight && r->in_reconcile && r->rec_w == NULL &&
         (req->epoch == 0 || req->epoch == j->epoch)) {
         /* Its earlier call went away while the epoch was in flight: this
          * call takes its place and gets the epoch's answer. */
-        if (req->packed)
+        if (req->device)
+            AMX_CHECK(amx__dev_check_reconcile(reg, j, r, req, err));
+        else if (req->packed)
             AMX_CHECK(packed_answer_fits(reg, j, r, req->layout_id, err));
         else
             AMX_CHECK(amx__reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
@@ -159,6 +164,7 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
         w->deadline_ms = now_ms + (uint64_t)reg->cfg->reconcile_timeout_ms;
         w->names = req->names;
         w->n_names = req->n_names;
+        w->device_answer = req->device;
         r->rec_w = w;
         reg->nwaiting++;
         return AMX_OK;
@@ -169,10 +175,15 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
                            "another call",
                            req->rank, j->name, (unsigned long long)j->epoch);
     AMX_CHECK(amx__check_epoch(j, j->epoch, req->epoch, req->rank, "Reconcile", err));
-    if (req->packed)
+    if (req->device)
+        AMX_CHECK(amx__dev_check_reconcile(reg, j, r, req, err));
+    else if (req->packed)
         AMX_CHECK(packed_answer_fits(reg, j, r, req->layout_id, err));
     else
         AMX_CHECK(amx__reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
+    /* The device slab is merged only for a ReconcileDevice that sends it
+     * (not for one of an earlier call that went away). */
+    amx__dev_arm(r, req->device && req->send, req->has_data);
     w->job = j;
     w->rank = req->rank;
     w->kind = WAIT_RECONCILE;
@@ -180,6 +191,7 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
     w->names = req->names;
     w->n_names = req->n_names;
     w->gone = 0;
+    w->device_answer = req->device;
     r->rec_w = w;
     r->in_reconcile = 1;
     j->nin_reconcile++;
@@ -473,8 +485,10 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             j->nin_reconcile--;
             amx_waiter_t *w = r->rec_w;
             r->rec_w = NULL;
-            if (w == NULL)
+            if (w == NULL) {
+                amx__dev_epoch_end(r);
                 continue; /* its client went away */
+            }
             amx_arena_t a = {0};
             amx_err_t e2 = {0};
             amx_reply_t rep;
@@ -482,11 +496,16 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             rep.epoch = res->epoch;
             rep.next_epoch = j->epoch;
             amx_packed_t pk;
-            amx_status_t st = w->alloc_packed != NULL
-                                  ? amx__build_packed(reg, j, r, w, &pk, &e2)
-                                  : amx__build_results(reg, j, r->rank, w->names, w->n_names, 0, 0,
-                                                       &rep.results, &rep.nresults, NULL, &a, &e2);
-            if (w->alloc_packed != NULL)
+            amx_status_t st;
+            if (w->device_answer)
+                st = amx__dev_answer(reg, j, r, res->epoch, &e2);
+            else if (w->alloc_packed != NULL)
+                st = amx__build_packed(reg, j, r, w, &pk, &e2);
+            else
+                st = amx__build_results(reg, j, r->rank, w->names, w->n_names, 0, 0, &rep.results,
+                                        &rep.nresults, NULL, &a, &e2);
+            amx__dev_epoch_end(r);
+            if (w->alloc_packed != NULL && !w->device_answer)
                 rep.packed = &pk;
             if (st == AMX_OK)
                 amx__finish_waiter(reg, w, AMX_OK, NULL, &rep);
@@ -514,6 +533,7 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             j->nin_reconcile--;
             amx_waiter_t *w = r->rec_w;
             r->rec_w = NULL;
+            amx__dev_epoch_end(r);
             if (w != NULL)
                 amx__finish_waiter(reg, w, res->st, res->msg, NULL);
         }

@@ -344,6 +344,7 @@ void amx_registry_expire(amx_registry_t *reg, uint64_t now_ms)
             amx__drop_job(reg, j, msg);
             continue;
         }
+        amx__dev_reap(j);
         if (j->in_flight) {
             /* The engine answers by the deadline; this only reports a bug. */
             if (j->flight_deadline != UINT64_MAX && now_ms > j->flight_deadline + 30000 &&

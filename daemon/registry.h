@@ -117,6 +117,17 @@ amx_status_t amx_registry_reset(amx_registry_t *reg, const amx_reset_req_t *req,
 /* Removes a waiter whose client went away; its callback is not called. */
 void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w);
 
+/* OpenDevice (GPU-direct): device buffers for a rank's current layout on
+ * the trainer's GPU, replacing the rank's earlier ones. FAILED_PRECONDITION
+ * on a daemon whose state backend has no device buffers (host) and for a
+ * layout id that is not the rank's current one. */
+amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_req_t *req,
+                                      amx_dev_opened_t *out, amx_err_t *err);
+
+/* CloseDevice: frees a rank's device buffers `id`. */
+amx_status_t amx_registry_device_close(amx_registry_t *reg, const char *job, uint32_t rank,
+                                       uint64_t id, amx_err_t *err);
+
 /* The state backend's device fault (a sticky CUDA error), or NULL. */
 const char *amx_registry_fault(const amx_registry_t *reg);
 

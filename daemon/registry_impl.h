@@ -170,6 +170,29 @@ amx_status_t amx__build_results(amx_registry_t *reg, amx_job_t *j, int64_t rank,
 amx_status_t amx__reconcile_answer_fits(amx_registry_t *reg, amx_job_t *j, uint32_t rank,
                                         char **names, size_t n, amx_err_t *err);
 
+/* ---- device.c ---- */
+
+/* FAILED_PRECONDITION, with what to do instead, on a daemon whose state backend has no device
+ * buffers (`what` names the call). */
+amx_status_t amx__dev_need_backend(const amx_registry_t *reg, const char *what, amx_err_t *err);
+/* Frees rank r's device buffers, if any (`why`: logged when not NULL). */
+void amx__dev_close_rank(amx_job_t *j, amx_lrank_t *r, const char *why);
+/* Checks a ReconcileDevice of rank r before it enters the epoch. */
+amx_status_t amx__dev_check_reconcile(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r,
+                                      const amx_reconcile_req_t *req, amx_err_t *err);
+/* Whether rank r's device slab goes into the epoch it enters (NULL-safe). */
+void amx__dev_arm(amx_lrank_t *r, int send, int has_data);
+/* Just after the flip of an epoch: queues the device slabs of the ranks that sent one. */
+void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j);
+/* Rank r's answer of a reconciled epoch into its device buffers; an error (a slab that failed its
+ * check, a layout changed during the epoch) to answer instead. */
+amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, uint64_t epoch,
+                             amx_err_t *err);
+/* The end of an epoch for rank r's device buffers (reconciled or not). */
+void amx__dev_epoch_end(amx_lrank_t *r);
+/* Frees the device buffers of trainers that exited (their pid). Not while in flight. */
+void amx__dev_reap(amx_job_t *j);
+
 /* ---- reconcile.c ---- */
 
 /* "ranks 3, 5" of the job that have not entered Reconcile. */

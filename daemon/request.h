@@ -58,7 +58,35 @@ typedef struct amx_reconcile_req {
      * alloc_packed), which must still have this layout id. */
     int packed;
     uint64_t layout_id;
+    /* GPU-direct (ReconcileDevice): the answer goes into the rank's device
+     * buffers `device_id`; with `send` their slab is merged into the
+     * epoch first (`has_data`: with its has-data bytes). */
+    int device;
+    uint64_t device_id;
+    int send, has_data;
 } amx_reconcile_req_t;
+
+/* OpenDevice: device buffers for rank `rank`'s layout `layout_id` on the
+ * GPU named `device` (PCI bus id or UUID; "" the daemon's), freed when
+ * process `pid` (0: none) ends. */
+typedef struct amx_dev_open_req {
+    const char *job;
+    uint32_t rank;
+    uint64_t layout_id;
+    const char *device;
+    uint32_t pid;
+} amx_dev_open_req_t;
+
+/* What OpenDevice answers: sizes, byte offsets and the IPC handles. */
+typedef struct amx_dev_opened {
+    uint64_t id, layout_id, total_cells, total_slices;
+    uint32_t nq;
+    uint64_t slab_bytes, has_data_off, answer_bytes;
+    uint64_t amax, scale, scale_inv, block_scales;           /* answer offsets, per cell */
+    uint64_t g_amax, g_scale, g_inv, s_amax, s_scale, s_inv; /* per quantizer, per slice */
+    uint8_t slab_handle[64], answer_handle[64], ready_event[64], done_event[64];
+    char bus_id[32];
+} amx_dev_opened_t;
 
 /* SendPacked: one slab of values. `values` is writable and 4-byte aligned:
  * the registry normalizes it in place (no-data cells -> -inf, -0 -> +0). */
@@ -227,6 +255,9 @@ struct amx_waiter {
      * cannot. Called once, on the loop thread, just before `done`. */
     amx_status_t (*alloc_packed)(amx_waiter_t *w, amx_packed_t *p);
     uint64_t layout_id;
+    /* ReconcileDevice (set by the registry): answered into the rank's
+     * device buffers; `done` gets a reply without results. */
+    int device_answer;
 };
 
 /* Daemon-wide status for Status. */

@@ -182,7 +182,8 @@ static void h_join(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 static void h_reconcile(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__ReconcileRequest *req = (const void *)m;
-    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, req->names, req->n_names, 0, 0};
+    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, req->names, req->n_names, 0, 0,
+                             0,        0,         0,          0};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
     w->done = reconcile_done;
@@ -583,7 +584,8 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
 static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__ReconcilePackedRequest *req = (const void *)m;
-    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, NULL, 0, 1, req->layout_id};
+    amx_reconcile_req_t q = {req->job,       req->rank, req->epoch, NULL, 0, 1,
+                             req->layout_id, 0,         0,          0,    0};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
     packed_out_t *o = amx_arena_alloc(amx__call_arena(c), sizeof(*o));
@@ -607,6 +609,91 @@ static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMes
     w->ext = o;
     if (amx_registry_reconcile(svc->reg, &q, w, amx__now_ms(), &err) != AMX_OK)
         reply_err(c, "ReconcilePacked", &err);
+}
+
+/* ---- GPU-direct: device buffers (docs/API.md "Device buffers") ---- */
+
+static void h_open_device(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
+{
+    const Amaxd__V1__OpenDeviceRequest *req = (const void *)m;
+    amx_dev_open_req_t q = {req->job, req->rank, req->layout_id, req->device, req->pid};
+    amx_dev_opened_t o;
+    amx_err_t err = {0};
+    if (amx_registry_device_open(svc->reg, &q, &o, &err) != AMX_OK) {
+        reply_err(c, "OpenDevice", &err);
+        return;
+    }
+    Amaxd__V1__OpenDeviceResponse r = AMAXD__V1__OPEN_DEVICE_RESPONSE__INIT;
+    r.device_id = o.id;
+    r.layout_id = o.layout_id;
+    r.total_cells = o.total_cells;
+    r.quantizers = o.nq;
+    r.total_slices = o.total_slices;
+    r.slab_handle.data = o.slab_handle;
+    r.slab_handle.len = sizeof(o.slab_handle);
+    r.slab_bytes = o.slab_bytes;
+    r.has_data_offset = o.has_data_off;
+    r.answer_handle.data = o.answer_handle;
+    r.answer_handle.len = sizeof(o.answer_handle);
+    r.answer_bytes = o.answer_bytes;
+    r.ready_event.data = o.ready_event;
+    r.ready_event.len = sizeof(o.ready_event);
+    r.done_event.data = o.done_event;
+    r.done_event.len = sizeof(o.done_event);
+    r.amax_offset = o.amax;
+    r.scale_offset = o.scale;
+    r.scale_inv_offset = o.scale_inv;
+    r.block_scales_offset = o.block_scales;
+    r.global_amax_offset = o.g_amax;
+    r.global_scale_offset = o.g_scale;
+    r.global_scale_inv_offset = o.g_inv;
+    r.global_amaxes_offset = o.s_amax;
+    r.global_scales_offset = o.s_scale;
+    r.global_scale_invs_offset = o.s_inv;
+    r.device_bus_id = o.bus_id;
+    amx__call_reply(c, AMX_OK, NULL, &r.base);
+}
+
+static void h_close_device(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
+{
+    const Amaxd__V1__CloseDeviceRequest *req = (const void *)m;
+    amx_err_t err = {0};
+    if (amx_registry_device_close(svc->reg, req->job, req->rank, req->device_id, &err) != AMX_OK) {
+        reply_err(c, "CloseDevice", &err);
+        return;
+    }
+    Amaxd__V1__CloseDeviceResponse r = AMAXD__V1__CLOSE_DEVICE_RESPONSE__INIT;
+    amx__call_reply(c, AMX_OK, NULL, &r.base);
+}
+
+static void reconcile_device_done(amx_waiter_t *w, amx_status_t st, const char *msg,
+                                  const amx_reply_t *rep)
+{
+    amx_call_t *c = amx__waiter_call(w);
+    if (st != AMX_OK) {
+        AMX_WARN("rpc", "ReconcileDevice answered %s: %s", amx_strerror(st), msg);
+        amx__call_reply(c, st, msg, NULL);
+        return;
+    }
+    Amaxd__V1__ReconcileDeviceResponse r = AMAXD__V1__RECONCILE_DEVICE_RESPONSE__INIT;
+    r.epoch = rep->epoch;
+    r.next_epoch = rep->next_epoch;
+    r.layout_id = (uint64_t)(uintptr_t)w->ext;
+    amx__call_reply(c, AMX_OK, NULL, &r.base);
+}
+
+static void h_reconcile_device(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
+{
+    const Amaxd__V1__ReconcileDeviceRequest *req = (const void *)m;
+    amx_reconcile_req_t q = {req->job,       req->rank, req->epoch,   NULL, 0, 0, req->layout_id, 1,
+                             req->device_id, req->send, req->has_data};
+    amx_err_t err = {0};
+    amx_waiter_t *w = amx__call_waiter(c);
+    w->done = reconcile_device_done;
+    w->alloc_packed = NULL;
+    w->ext = (void *)(uintptr_t)req->layout_id; /* answered as the layout it was checked for */
+    if (amx_registry_reconcile(svc->reg, &q, w, amx__now_ms(), &err) != AMX_OK)
+        reply_err(c, "ReconcileDevice", &err);
 }
 
 /* ---- SendPacked ---- */
@@ -737,6 +824,12 @@ const amx_method_t amx__methods[] = {
      NULL, stream_packed},
     {"/amaxd.v1.Calibration/ReconcilePacked", &amaxd__v1__reconcile_packed_request__descriptor,
      h_reconcile_packed, 0, T, NULL, NULL},
+    {"/amaxd.v1.Calibration/OpenDevice", &amaxd__v1__open_device_request__descriptor, h_open_device,
+     0, T, NULL, NULL},
+    {"/amaxd.v1.Calibration/ReconcileDevice", &amaxd__v1__reconcile_device_request__descriptor,
+     h_reconcile_device, 0, T, NULL, NULL},
+    {"/amaxd.v1.Calibration/CloseDevice", &amaxd__v1__close_device_request__descriptor,
+     h_close_device, 0, T, NULL, NULL},
 };
 #undef T
 const size_t amx__n_methods = sizeof(amx__methods) / sizeof(amx__methods[0]);

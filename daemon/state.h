@@ -162,6 +162,21 @@ static inline uint64_t amx_qdesc_slices(const struct amx_qdesc *q, uint32_t nq)
 
 typedef struct amx_state amx_state_t;
 
+/* Device buffers shared with one trainer (dev_open). */
+typedef struct amx_devbuf amx_devbuf_t;
+#define AMX_IPC_HANDLE_BYTES 64 /* cudaIpcMemHandle_t, cudaIpcEventHandle_t */
+typedef struct amx_devbuf_info {
+    uint8_t slab[AMX_IPC_HANDLE_BYTES], answer[AMX_IPC_HANDLE_BYTES];
+    uint8_t ready[AMX_IPC_HANDLE_BYTES], done[AMX_IPC_HANDLE_BYTES]; /* events */
+    int device;      /* the buffers' CUDA ordinal in this process */
+    int state_dev;   /* the state's */
+    char bus_id[32]; /* the buffers' PCI bus id */
+} amx_devbuf_info_t;
+/* Byte offsets of the device answer's arrays (dev_answer). */
+typedef struct amx_devans_layout {
+    uint64_t amax, scale, scale_inv, block_scales, tail;
+} amx_devans_layout_t;
+
 typedef struct amx_state_ops {
     const char *name;
     int on_device;
@@ -273,6 +288,48 @@ typedef struct amx_state_ops {
      * into host memory: the max a basis is fixed from. */
     amx_status_t (*read_accum)(amx_state_t *st, const amx_run_t *runs, size_t nruns, float *out,
                                amx_err_t *err);
+
+    /* Device buffers shared with a trainer (GPU-direct, docs/API.md
+     * "Device buffers"). NULL for a backend whose state is not on a GPU:
+     * the service then answers FAILED_PRECONDITION. All on the loop
+     * thread.
+     *
+     * Allocates on the device named by `device` (a PCI bus id or a GPU
+     * UUID, as the trainer sees its GPU) a slab of `slab_bytes` and an
+     * answer buffer of `answer_bytes`, and two interprocess events, and
+     * fills `info` with their CUDA IPC handles. EINVAL / ENOTFOUND for a
+     * device string that names no GPU of this process, EPRECOND when the
+     * state's device cannot reach it by peer access, ENOMEM. Free with
+     * dev_close. */
+    amx_status_t (*dev_open)(amx_state_t *st, const char *device, uint64_t slab_bytes,
+                             uint64_t answer_bytes, struct amx_devbuf **out,
+                             struct amx_devbuf_info *info, amx_err_t *err);
+    /* Loop, just after flip: queues on the backend's device-in stream,
+     * behind the trainer's ready event, a check of the slab's `ncells`
+     * float32 values (with `has_data_off` != UINT64_MAX, one has-data byte
+     * per cell at that offset of the slab) and, when every value with data
+     * is finite and >= 0, their max-merge along `runs` (run.src = slab
+     * cell, sorted) into the in-flight pending buffer. Never waits for the
+     * trainer: the engine's stream waits for the merge (prepare, remap,
+     * finish and unflip do). */
+    amx_status_t (*dev_merge)(amx_state_t *st, struct amx_devbuf *d, const amx_run_t *runs,
+                              size_t nruns, uint64_t ncells, uint64_t has_data_off, amx_err_t *err);
+    /* Loop, after the epoch of the last dev_merge ended: the first slab
+     * cell that failed its check (the slab was then not merged), or -1. */
+    int64_t (*dev_bad)(amx_state_t *st, struct amx_devbuf *d);
+    /* Loop. Writes the front outputs of the `ngather` runs (run.src =
+     * output cell, run.dst = slab cell, sorted by dst) of a slab of
+     * `ncells` cells into the answer buffer in slab order: amax (no data:
+     * 0), scale, scale_inv and the byte at the offsets of `lay`; cells of
+     * no run read 0, 1, 1, 0. Then copies `tail_bytes` of host memory
+     * `tail` to lay->tail and records the done event. Returns once the
+     * daemon's side is queued and its own buffers may be reused; nothing
+     * of it waits for the trainer. */
+    amx_status_t (*dev_answer)(amx_state_t *st, struct amx_devbuf *d, const amx_run_t *gather,
+                               size_t ngather, uint64_t ncells, const struct amx_devans_layout *lay,
+                               const void *tail, size_t tail_bytes, amx_err_t *err);
+    /* Loop. Waits for the buffers' queued work and frees them. */
+    void (*dev_close)(amx_state_t *st, struct amx_devbuf *d);
 
 } amx_state_ops_t;
 

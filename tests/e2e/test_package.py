@@ -22,7 +22,8 @@ INSTALLED = os.path.dirname(amaxd.__file__)
 LAYERS = [
     {"_gen", "errors", "placement"},
     {"types", "tiles"},  # tiles: placement geometry of flat-sharded weights (numpy only)
-    {"wire", "transport", "export", "calib"},  # calib: a rank's statistics (numpy, torch)
+    {"wire", "transport", "export", "calib",  # calib: a rank's statistics (numpy, torch)
+     "device"},  # device: GPU-direct buffers over CUDA IPC (torch, CuPy or cuda-bindings)
     {"packed"},
     {"client"},
     {"__init__"},

@@ -5,12 +5,13 @@ into requests; what it sends and gets is defined in types.py (Recipe,
 Quantizer, Masked, Result) and packed.py (Layout, PackedResult), encoded in
 wire.py where not by protobuf, and carried by transport.py.
 """
+import os
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import grpc
 
 from ._gen import amaxd_pb2 as pb
-from .errors import AmaxdError, FailedPrecondition, ResourceExhausted
+from .errors import AmaxdError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from .packed import Layout, PackedResult
 from .placement import Placement
 from .transport import (DEFAULT_SOCKET, Channel, ShmBuffers, open_shm, pread_all,  # noqa: F401
@@ -50,6 +51,7 @@ class Client:
         self.max_message_bytes = max_message_bytes
         self._rpc = Channel(target(socket, address), timeout, max_message_bytes)
         self._layout: Optional[Layout] = None
+        self._dev: Any = None  # amaxd.device.DeviceBuffers, after open_device()
         self.epoch = 0
 
     def __enter__(self) -> "Client":
@@ -60,6 +62,10 @@ class Client:
 
     def close(self) -> None:
         self._close_shm()
+        try:
+            self.close_device()
+        except AmaxdError:
+            pass  # the daemon frees them with the rank, the job or this process anyway
         self._rpc.close()
 
     def _close_shm(self) -> None:
@@ -250,6 +256,102 @@ class Client:
             res = PackedResult(raw, self.layout(refresh=True))
         self.epoch = res.next_epoch
         return res
+
+    # -- GPU-direct (amaxd/device.py, docs/API.md "Device buffers") --
+
+    def open_device(self, device: Optional[int] = None) -> Any:
+        """Device buffers for this rank's layout on torch CUDA device
+        `device` (default: the current one), allocated by the daemon (CUDA
+        backend, this node) and mapped here: a DeviceBuffers whose `slab`
+        (float32 per cell, layout order) and `has_data` (uint8) are torch
+        CUDA tensor views. Replaces this client's earlier buffers. Raises
+        amaxd.device.DeviceUnavailable without torch/CUDA/an IPC binding,
+        FailedPrecondition from a host-backend daemon."""
+        from . import device as dv
+        t = dv._torch()
+        dev = t.cuda.current_device() if device is None else int(device)
+        name = dv.device_name(dev)
+        L = self.layout()
+        r = self._unary("OpenDevice", pb.OpenDeviceRequest(job=self.job, rank=self.rank,
+                                                           layout_id=L.id, device=name,
+                                                           pid=os.getpid()),
+                        pb.OpenDeviceResponse)
+        try:
+            bufs = dv.DeviceBuffers(r, dev)
+        except Exception:
+            try:
+                self._unary("CloseDevice", pb.CloseDeviceRequest(job=self.job, rank=self.rank,
+                                                                 device_id=r.device_id),
+                            pb.CloseDeviceResponse)
+            except AmaxdError:
+                pass
+            raise
+        old, self._dev = self._dev, bufs
+        if old is not None:
+            old.close()  # the daemon freed them when it made the new ones
+        return bufs
+
+    def device_slab(self, device: Optional[int] = None) -> Any:
+        """The device slab (torch CUDA float32 view, one cell per layout
+        cell): write this rank's amax into it on the current stream, e.g.
+        torch.amax(x.abs(), out=client.layout().view(slab, name)), then
+        reconcile_device(). Opens the buffers on first use."""
+        if self._dev is None:
+            self.open_device(device)
+        return self._dev.slab
+
+    def reconcile_device(self, send: bool = True, has_data: bool = False,
+                         epoch: Optional[int] = None, stream: Any = None,
+                         timeout: Optional[float] = None) -> Any:
+        """Reconcile through the device buffers: records the ready event on
+        `stream` (default: torch's current stream), the daemon merges the
+        slab after it on the GPU (send=False: this rank sends nothing this
+        epoch; has_data: also read the has_data bytes) and writes the
+        answer into the device answer buffer; then `stream` waits on the
+        daemon's done event. Returns a DeviceResult of CUDA tensor views,
+        valid until the next call. Never synchronizes the stream from the
+        host."""
+        from . import device as dv
+        if self._dev is None:
+            self.open_device()
+        bufs = self._dev
+        L = self.layout()
+        if stream is None:
+            _, sp = dv.current_stream(bufs.dev)
+        else:
+            sp = int(getattr(stream, "cuda_stream", stream))
+        if send:
+            bufs.record_ready(sp)
+        req = pb.ReconcileDeviceRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
+                                        layout_id=L.id, device_id=bufs.id, send=bool(send),
+                                        has_data=bool(has_data))
+        try:
+            r = self._tracked(epoch, lambda: self._unary("ReconcileDevice", req,
+                                                         pb.ReconcileDeviceResponse, timeout))
+        except InvalidArgument:
+            # A slab that failed the daemon's check: the epoch was reconciled
+            # without it, so the open epoch moved on.
+            if epoch is None:
+                try:
+                    jobs = self.status(self.job).jobs
+                    if jobs:
+                        self.epoch = jobs[0].epoch
+                except AmaxdError:
+                    pass
+            raise
+        bufs.wait_done(sp)
+        self.epoch = r.next_epoch
+        return dv.DeviceResult(bufs, L, r.epoch, r.next_epoch)
+
+    def close_device(self) -> None:
+        """Unmaps and frees this client's device buffers (no-op without)."""
+        bufs, self._dev = self._dev, None
+        if bufs is None:
+            return
+        bufs.close()
+        self._unary("CloseDevice", pb.CloseDeviceRequest(job=self.job, rank=self.rank,
+                                                         device_id=bufs.id),
+                    pb.CloseDeviceResponse)
 
     def get_scales(self, names: Sequence[str] = (), whole: bool = False,
                    window_cells: Optional[int] = None) -> Dict[str, Result]:

@@ -1,0 +1,219 @@
+"""One amax sync as the trainer sees it (issue 21): W trainer ranks on W
+GPUs, one amaxd per GPU (CUDA backend; NCCL between the daemons when W > 1),
+the amax of every quantizer already in one packed float32 CUDA tensor `x`
+on the trainer's GPU, and the scales needed back on the GPU. Per sync,
+timed from the trainer's seat until the results are usable on its GPU
+(the stream synchronized at the end of every path, so all paths are timed
+the same way):
+
+  inproc  torch.distributed.all_reduce(x, MAX) among the trainers (NCCL) +
+          448 / x on the GPU: what a trainer does without amaxd (baseline)
+  grpc    x.cpu() -> SendPacked -> ReconcilePacked -> scale to the GPU
+  shm     the same through the daemon's shared-memory buffers
+  device  GPU-direct: x copied into the device slab, ReconcileDevice
+          (the daemon merges the slab in place behind the trainer's ready
+          event; the answer is written into the device answer buffer and
+          ordered by the done event); results are CUDA tensors already
+
+Each sync starts after a barrier of the trainers (W > 1); the printed
+number per path is the median over the syncs of the slowest rank's time;
+ratios are to `inproc` of the same run. Raw per-sync times go to --out
+(JSON lines).
+
+  python3 bench/trainer_latency.py --amaxd .gpu-build/amaxd --gpus 1 \
+      [--sizes 1000,20000,100000+pc] [--iters 50] [--out results.jsonl]
+
+Sizes: N (N per-tensor FP8 quantizers per rank), or N+pc (N per-tensor plus
+1000 per-channel of 10000 channels, column-parallel over the ranks).
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "e2e"))
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def start_daemons(amaxd_bin, n, tmp):
+    os.environ["AMAXD_BIN"] = os.path.abspath(amaxd_bin)
+    from amaxd_proc import Daemon
+    ports = free_ports(n)
+    secret = os.path.join(tmp, "secret")
+    with open(secret, "wb") as f:
+        f.write(os.urandom(24).hex().encode())
+    os.chmod(secret, 0o600)
+    ds = []
+    for i in range(n):
+        d = os.path.join(tmp, f"d{i}")
+        os.makedirs(d)
+        flags = ["--backend=cuda", f"--cuda-device={i}", "--log-level=info",
+                 "--max-message-bytes=536870912", "--reconcile-timeout-ms=600000"]
+        if n > 1:
+            flags += [f"--cluster-size={n}", f"--cluster-rank={i}",
+                      f"--coordinator=127.0.0.1:{ports[0]}", f"--peer-listen=127.0.0.1:{ports[i]}",
+                      f"--peer-advertise=127.0.0.1:{ports[i]}", f"--cluster-secret-file={secret}",
+                      "--collective=nccl"]
+        ds.append(Daemon(d, *flags, socket=os.path.join(d, "s.sock")))
+    return ds
+
+
+def catalog(size, rank, world):
+    import amaxd
+    from amaxd import placement as P
+    per, _, pc = size.partition("+")
+    specs = [amaxd.Quantizer(f"pt.{i:06d}", [], amaxd.Recipe.fp8_current())
+             for i in range(int(per))]
+    if pc:
+        specs += [amaxd.Quantizer(f"pc.{i:05d}", [10000], amaxd.Recipe.fp8_current(),
+                                  P.column_parallel([10000], rank, world)) for i in range(1000)]
+    return specs
+
+
+def worker(rank, world, socks, port, args, q):
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import amaxd
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=dev)
+    gloo = dist.new_group(backend="gloo")
+    out = []
+    for size in args.sizes.split(","):
+        specs = catalog(size, rank, world)
+        clients = {}
+        for path in ("grpc", "shm", "device"):
+            c = amaxd.Client(f"lat-{size.replace('+', '_')}-{path}", rank, world, socket=socks[rank], timeout=600,
+                             max_message_bytes=512 << 20, shm=(path == "shm"))
+            c.join()
+            for i in range(0, len(specs), 50000):
+                c.register(specs[i:i + 50000])
+            clients[path] = c
+        L = clients["grpc"].layout()
+        n = L.total_cells
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(rank)
+        x = torch.rand(n, device=dev, generator=gen) * 100
+        slab = clients["device"].device_slab()
+        s = torch.cuda.current_stream(dev)
+
+        def inproc():
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            return 448.0 / x
+
+        def packed(c):
+            def f():
+                v = x.cpu().numpy()
+                c.send_packed(v)
+                r = c.reconcile_packed()
+                return torch.from_numpy(np.asarray(r.scale)).to(dev)
+            return f
+
+        def device():
+            slab.copy_(x)
+            r = clients["device"].reconcile_device(stream=s)
+            return r.scale
+
+        paths = {"inproc": inproc, "grpc": packed(clients["grpc"]),
+                 "shm": packed(clients["shm"]), "device": device}
+        times = {p: [] for p in paths}
+        check = {}
+        for it in range(args.warmup + args.iters):
+            for p, fn in paths.items():
+                dist.barrier(group=gloo)
+                torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                res = fn()
+                s.synchronize()
+                t1 = time.perf_counter()
+                if it >= args.warmup:
+                    times[p].append(t1 - t0)
+                if it == args.warmup + args.iters - 1:
+                    check[p] = res[:4].cpu().numpy().tolist() if res is not None else None
+        # The device and packed paths answer the same scales.
+        same = check["device"] == check["grpc"] == check["shm"]
+        allt = [None] * world
+        dist.all_gather_object(allt, times, group=gloo)
+        if rank == 0:
+            slow = {p: [max(allt[r][p][i] for r in range(world)) for i in range(args.iters)]
+                    for p in paths}
+            out.append({"size": size, "cells_per_rank": n, "world": world, "same_scales": same,
+                        "times_s": slow})
+        for c in clients.values():
+            c.close()
+        dist.barrier(group=gloo)
+    if rank == 0:
+        q.put(out)
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--amaxd", required=True)
+    ap.add_argument("--gpus", type=int, default=1)
+    ap.add_argument("--sizes", default="1000,20000")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    import torch
+    import torch.multiprocessing as mp
+    W = args.gpus
+    if torch.cuda.device_count() < W:
+        sys.exit(f"{W} GPUs asked, {torch.cuda.device_count()} visible")
+    tmp = tempfile.mkdtemp(prefix="amaxd-lat-")
+    ds = start_daemons(args.amaxd, W, tmp)
+    port = free_ports(1)[0]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, W, [d.socket for d in ds], port, args, q))
+             for r in range(W)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=3600)
+    for p in procs:
+        p.join(timeout=120)
+    for d in ds:
+        d.stop()
+    name = torch.cuda.get_device_name(0)
+    print(f"trainer_latency: {W} x {name}, one amaxd per GPU (CUDA backend"
+          f"{', NCCL between daemons' if W > 1 else ''}), {args.iters} syncs per path after "
+          f"{args.warmup} warm-up, median of the slowest rank, stream synchronized at the end of "
+          f"every path")
+    print(f"{'per rank':>16} {'cells':>9} | {'inproc ms':>9} | {'grpc ms':>8} {'x':>6} | "
+          f"{'shm ms':>8} {'x':>6} | {'device ms':>9} {'x':>6} | same scales")
+    for r in res:
+        med = {p: statistics.median(t) * 1e3 for p, t in r["times_s"].items()}
+        b = med["inproc"]
+        print(f"{r['size']:>16} {r['cells_per_rank']:>9} | {b:9.3f} | {med['grpc']:8.3f} "
+              f"{med['grpc'] / b:6.1f} | {med['shm']:8.3f} {med['shm'] / b:6.1f} | "
+              f"{med['device']:9.3f} {med['device'] / b:6.2f} | {r['same_scales']}")
+        r["median_ms"] = med
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in res:
+                f.write(json.dumps({"gpu": name, **r}) + "\n")
+    ok = all(r["same_scales"] for r in res)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,322 @@
+"""GPU-direct: a rank's slab and answer in device buffers shared with the
+daemon over CUDA IPC (docs/API.md, "Device buffers").
+
+The daemon (CUDA backend, same node) allocates both buffers on this
+trainer's GPU and hands out legacy CUDA IPC handles; they are mapped here
+and shown as torch CUDA tensors (through ``__cuda_array_interface__``). The
+trainer writes its amax into ``slab`` (``torch.amax(x, out=view)`` or
+``view.copy_(...)``), and ``Client.reconcile_device()``:
+
+1. records the daemon's *ready* event on the current stream (after the
+   writes queued on it),
+2. calls ReconcileDevice: the daemon's stream waits on that event on the
+   GPU, checks and merges the slab in place, reconciles, and writes this
+   rank's results into the answer buffer, then records its *done* event,
+3. makes the current stream wait on the *done* event.
+
+Nothing here synchronizes the stream from the host: kernels queued after
+``reconcile_device()`` see the results; the host never waits for the GPU.
+The views stay valid until ``close()`` (or the client's); the answer views
+hold the last epoch's results until the next ``reconcile_device()``.
+
+The IPC calls go through CuPy when it is installed, else through NVIDIA's
+``cuda-bindings`` (``cuda.bindings.runtime``); torch with CUDA is needed
+for the views. Without them ``DeviceUnavailable`` says what is missing.
+With CuPy the views are made through DLPack, else through
+``__cuda_array_interface__``: either way torch launches kernels on them
+asynchronously. (The first launch of a kernel in a process loads its
+module, CUDA's lazy loading, and that waits for the device: a trainer's
+first sync may block once; tests/gpu/diag_ipc.py.)
+"""
+from typing import Any, Dict, List, Optional, Tuple
+
+from .errors import AmaxdError
+
+
+class DeviceUnavailable(RuntimeError):
+    """GPU-direct cannot run in this process (no torch with CUDA, no CUDA IPC
+    binding): use the packed form (send_packed / reconcile_packed)."""
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:
+        raise DeviceUnavailable("GPU-direct needs torch with CUDA (import torch failed: "
+                                f"{e}); use send_packed/reconcile_packed instead") from e
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable("GPU-direct needs a CUDA GPU visible to torch "
+                                "(torch.cuda.is_available() is False); use "
+                                "send_packed/reconcile_packed instead")
+    return torch
+
+
+class _Cupy:
+    """CUDA IPC through CuPy's runtime bindings."""
+
+    def __init__(self) -> None:
+        import cupy  # noqa: F401
+        from cupy.cuda import runtime
+        self.rt = runtime
+        self.name = "cupy"
+
+    def bus_id(self, dev: int) -> str:
+        return str(self.rt.deviceGetPCIBusId(dev))
+
+    def open_mem(self, handle: bytes, dev: int) -> int:
+        import cupy
+        with cupy.cuda.Device(dev):
+            return int(self.rt.ipcOpenMemHandle(handle, self.rt.cudaIpcMemLazyEnablePeerAccess))
+
+    def close_mem(self, ptr: int, dev: int) -> None:
+        import cupy
+        with cupy.cuda.Device(dev):
+            self.rt.ipcCloseMemHandle(ptr)
+
+    def open_event(self, handle: bytes, dev: int) -> int:
+        import cupy
+        with cupy.cuda.Device(dev):
+            return int(self.rt.ipcOpenEventHandle(handle))
+
+    def destroy_event(self, ev: int) -> None:
+        self.rt.eventDestroy(ev)
+
+    def view(self, ptr: int, n: int, typestr: str, dev: int, owner: Any) -> Any:
+        """A torch tensor over device memory, through DLPack."""
+        import cupy
+        t = _torch()
+        dt = {"<f4": cupy.float32, "|u1": cupy.uint8}[typestr]
+        mem = cupy.cuda.UnownedMemory(ptr, max(n, 1) * cupy.dtype(dt).itemsize, owner, dev)
+        a = cupy.ndarray((n,), dt, cupy.cuda.MemoryPointer(mem, 0))
+        return t.from_dlpack(a)
+
+    def record(self, ev: int, stream: int) -> None:
+        self.rt.eventRecord(ev, stream)
+
+    def wait(self, stream: int, ev: int) -> None:
+        self.rt.streamWaitEvent(stream, ev, 0)
+
+
+class _CudaBindings:
+    """CUDA IPC through NVIDIA's cuda-bindings (cuda.bindings.runtime)."""
+
+    def __init__(self) -> None:
+        try:
+            from cuda.bindings import runtime as rt
+        except ImportError:
+            from cuda import cudart as rt  # older cuda-python
+        self.rt = rt
+        self.name = "cuda-bindings"
+
+    def _ok(self, r: Any, what: str) -> Any:
+        err = r[0] if isinstance(r, tuple) else r
+        if int(err) != 0:
+            raise DeviceUnavailable(f"CUDA {what} failed: {err}")
+        return r[1] if isinstance(r, tuple) and len(r) > 1 else None
+
+    def bus_id(self, dev: int) -> str:
+        b = self._ok(self.rt.cudaDeviceGetPCIBusId(32, dev), "cudaDeviceGetPCIBusId")
+        return (b.decode() if isinstance(b, bytes) else str(b)).rstrip("\x00")
+
+    def open_mem(self, handle: bytes, dev: int) -> int:
+        h = self.rt.cudaIpcMemHandle_t()
+        h.reserved = handle
+        with _device(dev):
+            return int(self._ok(self.rt.cudaIpcOpenMemHandle(
+                h, self.rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
+
+    def close_mem(self, ptr: int, dev: int) -> None:
+        with _device(dev):
+            self._ok(self.rt.cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle")
+
+    def open_event(self, handle: bytes, dev: int) -> Any:
+        h = self.rt.cudaIpcEventHandle_t()
+        h.reserved = handle
+        with _device(dev):
+            return self._ok(self.rt.cudaIpcOpenEventHandle(h), "cudaIpcOpenEventHandle")
+
+    def destroy_event(self, ev: Any) -> None:
+        self.rt.cudaEventDestroy(ev)
+
+    def record(self, ev: Any, stream: int) -> None:
+        self._ok(self.rt.cudaEventRecord(ev, stream), "cudaEventRecord")
+
+    def wait(self, stream: int, ev: Any) -> None:
+        self._ok(self.rt.cudaStreamWaitEvent(stream, ev, 0), "cudaStreamWaitEvent")
+
+
+class _device:
+    """cuda-bindings' current device set to `dev` for a block (each CUDA
+    runtime copy in a process, torch's and the binding's, keeps its own)."""
+
+    def __init__(self, dev: int) -> None:
+        self.dev = dev
+
+    def __enter__(self) -> None:
+        rt = ipc().rt
+        r = rt.cudaGetDevice()
+        self.prev = r[1] if isinstance(r, tuple) else 0
+        rt.cudaSetDevice(self.dev)
+
+    def __exit__(self, *exc: object) -> None:
+        ipc().rt.cudaSetDevice(self.prev)
+
+
+_IPC: Optional[Any] = None
+
+
+def ipc() -> Any:
+    """The CUDA IPC binding of this process (CuPy, else cuda-bindings)."""
+    global _IPC
+    if _IPC is None:
+        errs = []
+        for cls in (_Cupy, _CudaBindings):
+            try:
+                _IPC = cls()
+                break
+            except Exception as e:  # noqa: BLE001 - any failure: try the next binding
+                errs.append(f"{cls.__doc__.split(' through ')[1].rstrip('.')}: {e}")
+        if _IPC is None:
+            raise DeviceUnavailable("GPU-direct needs CuPy or NVIDIA's cuda-bindings for CUDA IPC "
+                                    "(" + "; ".join(errs) + ")")
+    return _IPC
+
+
+class _CAI:
+    """A device pointer as __cuda_array_interface__ (v3, no stream: the
+    consumer must not synchronize)."""
+
+    def __init__(self, ptr: int, n: int, typestr: str, owner: Any) -> None:
+        self._owner = owner  # keeps the mapping's holder alive while a view exists
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr,
+                                         "data": (ptr, False), "version": 3, "strides": None,
+                                         "stream": None}
+
+
+def device_name(dev: int) -> str:
+    """The PCI bus id of torch's CUDA device `dev` (what OpenDevice names)."""
+    try:
+        return ipc().bus_id(dev)
+    except DeviceUnavailable:
+        raise
+    except Exception:  # noqa: BLE001 - fall back to torch's UUID
+        u = _torch().cuda.get_device_properties(dev).uuid
+        return "GPU-" + str(u)
+
+
+class DeviceBuffers:
+    """A rank's device slab and answer (OpenDeviceResponse), mapped as
+    torch CUDA tensors on device `dev`."""
+
+    def __init__(self, r: Any, dev: int) -> None:
+        t = _torch()
+        b = ipc()
+        self.id = r.device_id
+        self.layout_id = r.layout_id
+        self.dev = dev
+        self.total_cells, self.quantizers, self.total_slices = (r.total_cells, r.quantizers,
+                                                                 r.total_slices)
+        self.bus_id = r.device_bus_id
+        self._b = b
+        self._ptrs: List[int] = []
+        self._events: List[Any] = []
+        try:
+            slab = b.open_mem(bytes(r.slab_handle), dev)
+            self._ptrs.append(slab)
+            ans = b.open_mem(bytes(r.answer_handle), dev)
+            self._ptrs.append(ans)
+            self.ready = b.open_event(bytes(r.ready_event), dev)
+            self._events.append(self.ready)
+            self.done = b.open_event(bytes(r.done_event), dev)
+            self._events.append(self.done)
+        except Exception as e:
+            self.close()
+            if isinstance(e, DeviceUnavailable):
+                raise
+            raise DeviceUnavailable(f"mapping the daemon's device buffers failed ({e}): the "
+                                    "trainer must run on the daemon's node, in its IPC and PID "
+                                    "namespaces") from e
+        n, q, s = self.total_cells, self.quantizers, self.total_slices
+        cuda = t.device("cuda", dev)
+        view_of = getattr(b, "view", None)
+
+        def view(base: int, off: int, count: int, ts: str) -> Any:
+            if view_of is not None:
+                return view_of(base + off, count, ts, dev, self)
+            return t.as_tensor(_CAI(base + off, count, ts, self), device=cuda)
+        self.slab = view(slab, 0, n, "<f4")
+        self.has_data = view(slab, r.has_data_offset, n, "|u1")
+        self.answer: Dict[str, Any] = {
+            "amax": view(ans, r.amax_offset, n, "<f4"),
+            "scale": view(ans, r.scale_offset, n, "<f4"),
+            "scale_inv": view(ans, r.scale_inv_offset, n, "<f4"),
+            "block_scales": view(ans, r.block_scales_offset, n, "|u1"),
+            "global_amax": view(ans, r.global_amax_offset, q, "<f4"),
+            "global_scale": view(ans, r.global_scale_offset, q, "<f4"),
+            "global_scale_inv": view(ans, r.global_scale_inv_offset, q, "<f4"),
+            "global_amaxes": view(ans, r.global_amaxes_offset, s, "<f4"),
+            "global_scales": view(ans, r.global_scales_offset, s, "<f4"),
+            "global_scale_invs": view(ans, r.global_scale_invs_offset, s, "<f4"),
+        }
+
+    def record_ready(self, stream: int) -> None:
+        self._b.record(self.ready, stream)
+
+    def wait_done(self, stream: int) -> None:
+        self._b.wait(stream, self.done)
+
+    def close(self) -> None:
+        """Unmaps the buffers (the views must not be used after)."""
+        for ev in self._events:
+            try:
+                self._b.destroy_event(ev)
+            except Exception:  # noqa: BLE001 - best effort at close
+                pass
+        self._events = []
+        for p in self._ptrs:
+            try:
+                self._b.close_mem(p, self.dev)
+            except Exception:  # noqa: BLE001
+                pass
+        self._ptrs = []
+
+
+class DeviceResult:
+    """One epoch's answer in the device buffers: CUDA tensor views (amax,
+    scale, scale_inv, block_scales per cell in slab order; global_amax,
+    global_scale, global_scale_inv per quantizer; global_amaxes, ... per
+    global slice), valid until the next reconcile_device()."""
+
+    def __init__(self, bufs: DeviceBuffers, layout: Any, epoch: int, next_epoch: int) -> None:
+        self.epoch, self.next_epoch = epoch, next_epoch
+        self.layout = layout
+        for k, v in bufs.answer.items():
+            setattr(self, k, v)
+
+    def __getitem__(self, name: str) -> Dict[str, Any]:
+        """Views of quantizer `name`: its block's amax/scale/scale_inv/
+        block_scales and its globals."""
+        L = self.layout
+        i = L.index[name]
+        out = {k: L.view(getattr(self, k), name)
+               for k in ("amax", "scale", "scale_inv", "block_scales")}
+        for k in ("global_amax", "global_scale", "global_scale_inv"):
+            out[k] = getattr(self, k)[i]
+        return out
+
+    def arrays(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in ("amax", "scale", "scale_inv", "block_scales",
+                                              "global_amax", "global_scale", "global_scale_inv",
+                                              "global_amaxes", "global_scales",
+                                              "global_scale_invs")}
+
+
+def current_stream(dev: int) -> Tuple[Any, int]:
+    """torch's current stream on device `dev` and its cudaStream_t."""
+    t = _torch()
+    s = t.cuda.current_stream(dev)
+    return s, int(s.cuda_stream)
+
+
+__all__ = ["DeviceBuffers", "DeviceResult", "DeviceUnavailable", "device_name", "ipc",
+           "AmaxdError"]

@@ -1,0 +1,438 @@
+/*
+ * devbuf.cu - device buffers shared with a trainer (GPU-direct, docs/API.md
+ * "Device buffers"): legacy CUDA IPC memory and events.
+ *
+ * The daemon allocates both buffers (cudaMalloc: memory from a stream
+ * pool cannot be exported by cudaIpcGetMemHandle) on the trainer's GPU and
+ * creates two interprocess events there: `ready`, which the trainer
+ * records on its stream after writing its slab, and `done`, which the
+ * daemon records after writing the answer and the trainer's stream waits
+ * on. The daemon's streams wait on `ready` on the device
+ * (cudaStreamWaitEvent): no thread of the daemon blocks for the trainer's
+ * kernels, and the trainer never synchronizes from the host.
+ *
+ * Interprocess events are only waited on and recorded on a stream of
+ * their own GPU (`ds`, one per buffers); plain events carry the order
+ * between ds and the state's streams when the GPUs differ (a stream of
+ * GPU 0 waiting on an interprocess event of GPU 1 crashed the daemon on
+ * 2 x H100).
+ *
+ * A slab on another GPU than the state's is read, and the answer written,
+ * through peer access (one daemon for all GPUs of a node).
+ */
+#include <cuda_runtime.h>
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "devbuf.h"
+#include "log.h"
+
+#define THREADS 256
+#define NO_BAD 0xffffffffffffffffull
+
+struct amx_devbuf {
+    int dev, state_dev;
+    void *slab, *answer; /* on dev */
+    uint64_t slab_bytes, answer_bytes;
+    cudaStream_t ds;      /* on dev: waits on `ready`, records `done` */
+    cudaEvent_t ready;    /* on dev, interprocess, recorded by the trainer */
+    cudaEvent_t done;     /* on dev, interprocess, recorded by the daemon on ds */
+    cudaEvent_t seen;     /* on dev: ds got past `ready` */
+    cudaEvent_t answered; /* on state_dev: the answer is written */
+    cudaEvent_t merged;   /* on state_dev: the last merge's check copied back */
+    int merged_used;
+    unsigned long long *d_bad, *h_bad; /* first bad cell of the last merge */
+    amx_run_t *d_runs, *h_runs;        /* merge runs (state_dev, pinned) */
+    size_t cap_runs;
+    amx_run_t *d_gruns, *h_gruns; /* answer runs */
+    size_t cap_gruns;
+    void *h_tail;
+    size_t cap_tail;
+};
+
+#define CU(call, what)                                                                             \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return amx_err_set(err, AMX_EDEVICE, "CUDA %s failed: %s (%s)", what,                  \
+                               cudaGetErrorString(e_), cudaGetErrorName(e_));                      \
+    } while (0)
+
+/* The run of `runs` (sorted by key, non-overlapping) holding `x`, or -1. */
+__device__ __forceinline__ int64_t find_run(const amx_run_t *runs, uint32_t n, uint64_t x,
+                                            int by_src)
+{
+    int64_t lo = 0, hi = (int64_t)n - 1;
+    while (lo <= hi) {
+        int64_t mid = (lo + hi) / 2;
+        uint64_t k = by_src ? runs[mid].src : runs[mid].dst;
+        if (x < k)
+            hi = mid - 1;
+        else if (x >= k + runs[mid].len)
+            lo = mid + 1;
+        else
+            return mid;
+    }
+    return -1;
+}
+
+/* The smallest cell with data whose value is not finite and >= 0. */
+__global__ void k_dev_check(const float *v, const uint8_t *has, uint64_t n, unsigned long long *bad)
+{
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        float x = v[i];
+        if ((has == NULL || has[i] != 0) && !(x >= 0.0f && x <= 3.402823466e38f))
+            atomicMin(bad, (unsigned long long)i);
+    }
+}
+
+/* Max-merge of the slab along its runs (slab cells, sorted by src) when the
+ * check found nothing. The merges of one epoch run one after another on
+ * one stream, and a rank's runs never overlap: plain stores. */
+__global__ void k_dev_merge(float *pending, const float *v, const uint8_t *has, uint64_t n,
+                            const amx_run_t *runs, uint32_t nruns, const unsigned long long *bad)
+{
+    if (*bad != NO_BAD)
+        return;
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        if (has != NULL && has[i] == 0)
+            continue;
+        int64_t r = find_run(runs, nruns, i, 1);
+        if (r < 0)
+            continue;
+        float x = v[i] + 0.0f; /* -0 -> +0 */
+        float *p = &pending[runs[r].dst + (i - runs[r].src)];
+        *p = fmaxf(*p, x);
+    }
+}
+
+/* The answer's per-cell arrays in slab order (runs sorted by dst). */
+__global__ void k_dev_gather(uint8_t *ans, uint64_t o_a, uint64_t o_s, uint64_t o_i, uint64_t o_b,
+                             uint64_t n, const float *amax, const float *scale, const float *inv,
+                             const uint8_t *bytes, const amx_run_t *runs, uint32_t nruns)
+{
+    float *da = (float *)(ans + o_a), *ds = (float *)(ans + o_s), *di = (float *)(ans + o_i);
+    uint8_t *db = ans + o_b;
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        int64_t r = find_run(runs, nruns, i, 0);
+        if (r < 0) { /* a quantizer not agreed yet: no data */
+            da[i] = 0.0f;
+            ds[i] = di[i] = 1.0f;
+            db[i] = 0;
+            continue;
+        }
+        uint64_t c = runs[r].src + (i - runs[r].dst);
+        float a = amax[c];
+        da[i] = a == -INFINITY ? 0.0f : a;
+        ds[i] = scale[c];
+        di[i] = inv[c];
+        db[i] = bytes[c];
+    }
+}
+
+static unsigned grid_for(uint64_t n)
+{
+    uint64_t b = (n + THREADS - 1) / THREADS;
+    if (b > 65535u * 8u)
+        b = 65535u * 8u;
+    return (unsigned)(b ? b : 1);
+}
+
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" of a device, as nvidia-smi and
+ * torch print it. */
+static void uuid_str(const cudaUUID_t *u, char *out)
+{
+    const unsigned char *b = (const unsigned char *)u->bytes;
+    int k = sprintf(out, "GPU-");
+    for (int i = 0; i < 16; i++) {
+        k += sprintf(out + k, "%02x", b[i]);
+        if (i == 3 || i == 5 || i == 7 || i == 9)
+            out[k++] = '-';
+    }
+    out[k] = '\0';
+}
+
+/* The CUDA ordinal of the device named by a PCI bus id or a UUID. */
+static amx_status_t find_device(const char *name, int state_dev, int *out, amx_err_t *err)
+{
+    if (name == NULL || name[0] == '\0') {
+        *out = state_dev;
+        return AMX_OK;
+    }
+    if (strlen(name) > 64)
+        return amx_err_set(err, AMX_EINVAL,
+                           "device name of %zu characters; give a PCI bus id "
+                           "(0000:65:00.0) or a GPU UUID (GPU-...)",
+                           strlen(name));
+    int n = 0;
+    CU(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    if (strncasecmp(name, "GPU-", 4) == 0) {
+        for (int i = 0; i < n; i++) {
+            cudaDeviceProp p;
+            char u[64];
+            CU(cudaGetDeviceProperties(&p, i), "cudaGetDeviceProperties");
+            uuid_str(&p.uuid, u);
+            if (strcasecmp(u, name) == 0) {
+                *out = i;
+                return AMX_OK;
+            }
+        }
+        return amx_err_set(err, AMX_ENOTFOUND,
+                           "no GPU with UUID %s is visible to the daemon (%d visible): run the "
+                           "trainer on a GPU of the daemon's node, or give the daemon that GPU "
+                           "(CUDA_VISIBLE_DEVICES)",
+                           name, n);
+    }
+    for (const char *c = name; *c; c++)
+        if (!isxdigit((unsigned char)*c) && *c != ':' && *c != '.')
+            return amx_err_set(err, AMX_EINVAL,
+                               "device '%s' is neither a PCI bus id (0000:65:00.0) nor a GPU UUID "
+                               "(GPU-...)",
+                               name);
+    int d = -1;
+    cudaError_t e = cudaDeviceGetByPCIBusId(&d, name);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return amx_err_set(err, AMX_ENOTFOUND,
+                           "no GPU with PCI bus id %s is visible to the daemon (%d visible; %s): "
+                           "run the trainer on a GPU of the daemon's node, or give the daemon "
+                           "that GPU (CUDA_VISIBLE_DEVICES)",
+                           name, n, cudaGetErrorName(e));
+    }
+    *out = d;
+    return AMX_OK;
+}
+
+extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
+{
+    if (d == NULL)
+        return;
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(d->state_dev);
+    if (d->merged_used)
+        cudaEventSynchronize(d->merged);
+    if (d->merged != NULL)
+        cudaEventDestroy(d->merged);
+    if (d->answered != NULL)
+        cudaEventDestroy(d->answered);
+    cudaFree(d->d_bad);
+    cudaFreeHost(d->h_bad);
+    cudaFree(d->d_runs);
+    cudaFreeHost(d->h_runs);
+    cudaFree(d->d_gruns);
+    cudaFreeHost(d->h_gruns);
+    cudaFreeHost(d->h_tail);
+    cudaSetDevice(d->dev);
+    if (d->ds != NULL) {
+        cudaStreamSynchronize(d->ds);
+        cudaStreamDestroy(d->ds);
+    }
+    if (d->ready != NULL)
+        cudaEventDestroy(d->ready);
+    if (d->done != NULL)
+        cudaEventDestroy(d->done);
+    if (d->seen != NULL)
+        cudaEventDestroy(d->seen);
+    cudaFree(d->slab);
+    cudaFree(d->answer);
+    cudaGetLastError();
+    cudaSetDevice(prev);
+    free(d);
+}
+
+static amx_status_t open_buffers(amx_devbuf_t *d, amx_devbuf_info_t *info, amx_err_t *err)
+{
+    unsigned ev = cudaEventInterprocess | cudaEventDisableTiming;
+    CU(cudaSetDevice(d->dev), "cudaSetDevice (trainer's device)");
+    CU(cudaMalloc(&d->slab, d->slab_bytes ? d->slab_bytes : 16), "cudaMalloc (device slab)");
+    CU(cudaMalloc(&d->answer, d->answer_bytes ? d->answer_bytes : 16),
+       "cudaMalloc (device answer)");
+    CU(cudaMemset(d->slab, 0, d->slab_bytes ? d->slab_bytes : 16), "cudaMemset (slab)");
+    CU(cudaMemset(d->answer, 0, d->answer_bytes ? d->answer_bytes : 16), "cudaMemset (answer)");
+    CU(cudaEventCreateWithFlags(&d->ready, ev), "cudaEventCreate (ready)");
+    CU(cudaEventCreateWithFlags(&d->done, ev), "cudaEventCreate (done)");
+    CU(cudaEventCreateWithFlags(&d->seen, cudaEventDisableTiming), "cudaEventCreate");
+    CU(cudaStreamCreateWithFlags(&d->ds, cudaStreamNonBlocking), "cudaStreamCreate");
+    CU(cudaIpcGetEventHandle((cudaIpcEventHandle_t *)info->done, d->done), "cudaIpcGetEventHandle");
+    CU(cudaIpcGetMemHandle((cudaIpcMemHandle_t *)info->slab, d->slab), "cudaIpcGetMemHandle");
+    CU(cudaIpcGetMemHandle((cudaIpcMemHandle_t *)info->answer, d->answer), "cudaIpcGetMemHandle");
+    CU(cudaIpcGetEventHandle((cudaIpcEventHandle_t *)info->ready, d->ready),
+       "cudaIpcGetEventHandle");
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    if (d->dev != d->state_dev) {
+        int ok = 0;
+        CU(cudaDeviceCanAccessPeer(&ok, d->state_dev, d->dev), "cudaDeviceCanAccessPeer");
+        if (!ok)
+            return amx_err_set(err, AMX_EPRECOND,
+                               "the daemon's GPU %d cannot reach GPU %d (%s) by peer access: run "
+                               "a daemon on that GPU, or the trainer on the daemon's",
+                               d->state_dev, d->dev, info->bus_id);
+        cudaError_t e = cudaDeviceEnablePeerAccess(d->dev, 0);
+        if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled)
+            CU(e, "cudaDeviceEnablePeerAccess");
+        cudaGetLastError();
+    }
+    CU(cudaEventCreateWithFlags(&d->answered, cudaEventDisableTiming), "cudaEventCreate");
+    CU(cudaEventCreateWithFlags(&d->merged, cudaEventDisableTiming), "cudaEventCreate");
+    CU(cudaMalloc(&d->d_bad, sizeof(unsigned long long)), "cudaMalloc");
+    CU(cudaHostAlloc(&d->h_bad, sizeof(unsigned long long), cudaHostAllocDefault), "cudaHostAlloc");
+    *d->h_bad = NO_BAD;
+    return AMX_OK;
+}
+
+extern "C" amx_status_t amx__cuda_dev_open(int state_dev, const char *device, uint64_t slab_bytes,
+                                           uint64_t answer_bytes, amx_devbuf_t **out,
+                                           amx_devbuf_info_t *info, amx_err_t *err)
+{
+    *out = NULL;
+    memset(info, 0, sizeof(*info));
+    int dev = -1;
+    AMX_CHECK(find_device(device, state_dev, &dev, err));
+    amx_devbuf_t *d = (amx_devbuf_t *)calloc(1, sizeof(*d));
+    if (d == NULL)
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    d->dev = dev;
+    d->state_dev = state_dev;
+    d->slab_bytes = slab_bytes;
+    d->answer_bytes = answer_bytes;
+    info->device = dev;
+    info->state_dev = state_dev;
+    cudaDeviceGetPCIBusId(info->bus_id, sizeof(info->bus_id), dev);
+    int prev = 0;
+    cudaGetDevice(&prev);
+    amx_status_t st = open_buffers(d, info, err);
+    cudaSetDevice(prev);
+    if (st != AMX_OK) {
+        if (st == AMX_EDEVICE && strstr(err->msg, "cudaMalloc") != NULL &&
+            strstr(err->msg, "cudaErrorMemoryAllocation") != NULL)
+            err->code = st = AMX_ENOMEM;
+        amx__cuda_dev_close(d);
+        return st;
+    }
+    *out = d;
+    return AMX_OK;
+}
+
+/* Pinned staging `*h` and a device copy `*d` (state_dev) of at least n runs. */
+static amx_status_t grow_runs(amx_run_t **h, amx_run_t **d, size_t *cap, size_t n, amx_err_t *err)
+{
+    if (n <= *cap)
+        return AMX_OK;
+    size_t c = *cap ? *cap : 64;
+    while (c < n)
+        c *= 2;
+    cudaFreeHost(*h);
+    cudaFree(*d);
+    *h = NULL;
+    *d = NULL;
+    *cap = 0;
+    CU(cudaHostAlloc((void **)h, c * sizeof(amx_run_t), cudaHostAllocDefault), "cudaHostAlloc");
+    CU(cudaMalloc((void **)d, c * sizeof(amx_run_t)), "cudaMalloc (runs)");
+    *cap = c;
+    return AMX_OK;
+}
+
+extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
+                                            size_t nruns, uint64_t ncells, uint64_t has_data_off,
+                                            cudaStream_t sd, cudaEvent_t in, amx_err_t *err)
+{
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    /* The last merge's staging is free once its check came back (the
+     * engine waited for it before the epoch could end). */
+    if (d->merged_used)
+        CU(cudaEventSynchronize(d->merged), "cudaEventSynchronize");
+    AMX_CHECK(grow_runs(&d->h_runs, &d->d_runs, &d->cap_runs, nruns, err));
+    if (nruns > 0) {
+        memcpy(d->h_runs, runs, nruns * sizeof(amx_run_t));
+        CU(cudaMemcpyAsync(d->d_runs, d->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
+                           sd),
+           "cudaMemcpyAsync (runs)");
+    }
+    CU(cudaMemsetAsync(d->d_bad, 0xff, sizeof(unsigned long long), sd), "cudaMemsetAsync");
+    /* Behind the trainer's writes of the slab: its last record of `ready`
+     * (before it called ReconcileDevice), waited on by ds on its GPU. */
+    CU(cudaSetDevice(d->dev), "cudaSetDevice");
+    CU(cudaStreamWaitEvent(d->ds, d->ready, 0), "cudaStreamWaitEvent (trainer's ready event)");
+    CU(cudaEventRecord(d->seen, d->ds), "cudaEventRecord");
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    CU(cudaStreamWaitEvent(sd, d->seen, 0), "cudaStreamWaitEvent");
+    const float *v = (const float *)d->slab;
+    const uint8_t *has =
+        has_data_off == UINT64_MAX ? NULL : (const uint8_t *)d->slab + has_data_off;
+    if (ncells > 0) {
+        k_dev_check<<<grid_for(ncells), THREADS, 0, sd>>>(v, has, ncells, d->d_bad);
+        k_dev_merge<<<grid_for(ncells), THREADS, 0, sd>>>(pending, v, has, ncells, d->d_runs,
+                                                          (uint32_t)nruns, d->d_bad);
+        CU(cudaGetLastError(), "device slab merge launch");
+    }
+    CU(cudaMemcpyAsync(d->h_bad, d->d_bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, sd),
+       "cudaMemcpyAsync (check)");
+    CU(cudaEventRecord(d->merged, sd), "cudaEventRecord");
+    d->merged_used = 1;
+    CU(cudaEventRecord(in, sd), "cudaEventRecord");
+    return AMX_OK;
+}
+
+extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d)
+{
+    if (!d->merged_used)
+        return -1;
+    cudaSetDevice(d->state_dev);
+    if (cudaEventSynchronize(d->merged) != cudaSuccess)
+        return -1;
+    return *d->h_bad == NO_BAD ? -1 : (int64_t)*d->h_bad;
+}
+
+extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax,
+                                             const float *o_scale, const float *o_inv,
+                                             const uint8_t *o_bytes, const amx_run_t *gather,
+                                             size_t ngather, uint64_t ncells,
+                                             const amx_devans_layout_t *lay, const void *tail,
+                                             size_t tail_bytes, cudaStream_t s, amx_err_t *err)
+{
+    if (lay->tail + tail_bytes > d->answer_bytes || lay->block_scales + ncells > d->answer_bytes)
+        return amx_err_set(err, AMX_EINTERNAL, "device answer of %llu bytes too small",
+                           (unsigned long long)d->answer_bytes);
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    AMX_CHECK(grow_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, ngather, err));
+    if (ngather > 0) {
+        memcpy(d->h_gruns, gather, ngather * sizeof(amx_run_t));
+        CU(cudaMemcpyAsync(d->d_gruns, d->h_gruns, ngather * sizeof(amx_run_t),
+                           cudaMemcpyHostToDevice, s),
+           "cudaMemcpyAsync (runs)");
+    }
+    if (ncells > 0) {
+        k_dev_gather<<<grid_for(ncells), THREADS, 0, s>>>(
+            (uint8_t *)d->answer, lay->amax, lay->scale, lay->scale_inv, lay->block_scales, ncells,
+            o_amax, o_scale, o_inv, o_bytes, d->d_gruns, (uint32_t)ngather);
+        CU(cudaGetLastError(), "device answer launch");
+    }
+    if (tail_bytes > 0) {
+        if (tail_bytes > d->cap_tail) {
+            cudaFreeHost(d->h_tail);
+            d->h_tail = NULL;
+            d->cap_tail = 0;
+            CU(cudaHostAlloc(&d->h_tail, tail_bytes, cudaHostAllocDefault), "cudaHostAlloc");
+            d->cap_tail = tail_bytes;
+        }
+        memcpy(d->h_tail, tail, tail_bytes);
+        CU(cudaMemcpyAsync((uint8_t *)d->answer + lay->tail, d->h_tail, tail_bytes,
+                           cudaMemcpyHostToDevice, s),
+           "cudaMemcpyAsync (globals)");
+    }
+    CU(cudaEventRecord(d->answered, s), "cudaEventRecord");
+    CU(cudaSetDevice(d->dev), "cudaSetDevice");
+    CU(cudaStreamWaitEvent(d->ds, d->answered, 0), "cudaStreamWaitEvent");
+    CU(cudaEventRecord(d->done, d->ds), "cudaEventRecord (done event)");
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    /* Only the daemon's own work is on s: this wait is short, and keeps the
+     * staging and the front outputs ours until the answer is written. */
+    CU(cudaStreamSynchronize(s), "device answer");
+    return AMX_OK;
+}

@@ -1,0 +1,42 @@
+/*
+ * devbuf.h - device buffers shared with a trainer over CUDA IPC (the CUDA
+ * state backend's dev_* operations, state.h): allocation and handles, the
+ * in-place check and merge of a trainer's slab, and the answer written
+ * into the trainer's answer buffer. state_cuda.cu owns the streams and
+ * the state's buffers and passes them in; this file owns amx_devbuf_t.
+ */
+#ifndef AMAXD_CUDA_DEVBUF_H
+#define AMAXD_CUDA_DEVBUF_H
+
+#include <cuda_runtime.h>
+
+#include "state.h"
+
+/* Loop thread. dev_open of state.h for a state on CUDA device `state_dev`. */
+extern "C" amx_status_t amx__cuda_dev_open(int state_dev, const char *device, uint64_t slab_bytes,
+                                           uint64_t answer_bytes, amx_devbuf_t **out,
+                                           amx_devbuf_info_t *info, amx_err_t *err);
+
+/* Loop thread. dev_merge of state.h into `pending` (the in-flight buffer's
+ * first data cell) on stream `sd`; `in` (on the state's device) is
+ * recorded on sd after the merge. */
+extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
+                                            size_t nruns, uint64_t ncells, uint64_t has_data_off,
+                                            cudaStream_t sd, cudaEvent_t in, amx_err_t *err);
+
+/* Loop thread. dev_bad of state.h. */
+extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d);
+
+/* Loop thread. dev_answer of state.h from the front outputs, on stream s
+ * (synchronized before it returns: nothing on it waits for a trainer). */
+extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax,
+                                             const float *o_scale, const float *o_inv,
+                                             const uint8_t *o_bytes, const amx_run_t *gather,
+                                             size_t ngather, uint64_t ncells,
+                                             const amx_devans_layout_t *lay, const void *tail,
+                                             size_t tail_bytes, cudaStream_t s, amx_err_t *err);
+
+/* Loop thread. dev_close of state.h. */
+extern "C" void amx__cuda_dev_close(amx_devbuf_t *d);
+
+#endif

@@ -1,0 +1,424 @@
+"""GPU-direct on a GPU (issue 21): one amaxd on the CUDA backend, trainers
+as torch processes/threads on the same GPU.
+
+- the device path gives the same bytes as the packed path (3 ranks, FP8
+  current/delayed, NVFP4 with scale groups and global slices, MXFP8, peer
+  groups, cells without data; 3 epochs);
+- the blocking ReconcileDevice needs no host sync from the trainer: a slab
+  written behind a ~1 s kernel on the trainer's stream is merged (the
+  daemon's stream waited on the trainer's ready event), the call returns
+  after it, with torch's sync debug mode set to "error", and the results
+  read on that stream afterwards are right;
+- kill -9 of a trainer holding mappings frees them (the daemon's GPU memory
+  in nvidia-smi and cudaMemGetInfo back to the baseline);
+- bad input: an unknown or malformed device, another rank's buffers, a
+  wrong layout id, a layout change while mapped, closed buffers, a NaN in
+  the slab (INVALID_ARGUMENT naming the cell; the epoch goes on without
+  it).
+
+Run by tests/gpu/device.sh (needs torch with CUDA and CuPy or
+cuda-bindings; AMAXD_BIN the CUDA build).
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "e2e"))
+
+import amaxd  # noqa: E402
+from amaxd import errors, pb  # noqa: E402
+from conftest import start_daemon  # noqa: E402,F401  (the fixture)
+import test_packed as TP  # noqa: E402  (its catalog and contributions)
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+ENV = {"AMAXD_BACKEND": "cuda"}
+ARRAYS = ("amax", "scale", "scale_inv", "block_scales", "global_amax", "global_scale",
+          "global_scale_inv", "global_amaxes", "global_scales", "global_scale_invs")
+
+
+def host(t):
+    return t.cpu().numpy().tobytes()
+
+
+def run_ranks(fn, world):
+    import threading
+    out, errs = [None] * world, []
+
+    def body(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errs.append((r, e))
+    ts = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errs:
+        raise errs[0][1]
+    return out
+
+
+def test_device_same_bytes_as_packed(start_daemon):
+    d = start_daemon(env=ENV)
+    W, epochs = TP.W, 3
+
+    def rank(r):
+        rng = np.random.default_rng(1000 + r)
+        cp, cd = d.client("pk", r, W), d.client("dv", r, W)
+        for c in (cp, cd):
+            c.join()
+            c.register(TP.catalog(r))
+        L = cd.layout()
+        slab = cd.device_slab()
+        got = []
+        for e in range(epochs):
+            vals, has = cp.layout().pack(TP.contributions(r, e, rng))
+            cp.send_packed(vals, has)
+            rp = cp.reconcile_packed()
+            slab.copy_(torch.from_numpy(vals).cuda())
+            if has is not None:
+                cd._dev.has_data.copy_(torch.from_numpy(has).cuda())
+            rd = cd.reconcile_device(has_data=has is not None)
+            assert rd.epoch == rp.epoch == e + 1
+            torch.cuda.current_stream().synchronize()
+            for k in ARRAYS:
+                a = np.asarray(getattr(rp, k)).tobytes()
+                b = host(getattr(rd, k))
+                assert a == b, (r, e, k, np.frombuffer(a, np.uint8)[:16], np.frombuffer(b, np.uint8)[:16])
+            got.append(len(L.names))
+        cp.close()
+        cd.close()
+        return got
+    print("same bytes, ranks x quantizers:", run_ranks(rank, W))
+    assert "device buffers" in d.log()
+
+
+def test_no_host_sync_long_kernel(start_daemon):
+    d = start_daemon(env=ENV)
+    n = 20000
+    qs = [amaxd.Quantizer(f"q{i:05d}", [], amaxd.Recipe.fp8_current()) for i in range(n)]
+    ref, c = d.client("ref", 0, 1), d.client("dev", 0, 1)
+    for x in (ref, c):
+        x.join()
+        x.register(qs)
+    rng = np.random.default_rng(7)
+    a = (rng.random(n, dtype=np.float32) * 10).astype(np.float32)
+    b = (rng.random(n, dtype=np.float32) * 1000 + 11).astype(np.float32)  # all above a's
+    s = torch.cuda.Stream()
+    slab = c.device_slab()
+    a_d, b_d = torch.from_numpy(a).cuda(), torch.from_numpy(b).cuda()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        slab.copy_(a_d)
+        c.reconcile_device(stream=s)
+    s.synchronize()
+    # Epoch 2: the slab's new values are written behind a long kernel.
+    ref.send_packed(a)
+    ref.reconcile_packed()
+    ref.send_packed(b)
+    want = ref.reconcile_packed()
+    # Cycles of torch.cuda._sleep for ~1 s on this GPU, measured.
+    t = time.perf_counter()
+    torch.cuda._sleep(100_000_000)
+    torch.cuda.synchronize()
+    cycles = int(1e8 / (time.perf_counter() - t))
+    stacked = torch.stack([b_d, a_d])  # allocated before: no allocator call below
+    # The first launch of a kernel in a process loads its module (CUDA lazy
+    # loading), which waits for the device: run the slab write once first,
+    # as a trainer has run its kernels before its first sync
+    # (tests/gpu/diag_ipc.py).
+    torch.amax(stacked, dim=0, out=torch.empty_like(a_d))
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    out = {k: torch.empty_like(getattr(c._dev, "answer")[k]) for k in ARRAYS}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(s):
+            h0 = time.perf_counter()
+            ev[0].record(s)
+            torch.cuda._sleep(cycles)
+            ev[1].record(s)
+            h1 = time.perf_counter()
+            if os.environ.get("AMAXD_SLAB_WRITE", "amax") == "amax":
+                torch.amax(stacked, dim=0, out=slab)  # writes b into the slab, after the sleep
+            else:
+                slab.copy_(b_d)
+            t0 = time.perf_counter()
+            res = c.reconcile_device(stream=s)
+            t1 = time.perf_counter()
+            sleeping_after = not ev[1].query()
+            for k in ARRAYS:
+                out[k].copy_(getattr(res, k))  # read on s, after the done event
+            ev[2].record(s)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    s.synchronize()
+    t_end = time.perf_counter()
+    print(f"long kernel: {ev[0].elapsed_time(ev[1]):.0f} ms on the trainer's stream "
+          f"({cycles} cycles), queued in {1e3 * (h1 - h0):.1f} ms, the slab written "
+          f"({os.environ.get('AMAXD_SLAB_WRITE', 'amax')}) in {1e3 * (t0 - h1):.1f} ms; "
+          f"ReconcileDevice returned "
+          f"{1e3 * (t1 - t0):.0f} ms after the call began (the daemon's stream waited on the "
+          f"trainer's ready event); kernel still running when it returned: {sleeping_after}; "
+          f"the stream done {1e3 * (t_end - t0):.0f} ms after the call began")
+    assert t1 - t0 > 0.3, "the daemon did not wait for the trainer's stream"
+    for k in ARRAYS:
+        assert host(out[k]) == np.asarray(getattr(want, k)).tobytes(), k
+    assert np.array_equal(out["amax"].cpu().numpy(), b)
+    ref.close()
+    c.close()
+
+
+def _gpu_used_by(pid):
+    """MiB of GPU memory nvidia-smi shows for process pid (None: not shown)."""
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                            "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                           timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in q.splitlines():
+        p, _, m = line.partition(",")
+        if p.strip() == str(pid):
+            return int(m.strip())
+    return None
+
+
+TRAINER = textwrap.dedent("""
+    import os, sys, numpy as np, torch, amaxd
+    sock, cells = sys.argv[1], int(sys.argv[2])
+    c = amaxd.Client("k9", 0, 1, socket=sock, timeout=60)
+    c.join()
+    c.register([amaxd.Quantizer("big", [cells], amaxd.Recipe.fp8_current()),
+                amaxd.Quantizer("small", [], amaxd.Recipe.fp8_current())])
+    c.reconcile(names=["small"])  # two epochs: the daemon's state, both output sets, is all
+    c.reconcile(names=["small"])  # allocated before the baseline
+    c.layout()
+    torch.cuda.init(); torch.zeros(1, device="cuda")
+    print("ctx", flush=True)
+    sys.stdin.readline()
+    slab = c.device_slab()
+    slab.fill_(1.5)
+    r = c.reconcile_device()
+    torch.cuda.synchronize()
+    print("mapped", float(r.global_amax[0].item()), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_kill9_frees_mappings(start_daemon):
+    d = start_daemon(env=ENV)
+    cells = 64 << 20  # slab 320 MiB, answer 832 MiB
+    p = subprocess.Popen([sys.executable, "-c", TRAINER, d.socket, str(cells)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "ctx"
+        time.sleep(0.5)
+        f0, _ = torch.cuda.mem_get_info()
+        g0 = _gpu_used_by(d.proc.pid)
+        p.stdin.write("\n")
+        p.stdin.flush()
+        line = p.stdout.readline().split()
+        assert line and line[0] == "mapped" and float(line[1]) == 1.5, line
+        f1, _ = torch.cuda.mem_get_info()
+        g1 = _gpu_used_by(d.proc.pid)
+        p.kill()  # SIGKILL
+        p.wait()
+        deadline = time.time() + 20
+        while time.time() < deadline and "its trainer (pid" not in d.log():
+            time.sleep(0.1)
+        time.sleep(0.5)
+        f2, _ = torch.cuda.mem_get_info()
+        g2 = _gpu_used_by(d.proc.pid)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    mib = 1 << 20
+    print(f"kill -9: free GPU memory {f0 // mib} MiB before OpenDevice, {f1 // mib} MiB mapped, "
+          f"{f2 // mib} MiB after the trainer died; the daemon's own (nvidia-smi) {g0} -> {g1} "
+          f"-> {g2} MiB")
+    assert "its trainer (pid" in d.log(), "the daemon did not notice the trainer's exit"
+    buf = (cells * 5 + cells * 13) // mib
+    assert f0 - f1 > 0.9 * buf * mib, "the buffers were not allocated?"
+    # The trainer's context went too: free memory is at least the baseline.
+    assert f2 >= f0 - 16 * mib, (f0, f2)
+    if g0 is not None and g2 is not None:
+        assert g1 - g0 > 0.9 * buf and abs(g2 - g0) <= 16, (g0, g1, g2)
+
+
+def test_bad_device_input(start_daemon):
+    d = start_daemon(env=ENV)
+    q = [amaxd.Quantizer("a", [8], amaxd.Recipe.fp8_current()),
+         amaxd.Quantizer("b", [4], amaxd.Recipe.nvfp4())]
+    c0, c1 = d.client("bad", 0, 2), d.client("bad", 1, 2)
+    run_ranks(lambda r: (c0, c1)[r].join(), 2)
+    for c in (c0, c1):
+        c.register(q)
+    L = c0.layout()
+
+    def open_raw(c, device, layout_id=None):
+        return c._unary("OpenDevice", pb.OpenDeviceRequest(
+            job="bad", rank=c.rank, layout_id=layout_id or c.layout().id, device=device,
+            pid=os.getpid()), pb.OpenDeviceResponse)
+
+    def rec_raw(c, **kw):
+        a = dict(job="bad", rank=c.rank, layout_id=c.layout().id, send=True)
+        a.update(kw)
+        return c._unary("ReconcileDevice", pb.ReconcileDeviceRequest(**a),
+                        pb.ReconcileDeviceResponse)
+    seen = []
+    with pytest.raises(errors.NotFound, match="no GPU with PCI bus id 0000:ff:1f.7") as e:
+        open_raw(c0, "0000:ff:1f.7")
+    seen.append(e.value)
+    with pytest.raises(errors.NotFound, match="no GPU with UUID") as e:
+        open_raw(c0, "GPU-00000000-0000-0000-0000-000000000000")
+    seen.append(e.value)
+    with pytest.raises(errors.InvalidArgument, match="neither a PCI bus id") as e:
+        open_raw(c0, "cuda:0; rm -rf /")
+    seen.append(e.value)
+    with pytest.raises(errors.FailedPrecondition, match="GetLayout") as e:
+        open_raw(c0, "", layout_id=L.id ^ 1)
+    seen.append(e.value)
+    b0, b1 = c0.open_device(), c1.open_device()
+    # Another rank's buffers, an unknown id, a wrong layout id.
+    with pytest.raises(errors.FailedPrecondition, match="has no device buffers") as e:
+        rec_raw(c0, device_id=b1.id)
+    seen.append(e.value)
+    with pytest.raises(errors.FailedPrecondition, match="has no device buffers") as e:
+        rec_raw(c0, device_id=b0.id ^ 0x5a5a)
+    seen.append(e.value)
+    with pytest.raises(errors.FailedPrecondition, match="GetLayout") as e:
+        rec_raw(c0, device_id=b0.id, layout_id=L.id ^ 1)
+    seen.append(e.value)
+    # A NaN in rank 0's slab: its slab stays out, rank 1's goes in.
+    b0.slab.fill_(2.0)
+    b0.slab[9] = float("nan")  # cell 1 of "b"
+    b1.slab.fill_(3.0)
+
+    def rec(r):
+        try:
+            return (c0, c1)[r].reconcile_device()
+        except errors.AmaxdError as e:
+            return e
+    r0, r1 = run_ranks(rec, 2)
+    assert isinstance(r0, errors.InvalidArgument), r0
+    assert "device slab cell 9 (quantizer 'b', its value[1])" in r0.message, r0.message
+    seen.append(r0)
+    torch.cuda.synchronize()
+    assert r1.amax.cpu().numpy().tolist() == [3.0] * 12  # only rank 1's data
+    # Next epoch: both fine.
+    b0.slab.fill_(5.0)
+    r0, r1 = run_ranks(lambda r: (c0, c1)[r].reconcile_device(), 2)
+    torch.cuda.synchronize()
+    assert r0.amax.cpu().numpy().tolist() == [5.0] * 12
+    # A layout change while mapped: the old id, then the old buffers, refused.
+    old = c0.layout().id
+    c0.register([amaxd.Quantizer("c", [2], amaxd.Recipe.fp8_current())])
+    with pytest.raises(errors.FailedPrecondition, match="GetLayout") as e:
+        rec_raw(c0, device_id=b0.id, layout_id=old)
+    seen.append(e.value)
+    c0.layout(refresh=True)
+    with pytest.raises(errors.FailedPrecondition, match="were made for layout") as e:
+        rec_raw(c0, device_id=b0.id)
+    seen.append(e.value)
+    # Closed buffers.
+    c1.close_device()
+    with pytest.raises(errors.FailedPrecondition, match="has no device buffers") as e:
+        rec_raw(c1, device_id=b1.id)
+    seen.append(e.value)
+    # Dropping the job frees the rest.
+    c0.reset(drop_job=True)
+    deadline = time.time() + 5
+    while "job bad, rank 0: device buffers" not in d.log() and time.time() < deadline:
+        time.sleep(0.1)
+    for x in seen:
+        print(f"  {x.code.name}: {x.message[:150]}")
+    c0._dev = None  # freed by the drop; unmapped with the process
+    c0.close()
+    c1.close()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_daemons_nccl_same_bytes(tmp_path):
+    """Two daemons, one per GPU, reconciling over NCCL; rank r on GPU r
+    through daemon r: the device path gives the packed path's bytes."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+    from trainer_latency import start_daemons
+    ds = start_daemons(os.environ["AMAXD_BIN"], 2, str(tmp_path))
+    try:
+        W = 2
+
+        def rank(r):
+            torch.cuda.set_device(r)
+            rng = np.random.default_rng(2000 + r)
+            cp = amaxd.Client("pk2", r, W, socket=ds[r].socket, timeout=120)
+            cd = amaxd.Client("dv2", r, W, socket=ds[r].socket, timeout=120)
+            for c in (cp, cd):
+                c.join()
+                c.register(TP.catalog(r % TP.W))
+            bufs = cd.open_device(r)
+            assert bufs.slab.device.index == r
+            for e in range(3):
+                vals, has = cp.layout().pack(TP.contributions(r % TP.W, e, rng))
+                cp.send_packed(vals, has)
+                rp = cp.reconcile_packed()
+                bufs.slab.copy_(torch.from_numpy(vals).to(bufs.slab.device))
+                if has is not None:
+                    bufs.has_data.copy_(torch.from_numpy(has).to(bufs.slab.device))
+                rd = cd.reconcile_device(has_data=has is not None)
+                torch.cuda.current_stream(r).synchronize()
+                for k in ARRAYS:
+                    assert np.asarray(getattr(rp, k)).tobytes() == host(getattr(rd, k)), (r, e, k)
+            cp.close()
+            cd.close()
+            return bufs.bus_id
+        print("two daemons over NCCL, same bytes; buffers on", run_ranks(rank, W))
+    finally:
+        for d in ds:
+            d.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_one_daemon_two_gpus_same_bytes(start_daemon):
+    """One daemon (state on GPU 0) serving trainers on GPU 0 and GPU 1: the
+    buffers of rank 1 live on GPU 1, the daemon reads its slab and writes
+    its answer by peer access; the device path gives the packed path's
+    bytes."""
+    d = start_daemon("--cuda-device=0", env=ENV)
+    W = 2
+
+    def rank(r):
+        torch.cuda.set_device(r)
+        rng = np.random.default_rng(3000 + r)
+        cp, cd = d.client("pk1", r, W), d.client("dv1", r, W)
+        for c in (cp, cd):
+            c.join()
+            c.register(TP.catalog(r))
+        bufs = cd.open_device(r)
+        assert bufs.slab.device.index == r
+        for e in range(3):
+            vals, has = cp.layout().pack(TP.contributions(r, e, rng))
+            cp.send_packed(vals, has)
+            rp = cp.reconcile_packed()
+            bufs.slab.copy_(torch.from_numpy(vals).to(bufs.slab.device))
+            if has is not None:
+                bufs.has_data.copy_(torch.from_numpy(has).to(bufs.slab.device))
+            rd = cd.reconcile_device(has_data=has is not None)
+            torch.cuda.current_stream(r).synchronize()
+            for k in ARRAYS:
+                assert np.asarray(getattr(rp, k)).tobytes() == host(getattr(rd, k)), (r, e, k)
+        cp.close()
+        cd.close()
+        return bufs.bus_id
+    print("one daemon, two GPUs (peer access), same bytes; buffers on", run_ranks(rank, W))
+    assert "state on GPU 0" in d.log()
