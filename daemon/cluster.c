@@ -112,6 +112,11 @@ static amx_status_t parse_coords(const char *list, amx_cluster_id_t *id, amx_err
     for (;;) {
         const char *end = strchr(p, ',');
         size_t n = end ? (size_t)(end - p) : strlen(p);
+        /* "a:1, b:2" is as good as "a:1,b:2". */
+        while (n > 0 && isspace((unsigned char)*p))
+            p++, n--;
+        while (n > 0 && isspace((unsigned char)p[n - 1]))
+            n--;
         char one[256], host[200];
         uint32_t port;
         if (id->ncoord == AMX_MAX_COORDS)

@@ -186,6 +186,18 @@ START_TEST(coordinator_candidates)
     amx_err_clear(&err);
     ck_assert_int_eq(resolve(NULL, other, &id, &err), AMX_EINVAL);
     AMX_ASSERT_HAS(err.msg, "advertises h0:7421");
+    /* Spaces around entries do not matter. */
+    const char *spaced[] = {"cluster_size",
+                            "4",
+                            "cluster_rank",
+                            "3",
+                            "coordinator",
+                            " h0:7420 , h1:7421",
+                            "cluster_secret_file",
+                            "/x",
+                            NULL};
+    ck_assert_int_eq(resolve(NULL, spaced, &id, &err), AMX_OK);
+    ck_assert_str_eq(id.coords[1], "h1:7421");
     /* One entry: one candidate, as before. */
     const char *one[] = {
         "cluster_size", "2", "cluster_rank", "1", "coordinator", "h0:7420", "cluster_secret_file",
