@@ -334,7 +334,8 @@ void amx_coord_take_over(amx_coord_t *co, uint64_t incarnation)
 {
     if (co->active)
         return;
-    memset(&co->stats, 0, sizeof(co->stats));
+    /* The counters go on (the round number keys shared answers: it never
+     * repeats in this process). */
     co->incarnation = incarnation;
     co->started_ms = amx_now_ms();
     co->active = 1;

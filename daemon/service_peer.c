@@ -44,6 +44,10 @@ static int authed(amx_svc_t *svc, amx_call_t *c)
  * coordinator again), any other daemon FAILED_PRECONDITION. */
 static int need_coord(amx_svc_t *svc, amx_call_t *c)
 {
+    /* A daemon that was stopped drops its stale coordinator before it
+     * answers anything with it (the tick may not have run yet). */
+    if (svc->peer != NULL)
+        amx_peer_tick(svc->peer);
     if (amx_coord_active(svc->coord))
         return 1;
     const amx_cluster_id_t *id = amx_cluster_id(svc->cluster);
@@ -217,7 +221,7 @@ static int delta_since(const amx_coord_sync_ans_t *ans, uint64_t from,
 /* An agreement's answers are the same for every caller that holds the same
  * catalog and membership: serialized once, shared by reference. */
 typedef struct answer_cache {
-    uint64_t round, from;
+    uint64_t inc, round, from; /* the coordinator's incarnation and round */
     int whole, members, yours;
     amx_replybuf_t *buf;
     size_t len, nspecs;
@@ -275,7 +279,7 @@ static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
     int members = caller->membership_hash != ans->members_hash;
     for (int i = 0; i < ANSWER_CACHE; i++) {
         answer_cache_t *e = &g_answers[i];
-        if (e->buf != NULL && e->round == ans->round &&
+        if (e->buf != NULL && e->inc == ans->coord_inc && e->round == ans->round &&
             (none ? e->from == from : e->from == from && e->whole == whole) &&
             e->members == members && e->yours == yours) {
             atomic_fetch_add(&e->buf->refs, 1);
@@ -345,7 +349,8 @@ static void on_coord_sync(void *ud, amx_status_t st, const char *msg,
             break;
         }
     amx_replybuf_unref(e->buf);
-    *e = (answer_cache_t){ans->round, from, whole, members, yours, buf, len, nspecs};
+    *e =
+        (answer_cache_t){ans->coord_inc, ans->round, from, whole, members, yours, buf, len, nspecs};
     count_answer(ans, e);
     amx__call_reply_raw(c, buf->data, len, amx_replybuf_unref, buf);
 }
