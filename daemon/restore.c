@@ -59,8 +59,15 @@ static void flush_snapshot(amx_registry_t *reg, amx_job_t *j)
     amx_snap_meta_t m = {0};
     void *meta = NULL, *blob = NULL;
     size_t mlen = 0, blen = 0;
-    amx_status_t st = amx_jobstate_export(j->name, j->last_reconciled, j->cat, j->desc, j->state, 0,
-                                          &blob, &blen, &err);
+    /* A quantizer whose front global is a layout change's placeholder is
+     * marked (NaN), as for a daemon that catches up. */
+    uint8_t *g_ok = NULL;
+    if (j->pub_ok != NULL && (g_ok = calloc(j->cat->n ? j->cat->n : 1, 1)) != NULL)
+        for (uint32_t i = 0; i < j->cat->n; i++)
+            g_ok[i] = amx_job_published(j, i);
+    amx_status_t st = amx_jobstate_export_marked(j->name, j->last_reconciled, j->cat, j->desc,
+                                                 j->state, 0, g_ok, &blob, &blen, &err);
+    free(g_ok);
     if (st == AMX_OK && (st = amx_job_snap_meta(j, j->cat, &m)) != AMX_OK)
         amx_err_set(&err, st, "out of memory");
     if (st == AMX_OK && (st = previous_by_catalog(j, &m)) != AMX_OK)
@@ -169,14 +176,32 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
      * results imported and published. */
     if (j->state->ops->reserve_pending(j->state, cat->ncells, err) != AMX_OK)
         goto fail;
+    /* NaN globals: the quantizer had none published (a flush after an
+     * epoch that agreed on it failed); the state takes the placeholder. */
+    uint8_t *pub = calloc(cat->n ? cat->n : 1, 1);
+    int all_pub = 1;
+    if (pub == NULL)
+        goto nomem;
+    for (uint32_t i = 0; i < cat->n; i++) {
+        pub[i] = !isnan(js->a.g_amax[i]);
+        all_pub &= pub[i];
+        if (!pub[i]) {
+            js->a.g_amax[i] = 0.0f;
+            js->a.g_scale[i] = js->a.g_inv[i] = 1.0f;
+        }
+    }
     if (j->state->ops->import_state(j->state, cat->ncells, cat->nhist, cat->n, cat->nslices, &js->a,
-                                    err) != AMX_OK)
+                                    err) != AMX_OK) {
+        free(pub);
         goto fail;
+    }
     j->state->ops->publish(j->state);
     /* Catalog and layout, as an epoch installs them. */
     res.desc = malloc((cat->n ? cat->n : 1) * sizeof(amx_qdesc_t));
-    if (res.desc == NULL)
+    if (res.desc == NULL) {
+        free(pub);
         goto nomem;
+    }
     amx_catalog_layout(cat, res.desc);
     for (uint32_t i = 0; i < cat->n; i++)
         res.desc[i].hist_head = js->hist_head[i];
@@ -189,10 +214,13 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
     res.pend_change.nstat = cat->nstat;
     res.pend_change.nscell = cat->nscell;
     amx__install_catalog(reg, j, &res);
-    /* The restored outputs are what the last epoch published. */
+    /* The restored outputs are what the last epoch published, but for
+     * the marked placeholders. */
     free(j->pub_ok);
-    j->pub_ok = NULL;
-    j->pub_n = 0;
+    j->pub_ok = all_pub ? NULL : pub;
+    j->pub_n = all_pub ? 0 : cat->n;
+    if (all_pub)
+        free(pub);
     /* Placements. */
     for (uint32_t i = 0; i < m->nranks; i++) {
         const amx_snap_rank_t *sr = &m->ranks[i];
