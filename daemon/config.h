@@ -92,7 +92,7 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
       "host:port of rank 0's peer service, or a comma-separated list of the peer services of "     \
       "ranks 0, 1, ...: the coordinator candidates, the lowest live one coordinates (else the "    \
       "first host of SLURM_JOB_NODELIST, or MASTER_ADDR:MASTER_PORT)")                             \
-    X(coordinator_failover_ms, AMX_CFG_INT, "3000", 100, 3600000, NULL, AMX_CFG_IMMUTABLE,         \
+    X(coordinator_failover_ms, AMX_CFG_INT, "3000", 500, 3600000, NULL, AMX_CFG_IMMUTABLE,         \
       "with several coordinator candidates: how long one may not answer before the next takes "    \
       "its role")                                                                                  \
     X(peer_port, AMX_CFG_INT, "7420", 1, 65535, NULL, AMX_CFG_IMMUTABLE,                           \

@@ -58,6 +58,7 @@ struct amx_peer {
     pthread_t watcher;
     atomic_int want_active; /* the watcher's word: this daemon coordinates */
     int active;             /* loop thread: what its coordinator does */
+    struct join_op *joins;  /* loop thread: remote Joins waiting */
     uint64_t last_tick;     /* loop thread */
 };
 
@@ -163,8 +164,12 @@ static uint64_t new_incarnation(const amx_peer_t *p)
     return inc | 1;
 }
 
+static void abandon_joins(amx_peer_t *p);
+
 void amx_peer_tick(amx_peer_t *p)
 {
+    if (p->ncand > 1 && p->joins != NULL)
+        abandon_joins(p);
     if (p->coord == NULL || p->ncand <= 1)
         return;
     uint64_t now = amx_now_ms(), gap = p->last_tick ? now - p->last_tick : 0;
@@ -252,6 +257,8 @@ static grpc_channel *channel_to(amx_peer_t *p, const char *addr)
 #define JOIN_MARGIN_MS 500
 
 typedef struct join_op {
+    struct join_op *prev, *next; /* remote: pending (amx_peer.joins) */
+    unsigned gen;                /* remote: the coordinator it went to */
     amx_peer_t *p;
     amx_peer_join_cb cb;
     void *ud;
@@ -272,10 +279,22 @@ static void on_local_join(void *ud, amx_status_t st, const char *msg, const amx_
     free(op);
 }
 
+static void join_unlink(join_op_t *op)
+{
+    if (op->prev != NULL)
+        op->prev->next = op->next;
+    else if (op->p->joins == op)
+        op->p->joins = op->next;
+    if (op->next != NULL)
+        op->next->prev = op->prev;
+    op->prev = op->next = NULL;
+}
+
 static void on_remote_join(void *ud, amx_status_t st, const char *msg, const uint8_t *data,
                            size_t len)
 {
     join_op_t *op = ud;
+    join_unlink(op);
     char buf[1200];
     if (st != AMX_OK) {
         if (st == AMX_ETIMEDOUT && amx_now_ms() + 50 >= op->deadline_ms) {
@@ -367,7 +386,7 @@ amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint3
     op->deadline_ms = deadline_ms;
     size_t len;
     uint8_t *buf = amx_codec_pack(&q.base, &len);
-    amx_peer_coordinator(p, &op->crank, op->addr, sizeof(op->addr));
+    op->gen = amx_peer_coordinator(p, &op->crank, op->addr, sizeof(op->addr));
     grpc_channel *ch = channel_to(p, op->addr);
     if (buf == NULL || ch == NULL) {
         free(buf);
@@ -383,8 +402,34 @@ amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint3
         free(op);
         return st;
     }
+    op->next = p->joins;
+    if (p->joins != NULL)
+        p->joins->prev = op;
+    p->joins = op;
     *h = op;
     return AMX_OK;
+}
+
+/* Remote Joins sent to a coordinator that is not the one any more (it
+ * died or was stopped, and may keep its connections open): UNAVAILABLE,
+ * so that the trainer joins again at once rather than at its deadline. */
+static void abandon_joins(amx_peer_t *p)
+{
+    unsigned gen = atomic_load(&p->co_gen);
+    for (join_op_t *op = p->joins, *next; op != NULL; op = next) {
+        next = op->next;
+        if (op->gen == gen || op->call == NULL)
+            continue;
+        join_unlink(op);
+        amx_rpc_call_cancel(p->rpc, op->call); /* its callback is not called */
+        char msg[600];
+        snprintf(msg, sizeof(msg),
+                 "the coordinator %s (daemon %u) stopped answering and another candidate takes "
+                 "its role: Join again",
+                 op->addr, op->crank);
+        op->cb(op->ud, AMX_EUNAVAIL, msg, NULL);
+        free(op);
+    }
 }
 
 void amx_peer_join_cancel(amx_peer_t *p, void *h)
@@ -392,6 +437,7 @@ void amx_peer_join_cancel(amx_peer_t *p, void *h)
     join_op_t *op = h;
     if (op == NULL)
         return;
+    join_unlink(op);
     if (op->creq != NULL)
         amx_coord_cancel(p->coord, op->creq);
     else if (op->call != NULL)

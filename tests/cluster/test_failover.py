@@ -313,7 +313,7 @@ def test_a_lone_coordinator_is_still_a_single_point(make_cluster):
     behaviour docs/CLUSTER.md "Coordinator loss" describes)."""
     if max_daemons(3) < 3:
         pytest.skip("needs 3 daemons")
-    c = make_cluster(3, f"--reconcile-timeout-ms={TIMEOUT_MS}", "--coordinator-failover-ms=300")
+    c = make_cluster(3, f"--reconcile-timeout-ms={TIMEOUT_MS}", "--coordinator-failover-ms=500")
     cls = {r: amaxd.Client("lone", r, 2, socket=c.socket(1 + r), timeout=30) for r in range(2)}
 
     def rank(r, name):
@@ -438,3 +438,43 @@ def test_a_failed_epoch_that_agreed_leaves_no_false_previous(make_cluster):
     check_same(c, cls, want)
     for cl in cls.values():
         cl.close()
+
+
+def test_a_join_sent_to_a_stopped_coordinator_is_abandoned(make_cluster):
+    """A Join sent while the coordinator is stopped (its connections stay
+    open) gets UNAVAILABLE once another candidate takes the role, not at
+    join_timeout_ms; joined again, it completes at the new coordinator."""
+    if max_daemons(3) < 3:
+        pytest.skip("needs 3 daemons")
+    c = make_cluster(3, "--join-timeout-ms=30000", "--coordinator-failover-ms=1000",
+                     candidates=2)
+    c[0].proc.send_signal(signal.SIGSTOP)
+    try:
+        cls = {r: amaxd.Client("late", r, 2, socket=c.socket(1 + r), timeout=60) for r in range(2)}
+
+        def rank(r):
+            t0 = time.monotonic()
+            try:
+                cls[r].join(timeout=30)
+                first = None
+            except amaxd.errors.Unavailable as e:
+                first = (time.monotonic() - t0, str(e))
+            if first is not None:
+                cls[r].join(timeout=30)
+            cls[r].register([amaxd.Quantizer("z", [], amaxd.Recipe.fp8_current())])
+            cls[r].send({"z": np.float32(2.0 + r)})
+            cls[r].reconcile()
+            return first, float(cls[r].get_scales(["z"])["z"].amax)
+        out, errs = run_threads({r: (lambda r=r: rank(r)) for r in range(2)})
+        assert not errs, f"{errs}\n{c.logs()}"
+        for r in range(2):
+            first, amax = out[r]
+            assert amax == 3.0
+            if r == 1:  # daemon 2's Join went to the stopped daemon 0
+                assert first is not None, out
+                assert first[0] < 5.0 and "Join again" in first[1], first
+                print(f"Join at the stopped coordinator: UNAVAILABLE after {first[0]:.2f} s")
+        for cl in cls.values():
+            cl.close()
+    finally:
+        c[0].proc.send_signal(signal.SIGCONT)
