@@ -52,14 +52,6 @@ struct amx_devbuf {
     size_t cap_tail;
 };
 
-#define CU(call, what)                                                                             \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return amx_err_set(err, AMX_EDEVICE, "CUDA %s failed: %s (%s)", what,                  \
-                               cudaGetErrorString(e_), cudaGetErrorName(e_));                      \
-    } while (0)
-
 /* The run of `runs` (sorted by key, non-overlapping) holding `x`, or -1. */
 __device__ __forceinline__ int64_t find_run(const amx_run_t *runs, uint32_t n, uint64_t x,
                                             int by_src)

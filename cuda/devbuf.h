@@ -12,6 +12,17 @@
 
 #include "state.h"
 
+/* Converts a CUDA error once, where it happens, keeping the original text
+ * (in a function with an amx_err_t *err, returning amx_status_t). Both
+ * CUDA files use it. */
+#define CU(call, what)                                                                             \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return amx_err_set(err, AMX_EDEVICE, "CUDA %s failed: %s (%s)", what,                  \
+                               cudaGetErrorString(e_), cudaGetErrorName(e_));                      \
+    } while (0)
+
 /* Loop thread. dev_open of state.h for a state on CUDA device `state_dev`. */
 extern "C" amx_status_t amx__cuda_dev_open(int state_dev, const char *device, uint64_t slab_bytes,
                                            uint64_t answer_bytes, amx_devbuf_t **out,

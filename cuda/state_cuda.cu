@@ -106,15 +106,6 @@ typedef struct cuda_state {
     int dev_used;
 } cuda_state_t;
 
-/* Converts a CUDA error once, where it happens, keeping the original text. */
-#define CU(call, what)                                                                             \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return amx_err_set(err, AMX_EDEVICE, "CUDA %s failed: %s (%s)", what,                  \
-                               cudaGetErrorString(e_), cudaGetErrorName(e_));                      \
-    } while (0)
-
 /* Stream s waits for the device slabs merged into the in-flight buffer. */
 static amx_status_t wait_in(cuda_state_t *c, cudaStream_t s, amx_err_t *err)
 {

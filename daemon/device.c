@@ -306,36 +306,10 @@ static uint32_t slab_quantizer(const amx_slab_t *sl, uint64_t c)
  * answer has them (results.c amx__build_packed). */
 static void fill_globals(amx_job_t *j, const amx_slab_t *sl, struct amx_devrank *d)
 {
-    amx_state_t *st = j->state;
-    int f = st->front;
-    uint32_t fo = st->out_nq[f];
-    float *ga = (float *)(void *)(d->tail + (d->g_off[0] - d->lay.tail));
-    float *gs = (float *)(void *)(d->tail + (d->g_off[1] - d->lay.tail));
-    float *gi = (float *)(void *)(d->tail + (d->g_off[2] - d->lay.tail));
-    float *sa = (float *)(void *)(d->tail + (d->g_off[3] - d->lay.tail));
-    float *ss = (float *)(void *)(d->tail + (d->g_off[4] - d->lay.tail));
-    float *si = (float *)(void *)(d->tail + (d->g_off[5] - d->lay.tail));
-    for (uint32_t i = 0; i < sl->n; i++) {
-        uint32_t ci = sl->cidx[i];
-        int have = ci != UINT32_MAX && ci < fo;
-        ga[i] = have ? st->g_amax[f][ci] : 0.0f;
-        gs[i] = have ? st->g_scale[f][ci] : 1.0f;
-        gi[i] = have ? st->g_inv[f][ci] : 1.0f;
-    }
-    for (uint32_t i = 0; d->nslices > 0 && i < sl->n; i++) {
-        uint64_t s0 = sl->soff[i], s1 = sl->soff[i + 1];
-        if (s0 == s1)
-            continue;
-        const amx_lq_t *q = &j->lq[sl->lid[i]];
-        int have = q->status == LQ_AGREED && st->s_amax[f] != NULL &&
-                   q->gbase + amx_qspec_slices(q->spec) <= st->out_ns[f];
-        for (uint64_t s = s0; s < s1; s++) {
-            uint64_t g = sl->sg[s];
-            sa[s] = have ? st->s_amax[f][g] : 0.0f;
-            ss[s] = have ? st->s_scale[f][g] : 1.0f;
-            si[s] = have ? st->s_inv[f][g] : 1.0f;
-        }
-    }
+    float *g[6];
+    for (int k = 0; k < 6; k++)
+        g[k] = (float *)(void *)(d->tail + (d->g_off[k] - d->lay.tail));
+    amx__slab_globals(j, sl, g[0], g[1], g[2], g[3], g[4], g[5]);
 }
 
 amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, uint64_t epoch,

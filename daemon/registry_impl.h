@@ -166,6 +166,12 @@ amx_status_t amx__build_results(amx_registry_t *reg, amx_job_t *j, int64_t rank,
                                 size_t n, uint64_t start, uint64_t max, amx_result_t **out,
                                 size_t *nout, uint64_t *total_cells, amx_arena_t *a,
                                 amx_err_t *err);
+/* The per-quantizer globals (ga/gs/gi, per slab quantizer) and global
+ * slices (sa/ss/si, per slab slice) of the front outputs in layout order:
+ * (0, 1, 1) for a quantizer not agreed yet or before an output has them.
+ * The packed answer and the device answer both take them from here. */
+void amx__slab_globals(const amx_job_t *j, const amx_slab_t *sl, float *ga, float *gs, float *gi,
+                       float *sa, float *ss, float *si);
 /* Refuses a Reconcile whose answer would not fit in max_message_bytes. */
 amx_status_t amx__reconcile_answer_fits(amx_registry_t *reg, amx_job_t *j, uint32_t rank,
                                         char **names, size_t n, amx_err_t *err);

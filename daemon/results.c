@@ -191,22 +191,16 @@ amx_status_t amx__build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r
      * most epochs have none, which one pass over the slab finds out. */
     uint64_t total = sl->off[sl->n];
     int any_missing = has_neg_inf(p->amax, total);
-    uint32_t fo = st->out_nq[f];
     for (uint32_t i = 0; i < sl->n; i++) {
         uint32_t ci = sl->cidx[i];
         uint64_t c0 = sl->off[i], c1 = sl->off[i + 1];
         if (ci == UINT32_MAX) {
             p->missing[i] = (uint32_t)(c1 - c0);
-            p->g_amax[i] = 0.0f;
-            p->g_scale[i] = p->g_inv[i] = 1.0f;
             continue;
         }
         p->missing[i] = any_missing ? zero_missing(p->amax + c0, c1 - c0) : 0;
-        int have = ci < fo;
-        p->g_amax[i] = have ? st->g_amax[f][ci] : 0.0f;
-        p->g_scale[i] = have ? st->g_scale[f][ci] : 1.0f;
-        p->g_inv[i] = have ? st->g_inv[f][ci] : 1.0f;
     }
+    amx__slab_globals(j, sl, p->g_amax, p->g_scale, p->g_inv, p->s_amax, p->s_scale, p->s_inv);
     for (uint32_t i = 0; i < sl->n; i++) {
         uint32_t ci = sl->cidx[i];
         int prev = ci < j->prev_n && j->prev_ok[ci];
@@ -239,9 +233,24 @@ amx_status_t amx__build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r
         p->st_total[i] = x.stat_total;
         p->st_over[i] = x.stat_overflow;
     }
-    /* Global slices: the state's, as result_slices gives them (0, 1, 1
-     * for a quantizer not agreed yet, or before an output has them). */
-    for (uint32_t i = 0; p->nslices > 0 && i < sl->n; i++) {
+    return AMX_OK;
+}
+
+void amx__slab_globals(const amx_job_t *j, const amx_slab_t *sl, float *ga, float *gs, float *gi,
+                       float *sa, float *ss, float *si)
+{
+    const amx_state_t *st = j->state;
+    int f = st->front;
+    uint32_t fo = st->out_nq[f];
+    for (uint32_t i = 0; i < sl->n; i++) {
+        uint32_t ci = sl->cidx[i];
+        int have = ci != UINT32_MAX && ci < fo;
+        ga[i] = have ? st->g_amax[f][ci] : 0.0f;
+        gs[i] = have ? st->g_scale[f][ci] : 1.0f;
+        gi[i] = have ? st->g_inv[f][ci] : 1.0f;
+    }
+    /* Global slices: the state's, as result_slices gives them. */
+    for (uint32_t i = 0; sl->soff[sl->n] > 0 && i < sl->n; i++) {
         uint64_t s0 = sl->soff[i], s1 = sl->soff[i + 1];
         if (s0 == s1)
             continue;
@@ -250,12 +259,11 @@ amx_status_t amx__build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r
                    q->gbase + amx_qspec_slices(q->spec) <= st->out_ns[f];
         for (uint64_t s = s0; s < s1; s++) {
             uint64_t g = sl->sg[s];
-            p->s_amax[s] = have ? st->s_amax[f][g] : 0.0f;
-            p->s_scale[s] = have ? st->s_scale[f][g] : 1.0f;
-            p->s_inv[s] = have ? st->s_inv[f][g] : 1.0f;
+            sa[s] = have ? st->s_amax[f][g] : 0.0f;
+            ss[s] = have ? st->s_scale[f][g] : 1.0f;
+            si[s] = have ? st->s_inv[f][g] : 1.0f;
         }
     }
-    return AMX_OK;
 }
 
 /* ---- named results ---- */

@@ -14,17 +14,7 @@
 # Usage: tests/gpu/calib_nccl.sh BUILD_DIR CARRY_DIR [OUT_DIR]
 # (BUILD_DIR and CARRY_DIR as tests/gpu/README.md makes them);
 # AMAXD_GPU_STEPS="1 2 3 4" picks the steps, AMAXD_CLUSTER_GPUS the daemons.
-set -uo pipefail
-rc=0
-build=$(realpath "${1:-build-gpu}")
-carry=$(realpath "${2:-.gpu}")
-out=${3:-${OUT:-/tmp/amaxd-gpu-out}}
-mkdir -p "$out"
-root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/env.sh" "$@"
 ngpu=${AMAXD_CLUSTER_GPUS:-2}
 step() { [[ " ${AMAXD_GPU_STEPS:-1 2 3 4} " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -13,17 +13,7 @@
 #      quantizer; 6. one run with AMAXD_PROFILE=1 for the breakdown
 # Usage: tests/gpu/cluster.sh BUILD_DIR CARRY_DIR [OUT_DIR]
 # AMAXD_GPU_STEPS="1 2 3 4 5 6" picks the steps to run.
-set -uo pipefail
-rc=0
-build=$(realpath "${1:-build-gpu}")
-carry=$(realpath "${2:-.gpu}")
-out=${3:-${OUT:-/tmp/amaxd-gpu-out}}
-mkdir -p "$out"
-root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/env.sh" "$@"
 # AMAXD_CLUSTER_GPUS=2 on a larger host: a cluster of 2 (devices 0 and 1).
 ngpu=${AMAXD_CLUSTER_GPUS:-$(nvidia-smi -L | wc -l)}
 step() { [[ " ${AMAXD_GPU_STEPS:-1 2 3 4 5 6} " == *" $1 "* ]]; }

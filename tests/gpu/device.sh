@@ -10,17 +10,7 @@
 #   AMAXD_GPUS (default 1): GPUs for the benchmark (one daemon and one trainer each)
 #   AMAXD_LAT_SIZES (default 1000,20000,100000+pc), AMAXD_LAT_ITERS (default 30)
 #   AMAXD_DEVICE_STEPS (default "1 2 3")
-set -uo pipefail
-rc=0
-build=$(realpath "${1:-build-gpu}")
-carry=$(realpath "${2:-.gpu}")
-out=${3:-${OUT:-/tmp/amaxd-gpu-out}}
-mkdir -p "$out"
-root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/env.sh" "$@"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
 "$build/amaxd" --version
 py=$(mktemp -d)

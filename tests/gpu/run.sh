@@ -8,17 +8,7 @@
 #   3. the end-to-end pytest suite against amaxd on the CUDA backend
 #   4. bench_kernels: merge and NVFP4 scale kernels vs a device copy
 # Usage: tests/gpu/run.sh BUILD_DIR CARRY_DIR [OUT_DIR]
-set -uo pipefail
-rc=0
-build=$(realpath "${1:-build-gpu}")
-carry=$(realpath "${2:-.gpu}")
-out=${3:-${OUT:-/tmp/amaxd-gpu-out}}
-mkdir -p "$out"
-root=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$root"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export LD_LIBRARY_PATH="$carry/lib:${LD_LIBRARY_PATH:-}"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/env.sh" "$@"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 "$build/amaxd" --version
 

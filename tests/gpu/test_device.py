@@ -348,6 +348,23 @@ def test_bad_device_input(start_daemon):
     c1.close()
 
 
+def same_bytes_epochs(cp, cd, bufs, r, tp_rank, rng, epochs=3):
+    """Epochs of the same contributions through the packed client cp and
+    the device client cd of rank r (on GPU r): the device answer's arrays
+    are the packed answer's bytes."""
+    for e in range(epochs):
+        vals, has = cp.layout().pack(TP.contributions(tp_rank, e, rng))
+        cp.send_packed(vals, has)
+        rp = cp.reconcile_packed()
+        bufs.slab.copy_(torch.from_numpy(vals).to(bufs.slab.device))
+        if has is not None:
+            bufs.has_data.copy_(torch.from_numpy(has).to(bufs.slab.device))
+        rd = cd.reconcile_device(has_data=has is not None)
+        torch.cuda.current_stream(r).synchronize()
+        for k in ARRAYS:
+            assert np.asarray(getattr(rp, k)).tobytes() == host(getattr(rd, k)), (r, e, k)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_daemons_nccl_same_bytes(tmp_path):
     """Two daemons, one per GPU, reconciling over NCCL; rank r on GPU r
@@ -368,17 +385,7 @@ def test_two_daemons_nccl_same_bytes(tmp_path):
                 c.register(TP.catalog(r % TP.W))
             bufs = cd.open_device(r)
             assert bufs.slab.device.index == r
-            for e in range(3):
-                vals, has = cp.layout().pack(TP.contributions(r % TP.W, e, rng))
-                cp.send_packed(vals, has)
-                rp = cp.reconcile_packed()
-                bufs.slab.copy_(torch.from_numpy(vals).to(bufs.slab.device))
-                if has is not None:
-                    bufs.has_data.copy_(torch.from_numpy(has).to(bufs.slab.device))
-                rd = cd.reconcile_device(has_data=has is not None)
-                torch.cuda.current_stream(r).synchronize()
-                for k in ARRAYS:
-                    assert np.asarray(getattr(rp, k)).tobytes() == host(getattr(rd, k)), (r, e, k)
+            same_bytes_epochs(cp, cd, bufs, r, r % TP.W, rng)
             cp.close()
             cd.close()
             return bufs.bus_id
@@ -406,17 +413,7 @@ def test_one_daemon_two_gpus_same_bytes(start_daemon):
             c.register(TP.catalog(r))
         bufs = cd.open_device(r)
         assert bufs.slab.device.index == r
-        for e in range(3):
-            vals, has = cp.layout().pack(TP.contributions(r, e, rng))
-            cp.send_packed(vals, has)
-            rp = cp.reconcile_packed()
-            bufs.slab.copy_(torch.from_numpy(vals).to(bufs.slab.device))
-            if has is not None:
-                bufs.has_data.copy_(torch.from_numpy(has).to(bufs.slab.device))
-            rd = cd.reconcile_device(has_data=has is not None)
-            torch.cuda.current_stream(r).synchronize()
-            for k in ARRAYS:
-                assert np.asarray(getattr(rp, k)).tobytes() == host(getattr(rd, k)), (r, e, k)
+        same_bytes_epochs(cp, cd, bufs, r, r, rng)
         cp.close()
         cd.close()
         return bufs.bus_id
