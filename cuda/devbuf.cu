@@ -45,9 +45,9 @@ struct amx_devbuf {
     int merged_used;
     unsigned long long *d_bad, *h_bad; /* first bad cell of the last merge */
     amx_run_t *d_runs, *h_runs;        /* merge runs (state_dev, pinned) */
-    size_t cap_runs;
-    amx_run_t *d_gruns, *h_gruns; /* answer runs */
-    size_t cap_gruns;
+    size_t cap_runs, n_runs;           /* n_runs: the runs on the device now */
+    amx_run_t *d_gruns, *h_gruns;      /* answer runs */
+    size_t cap_gruns, n_gruns;
     void *h_tail;
     size_t cap_tail;
 };
@@ -330,6 +330,26 @@ static amx_status_t grow_runs(amx_run_t **h, amx_run_t **d, size_t *cap, size_t 
     return AMX_OK;
 }
 
+/* The runs `runs[0, n)` on the device (*d), copied through the pinned
+ * staging *h only when they differ from the ones there (*n_up of them):
+ * a layout's runs stay the same from epoch to epoch. The last copy is
+ * done (its epoch ended) before the staging is written again. */
+static amx_status_t upload_runs(amx_run_t **h, amx_run_t **d, size_t *cap, size_t *n_up,
+                                const amx_run_t *runs, size_t n, cudaStream_t s, amx_err_t *err)
+{
+    if (n > *cap)
+        *n_up = 0;
+    AMX_CHECK(grow_runs(h, d, cap, n, err));
+    if (n == 0 || (n == *n_up && memcmp(*h, runs, n * sizeof(amx_run_t)) == 0))
+        return AMX_OK;
+    *n_up = 0;
+    memcpy(*h, runs, n * sizeof(amx_run_t));
+    CU(cudaMemcpyAsync(*d, *h, n * sizeof(amx_run_t), cudaMemcpyHostToDevice, s),
+       "cudaMemcpyAsync (runs)");
+    *n_up = n;
+    return AMX_OK;
+}
+
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
                                             size_t nruns, uint64_t ncells, uint64_t has_data_off,
                                             cudaStream_t sd, cudaEvent_t in, amx_err_t *err)
@@ -339,13 +359,7 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
      * engine waited for it before the epoch could end). */
     if (d->merged_used)
         CU(cudaEventSynchronize(d->merged), "cudaEventSynchronize");
-    AMX_CHECK(grow_runs(&d->h_runs, &d->d_runs, &d->cap_runs, nruns, err));
-    if (nruns > 0) {
-        memcpy(d->h_runs, runs, nruns * sizeof(amx_run_t));
-        CU(cudaMemcpyAsync(d->d_runs, d->h_runs, nruns * sizeof(amx_run_t), cudaMemcpyHostToDevice,
-                           sd),
-           "cudaMemcpyAsync (runs)");
-    }
+    AMX_CHECK(upload_runs(&d->h_runs, &d->d_runs, &d->cap_runs, &d->n_runs, runs, nruns, sd, err));
     CU(cudaMemsetAsync(d->d_bad, 0xff, sizeof(unsigned long long), sd), "cudaMemsetAsync");
     /* Behind the trainer's writes of the slab: its last record of `ready`
      * (before it called ReconcileDevice), waited on by ds on its GPU. */
@@ -392,13 +406,8 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_ama
         return amx_err_set(err, AMX_EINTERNAL, "device answer of %llu bytes too small",
                            (unsigned long long)d->answer_bytes);
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
-    AMX_CHECK(grow_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, ngather, err));
-    if (ngather > 0) {
-        memcpy(d->h_gruns, gather, ngather * sizeof(amx_run_t));
-        CU(cudaMemcpyAsync(d->d_gruns, d->h_gruns, ngather * sizeof(amx_run_t),
-                           cudaMemcpyHostToDevice, s),
-           "cudaMemcpyAsync (runs)");
-    }
+    AMX_CHECK(
+        upload_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, &d->n_gruns, gather, ngather, s, err));
     if (ncells > 0) {
         k_dev_gather<<<grid_for(ncells), THREADS, 0, s>>>(
             (uint8_t *)d->answer, lay->amax, lay->scale, lay->scale_inv, lay->block_scales, ncells,
