@@ -11,9 +11,11 @@ the same way):
   grpc    x.cpu() -> SendPacked -> ReconcilePacked -> scale to the GPU
   shm     the same through the daemon's shared-memory buffers
   device  GPU-direct: x copied into the device slab, ReconcileDevice
-          (the daemon merges the slab in place behind the trainer's ready
-          event; the answer is written into the device answer buffer and
-          ordered by the done event); results are CUDA tensors already
+          through the daemon's doorbell socket (the daemon merges the slab
+          in place behind the trainer's ready event; the answer is written
+          into the device answer buffer and ordered by the done event);
+          results are CUDA tensors already
+  devgrpc the same with ReconcileDevice over gRPC
 
 Each sync starts after a barrier of the trainers (W > 1); the printed
 number per path is the median over the syncs of the slowest rank's time;
@@ -100,9 +102,10 @@ def worker(rank, world, socks, port, args, q):
     for size in args.sizes.split(","):
         specs = catalog(size, rank, world)
         clients = {}
-        for path in ("grpc", "shm", "device"):
+        for path in ("grpc", "shm", "device", "devgrpc"):
             c = amaxd.Client(f"lat-{size.replace('+', '_')}-{path}", rank, world, socket=socks[rank], timeout=600,
                              max_message_bytes=512 << 20, shm=(path == "shm"))
+            c.doorbell = path == "device"  # devgrpc: ReconcileDevice over gRPC
             c.join()
             for i in range(0, len(specs), 50000):
                 c.register(specs[i:i + 50000])
@@ -113,6 +116,7 @@ def worker(rank, world, socks, port, args, q):
         gen.manual_seed(rank)
         x = torch.rand(n, device=dev, generator=gen) * 100
         slab = clients["device"].device_slab()
+        slab_g = clients["devgrpc"].device_slab()
         s = torch.cuda.current_stream(dev)
 
         def inproc():
@@ -127,14 +131,23 @@ def worker(rank, world, socks, port, args, q):
                 return torch.from_numpy(np.asarray(r.scale)).to(dev)
             return f
 
+        marks = []  # per timed device sync: the trainer's CLOCK_MONOTONIC us around the call
+
         def device():
             slab.copy_(x)
+            t0 = time.monotonic_ns() // 1000
             r = clients["device"].reconcile_device(stream=s)
+            marks.append((t0, time.monotonic_ns() // 1000))
             return r.scale
 
+        def devgrpc():
+            slab_g.copy_(x)
+            return clients["devgrpc"].reconcile_device(stream=s).scale
+
         paths = {"inproc": inproc, "grpc": packed(clients["grpc"]),
-                 "shm": packed(clients["shm"]), "device": device}
+                 "shm": packed(clients["shm"]), "device": device, "devgrpc": devgrpc}
         times = {p: [] for p in paths}
+        phases = []
         check = {}
         for it in range(args.warmup + args.iters):
             for p, fn in paths.items():
@@ -146,17 +159,32 @@ def worker(rank, world, socks, port, args, q):
                 t1 = time.perf_counter()
                 if it >= args.warmup:
                     times[p].append(t1 - t0)
+                if p == "device" and args.breakdown:
+                    # Where the device sync's time went: the daemon's own
+                    # marks of this epoch (Status, outside the timed part).
+                    synced = time.monotonic_ns() // 1000
+                    js = clients["device"].status(clients["device"].job).jobs[0]
+                    c0, c1 = marks[-1]
+                    if it >= args.warmup:
+                        phases.append([js.last_epoch_entered_us - c0,
+                                       js.last_epoch_started_us - js.last_epoch_entered_us,
+                                       js.last_engine_begin_us - js.last_epoch_started_us,
+                                       js.last_engine_end_us - js.last_engine_begin_us,
+                                       js.last_epoch_ended_us - js.last_engine_end_us,
+                                       js.last_published_us - js.last_epoch_ended_us,
+                                       js.last_answered_us - js.last_published_us,
+                                       c1 - js.last_answered_us, synced - c1])
                 if it == args.warmup + args.iters - 1:
                     check[p] = res[:4].cpu().numpy().tolist() if res is not None else None
         # The device and packed paths answer the same scales.
-        same = check["device"] == check["grpc"] == check["shm"]
+        same = check["device"] == check["devgrpc"] == check["grpc"] == check["shm"]
         allt = [None] * world
         dist.all_gather_object(allt, times, group=gloo)
         if rank == 0:
             slow = {p: [max(allt[r][p][i] for r in range(world)) for i in range(args.iters)]
                     for p in paths}
             out.append({"size": size, "cells_per_rank": n, "world": world, "same_scales": same,
-                        "times_s": slow})
+                        "times_s": slow, "device_phases_us_rank0": phases})
         for c in clients.values():
             c.close()
         dist.barrier(group=gloo)
@@ -173,6 +201,8 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also print where rank 0's device sync went (daemon's Status marks)")
     args = ap.parse_args()
     import torch
     import torch.multiprocessing as mp
@@ -199,14 +229,28 @@ def main():
           f"{args.warmup} warm-up, median of the slowest rank, stream synchronized at the end of "
           f"every path")
     print(f"{'per rank':>16} {'cells':>9} | {'inproc ms':>9} | {'grpc ms':>8} {'x':>6} | "
-          f"{'shm ms':>8} {'x':>6} | {'device ms':>9} {'x':>6} | same scales")
+          f"{'shm ms':>8} {'x':>6} | {'device ms':>9} {'x':>6} | {'dev/gRPC':>8} {'x':>6} | "
+          f"same scales")
     for r in res:
         med = {p: statistics.median(t) * 1e3 for p, t in r["times_s"].items()}
         b = med["inproc"]
         print(f"{r['size']:>16} {r['cells_per_rank']:>9} | {b:9.3f} | {med['grpc']:8.3f} "
               f"{med['grpc'] / b:6.1f} | {med['shm']:8.3f} {med['shm'] / b:6.1f} | "
-              f"{med['device']:9.3f} {med['device'] / b:6.2f} | {r['same_scales']}")
+              f"{med['device']:9.3f} {med['device'] / b:6.2f} | {med['devgrpc']:8.3f} "
+              f"{med['devgrpc'] / b:6.2f} | {r['same_scales']}")
         r["median_ms"] = med
+    if args.breakdown:
+        names = ["call>entered", "entered>started", "started>engine", "engine",
+                 "engine>loop", "loop>published", "published>answered", "answered>returned",
+                 "returned>synced"]
+        print("device sync of rank 0, medians in us (CLOCK_MONOTONIC marks of the trainer and "
+              "of its daemon's Status):")
+        print(f"{'per rank':>16} | " + " ".join(f"{k:>17}" for k in names))
+        for r in res:
+            ph = r["device_phases_us_rank0"]
+            if ph:
+                meds = [statistics.median(v[k] for v in ph) for k in range(len(names))]
+                print(f"{r['size']:>16} | " + " ".join(f"{m:17.0f}" for m in meds))
     if args.out:
         with open(args.out, "a") as f:
             for r in res:

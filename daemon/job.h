@@ -154,6 +154,8 @@ typedef struct amx_job {
     uint64_t last_epoch_us, last_collective_us, last_finish_us;
     uint64_t flight_started_us, last_started_us, last_ended_us; /* CLOCK_MONOTONIC */
     uint64_t last_engine_begin_us, last_engine_end_us, last_answered_us;
+    uint64_t flight_entered_us, last_entered_us; /* the last local rank entered */
+    uint64_t last_published_us;                  /* before the answers were built */
     uint64_t last_active_ms; /* the last call of one of its ranks (job_idle_timeout_ms) */
     /* Durability (snapshot.h). */
     uint64_t durable_epoch; /* the last epoch in the job's snapshot (0: none) */

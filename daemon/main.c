@@ -18,6 +18,7 @@
 #include "cluster.h"
 #include "config.h"
 #include "coord.h"
+#include "doorbell.h"
 #include "log.h"
 #include "metrics.h"
 #include "notify.h"
@@ -39,6 +40,7 @@ typedef struct amx_daemon {
     amx_registry_t *reg;
     amx_svc_t *svc;
     amx_rpc_t *rpc;
+    amx_door_t *door; /* the device doorbell; NULL: none */
     amx_notify_t *notify;
     amx_metrics_t *metrics;
     uv_signal_t sig_term, sig_int, sig_hup;
@@ -187,6 +189,21 @@ static amx_status_t start_services(amx_daemon_t *d, double start, amx_err_t *err
     if (serve.peer_methods != NULL)
         AMX_CHECK(amx_cluster_server_credentials(d->cluster, &serve.peer_creds, err));
     return amx_rpc_start(&d->loop, &d->cfg, &serve, &d->rpc, err);
+}
+
+/* The device doorbell next to the Unix socket (doorbell.h). Without it
+ * trainers reconcile device buffers over gRPC: a failure is a warning. */
+static void start_doorbell(amx_daemon_t *d)
+{
+    if (d->cfg.socket[0] == '\0')
+        return;
+    char path[4096];
+    snprintf(path, sizeof(path), "%s.door", d->cfg.socket);
+    amx_err_t err = {0};
+    if (amx_door_start(path, (unsigned)d->cfg.socket_mode, d->reg, d->rpc, &d->door, &err) !=
+        AMX_OK)
+        AMX_WARN("main", "%s; device buffers are reconciled over gRPC", err.msg);
+    snprintf(d->svc->doorbell, sizeof(d->svc->doorbell), "%s", amx_door_path(d->door));
 }
 
 /* Start-up failed after the loop was made: closes what is open on it. */
@@ -341,6 +358,7 @@ int main(int argc, char **argv)
     }
     amx_peer_set_rpc(d.peer, d.rpc);
     amx_rpc_set_metrics(d.rpc, d.metrics);
+    start_doorbell(&d);
     uv_timer_init(&d.loop, &d.tick);
     d.tick.data = &d;
     uv_timer_start(&d.tick, on_tick, 50, 50);
@@ -351,6 +369,8 @@ int main(int argc, char **argv)
     amx_notify_ready(d.notify, listening);
 
     amx_rpc_run(d.rpc); /* uv_run that lets the completion-queue threads in */
+
+    amx_door_free(d.door, d.rpc); /* its waiting requests, before the registry goes */
 
     amx_registry_destroy(d.reg); /* joins the engine threads */
     uv_run(&d.loop, UV_RUN_DEFAULT);

@@ -110,6 +110,7 @@ static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *er
     for (uint32_t i = 0; i < j->nlocal; i++)
         if (j->lr[i].rec_w != NULL && j->lr[i].rec_w->deadline_ms < deadline)
             deadline = j->lr[i].rec_w->deadline_ms;
+    j->flight_entered_us = amx_now_us();
     j->state->ops->flip(j->state);
     amx__dev_merge_epoch(reg, j);
     j->in_flight = 1;
@@ -395,6 +396,7 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
     if (res->reconciled && !res->imported && !j->dropped && j->last_reconciled > 0)
         save_previous(j);
     j->last_started_us = j->flight_started_us;
+    j->last_entered_us = j->flight_entered_us;
     j->last_engine_begin_us = res->begin_at_us;
     j->last_engine_end_us = res->end_at_us;
     j->last_ended_us = amx_now_us();
@@ -477,6 +479,7 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
                   res->collectives, (unsigned long long)res->collective_us,
                   (unsigned long long)res->prepare_us, (unsigned long long)res->header_us,
                   (unsigned long long)res->finish_us);
+        j->last_published_us = amx_now_us();
         for (uint32_t i = 0; i < j->nlocal; i++) {
             amx_lrank_t *r = &j->lr[i];
             if (!r->in_reconcile)

@@ -419,6 +419,8 @@ amx_status_t amx_registry_status(amx_registry_t *reg, const char *job, amx_job_i
         x->last_engine_begin_us = j->last_engine_begin_us;
         x->last_engine_end_us = j->last_engine_end_us;
         x->last_answered_us = j->last_answered_us;
+        x->last_entered_us = j->last_entered_us;
+        x->last_published_us = j->last_published_us;
         x->collective = j->mship.npart > 1 ? reg->collective : "local";
         x->durable_epoch = j->durable_epoch;
         x->snapshot_error = j->snap_err ? amx_arena_strdup(arena, j->snap_err) : NULL;

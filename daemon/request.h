@@ -268,7 +268,8 @@ typedef struct amx_job_info {
     uint64_t epoch, reconciled, cells, updates, epochs_failed, catalog_hash, comm_generation;
     uint64_t last_epoch_us, last_collective_us, last_finish_us;
     uint64_t last_started_us, last_ended_us;
-    uint64_t last_engine_begin_us, last_engine_end_us, last_answered_us;
+    uint64_t last_engine_begin_us, last_engine_end_us, last_answered_us, last_entered_us;
+    uint64_t last_published_us;
     uint32_t last_collectives;
     const char *collective;
     uint64_t durable_epoch;

@@ -182,6 +182,11 @@ static void dispatch(amx_rpc_t *rpc, event_t *ev)
         amx__rpc_on_client(t->obj, ev->ok);
         return;
     }
+    if (t->what == TAG_TASK) {
+        amx_rpc_task_t *k = t->obj;
+        k->fn(k->arg);
+        return;
+    }
     amx_call_t *c = t->obj;
     switch (t->what) {
     case TAG_NEW:
@@ -212,6 +217,25 @@ static void dispatch(amx_rpc_t *rpc, event_t *ev)
         amx__rpc_maybe_free(c);
         break;
     }
+}
+
+void amx_rpc_task_init(amx_rpc_task_t *t, void (*fn)(void *arg), void *arg)
+{
+    t->tag.obj = t;
+    t->tag.what = TAG_TASK;
+    t->fn = fn;
+    t->arg = arg;
+}
+
+void amx_rpc_run_locked(amx_rpc_t *rpc, amx_rpc_task_t *t)
+{
+    push(rpc, &t->tag, 1);
+    combine(rpc);
+}
+
+void amx_rpc_run_queued(amx_rpc_t *rpc)
+{
+    drain(rpc);
 }
 
 static void on_wake(uv_async_t *h)

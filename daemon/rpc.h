@@ -137,6 +137,32 @@ int amx_rpc_run(amx_rpc_t *rpc);
 /* Frees a stopped server and lets go of the loop lock. Loop thread. */
 void amx_rpc_free(amx_rpc_t *rpc);
 
+/* ---- work for the loop lock from other threads ---- */
+
+/* fn(arg), to run under the loop lock. The tag is rpc.c's. */
+typedef struct amx_rpc_task {
+    struct amx_rpc_tag {
+        void *obj;
+        int what;
+    } tag;
+    void (*fn)(void *arg);
+    void *arg;
+} amx_rpc_task_t;
+
+void amx_rpc_task_init(amx_rpc_task_t *t, void (*fn)(void *arg), void *arg);
+
+/* Runs t->fn(t->arg) under the loop lock: on this thread at once when the
+ * lock is free, else on the thread that holds it before it lets go (as a
+ * completion-queue thread hands over a completion). Never waits for the
+ * lock. `t` must stay valid until its fn has run; it may be queued again
+ * before that (fn runs once per call). Any thread but the lock's holder. */
+void amx_rpc_run_locked(amx_rpc_t *rpc, amx_rpc_task_t *t);
+
+/* Runs the tasks and completions queued for the lock's holder now. Loop
+ * thread, holding the lock (after amx_rpc_run returned, before
+ * amx_rpc_free): what another thread queued last is not left unrun. */
+void amx_rpc_run_queued(amx_rpc_t *rpc);
+
 typedef struct amx_metrics amx_metrics_t;
 
 /* Counts every answered call in `m` (may be NULL) by method and status

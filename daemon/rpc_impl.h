@@ -24,12 +24,10 @@
 #define CQ_THREADS 4
 #define MAX_HEADER_BLOCK (64 * 1024) /* bytes of one HEADERS + CONTINUATION block */
 
-enum { TAG_NEW, TAG_RECV, TAG_SEND, TAG_CLOSE, TAG_SHUTDOWN, TAG_CLIENT };
+enum { TAG_NEW, TAG_RECV, TAG_SEND, TAG_CLOSE, TAG_SHUTDOWN, TAG_CLIENT, TAG_TASK };
 
-typedef struct tag {
-    void *obj; /* the amx_call_t or amx_ccall_t */
-    int what;
-} tag_t;
+/* obj: the amx_call_t, amx_ccall_t or amx_rpc_task_t (rpc.h). */
+typedef struct amx_rpc_tag tag_t;
 
 struct amx_ccall {
     tag_t tag;

@@ -387,6 +387,8 @@ static void h_status(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         js->last_engine_begin_us = x->last_engine_begin_us;
         js->last_engine_end_us = x->last_engine_end_us;
         js->last_answered_us = x->last_answered_us;
+        js->last_epoch_entered_us = x->last_entered_us;
+        js->last_published_us = x->last_published_us;
         js->durable_epoch = x->durable_epoch;
         if (x->snapshot_error != NULL)
             js->snapshot_error = (char *)x->snapshot_error;
@@ -651,6 +653,7 @@ static void h_open_device(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage 
     r.global_scales_offset = o.s_scale;
     r.global_scale_invs_offset = o.s_inv;
     r.device_bus_id = o.bus_id;
+    r.doorbell = svc->doorbell;
     amx__call_reply(c, AMX_OK, NULL, &r.base);
 }
 

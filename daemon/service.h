@@ -36,6 +36,9 @@ struct amx_svc {
     /* SendAmax/StreamAmax read in place: the updates and their names,
      * reused from request to request. */
     amx_codec_scratch_t scratch;
+    /* The device doorbell's socket (doorbell.h), told to OpenDevice's
+     * callers; "" when there is none. Set by main once it listens. */
+    char doorbell[128];
 };
 
 /*

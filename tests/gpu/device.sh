@@ -9,7 +9,7 @@
 # Usage: tests/gpu/device.sh BUILD_DIR CARRY_DIR [OUT_DIR]
 #   AMAXD_GPUS (default 1): GPUs for the benchmark (one daemon and one trainer each)
 #   AMAXD_LAT_SIZES (default 1000,20000,100000+pc), AMAXD_LAT_ITERS (default 30)
-#   AMAXD_DEVICE_STEPS (default "1 2 3")
+#   AMAXD_DEVICE_STEPS (default "1 2 3"), AMAXD_LAT_ARGS (more arguments, e.g. --breakdown)
 source "$(dirname "$0")/env.sh" "$@"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
 "$build/amaxd" --version
@@ -36,7 +36,7 @@ if [[ " $steps " == *" 3 "* ]]; then
   echo "== 3. bench/trainer_latency.py on ${AMAXD_GPUS:-1} GPU(s)"
   python3 bench/trainer_latency.py --amaxd "$build/amaxd" --gpus "${AMAXD_GPUS:-1}" \
     --sizes "${AMAXD_LAT_SIZES:-1000,20000,100000+pc}" --iters "${AMAXD_LAT_ITERS:-30}" \
-    --out "$out/trainer_latency.jsonl" 2>&1 | tee "$out/trainer_latency.txt"
+    --out "$out/trainer_latency.jsonl" ${AMAXD_LAT_ARGS:-} 2>&1 | tee "$out/trainer_latency.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi
 echo "== device checks: $([ $rc -eq 0 ] && echo passed || echo FAILED)"

@@ -74,32 +74,39 @@ def test_device_same_bytes_as_packed(start_daemon):
 
     def rank(r):
         rng = np.random.default_rng(1000 + r)
-        cp, cd = d.client("pk", r, W), d.client("dv", r, W)
-        for c in (cp, cd):
+        cp, cd, cg = d.client("pk", r, W), d.client("dv", r, W), d.client("dg", r, W)
+        cg.doorbell = False  # ReconcileDevice over gRPC; cd through the doorbell
+        for c in (cp, cd, cg):
             c.join()
             c.register(TP.catalog(r))
         L = cd.layout()
-        slab = cd.device_slab()
+        slab, slab_g = cd.device_slab(), cg.device_slab()
+        assert cd._dev.doorbell == d.socket + ".door"
         got = []
         for e in range(epochs):
             vals, has = cp.layout().pack(TP.contributions(r, e, rng))
             cp.send_packed(vals, has)
             rp = cp.reconcile_packed()
-            slab.copy_(torch.from_numpy(vals).cuda())
-            if has is not None:
-                cd._dev.has_data.copy_(torch.from_numpy(has).cuda())
+            for sl, c in ((slab, cd), (slab_g, cg)):
+                sl.copy_(torch.from_numpy(vals).cuda())
+                if has is not None:
+                    c._dev.has_data.copy_(torch.from_numpy(has).cuda())
             rd = cd.reconcile_device(has_data=has is not None)
-            assert rd.epoch == rp.epoch == e + 1
+            rg = cg.reconcile_device(has_data=has is not None)
+            assert cd._door is not None and cg._door is None
+            assert rd.epoch == rg.epoch == rp.epoch == e + 1
             torch.cuda.current_stream().synchronize()
             for k in ARRAYS:
                 a = np.asarray(getattr(rp, k)).tobytes()
                 b = host(getattr(rd, k))
                 assert a == b, (r, e, k, np.frombuffer(a, np.uint8)[:16], np.frombuffer(b, np.uint8)[:16])
+                assert host(getattr(rg, k)) == a, (r, e, k)
             got.append(len(L.names))
-        cp.close()
-        cd.close()
+        for c in (cp, cd, cg):
+            c.close()
         return got
-    print("same bytes, ranks x quantizers:", run_ranks(rank, W))
+    print("same bytes (packed, device over the doorbell, device over gRPC), ranks x quantizers:",
+          run_ranks(rank, W))
     assert "device buffers" in d.log()
 
 
@@ -345,6 +352,49 @@ def test_bad_device_input(start_daemon):
         print(f"  {x.code.name}: {x.message[:150]}")
     c0._dev = None  # freed by the drop; unmapped with the process
     c0.close()
+    c1.close()
+
+
+WAITER = textwrap.dedent("""
+    import sys, torch, amaxd
+    c = amaxd.Client("dw", 0, 2, socket=sys.argv[1], timeout=60)
+    c.join()
+    c.register([amaxd.Quantizer("a", [8], amaxd.Recipe.fp8_current())])
+    c.device_slab().fill_(1.0)
+    print("waiting", flush=True)
+    c.reconcile_device()  # rank 1 never comes: killed while it waits
+""")
+
+
+def test_kill9_while_waiting_on_the_doorbell(start_daemon):
+    """A trainer killed while its ReconcileDevice waits on the doorbell for
+    the other rank: the daemon cancels the wait (the rank is no longer in
+    Reconcile), as for a gRPC call that goes away; the daemon serves on."""
+    d = start_daemon(env=ENV)
+    c1 = d.client("dw", 1, 2)
+    p = subprocess.Popen([sys.executable, "-c", WAITER, d.socket], stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        c1.join()
+        assert p.stdout.readline().strip() == "waiting"
+
+        def in_reconcile():
+            return c1.status("dw").jobs[0].ranks_in_reconcile
+        deadline = time.time() + 20
+        while in_reconcile() != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert in_reconcile() == 1, "rank 0 never waited"
+        p.kill()
+        p.wait()
+        deadline = time.time() + 20
+        while in_reconcile() != 0 and time.time() < deadline:
+            time.sleep(0.05)
+        print(f"kill -9 while waiting on the doorbell: ranks in Reconcile 1 -> {in_reconcile()}")
+        assert in_reconcile() == 0, "the dead trainer's wait was not cancelled"
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert d.proc.poll() is None
     c1.close()
 
 

@@ -52,6 +52,10 @@ class Client:
         self._rpc = Channel(target(socket, address), timeout, max_message_bytes)
         self._layout: Optional[Layout] = None
         self._dev: Any = None  # amaxd.device.DeviceBuffers, after open_device()
+        # ReconcileDevice through the daemon's doorbell socket when it has
+        # one (docs/API.md "The doorbell"); AMAXD_DOORBELL=0 or False: gRPC.
+        self.doorbell = os.environ.get("AMAXD_DOORBELL", "1") != "0"
+        self._door: Any = None
         self.epoch = 0
 
     def __enter__(self) -> "Client":
@@ -62,6 +66,9 @@ class Client:
 
     def close(self) -> None:
         self._close_shm()
+        if self._door is not None:
+            self._door.close()
+            self._door = None
         try:
             self.close_device()
         except AmaxdError:
@@ -325,9 +332,15 @@ class Client:
         req = pb.ReconcileDeviceRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
                                         layout_id=L.id, device_id=bufs.id, send=bool(send),
                                         has_data=bool(has_data))
+        if self.doorbell and bufs.doorbell and self._door is None:
+            self._door = dv.Doorbell(bufs.doorbell)
+
+        def call() -> Any:
+            if self.doorbell and self._door is not None:
+                return self._door.call(req, self.timeout if timeout is None else timeout)
+            return self._unary("ReconcileDevice", req, pb.ReconcileDeviceResponse, timeout)
         try:
-            r = self._tracked(epoch, lambda: self._unary("ReconcileDevice", req,
-                                                         pb.ReconcileDeviceResponse, timeout))
+            r = self._tracked(epoch, call)
         except InvalidArgument:
             # A slab that failed the daemon's check: the epoch was reconciled
             # without it, so the open epoch moved on.

@@ -28,7 +28,11 @@ asynchronously. (The first launch of a kernel in a process loads its
 module, CUDA's lazy loading, and that waits for the device: a trainer's
 first sync may block once; tests/gpu/diag_ipc.py.)
 """
+import socket
+import struct
 from typing import Any, Dict, List, Optional, Tuple
+
+import grpc
 
 from .errors import AmaxdError
 
@@ -217,6 +221,7 @@ class DeviceBuffers:
         self.total_cells, self.quantizers, self.total_slices = (r.total_cells, r.quantizers,
                                                                  r.total_slices)
         self.bus_id = r.device_bus_id
+        self.doorbell = getattr(r, "doorbell", "")
         self._b = b
         self._ptrs: List[int] = []
         self._events: List[Any] = []
@@ -279,6 +284,70 @@ class DeviceBuffers:
             except Exception:  # noqa: BLE001
                 pass
         self._ptrs = []
+
+
+class Doorbell:
+    """ReconcileDevice over the daemon's doorbell (docs/API.md "The
+    doorbell"): one SOCK_SEQPACKET datagram each way, no gRPC. A call that
+    times out closes the connection (which cancels the daemon's wait, as a
+    gRPC deadline does); the next call connects again."""
+
+    REQ = struct.Struct("<IIQQQII")  # magic, flags, device_id, epoch, layout_id, rank, job_len
+    ANS = struct.Struct("<IIQQQII")  # magic, code, epoch, next_epoch, layout_id, msg_len, 0
+    MAGIC = 0x31424441  # "ADB1"
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._s: Optional[socket.socket] = None
+
+    def close(self) -> None:
+        if self._s is not None:
+            self._s.close()
+            self._s = None
+
+    def call(self, req: Any, timeout: Optional[float]) -> Any:
+        """Sends ReconcileDeviceRequest `req`; the ReconcileDeviceResponse,
+        or the AmaxdError of the daemon's status."""
+        from .errors import DeadlineExceeded, Unavailable, from_status
+        from ._gen import amaxd_pb2 as pb
+        job = req.job.encode()
+        flags = (1 if req.send else 0) | (2 if req.has_data else 0)
+        msg = self.REQ.pack(self.MAGIC, flags, req.device_id, req.epoch, req.layout_id, req.rank,
+                            len(job)) + job
+        try:
+            if self._s is None:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                try:
+                    s.connect(self.path)
+                except OSError:
+                    s.close()
+                    raise
+                self._s = s
+            self._s.settimeout(timeout)
+            self._s.send(msg)
+            data = self._s.recv(self.ANS.size + 4096)
+        except socket.timeout:
+            self.close()
+            raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"no answer on the doorbell {self.path} within {timeout} s")
+        except OSError as e:
+            self.close()
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE,
+                              f"the doorbell {self.path} failed: {e}") from e
+        if len(data) < self.ANS.size:
+            self.close()
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE,
+                              f"the doorbell {self.path} closed or answered {len(data)} bytes")
+        magic, code, epoch, next_epoch, layout_id, n, _ = self.ANS.unpack_from(data)
+        text = data[self.ANS.size:self.ANS.size + n].decode("utf-8", "replace")
+        if magic != self.MAGIC:
+            self.close()
+            raise Unavailable(grpc.StatusCode.UNAVAILABLE,
+                              f"the doorbell {self.path} answered magic 0x{magic:08x}")
+        if code != 0:
+            raise from_status(code, text)
+        return pb.ReconcileDeviceResponse(epoch=epoch, next_epoch=next_epoch,
+                                          layout_id=layout_id)
 
 
 class DeviceResult:

@@ -67,6 +67,15 @@ _BY_CODE = {
 }
 
 
+_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def from_status(code: int, message: str) -> AmaxdError:
+    """The AmaxdError of a numeric gRPC status code (the doorbell's answers)."""
+    sc = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(sc, AmaxdError)(sc, message)
+
+
 def from_rpc_error(err: grpc.RpcError) -> AmaxdError:
     """Turns a grpc.RpcError into the matching AmaxdError subclass."""
     code = err.code()  # type: ignore[attr-defined]  # a call's error is a grpc.Call too

@@ -1,0 +1,113 @@
+"""The device doorbell (docs/API.md "The doorbell") on a daemon without
+device state (CI: the host backend): the socket exists next to the Unix
+socket with its permission bits; every malformed datagram (garbage, short,
+oversized, wrong magic, a job length that does not match, unknown flags)
+gets INVALID_ARGUMENT naming what is wrong and a log line; a well-formed
+ReconcileDevice gets the same FAILED_PRECONDITION as the gRPC call; the
+connection stays usable after each refusal, many connections come and go,
+and nothing of the job changes (the packed form still works). On a GPU,
+tests/gpu/test_device.py runs the device path through the doorbell."""
+import os
+import socket
+import stat
+import struct
+
+import grpc
+import numpy as np
+import pytest
+
+import amaxd
+from amaxd import errors, pb
+from amaxd.device import Doorbell
+
+pytestmark = pytest.mark.skipif(os.environ.get("AMAXD_BACKEND", "host") != "host",
+                                reason="the refusal of a host-backend daemon")
+
+REQ = struct.Struct("<IIQQQII")
+ANS = struct.Struct("<IIQQQII")
+MAGIC = 0x31424441
+
+
+def connect(daemon):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(daemon.socket + ".door")
+    return s
+
+
+def ask(s, data):
+    s.send(data)
+    a = s.recv(ANS.size + 4096)
+    magic, code, epoch, next_epoch, layout_id, n, _ = ANS.unpack_from(a)
+    assert magic == MAGIC and len(a) == ANS.size + n
+    return code, a[ANS.size:].decode()
+
+
+def request(job=b"j", flags=1, device_id=2, epoch=0, layout_id=1, rank=0, job_len=None):
+    return REQ.pack(MAGIC, flags, device_id, epoch, layout_id, rank,
+                    len(job) if job_len is None else job_len) + job
+
+
+def test_doorbell_socket_and_bad_datagrams(daemon):
+    path = daemon.socket + ".door"
+    st = os.stat(path)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+    c = daemon.client("j", 0, 1)
+    c.join()
+    c.register([amaxd.Quantizer("q", [4], amaxd.Recipe.fp8_current())])
+    lay = c.layout()
+    bad = [
+        (os.urandom(7), "a request is 41 to 295 bytes"),
+        (b"\xff" * 4000, "not 4000"),
+        (struct.pack("<I", 0xdeadbeef) + request()[4:], "not 0xdeadbeef"),
+        (request(job_len=5), "names a job of 5 bytes but carries 1"),
+        (request(job=b""), "names no job"),
+        (request(job=b"", job_len=0) + b"x", "names no job"),
+        (request(flags=8), "unknown request flags 0x8"),
+    ]
+    s = connect(daemon)
+    inv = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    for data, want in bad:
+        code, msg = ask(s, data)  # the same connection answers every one
+        assert code == inv and "doorbell:" in msg and want in msg, (data[:12], msg)
+    # Well formed: the registry's answer, exactly as over gRPC.
+    code, msg = ask(s, request(layout_id=lay.id))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    assert "ReconcileDevice: this daemon keeps its state on the host (backend 'host')" in msg
+    s.close()
+    with daemon.channel() as ch:
+        fn = ch.unary_unary("/amaxd.v1.Calibration/ReconcileDevice",
+                            request_serializer=lambda m: m.SerializeToString(),
+                            response_deserializer=pb.ReconcileDeviceResponse.FromString)
+        with pytest.raises(grpc.RpcError) as ei:
+            fn(pb.ReconcileDeviceRequest(job="j", rank=0, layout_id=lay.id, device_id=2,
+                                         send=True), timeout=10)
+    assert ei.value.details() == msg
+    log = daemon.log()
+    assert "doorbell: unknown request flags 0x8" in log and "device doorbell on" in log
+    # Many connections, some closed with a request unanswered (read).
+    socks = [connect(daemon) for _ in range(64)]
+    for k, t in enumerate(socks):
+        if k % 2:
+            t.send(request(layout_id=lay.id))
+        t.close()
+    # Nothing changed: epoch 1 is open, the packed form works.
+    c.send_packed(np.array([1, 2, 3, 4], dtype=np.float32))
+    res = c.reconcile_packed()
+    assert res.epoch == 1 and res.amax.tolist() == [1, 2, 3, 4]
+    c.close()
+
+
+def test_doorbell_client_errors(daemon, tmp_path):
+    # The client's Doorbell maps the status to the same exception.
+    d = Doorbell(daemon.socket + ".door")
+    req = pb.ReconcileDeviceRequest(job="nope", rank=0, layout_id=1, device_id=2, send=True)
+    with pytest.raises(errors.FailedPrecondition, match="backend 'host'"):
+        d.call(req, 10)
+    with pytest.raises(errors.FailedPrecondition):
+        d.call(req, 10)  # the connection is reused
+    d.close()
+    # No daemon behind the path: UNAVAILABLE, not a hang.
+    gone = Doorbell(str(tmp_path / "none.door"))
+    with pytest.raises(errors.Unavailable, match="failed"):
+        gone.call(req, 1)
