@@ -16,6 +16,10 @@ the same way):
           into the device answer buffer and ordered by the done event);
           results are CUDA tensors already
   devgrpc the same with ReconcileDevice over gRPC
+  async   reconcile_device_async: the trainer's stream waits for the
+          daemon's done flag on the GPU and the call returns at once; timed
+          until the stream is done, as the others ("host back": when the
+          call gave the host back)
 
 Each sync starts after a barrier of the trainers (W > 1); the printed
 number per path is the median over the syncs of the slowest rank's time;
@@ -102,10 +106,10 @@ def worker(rank, world, socks, port, args, q):
     for size in args.sizes.split(","):
         specs = catalog(size, rank, world)
         clients = {}
-        for path in ("grpc", "shm", "device", "devgrpc"):
+        for path in ("grpc", "shm", "device", "devgrpc", "async"):
             c = amaxd.Client(f"lat-{size.replace('+', '_')}-{path}", rank, world, socket=socks[rank], timeout=600,
                              max_message_bytes=512 << 20, shm=(path == "shm"))
-            c.doorbell = path == "device"  # devgrpc: ReconcileDevice over gRPC
+            c.doorbell = path != "devgrpc"  # devgrpc: ReconcileDevice over gRPC
             c.join()
             for i in range(0, len(specs), 50000):
                 c.register(specs[i:i + 50000])
@@ -117,6 +121,8 @@ def worker(rank, world, socks, port, args, q):
         x = torch.rand(n, device=dev, generator=gen) * 100
         slab = clients["device"].device_slab()
         slab_g = clients["devgrpc"].device_slab()
+        slab_a = clients["async"].device_slab()
+        host_ret = []  # async: when the call gave the host back, after its start
         s = torch.cuda.current_stream(dev)
 
         def inproc():
@@ -144,8 +150,17 @@ def worker(rank, world, socks, port, args, q):
             slab_g.copy_(x)
             return clients["devgrpc"].reconcile_device(stream=s).scale
 
+        def devasync():
+            slab_a.copy_(x)
+            t0 = time.perf_counter()
+            p = clients["async"].reconcile_device_async(stream=s)
+            host_ret.append(time.perf_counter() - t0)
+            s.synchronize()  # the results are in the answer buffer: the stream waited
+            return p.result().scale
+
         paths = {"inproc": inproc, "grpc": packed(clients["grpc"]),
-                 "shm": packed(clients["shm"]), "device": device, "devgrpc": devgrpc}
+                 "shm": packed(clients["shm"]), "device": device, "devgrpc": devgrpc,
+                 "async": devasync}
         times = {p: [] for p in paths}
         phases = []
         check = {}
@@ -177,14 +192,16 @@ def worker(rank, world, socks, port, args, q):
                 if it == args.warmup + args.iters - 1:
                     check[p] = res[:4].cpu().numpy().tolist() if res is not None else None
         # The device and packed paths answer the same scales.
-        same = check["device"] == check["devgrpc"] == check["grpc"] == check["shm"]
+        same = (check["device"] == check["devgrpc"] == check["async"] == check["grpc"]
+                == check["shm"])
         allt = [None] * world
         dist.all_gather_object(allt, times, group=gloo)
         if rank == 0:
             slow = {p: [max(allt[r][p][i] for r in range(world)) for i in range(args.iters)]
                     for p in paths}
             out.append({"size": size, "cells_per_rank": n, "world": world, "same_scales": same,
-                        "times_s": slow, "device_phases_us_rank0": phases})
+                        "times_s": slow, "device_phases_us_rank0": phases,
+                        "async_host_return_s_rank0": host_ret[args.warmup:]})
         for c in clients.values():
             c.close()
         dist.barrier(group=gloo)
@@ -230,14 +247,16 @@ def main():
           f"every path")
     print(f"{'per rank':>16} {'cells':>9} | {'inproc ms':>9} | {'grpc ms':>8} {'x':>6} | "
           f"{'shm ms':>8} {'x':>6} | {'device ms':>9} {'x':>6} | {'dev/gRPC':>8} {'x':>6} | "
-          f"same scales")
+          f"{'async':>8} {'x':>6} {'host back':>9} | same scales")
     for r in res:
         med = {p: statistics.median(t) * 1e3 for p, t in r["times_s"].items()}
         b = med["inproc"]
         print(f"{r['size']:>16} {r['cells_per_rank']:>9} | {b:9.3f} | {med['grpc']:8.3f} "
               f"{med['grpc'] / b:6.1f} | {med['shm']:8.3f} {med['shm'] / b:6.1f} | "
               f"{med['device']:9.3f} {med['device'] / b:6.2f} | {med['devgrpc']:8.3f} "
-              f"{med['devgrpc'] / b:6.2f} | {r['same_scales']}")
+              f"{med['devgrpc'] / b:6.2f} | {med['async']:8.3f} {med['async'] / b:6.2f} "
+              f"{statistics.median(r['async_host_return_s_rank0']) * 1e3:9.3f} | "
+              f"{r['same_scales']}")
         r["median_ms"] = med
     if args.breakdown:
         names = ["call>entered", "entered>started", "started>engine", "engine",

@@ -19,7 +19,16 @@
  *
  * A slab on another GPU than the state's is read, and the answer written,
  * through peer access (one daemon for all GPUs of a node).
+ *
+ * Signals (the doorbell's requests with a sequence number): a uint32 flag
+ * in each buffer replaces the events. The trainer writes the slab's flag
+ * on its stream (cuStreamWriteValue32), ds waits for it
+ * (cuStreamWaitValue32, cyclic >=); ds writes the answer's flag, the
+ * trainer's stream waits for it. The driver's functions are found through
+ * the runtime (cudaGetDriverEntryPointByVersion), so the daemon does not
+ * link libcuda.
  */
+#include <cuda.h> /* types of the stream memory operations (found at run time) */
 #include <cuda_runtime.h>
 #include <ctype.h>
 #include <stdio.h>
@@ -51,6 +60,40 @@ struct amx_devbuf {
     void *h_tail;
     size_t cap_tail;
 };
+
+typedef CUresult (*memop32_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+static memop32_fn p_wait32, p_write32;
+
+/* The driver's cuStreamWaitValue32 and cuStreamWriteValue32 (v2, CUDA 12
+ * ABI); 0 when the driver has none. Loop thread. */
+static int memops_found(void)
+{
+    static int state; /* 0: not looked, 1: found, -1: missing */
+    if (state == 0) {
+        cudaDriverEntryPointQueryResult q1 = cudaDriverEntryPointSymbolNotFound, q2 = q1;
+        cudaError_t e1 = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", (void **)&p_wait32,
+                                                          12000, cudaEnableDefault, &q1);
+        cudaError_t e2 = cudaGetDriverEntryPointByVersion(
+            "cuStreamWriteValue32", (void **)&p_write32, 12000, cudaEnableDefault, &q2);
+        int ok = e1 == cudaSuccess && e2 == cudaSuccess && q1 == cudaDriverEntryPointSuccess &&
+                 q2 == cudaDriverEntryPointSuccess && p_wait32 != NULL && p_write32 != NULL;
+        cudaGetLastError();
+        state = ok ? 1 : -1;
+        if (!ok)
+            AMX_WARN("devbuf", "the CUDA driver has no cuStreamWaitValue32/cuStreamWriteValue32: "
+                               "device buffers use interprocess events only");
+    }
+    return state > 0;
+}
+
+/* Converts a driver error of a stream memory operation. */
+#define CUD(call, what)                                                                            \
+    do {                                                                                           \
+        CUresult r_ = (call);                                                                      \
+        if (r_ != CUDA_SUCCESS)                                                                    \
+            return amx_err_set(err, AMX_EDEVICE, "CUDA %s failed: driver error %d", what,          \
+                               (int)r_);                                                           \
+    } while (0)
 
 /* The run of `runs` (sorted by key, non-overlapping) holding `x`, or -1. */
 __device__ __forceinline__ int64_t find_run(const amx_run_t *runs, uint32_t n, uint64_t x,
@@ -275,6 +318,7 @@ static amx_status_t open_buffers(amx_devbuf_t *d, amx_devbuf_info_t *info, amx_e
     CU(cudaMalloc(&d->d_bad, sizeof(unsigned long long)), "cudaMalloc");
     CU(cudaHostAlloc(&d->h_bad, sizeof(unsigned long long), cudaHostAllocDefault), "cudaHostAlloc");
     *d->h_bad = NO_BAD;
+    info->signals = memops_found();
     return AMX_OK;
 }
 
@@ -352,7 +396,8 @@ static amx_status_t upload_runs(amx_run_t **h, amx_run_t **d, size_t *cap, size_
 
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
                                             size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                                            cudaStream_t sd, cudaEvent_t in, amx_err_t *err)
+                                            const amx_devsignal_t *ready, cudaStream_t sd,
+                                            cudaEvent_t in, amx_err_t *err)
 {
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     /* The last merge's staging is free once its check came back (the
@@ -364,7 +409,12 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
     /* Behind the trainer's writes of the slab: its last record of `ready`
      * (before it called ReconcileDevice), waited on by ds on its GPU. */
     CU(cudaSetDevice(d->dev), "cudaSetDevice");
-    CU(cudaStreamWaitEvent(d->ds, d->ready, 0), "cudaStreamWaitEvent (trainer's ready event)");
+    if (ready != NULL && memops_found())
+        CUD(p_wait32((CUstream)d->ds, (CUdeviceptr)((char *)d->slab + ready->flag_off), ready->seq,
+                     CU_STREAM_WAIT_VALUE_GEQ),
+            "cuStreamWaitValue32 (trainer's ready flag)");
+    else
+        CU(cudaStreamWaitEvent(d->ds, d->ready, 0), "cudaStreamWaitEvent (trainer's ready event)");
     CU(cudaEventRecord(d->seen, d->ds), "cudaEventRecord");
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     CU(cudaStreamWaitEvent(sd, d->seen, 0), "cudaStreamWaitEvent");
@@ -395,12 +445,11 @@ extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d)
     return *d->h_bad == NO_BAD ? -1 : (int64_t)*d->h_bad;
 }
 
-extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax,
-                                             const float *o_scale, const float *o_inv,
-                                             const uint8_t *o_bytes, const amx_run_t *gather,
-                                             size_t ngather, uint64_t ncells,
-                                             const amx_devans_layout_t *lay, const void *tail,
-                                             size_t tail_bytes, cudaStream_t s, amx_err_t *err)
+extern "C" amx_status_t
+amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax, const float *o_scale, const float *o_inv,
+                     const uint8_t *o_bytes, const amx_run_t *gather, size_t ngather,
+                     uint64_t ncells, const amx_devans_layout_t *lay, const void *tail,
+                     size_t tail_bytes, const amx_devsignal_t *done, cudaStream_t s, amx_err_t *err)
 {
     if (lay->tail + tail_bytes > d->answer_bytes || lay->block_scales + ncells > d->answer_bytes)
         return amx_err_set(err, AMX_EINTERNAL, "device answer of %llu bytes too small",
@@ -430,7 +479,12 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_ama
     CU(cudaEventRecord(d->answered, s), "cudaEventRecord");
     CU(cudaSetDevice(d->dev), "cudaSetDevice");
     CU(cudaStreamWaitEvent(d->ds, d->answered, 0), "cudaStreamWaitEvent");
-    CU(cudaEventRecord(d->done, d->ds), "cudaEventRecord (done event)");
+    if (done != NULL && memops_found())
+        CUD(p_write32((CUstream)d->ds, (CUdeviceptr)((char *)d->answer + done->flag_off), done->seq,
+                      0),
+            "cuStreamWriteValue32 (done flag)");
+    else
+        CU(cudaEventRecord(d->done, d->ds), "cudaEventRecord (done event)");
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     /* Only the daemon's own work is on s: this wait is short, and keeps the
      * staging and the front outputs ours until the answer is written. */

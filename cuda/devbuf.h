@@ -33,7 +33,8 @@ extern "C" amx_status_t amx__cuda_dev_open(int state_dev, const char *device, ui
  * recorded on sd after the merge. */
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
                                             size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                                            cudaStream_t sd, cudaEvent_t in, amx_err_t *err);
+                                            const amx_devsignal_t *ready, cudaStream_t sd,
+                                            cudaEvent_t in, amx_err_t *err);
 
 /* Loop thread. dev_bad of state.h. */
 extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d);
@@ -45,7 +46,8 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_ama
                                              const uint8_t *o_bytes, const amx_run_t *gather,
                                              size_t ngather, uint64_t ncells,
                                              const amx_devans_layout_t *lay, const void *tail,
-                                             size_t tail_bytes, cudaStream_t s, amx_err_t *err);
+                                             size_t tail_bytes, const amx_devsignal_t *done,
+                                             cudaStream_t s, amx_err_t *err);
 
 /* Loop thread. dev_close of state.h. */
 extern "C" void amx__cuda_dev_close(amx_devbuf_t *d);

@@ -1738,14 +1738,14 @@ static amx_status_t cuda_dev_open(amx_state_t *st, const char *device, uint64_t 
 
 static amx_status_t cuda_dev_merge(amx_state_t *st, amx_devbuf_t *d, const amx_run_t *runs,
                                    size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                                   amx_err_t *err)
+                                   const amx_devsignal_t *ready, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int fl = c->active ^ 1; /* just flipped: the in-flight buffer */
     if (c->pend[fl] == NULL)
         return amx_err_set(err, AMX_EINTERNAL, "no in-flight buffer to merge a device slab into");
     return amx__cuda_dev_merge(d, c->pend[fl] + AMX_HDR_CELLS, runs, nruns, ncells, has_data_off,
-                               c->sd, c->in, err);
+                               ready, c->sd, c->in, err);
 }
 
 static int64_t cuda_dev_bad(amx_state_t *st, amx_devbuf_t *d)
@@ -1756,12 +1756,13 @@ static int64_t cuda_dev_bad(amx_state_t *st, amx_devbuf_t *d)
 
 static amx_status_t cuda_dev_answer(amx_state_t *st, amx_devbuf_t *d, const amx_run_t *gather,
                                     size_t ngather, uint64_t ncells, const amx_devans_layout_t *lay,
-                                    const void *tail, size_t tail_bytes, amx_err_t *err)
+                                    const void *tail, size_t tail_bytes,
+                                    const amx_devsignal_t *done, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int f = st->front;
     return amx__cuda_dev_answer(d, c->o_amax[f], c->o_scale[f], c->o_inv[f], c->o_bytes[f], gather,
-                                ngather, ncells, lay, tail, tail_bytes, c->sl, err);
+                                ngather, ncells, lay, tail, tail_bytes, done, c->sl, err);
 }
 
 static void cuda_dev_close(amx_state_t *st, amx_devbuf_t *d)

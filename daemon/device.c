@@ -35,6 +35,8 @@ struct amx_devrank {
     uint64_t ncells, nslices;
     uint32_t nq;
     uint64_t has_off;
+    uint64_t ready_off, done_off; /* the signals' flags: in the slab, in the answer */
+    int signals;                  /* the GPU has the stream memory operations */
     amx_devans_layout_t lay;
     uint64_t g_off[6]; /* g_amax, g_scale, g_inv, s_amax, s_scale, s_inv (answer offsets) */
     uint8_t *tail;     /* host copy of the answer's [lay.tail, lay.tail + tail_bytes) */
@@ -44,6 +46,7 @@ struct amx_devrank {
     /* This epoch: a slab to merge (ReconcileDevice send), its has-data
      * bytes; merged once queued; an error to answer instead. */
     int send, has_data, merged;
+    uint32_t seq; /* signals: this epoch's (0: the events) */
     amx_status_t merge_st;
     char merge_msg[1024];
 };
@@ -127,7 +130,8 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
     d->nq = nq;
     d->nslices = ns;
     d->has_off = align_up(4 * n);
-    uint64_t slab_bytes = d->has_off + n;
+    d->ready_off = align_up(d->has_off + n);
+    uint64_t slab_bytes = d->ready_off + 4;
     d->lay.amax = 0;
     d->lay.scale = align_up(4 * n);
     d->lay.scale_inv = align_up(d->lay.scale + 4 * n);
@@ -139,7 +143,8 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
     }
     d->tail_bytes = (size_t)(at - d->lay.tail);
     d->lay.block_scales = align_up(at);
-    uint64_t answer_bytes = d->lay.block_scales + n;
+    d->done_off = align_up(d->lay.block_scales + n);
+    uint64_t answer_bytes = d->done_off + 4;
     d->tail = calloc(1, d->tail_bytes ? d->tail_bytes : 1);
     if (d->tail == NULL) {
         free(d);
@@ -172,6 +177,7 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
         return st;
     }
     amx__dev_close_rank(j, r, "replaced by a new OpenDevice");
+    d->signals = info.signals;
     r->dev = d;
     memset(out, 0, sizeof(*out));
     out->id = d->id;
@@ -197,6 +203,9 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
     memcpy(out->ready_event, info.ready, 64);
     memcpy(out->done_event, info.done, 64);
     snprintf(out->bus_id, sizeof(out->bus_id), "%s", info.bus_id);
+    out->signals = d->signals;
+    out->ready_flag_off = d->ready_off;
+    out->done_flag_off = d->done_off;
     AMX_INFO("registry",
              "job %s, rank %u: device buffers %016" PRIx64 " for layout %016" PRIx64
              " (%llu cells) on GPU %d (%s), state on GPU %d, pid %u",
@@ -245,15 +254,22 @@ amx_status_t amx__dev_check_reconcile(amx_registry_t *reg, amx_job_t *j, amx_lra
                            "; the rank's layout is now %016" PRIx64
                            ": open new ones (OpenDevice) for it",
                            r->dev->id, r->rank, j->name, r->dev->layout_id, sl->id);
+    if (req->seq != 0 && !r->dev->signals)
+        return amx_err_set(err, AMX_EPRECOND,
+                           "ReconcileDevice: signal %u asked, but the CUDA driver of this daemon "
+                           "has no stream memory operations (OpenDevice answered signals = "
+                           "false): send 0 and use the events",
+                           req->seq);
     return AMX_OK;
 }
 
-void amx__dev_arm(amx_lrank_t *r, int send, int has_data)
+void amx__dev_arm(amx_lrank_t *r, int send, int has_data, uint32_t seq)
 {
     if (r->dev == NULL)
         return;
     r->dev->send = send;
     r->dev->has_data = send && has_data;
+    r->dev->seq = seq;
 }
 
 void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j)
@@ -273,9 +289,11 @@ void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j)
                              " before epoch %llu started; its device slab (layout %016" PRIx64
                              ") was not merged: open new device buffers (OpenDevice)",
                              r->rank, sl->id, (unsigned long long)j->epoch, d->layout_id);
+        amx_devsignal_t ready = {d->ready_off, d->seq};
         if (rc == AMX_OK)
             rc = st->ops->dev_merge(st, d->buf, sl->merge, sl->nmerge, d->ncells,
-                                    d->has_data ? d->has_off : UINT64_MAX, &e);
+                                    d->has_data ? d->has_off : UINT64_MAX,
+                                    d->seq != 0 ? &ready : NULL, &e);
         if (rc != AMX_OK) {
             if (rc == AMX_EDEVICE)
                 amx__note_fault(reg, rc, e.msg);
@@ -351,8 +369,9 @@ amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, 
                            "results are in GetScales",
                            (unsigned long long)epoch, j->name, r->rank, sl->id, d->layout_id);
     fill_globals(j, sl, d);
+    amx_devsignal_t done = {d->done_off, d->seq};
     amx_status_t rc = st->ops->dev_answer(st, d->buf, sl->gather, sl->ngather, d->ncells, &d->lay,
-                                          d->tail, d->tail_bytes, err);
+                                          d->tail, d->tail_bytes, d->seq != 0 ? &done : NULL, err);
     if (rc == AMX_EDEVICE)
         return amx__note_fault(reg, rc, err->msg);
     return rc;
@@ -364,6 +383,7 @@ void amx__dev_epoch_end(amx_lrank_t *r)
         return;
     r->dev->send = 0;
     r->dev->has_data = 0;
+    r->dev->seq = 0;
     r->dev->merged = 0;
     r->dev->merge_st = AMX_OK;
     r->dev->merge_msg[0] = '\0';

@@ -37,7 +37,7 @@ typedef struct conn {
     struct conn *prev, *next; /* door->conns, under door->mu */
     /* The request being served. */
     char job[AMX_DOOR_MAX_JOB + 1];
-    uint32_t rank, flags;
+    uint32_t rank, flags, seq;
     uint64_t epoch, layout_id, device_id;
 } conn_t;
 
@@ -128,17 +128,16 @@ static void on_done(amx_waiter_t *w, amx_status_t st, const char *msg, const amx
 static void serve(void *arg)
 {
     conn_t *c = arg;
-    amx_reconcile_req_t q = {c->job,
-                             c->rank,
-                             c->epoch,
-                             NULL,
-                             0,
-                             0,
-                             c->layout_id,
-                             1,
-                             c->device_id,
-                             (c->flags & AMX_DOOR_SEND) != 0,
-                             (c->flags & AMX_DOOR_HAS_DATA) != 0};
+    amx_reconcile_req_t q = {0};
+    q.job = c->job;
+    q.rank = c->rank;
+    q.epoch = c->epoch;
+    q.layout_id = c->layout_id;
+    q.device = 1;
+    q.device_id = c->device_id;
+    q.send = (c->flags & AMX_DOOR_SEND) != 0;
+    q.has_data = (c->flags & AMX_DOOR_HAS_DATA) != 0;
+    q.seq = c->seq;
     memset(&c->w, 0, sizeof(c->w));
     c->w.done = on_done;
     amx_err_t err = {0};
@@ -207,6 +206,9 @@ static void read_request(conn_t *c)
     else if ((get32(buf + 4) & ~(AMX_DOOR_SEND | AMX_DOOR_HAS_DATA)) != 0)
         snprintf(msg, sizeof(msg), "doorbell: unknown request flags 0x%x (1: send, 2: has_data)",
                  get32(buf + 4));
+    else if (get32(buf + 44) != 0)
+        snprintf(msg, sizeof(msg), "doorbell: bytes 44-47 of a request are reserved (0), not 0x%x",
+                 get32(buf + 44));
     else
         msg[0] = '\0';
     if (msg[0] != '\0') {
@@ -218,6 +220,7 @@ static void read_request(conn_t *c)
     c->epoch = get64(buf + 16);
     c->layout_id = get64(buf + 24);
     c->rank = get32(buf + 32);
+    c->seq = get32(buf + 40);
     memcpy(c->job, buf + AMX_DOOR_REQ_BYTES, job_len);
     c->job[job_len] = '\0';
     want_requests(c, 0);

@@ -6,7 +6,8 @@
  * A Unix SOCK_SEQPACKET socket next to the daemon's socket (its path and
  * ".door", the socket's permission bits). Each datagram a trainer sends is
  * one ReconcileDevice (job, rank, epoch, layout id, device buffers id,
- * send, has_data: the fields of ReconcileDeviceRequest); each answer is
+ * send, has_data: the fields of ReconcileDeviceRequest, and a signal
+ * sequence number: flags in the buffers instead of the events); each answer is
  * one datagram back (the gRPC status code, the message, the epoch, the
  * next epoch, the layout id). One request at a time per connection: the
  * next is read after the answer. The registry checks and serves the
@@ -31,7 +32,7 @@
 
 /* The wire format, little-endian, packed (docs/API.md "The doorbell"). */
 #define AMX_DOOR_MAGIC 0x31424441u /* "ADB1" */
-#define AMX_DOOR_REQ_BYTES 40      /* then the job name (job_len bytes, no NUL) */
+#define AMX_DOOR_REQ_BYTES 48      /* then the job name (job_len bytes, no NUL) */
 #define AMX_DOOR_ANS_BYTES 40      /* then the message (msg_len bytes, no NUL) */
 #define AMX_DOOR_MAX_JOB 255
 #define AMX_DOOR_MAX_MSG 2048

@@ -184,7 +184,7 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
         AMX_CHECK(amx__reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
     /* The device slab is merged only for a ReconcileDevice that sends it
      * (not for one of an earlier call that went away). */
-    amx__dev_arm(r, req->device && req->send, req->has_data);
+    amx__dev_arm(r, req->device && req->send, req->has_data, req->seq);
     w->job = j;
     w->rank = req->rank;
     w->kind = WAIT_RECONCILE;

@@ -187,7 +187,7 @@ void amx__dev_close_rank(amx_job_t *j, amx_lrank_t *r, const char *why);
 amx_status_t amx__dev_check_reconcile(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r,
                                       const amx_reconcile_req_t *req, amx_err_t *err);
 /* Whether rank r's device slab goes into the epoch it enters (NULL-safe). */
-void amx__dev_arm(amx_lrank_t *r, int send, int has_data);
+void amx__dev_arm(amx_lrank_t *r, int send, int has_data, uint32_t seq);
 /* Just after the flip of an epoch: queues the device slabs of the ranks that sent one. */
 void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j);
 /* Rank r's answer of a reconciled epoch into its device buffers; an error (a slab that failed its

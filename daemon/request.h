@@ -64,6 +64,10 @@ typedef struct amx_reconcile_req {
     int device;
     uint64_t device_id;
     int send, has_data;
+    /* Signals instead of the events (the doorbell): the slab's ready flag
+     * reaches `seq` (cyclically) when the slab is written; the daemon
+     * writes `seq` into the answer's done flag. 0: the events. */
+    uint32_t seq;
 } amx_reconcile_req_t;
 
 /* OpenDevice: device buffers for rank `rank`'s layout `layout_id` on the
@@ -86,6 +90,8 @@ typedef struct amx_dev_opened {
     uint64_t g_amax, g_scale, g_inv, s_amax, s_scale, s_inv; /* per quantizer, per slice */
     uint8_t slab_handle[64], answer_handle[64], ready_event[64], done_event[64];
     char bus_id[32];
+    int signals;                            /* flags may replace the events (seq != 0) */
+    uint64_t ready_flag_off, done_flag_off; /* uint32 flags: in the slab, in the answer */
 } amx_dev_opened_t;
 
 /* SendPacked: one slab of values. `values` is writable and 4-byte aligned:

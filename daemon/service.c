@@ -182,7 +182,7 @@ static void h_join(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 static void h_reconcile(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__ReconcileRequest *req = (const void *)m;
-    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, req->names, req->n_names, 0, 0,
+    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, req->names, req->n_names, 0, 0, 0,
                              0,        0,         0,          0};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
@@ -587,7 +587,7 @@ static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMes
 {
     const Amaxd__V1__ReconcilePackedRequest *req = (const void *)m;
     amx_reconcile_req_t q = {req->job,       req->rank, req->epoch, NULL, 0, 1,
-                             req->layout_id, 0,         0,          0,    0};
+                             req->layout_id, 0,         0,          0,    0, 0};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
     packed_out_t *o = amx_arena_alloc(amx__call_arena(c), sizeof(*o));
@@ -654,6 +654,9 @@ static void h_open_device(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage 
     r.global_scale_invs_offset = o.s_inv;
     r.device_bus_id = o.bus_id;
     r.doorbell = svc->doorbell;
+    r.signals = o.signals != 0;
+    r.ready_flag_offset = o.ready_flag_off;
+    r.done_flag_offset = o.done_flag_off;
     amx__call_reply(c, AMX_OK, NULL, &r.base);
 }
 
@@ -688,8 +691,9 @@ static void reconcile_device_done(amx_waiter_t *w, amx_status_t st, const char *
 static void h_reconcile_device(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__ReconcileDeviceRequest *req = (const void *)m;
-    amx_reconcile_req_t q = {req->job,       req->rank, req->epoch,   NULL, 0, 0, req->layout_id, 1,
-                             req->device_id, req->send, req->has_data};
+    amx_reconcile_req_t q = {
+        req->job, req->rank,      req->epoch, NULL,          0, 0, req->layout_id,
+        1,        req->device_id, req->send,  req->has_data, 0};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
     w->done = reconcile_device_done;

@@ -171,7 +171,16 @@ typedef struct amx_devbuf_info {
     int device;      /* the buffers' CUDA ordinal in this process */
     int state_dev;   /* the state's */
     char bus_id[32]; /* the buffers' PCI bus id */
+    int signals;     /* 32-bit stream memory operations work on the buffers' GPU */
 } amx_devbuf_info_t;
+/* A flag word in the device buffers instead of an interprocess event
+ * (docs/API.md "Signals"): the uint32 at byte `flag_off` of the slab
+ * (ready: wait until it reaches `seq`, cyclically) or of the answer (done:
+ * write `seq` there). */
+typedef struct amx_devsignal {
+    uint64_t flag_off;
+    uint32_t seq;
+} amx_devsignal_t;
 /* Byte offsets of the device answer's arrays (dev_answer). */
 typedef struct amx_devans_layout {
     uint64_t amax, scale, scale_inv, block_scales, tail;
@@ -309,11 +318,13 @@ typedef struct amx_state_ops {
      * float32 values (with `has_data_off` != UINT64_MAX, one has-data byte
      * per cell at that offset of the slab) and, when every value with data
      * is finite and >= 0, their max-merge along `runs` (run.src = slab
-     * cell, sorted) into the in-flight pending buffer. Never waits for the
+     * cell, sorted) into the in-flight pending buffer. With `ready`, behind
+     * its flag instead of the ready event. Never waits for the
      * trainer: the engine's stream waits for the merge (prepare, remap,
      * finish and unflip do). */
     amx_status_t (*dev_merge)(amx_state_t *st, struct amx_devbuf *d, const amx_run_t *runs,
-                              size_t nruns, uint64_t ncells, uint64_t has_data_off, amx_err_t *err);
+                              size_t nruns, uint64_t ncells, uint64_t has_data_off,
+                              const amx_devsignal_t *ready, amx_err_t *err);
     /* Loop, after the epoch of the last dev_merge ended: the first slab
      * cell that failed its check (the slab was then not merged), or -1. */
     int64_t (*dev_bad)(amx_state_t *st, struct amx_devbuf *d);
@@ -322,12 +333,14 @@ typedef struct amx_state_ops {
      * `ncells` cells into the answer buffer in slab order: amax (no data:
      * 0), scale, scale_inv and the byte at the offsets of `lay`; cells of
      * no run read 0, 1, 1, 0. Then copies `tail_bytes` of host memory
-     * `tail` to lay->tail and records the done event. Returns once the
+     * `tail` to lay->tail and records the done event (with `done`: writes
+     * its flag instead). Returns once the
      * daemon's side is queued and its own buffers may be reused; nothing
      * of it waits for the trainer. */
     amx_status_t (*dev_answer)(amx_state_t *st, struct amx_devbuf *d, const amx_run_t *gather,
                                size_t ngather, uint64_t ncells, const struct amx_devans_layout *lay,
-                               const void *tail, size_t tail_bytes, amx_err_t *err);
+                               const void *tail, size_t tail_bytes, const amx_devsignal_t *done,
+                               amx_err_t *err);
     /* Loop. Waits for the buffers' queued work and frees them. */
     void (*dev_close)(amx_state_t *st, struct amx_devbuf *d);
 

@@ -23,7 +23,7 @@ from amaxd.device import Doorbell
 pytestmark = pytest.mark.skipif(os.environ.get("AMAXD_BACKEND", "host") != "host",
                                 reason="the refusal of a host-backend daemon")
 
-REQ = struct.Struct("<IIQQQII")
+REQ = struct.Struct("<IIQQQIIII")  # ..., rank, job_len, seq, reserved
 ANS = struct.Struct("<IIQQQII")
 MAGIC = 0x31424441
 
@@ -43,9 +43,10 @@ def ask(s, data):
     return code, a[ANS.size:].decode()
 
 
-def request(job=b"j", flags=1, device_id=2, epoch=0, layout_id=1, rank=0, job_len=None):
+def request(job=b"j", flags=1, device_id=2, epoch=0, layout_id=1, rank=0, job_len=None, seq=0,
+            reserved=0):
     return REQ.pack(MAGIC, flags, device_id, epoch, layout_id, rank,
-                    len(job) if job_len is None else job_len) + job
+                    len(job) if job_len is None else job_len, seq, reserved) + job
 
 
 def test_doorbell_socket_and_bad_datagrams(daemon):
@@ -57,13 +58,14 @@ def test_doorbell_socket_and_bad_datagrams(daemon):
     c.register([amaxd.Quantizer("q", [4], amaxd.Recipe.fp8_current())])
     lay = c.layout()
     bad = [
-        (os.urandom(7), "a request is 41 to 295 bytes"),
+        (os.urandom(7), "a request is 49 to 303 bytes"),
         (b"\xff" * 4000, "not 4000"),
         (struct.pack("<I", 0xdeadbeef) + request()[4:], "not 0xdeadbeef"),
         (request(job_len=5), "names a job of 5 bytes but carries 1"),
         (request(job=b""), "names no job"),
         (request(job=b"", job_len=0) + b"x", "names no job"),
         (request(flags=8), "unknown request flags 0x8"),
+        (request(reserved=7), "bytes 44-47 of a request are reserved (0), not 0x7"),
     ]
     s = connect(daemon)
     inv = grpc.StatusCode.INVALID_ARGUMENT.value[0]

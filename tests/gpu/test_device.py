@@ -94,6 +94,7 @@ def test_device_same_bytes_as_packed(start_daemon):
             rd = cd.reconcile_device(has_data=has is not None)
             rg = cg.reconcile_device(has_data=has is not None)
             assert cd._door is not None and cg._door is None
+            assert cd._dev.seq == e + 1, "the doorbell call used no signal"
             assert rd.epoch == rg.epoch == rp.epoch == e + 1
             torch.cuda.current_stream().synchronize()
             for k in ARRAYS:
@@ -110,8 +111,11 @@ def test_device_same_bytes_as_packed(start_daemon):
     assert "device buffers" in d.log()
 
 
-def test_no_host_sync_long_kernel(start_daemon):
-    d = start_daemon(env=ENV)
+def long_kernel_setup(d):
+    """A job of 20k per-tensor quantizers on device buffers (client c, one
+    epoch done through them) and a packed reference client: epoch 2's
+    expected answer `want` for slab values b, and what a test needs to
+    write b into the slab behind a ~1 s kernel on stream s."""
     n = 20000
     qs = [amaxd.Quantizer(f"q{i:05d}", [], amaxd.Recipe.fp8_current()) for i in range(n)]
     ref, c = d.client("ref", 0, 1), d.client("dev", 0, 1)
@@ -145,9 +149,15 @@ def test_no_host_sync_long_kernel(start_daemon):
     # as a trainer has run its kernels before its first sync
     # (tests/gpu/diag_ipc.py).
     torch.amax(stacked, dim=0, out=torch.empty_like(a_d))
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     out = {k: torch.empty_like(getattr(c._dev, "answer")[k]) for k in ARRAYS}
     torch.cuda.synchronize()
+    return ref, c, s, slab, stacked, b, b_d, cycles, out, want
+
+
+def test_no_host_sync_long_kernel(start_daemon):
+    d = start_daemon(env=ENV)
+    ref, c, s, slab, stacked, b, b_d, cycles, out, want = long_kernel_setup(d)
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.stream(s):
@@ -176,12 +186,72 @@ def test_no_host_sync_long_kernel(start_daemon):
           f"({os.environ.get('AMAXD_SLAB_WRITE', 'amax')}) in {1e3 * (t0 - h1):.1f} ms; "
           f"ReconcileDevice returned "
           f"{1e3 * (t1 - t0):.0f} ms after the call began (the daemon's stream waited on the "
-          f"trainer's ready event); kernel still running when it returned: {sleeping_after}; "
-          f"the stream done {1e3 * (t_end - t0):.0f} ms after the call began")
+          f"trainer's ready {'flag' if c._dev.signals else 'event'}); kernel still running "
+          f"when it returned: {sleeping_after}; the stream done {1e3 * (t_end - t0):.0f} ms "
+          f"after the call began")
     assert t1 - t0 > 0.3, "the daemon did not wait for the trainer's stream"
     for k in ARRAYS:
         assert host(out[k]) == np.asarray(getattr(want, k)).tobytes(), k
     assert np.array_equal(out["amax"].cpu().numpy(), b)
+    ref.close()
+    c.close()
+
+
+def test_async_returns_while_the_kernel_runs(start_daemon):
+    """The asynchronous variant: the call returns while the ~1 s kernel
+    queued before it on the trainer's stream still runs; the results read
+    on that stream afterwards are epoch 2's; result() gives the epoch. A
+    NaN in the slab: result() raises INVALID_ARGUMENT naming the cell and
+    the trainer's stream does not hang (the client releases its flag)."""
+    d = start_daemon(env=ENV)
+    ref, c, s, slab, stacked, b, b_d, cycles, out, want = long_kernel_setup(d)
+    assert c._dev.signals and c._door is not None, "no doorbell or no signals on this GPU"
+    done_ev = torch.cuda.Event()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(cycles)
+            torch.amax(stacked, dim=0, out=slab)  # b, behind the sleep
+            t0 = time.perf_counter()
+            p = c.reconcile_device_async(stream=s)
+            t1 = time.perf_counter()
+            answered_at_return = p.done()
+            for k in ARRAYS:
+                out[k].copy_(getattr(c._dev, "answer")[k])  # queued behind the done flag
+            done_ev.record(s)
+            kernel_running = not done_ev.query()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    res = p.result(timeout=60)
+    t2 = time.perf_counter()
+    s.synchronize()
+    t3 = time.perf_counter()
+    print(f"async: returned {1e3 * (t1 - t0):.2f} ms after the call began (kernel still "
+          f"running: {kernel_running}, answered already: {answered_at_return}); result() "
+          f"{1e3 * (t2 - t0):.0f} ms, the stream done {1e3 * (t3 - t0):.0f} ms after the call")
+    assert t1 - t0 < 0.2 and kernel_running and not answered_at_return
+    assert res.epoch == 2
+    for k in ARRAYS:
+        assert host(out[k]) == np.asarray(getattr(want, k)).tobytes(), k
+    # A NaN: the error comes with result(); the stream goes on.
+    with torch.cuda.stream(s):
+        slab.fill_(1.0)
+        slab[5] = float("nan")
+        p = c.reconcile_device_async(stream=s)
+        ev = torch.cuda.Event()
+        ev.record(s)
+    with pytest.raises(errors.InvalidArgument, match="device slab cell 5"):
+        p.result(timeout=60)
+    deadline = time.time() + 20
+    while not ev.query() and time.time() < deadline:
+        time.sleep(0.01)
+    assert ev.query(), "the trainer's stream hangs on the done flag after an error"
+    # And the next epoch works (blocking, through the flags).
+    with torch.cuda.stream(s):
+        slab.copy_(b_d)
+        r3 = c.reconcile_device(stream=s)
+    s.synchronize()
+    assert r3.epoch == 4 and np.array_equal(r3.amax.cpu().numpy(), b)
     ref.close()
     c.close()
 

@@ -18,7 +18,7 @@ from .transport import (DEFAULT_SOCKET, Channel, ShmBuffers, open_shm, pread_all
                         pwrite_all, target)
 from .types import (FP8_E4M3, FP8_E5M2, MXFP8, NVFP4, PER_EPOCH, RUNNING_MAX, Masked, Quantizer,
                     Recipe, Result, amax_update, as_f32, as_mask)
-from . import wire
+from . import device as dv, wire
 
 # Names this module had before types.py, wire.py and transport.py took them
 # (issue 20), for code that imports them from here.
@@ -56,6 +56,8 @@ class Client:
         # one (docs/API.md "The doorbell"); AMAXD_DOORBELL=0 or False: gRPC.
         self.doorbell = os.environ.get("AMAXD_DOORBELL", "1") != "0"
         self._door: Any = None
+        self._reader: Any = None  # amaxd.device.AsyncReader of the async variant
+        self._pending: Any = None  # its last PendingDevice
         self.epoch = 0
 
     def __enter__(self) -> "Client":
@@ -66,6 +68,10 @@ class Client:
 
     def close(self) -> None:
         self._close_shm()
+        self._collect_async()
+        if self._reader is not None:
+            self._reader.stop()
+            self._reader = None
         if self._door is not None:
             self._door.close()
             self._door = None
@@ -137,13 +143,17 @@ class Client:
             return fn()
         except FailedPrecondition:
             if epoch is None and self.epoch:
-                try:
-                    jobs = self.status(self.job).jobs
-                    if jobs:
-                        self.epoch = jobs[0].epoch
-                except AmaxdError:
-                    pass
+                self._learn_epoch()
             raise
+
+    def _learn_epoch(self) -> None:
+        """The job's open epoch, from Status (after a refusal)."""
+        try:
+            jobs = self.status(self.job).jobs
+            if jobs:
+                self.epoch = jobs[0].epoch
+        except AmaxdError:
+            pass
 
     def send(self, amax: Mapping[str, object],
              epoch: Optional[int] = None) -> pb.SendAmaxResponse:
@@ -274,7 +284,6 @@ class Client:
         CUDA tensor views. Replaces this client's earlier buffers. Raises
         amaxd.device.DeviceUnavailable without torch/CUDA/an IPC binding,
         FailedPrecondition from a host-backend daemon."""
-        from . import device as dv
         t = dv._torch()
         dev = t.cuda.current_device() if device is None else int(device)
         name = dv.device_name(dev)
@@ -310,15 +319,107 @@ class Client:
     def reconcile_device(self, send: bool = True, has_data: bool = False,
                          epoch: Optional[int] = None, stream: Any = None,
                          timeout: Optional[float] = None) -> Any:
-        """Reconcile through the device buffers: records the ready event on
+        """Reconcile through the device buffers: marks the slab written on
         `stream` (default: torch's current stream), the daemon merges the
         slab after it on the GPU (send=False: this rank sends nothing this
         epoch; has_data: also read the has_data bytes) and writes the
-        answer into the device answer buffer; then `stream` waits on the
-        daemon's done event. Returns a DeviceResult of CUDA tensor views,
-        valid until the next call. Never synchronizes the stream from the
-        host."""
-        from . import device as dv
+        answer into the device answer buffer; then `stream` waits for it
+        on the GPU. Returns a DeviceResult of CUDA tensor views, valid
+        until the next call. Never synchronizes the stream from the host.
+        Through the daemon's doorbell when it has one, with the buffers'
+        flags (signals) when both sides can, else the interprocess events
+        (docs/API.md "Device buffers")."""
+        self._collect_async()
+        bufs, L, sp, req = self._device_request(send, has_data, epoch, stream)
+        door = self._door if self.doorbell else None
+        seq = bufs.next_seq() if door is not None and self._signals(bufs) else 0
+        if send:
+            if seq:
+                dv.memops().write(bufs.dev, sp, bufs.ready_flag, seq)
+            else:
+                bufs.record_ready(sp)
+
+        def call() -> Any:
+            if door is not None:
+                return door.call(req, self.timeout if timeout is None else timeout, seq)
+            return self._unary("ReconcileDevice", req, pb.ReconcileDeviceResponse, timeout)
+        r = self._device_answer(epoch, call)
+        if seq:
+            dv.memops().wait(bufs.dev, sp, bufs.done_flag, seq)
+        else:
+            bufs.wait_done(sp)
+        self.epoch = r.next_epoch
+        return dv.DeviceResult(bufs, L, r.epoch, r.next_epoch)
+
+    def reconcile_device_async(self, send: bool = True, has_data: bool = False,
+                               epoch: Optional[int] = None, stream: Any = None,
+                               timeout: Optional[float] = None) -> Any:
+        """The asynchronous variant: marks the slab written and makes
+        `stream` wait for the daemon's done flag on the GPU, sends the
+        request on the doorbell and returns at once, without waiting for
+        the daemon: the host goes on queuing work behind the wait. Gives a
+        PendingDevice; its result() (or the next call of this client)
+        waits for the daemon's answer and gives the DeviceResult, or raises
+        its error: the results the stream read are trustworthy only then.
+        Needs the doorbell and signals (DeviceUnavailable otherwise)."""
+        self._collect_async()
+        bufs, L, sp, req = self._device_request(send, has_data, epoch, stream)
+        door = self._door if self.doorbell else None
+        if door is None or not self._signals(bufs):
+            raise dv.DeviceUnavailable(
+                "reconcile_device_async needs the daemon's doorbell and signals (stream memory "
+                f"operations on both sides): doorbell {bufs.doorbell or 'none'}, signals "
+                f"{bufs.signals} at the daemon, {dv.memops() is not None} here")
+        seq = bufs.next_seq()
+        mo = dv.memops()
+        if send:
+            mo.write(bufs.dev, sp, bufs.ready_flag, seq)
+        mo.wait(bufs.dev, sp, bufs.done_flag, seq)
+        if self._reader is None or self._reader.door is not door:
+            self._reader = dv.AsyncReader(door, bufs.dev)
+
+        def finish(r: Any) -> Any:
+            self.epoch = r.next_epoch
+            return dv.DeviceResult(bufs, L, r.epoch, r.next_epoch)
+
+        def release() -> None:
+            # The daemon will not write the done flag: free the stream.
+            side = dv._torch().cuda.Stream(device=bufs.dev)
+            mo.write(bufs.dev, int(side.cuda_stream), bufs.done_flag, seq)
+            side.synchronize()
+        def failed(e: BaseException) -> None:
+            # As the blocking call: a refused or failed epoch moves the open one.
+            if epoch is None and isinstance(e, (InvalidArgument, FailedPrecondition)):
+                self._learn_epoch()
+        pending = dv.PendingDevice(finish, failed)
+        try:
+            door.send(req, seq)
+        except AmaxdError as e:
+            release()
+            pending._set(None, e)
+            return pending
+        self._reader.submit(pending, self.timeout if timeout is None else timeout, release)
+        self._pending = pending
+        return pending
+
+    def _collect_async(self) -> None:
+        """Waits for the answer of this client's last asynchronous call (one
+        request at a time on the doorbell); its error, if any, is raised
+        by its own result(), not here."""
+        p, self._pending = self._pending, None
+        if p is not None:
+            try:
+                p.result()
+            except AmaxdError:
+                pass
+
+    def _signals(self, bufs: Any) -> bool:
+        return bufs.signals and dv.memops() is not None
+
+    def _device_request(self, send: bool, has_data: bool, epoch: Optional[int],
+                        stream: Any) -> Any:
+        """(buffers, layout, stream handle, ReconcileDeviceRequest) of a
+        device call; opens the buffers and the doorbell on first use."""
         if self._dev is None:
             self.open_device()
         bufs = self._dev
@@ -327,34 +428,23 @@ class Client:
             _, sp = dv.current_stream(bufs.dev)
         else:
             sp = int(getattr(stream, "cuda_stream", stream))
-        if send:
-            bufs.record_ready(sp)
         req = pb.ReconcileDeviceRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
                                         layout_id=L.id, device_id=bufs.id, send=bool(send),
                                         has_data=bool(has_data))
-        if self.doorbell and bufs.doorbell and self._door is None:
+        if self.doorbell and bufs.doorbell and (self._door is None
+                                                or self._door.path != bufs.doorbell):
             self._door = dv.Doorbell(bufs.doorbell)
+        return bufs, L, sp, req
 
-        def call() -> Any:
-            if self.doorbell and self._door is not None:
-                return self._door.call(req, self.timeout if timeout is None else timeout)
-            return self._unary("ReconcileDevice", req, pb.ReconcileDeviceResponse, timeout)
+    def _device_answer(self, epoch: Optional[int], call: Callable[[], Any]) -> Any:
         try:
-            r = self._tracked(epoch, call)
+            return self._tracked(epoch, call)
         except InvalidArgument:
             # A slab that failed the daemon's check: the epoch was reconciled
             # without it, so the open epoch moved on.
             if epoch is None:
-                try:
-                    jobs = self.status(self.job).jobs
-                    if jobs:
-                        self.epoch = jobs[0].epoch
-                except AmaxdError:
-                    pass
+                self._learn_epoch()
             raise
-        bufs.wait_done(sp)
-        self.epoch = r.next_epoch
-        return dv.DeviceResult(bufs, L, r.epoch, r.next_epoch)
 
     def close_device(self) -> None:
         """Unmaps and frees this client's device buffers (no-op without)."""

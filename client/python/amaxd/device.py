@@ -28,9 +28,13 @@ asynchronously. (The first launch of a kernel in a process loads its
 module, CUDA's lazy loading, and that waits for the device: a trainer's
 first sync may block once; tests/gpu/diag_ipc.py.)
 """
+import ctypes
+import queue
+import select
 import socket
 import struct
-from typing import Any, Dict, List, Optional, Tuple
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import grpc
 
@@ -222,6 +226,9 @@ class DeviceBuffers:
                                                                  r.total_slices)
         self.bus_id = r.device_bus_id
         self.doorbell = getattr(r, "doorbell", "")
+        # Signals (docs/API.md "Signals"): uint32 flags instead of the events.
+        self.signals = bool(getattr(r, "signals", False))
+        self.seq = 0
         self._b = b
         self._ptrs: List[int] = []
         self._events: List[Any] = []
@@ -249,6 +256,8 @@ class DeviceBuffers:
             if view_of is not None:
                 return view_of(base + off, count, ts, dev, self)
             return t.as_tensor(_CAI(base + off, count, ts, self), device=cuda)
+        self.ready_flag = slab + r.ready_flag_offset
+        self.done_flag = ans + r.done_flag_offset
         self.slab = view(slab, 0, n, "<f4")
         self.has_data = view(slab, r.has_data_offset, n, "|u1")
         self.answer: Dict[str, Any] = {
@@ -270,6 +279,11 @@ class DeviceBuffers:
     def wait_done(self, stream: int) -> None:
         self._b.wait(stream, self.done)
 
+    def next_seq(self) -> int:
+        """The next signal sequence number (1, 2, ..., never 0)."""
+        self.seq = (self.seq + 1) & 0xFFFFFFFF or 1
+        return self.seq
+
     def close(self) -> None:
         """Unmaps the buffers (the views must not be used after)."""
         for ev in self._events:
@@ -286,13 +300,83 @@ class DeviceBuffers:
         self._ptrs = []
 
 
+class _MemOps:
+    """The driver's 32-bit stream memory operations (libcuda, through
+    ctypes: neither CuPy nor torch exposes them). Each runs with the
+    primary context of the buffers' device pushed on the calling thread
+    (a thread that never used CUDA has none current) and popped after."""
+
+    GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        self._write = lib.cuStreamWriteValue32_v2
+        self._wait = lib.cuStreamWaitValue32_v2
+        for f in (self._write, self._wait):
+            f.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            f.restype = ctypes.c_int
+        self._get = lib.cuDeviceGet
+        self._get.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        self._retain = lib.cuDevicePrimaryCtxRetain
+        self._retain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        self._push = lib.cuCtxPushCurrent_v2
+        self._push.argtypes = [ctypes.c_void_p]
+        self._pop = lib.cuCtxPopCurrent_v2
+        self._pop.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self._ctx: Dict[int, ctypes.c_void_p] = {}
+
+    def _context(self, dev: int) -> ctypes.c_void_p:
+        ctx = self._ctx.get(dev)
+        if ctx is None:
+            d, c = ctypes.c_int(), ctypes.c_void_p()
+            r = self._get(ctypes.byref(d), dev) or self._retain(ctypes.byref(c), d)
+            if r != 0:
+                raise DeviceUnavailable(f"the primary context of CUDA device {dev}: CUresult {r}")
+            self._ctx[dev] = ctx = c
+        return ctx
+
+    def _run(self, fn: Any, what: str, dev: int, stream: int, ptr: int, value: int,
+             flags: int) -> None:
+        r = self._push(self._context(dev))
+        if r == 0:
+            try:
+                r = fn(ctypes.c_void_p(stream), ptr, value, flags)
+            finally:
+                self._pop(ctypes.byref(ctypes.c_void_p()))
+        if r != 0:
+            raise DeviceUnavailable(f"{what} failed (CUresult {r})")
+
+    def write(self, dev: int, stream: int, ptr: int, value: int) -> None:
+        self._run(self._write, "cuStreamWriteValue32", dev, stream, ptr, value, 0)
+
+    def wait(self, dev: int, stream: int, ptr: int, value: int) -> None:
+        self._run(self._wait, "cuStreamWaitValue32", dev, stream, ptr, value, self.GEQ)
+
+
+_MEMOPS: Optional[_MemOps] = None
+
+
+def memops() -> Optional[_MemOps]:
+    """The stream memory operations of this process, or None (no libcuda
+    with them: the client uses the events)."""
+    global _MEMOPS
+    if _MEMOPS is None:
+        try:
+            _MEMOPS = _MemOps()
+        except (OSError, AttributeError):
+            return None
+    return _MEMOPS
+
+
 class Doorbell:
     """ReconcileDevice over the daemon's doorbell (docs/API.md "The
     doorbell"): one SOCK_SEQPACKET datagram each way, no gRPC. A call that
     times out closes the connection (which cancels the daemon's wait, as a
-    gRPC deadline does); the next call connects again."""
+    gRPC deadline does); the next call connects again. One request at a
+    time: send() then recv()."""
 
-    REQ = struct.Struct("<IIQQQII")  # magic, flags, device_id, epoch, layout_id, rank, job_len
+    # magic, flags, device_id, epoch, layout_id, rank, job_len, seq, 0
+    REQ = struct.Struct("<IIQQQIIII")
     ANS = struct.Struct("<IIQQQII")  # magic, code, epoch, next_epoch, layout_id, msg_len, 0
     MAGIC = 0x31424441  # "ADB1"
 
@@ -305,15 +389,20 @@ class Doorbell:
             self._s.close()
             self._s = None
 
-    def call(self, req: Any, timeout: Optional[float]) -> Any:
-        """Sends ReconcileDeviceRequest `req`; the ReconcileDeviceResponse,
-        or the AmaxdError of the daemon's status."""
-        from .errors import DeadlineExceeded, Unavailable, from_status
-        from ._gen import amaxd_pb2 as pb
+    def _fail(self, e: Exception, what: str) -> AmaxdError:
+        from .errors import DeadlineExceeded, Unavailable
+        self.close()
+        if isinstance(e, socket.timeout):
+            return DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no answer on the doorbell {self.path} within {what} s")
+        return Unavailable(grpc.StatusCode.UNAVAILABLE, f"the doorbell {self.path} failed: {e}")
+
+    def send(self, req: Any, seq: int = 0) -> None:
+        """Sends ReconcileDeviceRequest `req` (seq != 0: signals)."""
         job = req.job.encode()
         flags = (1 if req.send else 0) | (2 if req.has_data else 0)
         msg = self.REQ.pack(self.MAGIC, flags, req.device_id, req.epoch, req.layout_id, req.rank,
-                            len(job)) + job
+                            len(job), seq, 0) + job
         try:
             if self._s is None:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -323,17 +412,28 @@ class Doorbell:
                     s.close()
                     raise
                 self._s = s
-            self._s.settimeout(timeout)
+            self._s.settimeout(None)
             self._s.send(msg)
-            data = self._s.recv(self.ANS.size + 4096)
-        except socket.timeout:
-            self.close()
-            raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"no answer on the doorbell {self.path} within {timeout} s")
         except OSError as e:
-            self.close()
+            raise self._fail(e, "") from e
+
+    def recv(self, timeout: Optional[float]) -> Any:
+        """The answer to the request sent: a ReconcileDeviceResponse, or
+        the AmaxdError of the daemon's status."""
+        from .errors import Unavailable, from_status
+        from ._gen import amaxd_pb2 as pb
+        s = self._s
+        if s is None:
             raise Unavailable(grpc.StatusCode.UNAVAILABLE,
-                              f"the doorbell {self.path} failed: {e}") from e
+                              f"the doorbell {self.path} is closed")
+        try:
+            if timeout is not None:
+                ready, _, _ = select.select([s], [], [], timeout)
+                if not ready:
+                    raise socket.timeout()
+            data = s.recv(self.ANS.size + 4096)
+        except OSError as e:
+            raise self._fail(e, str(timeout)) from e
         if len(data) < self.ANS.size:
             self.close()
             raise Unavailable(grpc.StatusCode.UNAVAILABLE,
@@ -348,6 +448,94 @@ class Doorbell:
             raise from_status(code, text)
         return pb.ReconcileDeviceResponse(epoch=epoch, next_epoch=next_epoch,
                                           layout_id=layout_id)
+
+    def call(self, req: Any, timeout: Optional[float], seq: int = 0) -> Any:
+        self.send(req, seq)
+        return self.recv(timeout)
+
+
+class PendingDevice:
+    """An asynchronous reconcile_device (Client.reconcile_device_async):
+    the trainer's stream already waits on the GPU for the daemon's done
+    flag; result() waits on the host for the daemon's answer and gives
+    the DeviceResult, or raises its error. When the answer is an error
+    (or the daemon is gone) the client writes the done flag itself, on a
+    stream of its own, as soon as the answer arrives (a thread reads it),
+    so the trainer's stream never hangs; the results it read then are the
+    previous epoch's or garbage, and result() raises: check it before
+    trusting them."""
+
+    def __init__(self, finish: Callable[[Any], Any],
+                 failed: Callable[[BaseException], None]) -> None:
+        self._finish = finish
+        self._failed = failed
+        self._done = threading.Event()
+        self._answer: Any = None
+        self._error: Optional[BaseException] = None
+        self._value: Any = None
+        self._taken = False
+
+    def _set(self, answer: Any, error: Optional[BaseException]) -> None:
+        self._answer, self._error = answer, error
+        self._done.set()
+
+    def done(self) -> bool:
+        """Whether the daemon's answer arrived."""
+        return self._done.is_set()
+
+    def result(self, timeout: Optional[float] = None) -> Any:
+        if not self._done.wait(timeout):
+            from .errors import DeadlineExceeded
+            raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"no answer from the daemon within {timeout} s")
+        if not self._taken:
+            self._taken = True
+            if self._error is None:
+                self._value = self._finish(self._answer)
+            else:
+                self._failed(self._error)
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class AsyncReader:
+    """The thread that reads a doorbell's answers to asynchronous calls:
+    resolves each PendingDevice in order, and on an error releases the
+    trainer's stream (writes the done flag on a stream of its own)."""
+
+    def __init__(self, door: Doorbell, dev: int) -> None:
+        self.door = door
+        self.dev = dev
+        self._q: "queue.Queue[Any]" = queue.Queue()
+        self._t = threading.Thread(target=self._run, name="amaxd-doorbell", daemon=True)
+        self._t.start()
+
+    def submit(self, pending: PendingDevice, timeout: Optional[float],
+               release: Callable[[], None]) -> None:
+        self._q.put((pending, timeout, release))
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._t.join(timeout=5)
+
+    def _run(self) -> None:
+        t = _torch()
+        t.cuda.set_device(self.dev)
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            pending, timeout, release = item
+            try:
+                ans = self.door.recv(timeout)
+            except BaseException as e:  # noqa: BLE001 - every failure releases the stream
+                try:
+                    release()
+                finally:
+                    pending._set(None, e)
+                continue
+            pending._set(ans, None)
 
 
 class DeviceResult:
@@ -387,5 +575,5 @@ def current_stream(dev: int) -> Tuple[Any, int]:
     return s, int(s.cuda_stream)
 
 
-__all__ = ["DeviceBuffers", "DeviceResult", "DeviceUnavailable", "device_name", "ipc",
-           "AmaxdError"]
+__all__ = ["DeviceBuffers", "DeviceResult", "DeviceUnavailable", "Doorbell", "PendingDevice",
+           "device_name", "ipc", "memops", "AmaxdError"]
