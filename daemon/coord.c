@@ -85,8 +85,9 @@ cjob_t *amx__coord_job_new(amx_coord_t *co, const char *name, uint32_t world)
     j->world = world;
     j->mship_dirty = 1;
     /* Version 0: the empty catalog (a daemon that has none gets it all). */
+    j->master.view.hash = amx_catalog_hash(NULL, 0);
     if (amx_grow(&j->ver, &j->cap_ver, 1, sizeof(cver_t), 8, 0) == 0)
-        j->ver[j->nver++] = (cver_t){amx_catalog_hash(NULL, 0), 0};
+        j->ver[j->nver++] = (cver_t){j->master.view.hash, 0};
     j->next = co->jobs;
     co->jobs = j;
     co->njobs++;
@@ -101,10 +102,7 @@ static void job_free(cjob_t *j)
     free(j->host);
     free(j->dm);
     amx_membership_free(&j->mship);
-    amx_catalog_free(j->master);
-    for (size_t i = 0; i < j->nadded; i++)
-        free(j->added[i]);
-    free(j->added);
+    amx__coord_master_free(&j->master);
     free(j->ver);
     amx__coord_offers_clear(j);
     free(j->offers);
