@@ -586,9 +586,13 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
         amx__coord_complete_joins(co, j);
     }
     if (j->ready && amx__coord_daemon_of(j, req->daemon) != NULL) {
+        /* The ranks it names were checked above: one of them is its own
+         * unless it names none (then every rank is looked at). */
         int member = 0;
-        for (uint32_t r = 0; r < j->world; r++)
-            member |= j->host[r] - 1 == req->daemon;
+        for (uint32_t k = 0; k < req->nranks && !member; k++)
+            member = j->host[req->ranks[k]] - 1 == req->daemon;
+        for (uint32_t r = 0; r < j->world && !member && req->nranks == 0; r++)
+            member = j->host[r] - 1 == req->daemon;
         if (!member)
             return amx_err_set(err, AMX_EPRECOND,
                                "daemon %u hosts no rank of job '%s' and takes no part in it",

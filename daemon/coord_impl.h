@@ -84,6 +84,8 @@ struct cjob {
     cdaemon_t *dm;
     uint32_t ndm;
     size_t cap_dm;
+    uint32_t *dm_at; /* by cluster rank: 1 + its index in dm, 0 = none */
+    size_t cap_dm_at;
     amx_membership_t mship; /* valid when ready */
     int mship_dirty;
     cmaster_t master;
