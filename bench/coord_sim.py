@@ -10,12 +10,13 @@ offers them by hash; the one the coordinator asks sends them); the Gloo
 rendezvous as the members would run it (ring: each sets its key and reads
 its two neighbours'; and, for small N, gloo's full mesh for comparison);
 then one quantizer added by one member (a second agreement round),
---changes times, a new one each time. It prints what the coordinator spent
-on each step: wall time, its CPU time (the process's CPU clock,
-clock_gettime of its pid's CPUCLOCK_SCHED: nanoseconds, every thread,
-those that ended too; the 10 ms ticks of /proc/<pid>/stat beside it), its
-resident memory, the bytes sent and received (the serialized messages),
-and its own counters (Status.coordinator_status).
+--changes times, a new one each time (after --idle seconds each). It
+prints what the coordinator spent on each step: wall time, its CPU time
+(the process's CPU clock, clock_gettime of its pid's CPUCLOCK_SCHED:
+nanoseconds, every thread, those that ended too; the 10 ms ticks of
+/proc/<pid>/stat beside it), its resident memory, the bytes sent and
+received (the serialized messages), and its own counters
+(Status.coordinator_status).
 
 The members' catalog hashes are the daemon's own (a helper amaxd, not in
 the cluster, agrees each catalog for a job of one rank; Status gives its
@@ -349,6 +350,8 @@ async def run_one(args, pb, n, q, hashes, amaxd_bin, tmp):
         for k in range(args.changes):
             one = specs([new_name(k)])
             after = hashes["union"][k]
+            if args.idle > 0:
+                await asyncio.sleep(args.idle)
             with Meter(pid, m) as mt:
                 res = await asyncio.gather(*(
                     m.sync(i, before, after if i == 1 else before,
@@ -386,6 +389,10 @@ def main():
     ap.add_argument("--quantizers", default="100000", help="comma-separated Q")
     ap.add_argument("--changes", type=int, default=3,
                     help="how many times one quantizer is added (a new one each time)")
+    ap.add_argument("--idle", type=float, default=0,
+                    help="seconds to wait before each change: past 2 s the coordinator has given "
+                         "its free memory back (daemon/main.c, trim_when_idle), as it has after "
+                         "a while of steady epochs, which do not reach it")
     ap.add_argument("--mesh-max", type=int, default=128,
                     help="largest N for which gloo's full-mesh rendezvous is simulated too")
     args = ap.parse_args()
