@@ -293,6 +293,11 @@ async def run_one(args, pb, n, q, hashes, amaxd_bin, tmp):
                "--collective=gloo", "--backend=host", "--log-level=info",
                socket=os.path.join(tmp, f"coord-{n}.sock"))
     pid = d.proc.pid
+    if args.pin:
+        # Every thread of the coordinator on the first CPU, this process on
+        # the others: the members do not take the coordinator's CPU.
+        for t in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(t), {0})
     rows = []
     m = Members(pb, f"127.0.0.1:{port}", secret, n, q, hashes)
     try:
@@ -393,11 +398,15 @@ def main():
                     help="seconds to wait before each change: past 2 s the coordinator has given "
                          "its free memory back (daemon/main.c, trim_when_idle), as it has after "
                          "a while of steady epochs, which do not reach it")
+    ap.add_argument("--pin", action="store_true",
+                    help="the coordinator on CPU 0, this simulator on the other CPUs")
     ap.add_argument("--mesh-max", type=int, default=128,
                     help="largest N for which gloo's full-mesh rendezvous is simulated too")
     args = ap.parse_args()
     import amaxd_proc
     amaxd_proc.BIN = os.path.abspath(args.amaxd)
+    if args.pin:
+        os.sched_setaffinity(0, set(range(1, os.cpu_count())))
     pb = load_peer_pb()
     tmp = tempfile.mkdtemp(prefix="amaxd-sim-")
     print(f"# coord_sim: amaxd {args.amaxd}; {os.cpu_count()} CPUs; one coordinator, "
