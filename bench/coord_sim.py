@@ -9,10 +9,14 @@ agreement of N identical catalogs of Q per-tensor quantizers (each member
 offers them by hash; the one the coordinator asks sends them); the Gloo
 rendezvous as the members would run it (ring: each sets its key and reads
 its two neighbours'; and, for small N, gloo's full mesh for comparison);
-then one quantizer added by one member (a second agreement round). It
+then one quantizer added by one member (a second agreement round),
+--changes times, a new one each time (after --idle seconds each). It
 prints what the coordinator spent on each step: wall time, its CPU time
-(/proc/<pid>/stat), its resident memory, the bytes sent and received (the
-serialized messages), and its own counters (Status.coordinator_status).
+(the process's CPU clock, clock_gettime of its pid's CPUCLOCK_SCHED:
+nanoseconds, every thread, those that ended too; the 10 ms ticks of
+/proc/<pid>/stat beside it), its resident memory, the bytes sent and
+received (the serialized messages), and its own counters
+(Status.coordinator_status).
 
 The members' catalog hashes are the daemon's own (a helper amaxd, not in
 the cluster, agrees each catalog for a job of one rank; Status gives its
@@ -90,25 +94,45 @@ def names(q):
     return [f"model.layers.{i // 8:05d}.q{i % 8}.input_quantizer" for i in range(q)]
 
 
-NEW = "zz.added.weight_quantizer"
+def new_name(k):
+    """The k-th quantizer added (k = 0, 1, ...): names that sort among the
+    catalog's (the worst case for a daemon's layout, a remap), the first
+    one after all of them."""
+    return "zz.added.weight_quantizer" if k == 0 else f"model.layers.{k:05d}.added{k}"
 
 
-def catalog_hashes(amaxd_bin, q, tmp):
-    """The agreed-catalog hashes of: no quantizer, the Q, the Q plus NEW,
-    NEW alone; from a helper daemon (jobs of one rank)."""
+def catalog_hashes(amaxd_bin, q, changes, tmp):
+    """The agreed-catalog hashes of: no quantizer ("empty"), the Q ("cat"),
+    then after each of `changes` quantizers added one at a time ("union",
+    a list), and of each added one alone ("new", a list); from a helper
+    daemon (jobs of one rank)."""
     os.makedirs(os.path.join(tmp, "helper"), exist_ok=True)
     d = Daemon(os.path.join(tmp, "helper"), "--max-queued-bytes=4294967296", "--log-level=info",
                socket=os.path.join(tmp, "helper.sock"))
-    out = {}
+    out = {"union": [], "new": []}
+
+    def agreed(c, job, ns):
+        if ns:
+            c.register([amaxd.Quantizer(n, [], amaxd.Recipe.fp8_current()) for n in ns])
+        c.reconcile(names=ns[:1])
+        return c.status(job).jobs[0].catalog_hash
+
+    def client(job):
+        c = amaxd.Client(job, 0, 1, socket=d.socket, timeout=600)
+        c.join()
+        return c
     try:
-        for key, ns in (("empty", []), ("cat", names(q)), ("union", names(q) + [NEW]),
-                        ("new", [NEW])):
-            c = amaxd.Client(f"h{key}", 0, 1, socket=d.socket, timeout=600)
-            c.join()
-            if ns:
-                c.register([amaxd.Quantizer(n, [], amaxd.Recipe.fp8_current()) for n in ns])
-            c.reconcile(names=ns[:1])
-            out[key] = c.status(f"h{key}").jobs[0].catalog_hash
+        c = client("hempty")
+        out["empty"] = agreed(c, "hempty", [])
+        c.close()
+        c = client("hcat")
+        out["cat"] = agreed(c, "hcat", names(q))
+        for k in range(changes):
+            out["union"].append(agreed(c, "hcat", [new_name(k)]))
+        c.close()
+        for k in range(changes):
+            c = client(f"hnew{k}")
+            out["new"].append(agreed(c, f"hnew{k}", [new_name(k)]))
             c.close()
     finally:
         d.check_clean_exit(d.stop())
@@ -119,10 +143,26 @@ def specs(ns):
     return [amaxd.Quantizer(n, [], amaxd.Recipe.fp8_current()).to_pb() for n in ns]
 
 
-def proc_cpu(pid):
+def proc_ticks(pid):
+    """CPU seconds in the 10 ms ticks of /proc/<pid>/stat (utime + stime)."""
     with open(f"/proc/{pid}/stat") as f:
         v = f.read().rsplit(")", 1)[1].split()
     return (int(v[11]) + int(v[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid):
+    """CPU seconds of the whole process to the nanosecond: the clock
+    clock_getcpuclockid(pid) gives (Linux: ((~pid) << 3) | CPUCLOCK_SCHED),
+    which counts every thread, those that ended too. Where it cannot be
+    read, the sum of /proc/<pid>/task/*/schedstat (live threads only)."""
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except OSError:
+        total = 0
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        return total / 1e9
 
 
 def proc_mem(pid):
@@ -219,13 +259,14 @@ class Meter:
         self.pid, self.m = pid, m
 
     def __enter__(self):
-        self.t0, self.c0 = time.monotonic(), proc_cpu(self.pid)
+        self.t0, self.c0, self.k0 = time.monotonic(), proc_cpu(self.pid), proc_ticks(self.pid)
         self.o0, self.i0 = self.m.bytes_out, self.m.bytes_in
         return self
 
     def __exit__(self, *a):
         self.wall = time.monotonic() - self.t0
         self.cpu = proc_cpu(self.pid) - self.c0
+        self.ticks = proc_ticks(self.pid) - self.k0
         self.sent_to = self.m.bytes_out - self.o0      # bytes the coordinator received
         self.recv_from = self.m.bytes_in - self.i0     # bytes it sent
         self.mem = proc_mem(self.pid)
@@ -252,6 +293,11 @@ async def run_one(args, pb, n, q, hashes, amaxd_bin, tmp):
                "--collective=gloo", "--backend=host", "--log-level=info",
                socket=os.path.join(tmp, f"coord-{n}.sock"))
     pid = d.proc.pid
+    if args.pin:
+        # Every thread of the coordinator on the first CPU, this process on
+        # the others: the members do not take the coordinator's CPU.
+        for t in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(t), {0})
     rows = []
     m = Members(pb, f"127.0.0.1:{port}", secret, n, q, hashes)
     try:
@@ -303,18 +349,25 @@ async def run_one(args, pb, n, q, hashes, amaxd_bin, tmp):
             rows.append(("rendezvous, full mesh (before)", mt))
 
         # One member adds one quantizer: every member comes to the barrier
-        # (the header told them), only member 1 with an offer.
-        one = specs([NEW])
-        with Meter(pid, m) as mt:
-            res = await asyncio.gather(*(
-                m.sync(i, hashes["cat"], hashes["union"] if i == 1 else hashes["cat"],
-                       one if i == 1 else [], hashes["new"], mh, 1, False)
-                for i in range(1, n + 1)))
-        rows.append(("one quantizer added", mt))
-        second = [r for r, _ in res]
-        assert all(r.catalog_hash == hashes["union"] for r in second)
-        assert all(r.catalog_yours or len(r.catalog) == 1 for r in second), \
-            "an answer carried more than the one new spec"
+        # (the header told them), only member 1 with an offer. Again with
+        # another quantizer, --changes times.
+        before = hashes["cat"]
+        for k in range(args.changes):
+            one = specs([new_name(k)])
+            after = hashes["union"][k]
+            if args.idle > 0:
+                await asyncio.sleep(args.idle)
+            with Meter(pid, m) as mt:
+                res = await asyncio.gather(*(
+                    m.sync(i, before, after if i == 1 else before,
+                           one if i == 1 else [], hashes["new"][k], mh, 1 + k, False)
+                    for i in range(1, n + 1)))
+            rows.append((f"one quantizer added ({k + 1})", mt))
+            second = [r for r, _ in res]
+            assert all(r.catalog_hash == after for r in second)
+            assert all(r.catalog_yours or len(r.catalog) == 1 for r in second), \
+                "an answer carried more than the one new spec"
+            before = after
         admin = amaxd.Client("admin", 0, 1, socket=d.socket, timeout=60)
         cs = admin.status("").coordinator_status
         admin.close()
@@ -339,26 +392,38 @@ def main():
     ap.add_argument("--amaxd", required=True)
     ap.add_argument("--members", default="8,64,1000", help="comma-separated N")
     ap.add_argument("--quantizers", default="100000", help="comma-separated Q")
+    ap.add_argument("--changes", type=int, default=3,
+                    help="how many times one quantizer is added (a new one each time)")
+    ap.add_argument("--idle", type=float, default=0,
+                    help="seconds to wait before each change: past 2 s the coordinator has given "
+                         "its free memory back (daemon/main.c, trim_when_idle), as it has after "
+                         "a while of steady epochs, which do not reach it")
+    ap.add_argument("--pin", action="store_true",
+                    help="the coordinator on CPU 0, this simulator on the other CPUs")
     ap.add_argument("--mesh-max", type=int, default=128,
                     help="largest N for which gloo's full-mesh rendezvous is simulated too")
     args = ap.parse_args()
     import amaxd_proc
     amaxd_proc.BIN = os.path.abspath(args.amaxd)
+    if args.pin:
+        os.sched_setaffinity(0, set(range(1, os.cpu_count())))
     pb = load_peer_pb()
     tmp = tempfile.mkdtemp(prefix="amaxd-sim-")
     print(f"# coord_sim: amaxd {args.amaxd}; {os.cpu_count()} CPUs; one coordinator, "
           "N simulated members, Q per-tensor quantizers each (identical catalogs)")
-    print("| N | Q | step | wall | coordinator CPU | coordinator in | coordinator out | RSS after |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| N | Q | step | wall | coordinator CPU | (in 10 ms ticks) | coordinator in | "
+          "coordinator out | RSS after |")
+    print("|---|---|---|---|---|---|---|---|---|")
     summary = []
     for q in [int(x) for x in args.quantizers.split(",")]:
-        hashes = catalog_hashes(args.amaxd, q, tmp)
+        hashes = catalog_hashes(args.amaxd, q, args.changes, tmp)
         cat_bytes = sum(s.ByteSize() for s in specs(names(q)))
         for n in [int(x) for x in args.members.split(",")]:
             rows, base, mem_first, asked, cs, mem_end = asyncio.run(run_one(args, pb, n, q, hashes,
                                                                    args.amaxd, tmp))
             for step, mt in rows:
-                print(f"| {n} | {q} | {step} | {mt.wall * 1e3:.0f} ms | {mt.cpu * 1e3:.0f} ms | "
+                print(f"| {n} | {q} | {step} | {mt.wall * 1e3:.0f} ms | {mt.cpu * 1e3:.1f} ms | "
+                      f"{mt.ticks * 1e3:.0f} ms | "
                       f"{fmt_b(mt.sent_to)} | {fmt_b(mt.recv_from)} | "
                       f"{mt.mem['VmRSS'] / 1e6:.1f} MB |", flush=True)
             summary.append((n, q, base, mem_first, asked, cs, cat_bytes, mem_end))

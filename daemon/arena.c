@@ -9,12 +9,22 @@ struct amx_arena_chunk {
     _Alignas(16) unsigned char data[];
 };
 
+/* Chunks start small and double up to CHUNK_MAX: most arenas hold a few
+ * hundred bytes (a call's request views, a small answer), and a call that
+ * waits (an agreement at the coordinator, N of them at once) would
+ * otherwise hold a 64 KiB chunk each, mostly untouched, spreading the
+ * heap over pages that every call faults in. */
+#define CHUNK_MIN 1024
+#define CHUNK_MAX 65536
+
 void *amx_arena_alloc(amx_arena_t *a, size_t n)
 {
     n = (n + 15) & ~(size_t)15;
     amx_arena_chunk_t *c = a->head;
     if (c == NULL || c->cap - c->used < n) {
-        size_t cap = n > 65536 ? n : 65536;
+        size_t cap = c == NULL ? CHUNK_MIN : c->cap < CHUNK_MAX ? 2 * c->cap : CHUNK_MAX;
+        if (cap < n)
+            cap = n;
         c = malloc(sizeof(*c) + cap);
         if (c == NULL)
             return NULL;

@@ -85,8 +85,9 @@ cjob_t *amx__coord_job_new(amx_coord_t *co, const char *name, uint32_t world)
     j->world = world;
     j->mship_dirty = 1;
     /* Version 0: the empty catalog (a daemon that has none gets it all). */
+    j->master.view.hash = amx_catalog_hash(NULL, 0);
     if (amx_grow(&j->ver, &j->cap_ver, 1, sizeof(cver_t), 8, 0) == 0)
-        j->ver[j->nver++] = (cver_t){amx_catalog_hash(NULL, 0), 0};
+        j->ver[j->nver++] = (cver_t){j->master.view.hash, 0};
     j->next = co->jobs;
     co->jobs = j;
     co->njobs++;
@@ -100,11 +101,9 @@ static void job_free(cjob_t *j)
     free(j->name);
     free(j->host);
     free(j->dm);
+    free(j->dm_at);
     amx_membership_free(&j->mship);
-    amx_catalog_free(j->master);
-    for (size_t i = 0; i < j->nadded; i++)
-        free(j->added[i]);
-    free(j->added);
+    amx__coord_master_free(&j->master);
     free(j->ver);
     amx__coord_offers_clear(j);
     free(j->offers);
@@ -113,10 +112,7 @@ static void job_free(cjob_t *j)
 
 cdaemon_t *amx__coord_daemon_of(cjob_t *j, uint32_t d)
 {
-    for (uint32_t i = 0; i < j->ndm; i++)
-        if (j->dm[i].daemon == d)
-            return &j->dm[i];
-    return NULL;
+    return d < j->cap_dm_at && j->dm_at[d] != 0 ? &j->dm[j->dm_at[d] - 1] : NULL;
 }
 
 /* Records daemon d; returns 1 when it is known with another incarnation. */
@@ -124,8 +120,10 @@ int amx__coord_note_daemon(cjob_t *j, uint32_t d, uint64_t inc, const char *addr
 {
     cdaemon_t *x = amx__coord_daemon_of(j, d);
     if (x == NULL) {
-        if (amx_grow(&j->dm, &j->cap_dm, j->ndm + 1, sizeof(*j->dm), 8, 0) != 0)
+        if (amx_grow(&j->dm, &j->cap_dm, j->ndm + 1, sizeof(*j->dm), 8, 0) != 0 ||
+            amx_grow(&j->dm_at, &j->cap_dm_at, (size_t)d + 1, sizeof(*j->dm_at), 16, 1) != 0)
             return 0;
+        j->dm_at[d] = j->ndm + 1;
         x = &j->dm[j->ndm++];
         memset(x, 0, sizeof(*x));
         x->daemon = d;

@@ -126,7 +126,10 @@ typedef struct amx_coord_sync_req {
      * and whether it wants the whole catalog rather than a delta. */
     uint64_t membership_hash;
     int want_catalog;
-    uint64_t union_hash; /* its agreed catalog and proposals together */
+    /* The catalog hash of its agreed catalog and proposals together: when
+     * the round adopts exactly that, the master's new hash (the
+     * coordinator need not hash the whole master again). */
+    uint64_t union_hash;
     char **resets;
     size_t nresets;
     int need_comm;
@@ -138,10 +141,22 @@ typedef struct amx_coord_sync_req {
     uint64_t deadline_ms;
 } amx_coord_sync_req_t;
 
+/* A job's master catalog as an answer reads it: the agreed specs in name
+ * order (q) and in the order they were agreed (agreed: a version of the
+ * master holds the first nadded of them), n of each, and its hash (the
+ * catalog hash of q). Owned by the coordinator; valid during the answer. */
+typedef struct amx_coord_catalog {
+    amx_qspec_t **q;
+    amx_qspec_t **agreed;
+    uint32_t n;
+    uint64_t hash;
+} amx_coord_catalog_t;
+
 typedef struct amx_coord_sync_ans {
     uint64_t seq;
     uint64_t catalog_hash;
-    const amx_catalog_t *catalog; /* the master: always here (the caller decides what to send) */
+    const amx_coord_catalog_t *catalog; /* the master: always here (the caller decides what to
+                                           send) */
     char **rejected;
     size_t nrejected;
     const char *conflict; /* NULL, or the FAILED_PRECONDITION sentence */
@@ -156,13 +171,11 @@ typedef struct amx_coord_sync_ans {
     const amx_membership_t *members;
     uint64_t members_hash;
     uint64_t coord_inc;
-    /* The master's last versions (hash, and how many of `added` -- names in
-     * the order they were agreed -- it held), for answers that carry only
-     * the specs agreed since the caller's catalog. */
+    /* The master's last versions (hash, and how many of catalog->agreed it
+     * held), for answers that carry only the specs agreed since the
+     * caller's catalog. */
     const struct cver *versions;
     size_t nversions;
-    const char *const *added;
-    size_t nadded;
     amx_coord_stats_t *stats; /* the answerer counts what it sends */
     uint64_t round;           /* unique per completed round of this coordinator */
     /* Set alone (nothing above is meaningful): the caller's agreed catalog

@@ -2,8 +2,9 @@
  * coord_agree.c - the coordinator's agreement barrier (coord.h): offers by
  * hash, one per distinct offer and round; the merge of a round's offers into
  * the master catalog, with conflicts, resets, donors and communicator
- * generations; the master's version log for answers that carry only what
- * changed. Loop thread only; no I/O of its own.
+ * generations; the master itself, which grows by what a round adds; the
+ * master's version log for answers that carry only what changed. Loop
+ * thread only; no I/O of its own.
  */
 #include <malloc.h>
 #include <stdio.h>
@@ -87,26 +88,123 @@ static amx_status_t offer_add(amx_coord_t *co, cjob_t *j, const amx_coord_sync_r
     return AMX_OK;
 }
 
-/* The master changed: the names just agreed join the history, and a
- * version. */
-static void note_version(cjob_t *j, const add_t *adds, size_t nadd)
+/* ---- the master ---- */
+
+void amx__coord_master_free(cmaster_t *m)
 {
-    for (size_t a = 0; a < nadd; a++) {
-        char *name = strdup(adds[a].spec->name);
-        if (name == NULL ||
-            amx_grow(&j->added, &j->cap_added, j->nadded + 1, sizeof(char *), 64, 0) != 0) {
-            free(name);
-            j->nver = 0; /* no deltas until the next version: whole catalogs */
-            return;
-        }
-        j->added[j->nadded++] = name;
+    for (uint32_t i = 0; i < m->view.n; i++)
+        amx_qspec_free(m->view.agreed[i]);
+    free(m->view.agreed);
+    free(m->view.q);
+    amx_strmap_free(&m->names);
+    amx_strmap_free(&m->groups);
+    memset(m, 0, sizeof(*m));
+    m->view.hash = amx_catalog_hash(NULL, 0);
+}
+
+static const amx_qspec_t *master_find(const cmaster_t *m, const char *name)
+{
+    uint32_t i;
+    return amx_strmap_get(&m->names, name, &i) ? m->view.agreed[i] : NULL;
+}
+
+/* The first quantizer of the master in peer group `g`, or NULL. */
+static const amx_qspec_t *master_group(const cmaster_t *m, const char *g)
+{
+    uint32_t i;
+    return amx_strmap_get(&m->groups, g, &i) ? m->view.agreed[i] : NULL;
+}
+
+/*
+ * Adds k specs whose names the master lacks, in the order given (the order
+ * they are agreed in); the master owns them once this returns 0. -1: out
+ * of memory, the master unchanged and the specs still the caller's. The
+ * hash is the caller's to set. O(k log(n + k)) comparisons, O(k) map
+ * insertions, and one move of each pointer of q that sorts after the
+ * first new name.
+ */
+static int master_add(cmaster_t *m, amx_qspec_t *const *specs, size_t k)
+{
+    amx_coord_catalog_t *v = &m->view;
+    size_t n = v->n, ngroups = 0;
+    for (size_t i = 0; i < k; i++)
+        ngroups += specs[i]->peer_group[0] != '\0';
+    amx_qspec_t **fresh = malloc((k ? k : 1) * sizeof(*fresh));
+    if (fresh == NULL || n + k > UINT32_MAX ||
+        amx_grow(&v->q, &m->cap_q, n + k, sizeof(*v->q), 64, 0) != 0 ||
+        amx_grow(&v->agreed, &m->cap_agreed, n + k, sizeof(*v->agreed), 64, 0) != 0 ||
+        amx_strmap_reserve(&m->names, n + k) != 0 ||
+        amx_strmap_reserve(&m->groups, m->groups.len + ngroups) != 0) {
+        free(fresh);
+        return -1;
     }
+    /* From here nothing can fail (the maps have their room). The new
+     * names go into q from the last: each one's place among the old ones
+     * by a binary search, the old ones after it moved up once. */
+    memcpy(fresh, specs, k * sizeof(*fresh));
+    size_t sorted = 1; /* often in order already: one offer's adds are */
+    while (sorted < k && amx_qspec_name_cmp(&fresh[sorted - 1], &fresh[sorted]) < 0)
+        sorted++;
+    if (sorted < k)
+        qsort(fresh, k, sizeof(*fresh), amx_qspec_name_cmp);
+    size_t end = n;
+    for (size_t b = k; b-- > 0;) {
+        size_t lo = 0, hi = end;
+        while (lo < hi) {
+            size_t mid = lo + (hi - lo) / 2;
+            if (strcmp(v->q[mid]->name, fresh[b]->name) < 0)
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        memmove(&v->q[lo + b + 1], &v->q[lo], (end - lo) * sizeof(*v->q));
+        v->q[lo + b] = fresh[b];
+        end = lo;
+    }
+    free(fresh);
+    for (size_t i = 0; i < k; i++) {
+        const amx_qspec_t *s = specs[i];
+        uint32_t at = (uint32_t)(n + i), dummy;
+        v->agreed[at] = specs[i];
+        amx_strmap_put(&m->names, s->name, at);
+        if (s->peer_group[0] != '\0' && !amx_strmap_get(&m->groups, s->peer_group, &dummy))
+            amx_strmap_put(&m->groups, s->peer_group, at);
+    }
+    v->n = (uint32_t)(n + k);
+    return 0;
+}
+
+/* The master changed: a version (the oldest goes past KEEP_VERSIONS). */
+static void note_version(cjob_t *j)
+{
     if (j->nver == KEEP_VERSIONS) {
         memmove(j->ver, j->ver + 1, (KEEP_VERSIONS - 1) * sizeof(cver_t));
         j->nver--;
     }
     if (amx_grow(&j->ver, &j->cap_ver, j->nver + 1, sizeof(cver_t), 8, 0) == 0)
-        j->ver[j->nver++] = (cver_t){j->master->hash, j->nadded};
+        j->ver[j->nver++] = (cver_t){j->master.view.hash, j->master.view.n};
+}
+
+/*
+ * The master's new hash without hashing it all again, when the round adopts
+ * exactly one daemon's catalog and offer: its catalog is the master (a
+ * daemon that holds another one sends it whole, full), the one offer merged
+ * is its own and every spec of it was added (none known, none in conflict),
+ * so the new master is what that daemon hashed as union_hash. 1 and *h, or
+ * 0: the caller hashes the master.
+ */
+static int adopted_hash(cjob_t *j, amx_creq_t *const *w, const coffer_t *only, size_t nmerged,
+                        size_t nadd, uint64_t old_hash, uint64_t *h)
+{
+    if (nmerged != 1 || nadd != only->n)
+        return 0;
+    for (uint32_t p = 0; p < j->mship.npart; p++)
+        if (w[p]->offer_hash == only->hash && !w[p]->full && w[p]->catalog_hash == old_hash &&
+            w[p]->union_hash != 0) {
+            *h = w[p]->union_hash;
+            return 1;
+        }
+    return 0;
 }
 
 int amx__coord_sync_waiting(amx_coord_t *co, cjob_t *j, uint32_t daemon, amx_creq_t **out)
@@ -140,17 +238,17 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
     amx_strmap_t add_idx = {0}, rej_idx = {0}, res_idx = {0}; /* name -> index */
     char **rej = NULL, **res = NULL;
     char conflict[1024] = "";
-    amx_catalog_t *newcat = NULL;
     uint32_t *behind = NULL;
-    amx_err_t err = {0};
     const char *oom = NULL;
+    const coffer_t *only = NULL; /* the offer merged, when there is one */
+    size_t nmerged = 0;
     if (w == NULL) {
         oom = "out of memory";
         goto fail;
     }
     for (uint32_t p = 0; p < j->mship.npart; p++)
         amx__coord_sync_waiting(co, j, j->mship.part[p].daemon, &w[p]);
-    const amx_catalog_t *master = j->master;
+    cmaster_t *master = &j->master;
     /* 1. The offers of this round against the master and against each
      * other: each distinct one once, in the participants' order (so that
      * a conflict names the same daemons whatever the order of arrival).
@@ -162,16 +260,16 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
         if (of == NULL || of->done)
             continue;
         of->done = 1;
+        only = of;
+        nmerged++;
         uint32_t origin = w[p]->daemon; /* the first participant that offers it */
         for (size_t i = 0; i < of->n; i++) {
             amx_qspec_t *s = of->specs[i];
-            int64_t k = master ? amx_catalog_find(master, s->name) : -1;
-            const amx_qspec_t *other = NULL;
+            const amx_qspec_t *other = master_find(master, s->name);
             uint32_t other_d = UINT32_MAX;
-            if (k >= 0) {
-                if (amx_qspec_equal(master->q[k], s))
+            if (other != NULL) {
+                if (amx_qspec_equal(other, s))
                     continue;
-                other = master->q[k];
             } else {
                 uint32_t a;
                 int known = amx_strmap_get(&add_idx, s->name, &a);
@@ -227,25 +325,23 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
      * already has another mode (in the master, or in an earlier proposal)
      * is a conflict too. */
     {
-        amx_strmap_t gm = {0}; /* group -> index: < n0 master, else n0 + add */
-        uint32_t n0 = master ? master->n : 0;
-        if (amx_strmap_reserve(&gm, n0 + nadd) != 0) {
-            oom = "out of memory checking peer groups";
-            goto fail;
-        }
-        for (uint32_t i = 0; i < n0; i++)
-            if (master->q[i]->peer_group[0] != '\0')
-                amx_strmap_put(&gm, master->q[i]->peer_group, i);
+        amx_strmap_t gm = {0}; /* group new to the master -> its first add */
         for (size_t a = 0; a < nadd; a++) {
             const amx_qspec_t *s = adds[a].spec;
-            uint32_t k, dummy;
+            uint32_t k = UINT32_MAX, dummy;
             if (s->peer_group[0] == '\0' || amx_strmap_get(&rej_idx, s->name, &dummy))
                 continue;
-            if (!amx_strmap_get(&gm, s->peer_group, &k)) {
-                amx_strmap_put(&gm, s->peer_group, n0 + (uint32_t)a);
+            const amx_qspec_t *o = master_group(master, s->peer_group);
+            if (o == NULL && amx_strmap_get(&gm, s->peer_group, &k))
+                o = adds[k].spec;
+            if (o == NULL) {
+                if (amx_strmap_put(&gm, s->peer_group, (uint32_t)a) != 0) {
+                    amx_strmap_free(&gm);
+                    oom = "out of memory checking peer groups";
+                    goto fail;
+                }
                 continue;
             }
-            const amx_qspec_t *o = k < n0 ? master->q[k] : adds[k - n0].spec;
             if (o->peer_mode == s->peer_mode)
                 continue;
             char **q = realloc(rej, (nrej + 1) * sizeof(char *));
@@ -262,10 +358,10 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
             nrej++;
             if (nconf++ == 0) {
                 char d1[200], d2[200];
-                if (k < n0)
+                if (k == UINT32_MAX)
                     snprintf(d1, sizeof(d1), "the agreed catalog");
                 else
-                    daemon_ranks(j, adds[k - n0].origin, d1, sizeof(d1));
+                    daemon_ranks(j, adds[k].origin, d1, sizeof(d1));
                 daemon_ranks(j, adds[a].origin, d2, sizeof(d2));
                 snprintf(conflict, sizeof(conflict),
                          "the catalog of job '%s' cannot be agreed: peer group '%s' has peer_mode "
@@ -293,59 +389,36 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
         if (!amx_strmap_get(&rej_idx, adds[a].spec->name, &dummy))
             adds[keep++] = adds[a];
     nadd = keep;
-    if (nadd > 0 || master == NULL) {
+    if (nadd > 0) {
         /* The new specs move from the offers (which go at the end of the
-         * round) and the master's own move over: nothing is copied, so
-         * the coordinator holds one copy of each spec. */
-        amx_qspec_t **fresh = calloc(nadd + 1, sizeof(*fresh));
-        int ok = fresh != NULL;
-        for (size_t a = 0; ok && a < nadd; a++) {
+         * round) into the master: nothing is copied, so the coordinator
+         * holds one copy of each spec. */
+        amx_qspec_t **fresh = malloc(nadd * sizeof(*fresh));
+        uint64_t old_hash = master->view.hash, h;
+        for (size_t a = 0; fresh != NULL && a < nadd; a++)
             fresh[a] = *adds[a].slot;
-            *adds[a].slot = NULL;
-        }
-        uint32_t n0 = master ? master->n : 0;
-        amx_qspec_t **specs = ok ? malloc((n0 + nadd + 1) * sizeof(*specs)) : NULL;
-        if (specs == NULL) {
-            for (size_t a = 0; fresh != NULL && a < nadd; a++)
-                amx_qspec_free(fresh[a]);
-            free(fresh);
-            oom = "out of memory building the master catalog";
+        if (fresh == NULL || master_add(master, fresh, nadd) != 0) {
+            free(fresh); /* the master is as it was */
+            oom = "out of memory adding to the master catalog";
             goto fail;
         }
-        /* Both in name order, merged: the catalog is built without a sort. */
-        qsort(fresh, nadd, sizeof(*fresh), amx_qspec_name_cmp);
-        amx_qspec_t **old = NULL;
-        if (master != NULL) {
-            uint32_t got;
-            old = amx_catalog_take_specs(j->master, &got);
-            j->master = NULL;
-            master = NULL;
-        }
-        size_t a = 0, b = 0, k = 0;
-        while (a < n0 || b < nadd)
-            specs[k++] = b == nadd || (a < n0 && amx_qspec_name_cmp(&old[a], &fresh[b]) < 0)
-                             ? old[a++]
-                             : fresh[b++];
-        free(old);
         free(fresh);
-        if (amx_catalog_build(specs, (uint32_t)(n0 + nadd), &newcat, &err) != AMX_OK) {
-            /* Nothing sane remains of the job's agreement. */
-            for (size_t i = 0; i < n0 + nadd; i++)
-                amx_qspec_free(specs[i]);
-            free(specs);
-            oom = "out of memory building the master catalog";
-            goto fail;
-        }
-        free(specs);
-        j->master = newcat;
-        newcat = NULL;
-        note_version(j, adds, nadd);
+        for (size_t a = 0; a < nadd; a++)
+            *adds[a].slot = NULL;
+        /* The hash is of the whole catalog in name order (FNV-1a, which
+         * cannot take an insertion without hashing what follows it again,
+         * and starts with the count): taken from the daemon whose catalog
+         * and offer the round adopts when one does, else computed. */
+        if (!adopted_hash(j, w, only, nmerged, nadd, old_hash, &h))
+            h = amx_catalog_hash(master->view.q, master->view.n);
+        master->view.hash = h;
+        note_version(j);
     }
     /* 3. Resets of every daemon, names of the master only. */
     for (uint32_t p = 0; p < j->mship.npart; p++)
         for (size_t i = 0; i < w[p]->nresets; i++) {
             const char *s = w[p]->resets[i];
-            if (amx_catalog_find(j->master, s) < 0 || amx_strmap_get(&res_idx, s, &dummy))
+            if (master_find(master, s) == NULL || amx_strmap_get(&res_idx, s, &dummy))
                 continue;
             char **q = realloc(res, (nres + 1) * sizeof(char *));
             if (q == NULL || amx_strmap_put(&res_idx, s, (uint32_t)nres) != 0) {
@@ -389,13 +462,13 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
     AMX_INFO("coord",
              "job %s: agreement %llu: %u quantizers (%zu new%s), epoch %llu, %zu "
              "behind, communicator generation %llu%s",
-             j->name, (unsigned long long)j->seq, j->master->n, nadd, nconf ? ", conflicts" : "",
+             j->name, (unsigned long long)j->seq, master->view.n, nadd, nconf ? ", conflicts" : "",
              (unsigned long long)target, nbehind, (unsigned long long)j->comm_gen,
              new_comm ? " (new)" : "");
     amx_coord_sync_ans_t ans = {
         .seq = j->seq,
-        .catalog_hash = j->master->hash,
-        .catalog = j->master,
+        .catalog_hash = master->view.hash,
+        .catalog = &master->view,
         .rejected = rej,
         .nrejected = nrej,
         .conflict = nconf ? conflict : NULL,
@@ -412,8 +485,6 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
         .coord_inc = co->incarnation,
         .versions = j->ver,
         .nversions = j->nver,
-        .added = (const char *const *)j->added,
-        .nadded = j->nadded,
         .stats = &co->stats,
         .round = ++co->stats.rounds,
     };
@@ -440,7 +511,6 @@ out:
     free(rej);
     free(res);
     free(behind);
-    amx_catalog_free(newcat);
 }
 
 void amx__coord_try_sync(amx_coord_t *co, cjob_t *j)
@@ -516,9 +586,13 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
         amx__coord_complete_joins(co, j);
     }
     if (j->ready && amx__coord_daemon_of(j, req->daemon) != NULL) {
+        /* The ranks it names were checked above: one of them is its own
+         * unless it names none (then every rank is looked at). */
         int member = 0;
-        for (uint32_t r = 0; r < j->world; r++)
-            member |= j->host[r] - 1 == req->daemon;
+        for (uint32_t k = 0; k < req->nranks && !member; k++)
+            member = j->host[req->ranks[k]] - 1 == req->daemon;
+        for (uint32_t r = 0; r < j->world && !member && req->nranks == 0; r++)
+            member = j->host[r] - 1 == req->daemon;
         if (!member)
             return amx_err_set(err, AMX_EPRECOND,
                                "daemon %u hosts no rank of job '%s' and takes no part in it",
@@ -527,7 +601,7 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
     /* A daemon whose agreed catalog this coordinator does not hold must
      * send it whole first: otherwise what only its ranks registered would
      * be missing from the master, and every daemon would drop it. */
-    uint64_t master_hash = j->master != NULL ? j->master->hash : amx_catalog_hash(NULL, 0);
+    uint64_t master_hash = j->master.view.hash;
     if (!req->full_catalog && req->catalog_hash != master_hash) {
         AMX_INFO("coord",
                  "job %s: daemon %u holds catalog %016llx, not the master %016llx: asking for it "
@@ -576,6 +650,7 @@ amx_status_t amx_coord_sync(amx_coord_t *co, const amx_coord_sync_req_t *req, am
     r->last_reconciled = req->last_reconciled;
     r->catalog_hash = req->catalog_hash;
     r->offer_hash = req->offer_count > 0 ? req->offer_hash : 0;
+    r->union_hash = req->union_hash;
     r->need_comm = req->need_comm;
     r->full = req->full_catalog;
     r->deadline = req->deadline_ms;

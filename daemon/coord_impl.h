@@ -38,6 +38,17 @@ typedef struct add {
     amx_qspec_t **slot; /* where that offer holds it: the master takes it */
 } add_t;
 
+/* A job's master catalog, kept so that agreeing k more specs costs O(k)
+ * map and hash work (and a move of the pointers after them in q): only
+ * ever added to. view.agreed owns the specs; names and groups index it
+ * (a position there never moves); view.q borrows them in name order. */
+typedef struct cmaster {
+    amx_coord_catalog_t view;
+    size_t cap_q, cap_agreed;
+    amx_strmap_t names;  /* name -> index in view.agreed */
+    amx_strmap_t groups; /* peer group -> index in view.agreed of its first quantizer */
+} cmaster_t;
+
 /* Versions of a master kept for delta answers. */
 #define KEEP_VERSIONS 64
 
@@ -55,6 +66,7 @@ struct amx_creq {
     /* sync */
     uint64_t incarnation, last_reconciled, catalog_hash;
     uint64_t offer_hash; /* its offer (coffer_t of the job), 0: none */
+    uint64_t union_hash; /* its catalog and offer together (amx_coord_sync_req_t) */
     char **resets;
     size_t nresets;
     int need_comm, full;
@@ -72,14 +84,14 @@ struct cjob {
     cdaemon_t *dm;
     uint32_t ndm;
     size_t cap_dm;
+    uint32_t *dm_at; /* by cluster rank: 1 + its index in dm, 0 = none */
+    size_t cap_dm_at;
     amx_membership_t mship; /* valid when ready */
     int mship_dirty;
-    amx_catalog_t *master;
-    /* The master's history, for answers that carry only what changed:
-     * names in the order they were agreed, and for each of the last
-     * versions its hash and how many of those names it held. */
-    char **added;
-    size_t nadded, cap_added;
+    cmaster_t master;
+    /* The master's history, for answers that carry only what changed: for
+     * each of the last versions its hash and how many specs it held (the
+     * first of master.view.agreed). */
     cver_t *ver;
     size_t nver, cap_ver;
     /* The offers of the round in progress, one per distinct hash, and the
@@ -138,6 +150,8 @@ void amx__coord_kv_drop_prefix(amx_coord_t *co, const char *prefix);
 /* Records daemon d with its incarnation and address; 1 when it was known
  * with another incarnation (it restarted). */
 int amx__coord_note_daemon(cjob_t *j, uint32_t d, uint64_t inc, const char *addr);
+/* Frees a master and its specs; it is empty again. */
+void amx__coord_master_free(cmaster_t *m);
 /* Frees the offers of j's round (and the hashes asked for). */
 void amx__coord_offers_clear(cjob_t *j);
 /* Unlinks r, answers it with st and msg, frees it. */

@@ -200,16 +200,15 @@ static int delta_since(const amx_coord_sync_ans_t *ans, uint64_t from,
     for (size_t i = ans->nversions; i-- > 0 && v == NULL;)
         if (ans->versions[i].hash == from)
             v = &ans->versions[i];
-    if (v == NULL || v->nadded > ans->nadded)
+    if (v == NULL || v->nadded > ans->catalog->n)
         return -1;
-    size_t k = ans->nadded - v->nadded;
+    size_t k = ans->catalog->n - v->nadded;
     Amaxd__V1__QuantizerSpec **q = amx_arena_alloc(a, (k + 1) * sizeof(*q));
     if (q == NULL)
         return -1;
     for (size_t i = 0; i < k; i++) {
-        int64_t at = amx_catalog_find(ans->catalog, ans->added[v->nadded + i]);
         Amaxd__V1__QuantizerSpec *s = amx_arena_alloc(a, sizeof(*s));
-        if (at < 0 || s == NULL || amx_codec_spec_out(ans->catalog->q[at], s, a) != AMX_OK)
+        if (s == NULL || amx_codec_spec_out(ans->catalog->agreed[v->nadded + i], s, a) != AMX_OK)
             return -1;
         q[i] = s;
     }
@@ -411,6 +410,7 @@ static void h_sync(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
         .offer_hash = q->offer_hash,
         .offer_count = q->offer_count,
         .offer_included = q->offer_included,
+        .union_hash = q->union_hash,
     };
     if (!q->offer_included && q->n_proposals > 0) {
         free(specs);

@@ -369,6 +369,22 @@ START_TEST(cluster_tokens_between_daemons)
     ck_assert_int_ne(amx_cluster_check(cl[2], "/amaxd.peer.v1.Peer/Sync", tok, strlen(tok), &why),
                      0);
     AMX_ASSERT_HAS(why, "wrong token");
+    /* Again (the expected token now comes from the cache): still valid,
+     * and a token of that method and second made with another secret, or
+     * one byte off, is still refused. */
+    ck_assert_int_eq(amx_cluster_check(cl[1], "/amaxd.peer.v1.Peer/Sync", tok, strlen(tok), &why),
+                     0);
+    char other[160];
+    amx_cluster_token(cl[2], "/amaxd.peer.v1.Peer/Sync", other, sizeof(other));
+    if (strncmp(other, tok, strchr(tok, ':') - tok) == 0) { /* the same second */
+        why = NULL;
+        ck_assert_int_ne(
+            amx_cluster_check(cl[1], "/amaxd.peer.v1.Peer/Sync", other, strlen(other), &why), 0);
+        AMX_ASSERT_HAS(why, "wrong token");
+    }
+    tok[strlen(tok) - 1] ^= 1;
+    ck_assert_int_ne(amx_cluster_check(cl[1], "/amaxd.peer.v1.Peer/Sync", tok, strlen(tok), &why),
+                     0);
     for (int i = 0; i < 3; i++)
         amx_cluster_free(cl[i]);
     /* TLS needs all three files. */

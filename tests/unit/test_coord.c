@@ -28,6 +28,7 @@ typedef struct answer {
     int send_catalog, send_offer;
     char conflict[1024];
     char val[64];
+    char names[64], agreed[64]; /* the master's names in name order, in agreed order */
 } answer_t;
 
 /* The catalog hash the daemons of these tests hold: the last agreed one. */
@@ -65,6 +66,12 @@ static void on_sync(void *ud, amx_status_t st, const char *msg, const amx_coord_
     a->donor = s->donor;
     a->nbehind = (uint32_t)s->nbehind;
     a->ncat = s->catalog->n;
+    a->names[0] = a->agreed[0] = '\0';
+    for (uint32_t i = 0; i < s->catalog->n; i++) {
+        size_t n = strlen(a->names), k = strlen(a->agreed);
+        snprintf(a->names + n, sizeof(a->names) - n, "%s ", s->catalog->q[i]->name);
+        snprintf(a->agreed + k, sizeof(a->agreed) - k, "%s ", s->catalog->agreed[i]->name);
+    }
     a->nres = (uint32_t)s->nresets;
     a->nrej = (uint32_t)s->nrejected;
     a->new_comm = s->new_comm;
@@ -107,38 +114,23 @@ static uint64_t offer_hash(amx_qspec_t **p, size_t np)
     return h;
 }
 
-/* An agreement request with its offer by hash: the specs included or not. */
-static void sync_offer(amx_coord_t *co, uint32_t daemon, amx_qspec_t **p, size_t np, int included,
-                       answer_t *a)
+/* An agreement request of daemon `daemon` (last reconciled epoch `last`),
+ * holding the catalog of held_hash, with its offer p by hash (the specs
+ * included or not), the union hash of both, and resets. */
+static void sync_req(amx_coord_t *co, uint32_t daemon, uint64_t last, amx_qspec_t **p, size_t np,
+                     int included, uint64_t union_hash, char **resets, size_t nr, answer_t *a)
 {
     amx_coord_sync_req_t r = {.offer_hash = offer_hash(p, np),
                               .offer_count = (uint32_t)np,
                               .offer_included = included,
-                              .job = "j",
-                              .daemon = daemon,
-                              .incarnation = 1,
-                              .catalog_hash = held_hash,
-                              .proposals = included ? p : NULL,
-                              .nprop = included ? np : 0,
-                              .deadline_ms = 5000};
-    amx_creq_t *h;
-    amx_err_t err = {0};
-    ck_assert_int_eq(amx_coord_sync(co, &r, on_sync, a, &h, &err), AMX_OK);
-}
-
-static void sync1(amx_coord_t *co, uint32_t daemon, uint64_t last, amx_qspec_t **p, size_t np,
-                  char **resets, size_t nr, answer_t *a)
-{
-    amx_coord_sync_req_t r = {.offer_hash = offer_hash(p, np),
-                              .offer_count = (uint32_t)np,
-                              .offer_included = np > 0,
+                              .union_hash = union_hash,
                               .job = "j",
                               .daemon = daemon,
                               .incarnation = 1,
                               .last_reconciled = last,
                               .catalog_hash = held_hash,
-                              .proposals = p,
-                              .nprop = np,
+                              .proposals = included ? p : NULL,
+                              .nprop = included ? np : 0,
                               .resets = resets,
                               .nresets = nr,
                               .deadline_ms = 5000};
@@ -146,6 +138,106 @@ static void sync1(amx_coord_t *co, uint32_t daemon, uint64_t last, amx_qspec_t *
     amx_err_t err = {0};
     ck_assert_int_eq(amx_coord_sync(co, &r, on_sync, a, &h, &err), AMX_OK);
 }
+
+/* An offer by hash, the specs included or not. */
+static void sync_offer(amx_coord_t *co, uint32_t daemon, amx_qspec_t **p, size_t np, int included,
+                       answer_t *a)
+{
+    sync_req(co, daemon, 0, p, np, included, 0, NULL, 0, a);
+}
+
+static void sync1(amx_coord_t *co, uint32_t daemon, uint64_t last, amx_qspec_t **p, size_t np,
+                  char **resets, size_t nr, answer_t *a)
+{
+    sync_req(co, daemon, last, p, np, np > 0, 0, resets, nr, a);
+}
+
+/* An offer included, with the union hash of the daemon's catalog and it. */
+static void sync_union(amx_coord_t *co, uint32_t daemon, amx_qspec_t **p, size_t np,
+                       uint64_t union_hash, answer_t *a)
+{
+    sync_req(co, daemon, 0, p, np, np > 0, union_hash, NULL, 0, a);
+}
+
+/* A coordinator whose job "j" has ranks 0-1 on daemon 0 and 2-3 on daemon
+ * 1, all joined (their answers in j); the daemons hold no catalog yet. */
+static amx_coord_t *two_daemons(answer_t j[4])
+{
+    held_hash = amx_catalog_hash(NULL, 0);
+    amx_coord_t *co = amx_coord_create(42, 1000);
+    for (uint32_t r = 0; r < 4; r++)
+        join(co, r, r / 2, 1, &j[r]);
+    return co;
+}
+
+/* The master grows by what a round adds, names in name order wherever they
+ * fall, in the order agreed beside it; its hash is the catalog hash of the
+ * whole, taken from the daemon whose catalog and offer the round adopts
+ * (it is not hashed again) and computed otherwise. */
+START_TEST(coordinator_master_grows)
+{
+    answer_t j[4] = {{0}};
+    amx_coord_t *co = two_daemons(j);
+    amx_qspec_t *all[6] = {unit_spec("a", 1, NULL), unit_spec("c", 1, NULL),
+                           unit_spec("d", 3, NULL), unit_spec("e", 1, NULL),
+                           unit_spec("m", 2, NULL), unit_spec("z", 1, NULL)};
+    amx_qspec_t *a = all[0], *c = all[1], *d = all[2], *e = all[3], *m = all[4], *z = all[5];
+    /* Daemon 0 offers m, c; daemon 1 nothing: its hash is daemon 0's union. */
+    amx_qspec_t *r1[2] = {m, c}, *cm[2] = {c, m};
+    uint64_t h_cm = amx_catalog_hash(cm, 2);
+    answer_t s0 = {0}, s1 = {0};
+    sync_union(co, 0, r1, 2, h_cm, &s0);
+    sync_union(co, 1, NULL, 0, held_hash, &s1);
+    ck_assert_int_eq(s1.called, 1);
+    ck_assert_uint_eq(s1.hash, h_cm);
+    ck_assert_str_eq(s1.names, "c m ");
+    /* One name before the others: in its place; the hash still adopted. */
+    amx_qspec_t *r2[1] = {a}, *acm[3] = {a, c, m};
+    uint64_t h_acm = amx_catalog_hash(acm, 3);
+    answer_t t0 = {0}, t1 = {0};
+    sync_union(co, 1, r2, 1, h_acm, &t1);
+    sync_union(co, 0, NULL, 0, held_hash, &t0);
+    ck_assert_uint_eq(t0.hash, h_acm);
+    ck_assert_str_eq(t0.names, "a c m ");
+    ck_assert_str_eq(t0.agreed, "c m a ");
+    /* It is taken, not checked (the daemons check it against their own):
+     * a union hash that is not the catalog's shows which path ran. */
+    amx_qspec_t *r3[1] = {z};
+    answer_t u0 = {0}, u1 = {0};
+    sync_union(co, 0, r3, 1, 0x5eed, &u0);
+    sync_union(co, 1, NULL, 0, held_hash, &u1);
+    ck_assert_uint_eq(u1.hash, 0x5eed);
+    ck_assert_str_eq(u1.names, "a c m z ");
+    /* Computed when two offers add (each daemon's union is only its own),
+     * when an offer holds an agreed spec, and without a union hash. */
+    amx_qspec_t *r4a[1] = {e}, *r4b[1] = {d}, *acdemz[6] = {a, c, d, e, m, z};
+    answer_t v0 = {0}, v1 = {0};
+    sync_union(co, 0, r4a, 1, 0x5eed, &v0);
+    sync_union(co, 1, r4b, 1, 0x5eed, &v1);
+    ck_assert_uint_eq(v1.hash, amx_catalog_hash(acdemz, 6));
+    ck_assert_str_eq(v1.names, "a c d e m z ");
+    ck_assert_str_eq(v1.agreed, "c m a z e d ");
+    amx_qspec_t *b = unit_spec("b", 1, NULL), *r5[2] = {b, m};
+    amx_qspec_t *abcdemz[7] = {a, b, c, d, e, m, z};
+    answer_t w0 = {0}, w1 = {0};
+    sync_union(co, 0, r5, 2, 0x5eed, &w0);
+    sync_union(co, 1, NULL, 0, held_hash, &w1);
+    ck_assert_uint_eq(w1.hash, amx_catalog_hash(abcdemz, 7));
+    ck_assert_str_eq(w1.names, "a b c d e m z ");
+    amx_qspec_t *y = unit_spec("y", 1, NULL), *r6[1] = {y};
+    amx_qspec_t *abcdemyz[8] = {a, b, c, d, e, m, y, z};
+    answer_t x0 = {0}, x1 = {0};
+    sync_union(co, 0, r6, 1, 0, &x0);
+    sync_union(co, 1, NULL, 0, held_hash, &x1);
+    ck_assert_uint_eq(x1.hash, amx_catalog_hash(abcdemyz, 8));
+    ck_assert_str_eq(x1.agreed, "c m a z e d b y ");
+    for (int i = 0; i < 6; i++)
+        amx_qspec_free(all[i]);
+    amx_qspec_free(b);
+    amx_qspec_free(y);
+    amx_coord_destroy(co);
+}
+END_TEST
 
 START_TEST(coordinator_membership_and_agreement)
 {
@@ -242,13 +334,8 @@ END_TEST
  * every participant that waits on it, never a deadlock. */
 START_TEST(coordinator_offers_by_hash)
 {
-    held_hash = amx_catalog_hash(NULL, 0);
-    amx_coord_t *co = amx_coord_create(42, 1000);
     answer_t j[4] = {{0}};
-    join(co, 0, 0, 1, &j[0]);
-    join(co, 1, 0, 1, &j[1]);
-    join(co, 2, 1, 1, &j[2]);
-    join(co, 3, 1, 1, &j[3]);
+    amx_coord_t *co = two_daemons(j);
     ck_assert_int_eq(j[3].called, 1);
     amx_qspec_t *p[2] = {unit_spec("b", 2, NULL), unit_spec("a", 1, NULL)};
     answer_t a0 = {0}, a1 = {0}, b0 = {0};
@@ -662,6 +749,7 @@ int main(void)
     tcase_add_test(tc, coordinator_membership_and_agreement);
     tcase_add_test(tc, coordinator_restarted_rebuilds_from_members);
     tcase_add_test(tc, coordinator_offers_by_hash);
+    tcase_add_test(tc, coordinator_master_grows);
     tcase_add_test(tc, coordinator_join_timeout_and_kv);
     tcase_add_test(tc, ranks_are_formatted_as_ranges);
     tcase_add_test(tc, join_refusals);
