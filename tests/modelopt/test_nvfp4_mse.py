@@ -43,6 +43,7 @@ from common import CONFIGS, cpu_kernel, cpu_static_fp4  # noqa: F401 (a fixture)
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "e2e"))
 from amaxd_proc import Daemon  # noqa: E402
 
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
     d = Daemon(str(tmp_path_factory.mktemp("nvfp4mse")))

@@ -76,19 +76,9 @@ def reference():
     saved = TQM.static_blockwise_fp4_fake_quant
     TQM.static_blockwise_fp4_fake_quant = cpu_static_fp4
     try:
-        model, x = ft.full_model(), ft.tokens()
-        captured = {}
-
-        def loop(m):
-            seen, remove = ft.capture(m)
-            m(x)
-            remove()
-            captured.update(seen)
-
-        mtq.quantize(model, _mse_cfg(), loop)
+        return ft.calibrate_full(lambda m, loop: mtq.quantize(m, _mse_cfg(), loop))
     finally:
         TQM.static_blockwise_fp4_fake_quant = saved
-    return model, captured
 
 
 def _layout(layout, rank, dp):
