@@ -137,7 +137,9 @@ AMX_HD float amx__f32_at(const amx__f32src_t *s, uint64_t k)
     return s->m != 0 ? amx__hmse_term(s->m, k) : s->x[k];
 }
 
-#define AMX__MAX_LANES 16
+/* Every torch build sums 8 lanes (amx__torch_lanes); 8 at most keeps a
+ * thread's accumulators at 512 bytes. */
+#define AMX__MAX_LANES 8
 
 /* utils::CeilLog2 of ATen (aten/src/ATen/native/cpu/utils.h). */
 AMX_HD int64_t amx__ceil_log2(int64_t x)
@@ -359,12 +361,14 @@ AMX_HD double amx__pairwise_leaf(amx__ent_t *e, int which, uint64_t lo, uint64_t
 /* pairwise_sum: above PW_BLOCKSIZE, the sum of the first n2 = n / 2 less
  * n2 % 8 values plus the sum of the rest, recursively; evaluated here
  * with an explicit stack (device code), left before right, as the
- * recursion adds. The depth is at most 64. */
+ * recursion adds. AMX__PW_DEPTH levels: n up to 2^38 values (the stack
+ * stays below CUDA's default 1 KiB per thread). */
+#define AMX__PW_DEPTH 32
 AMX_HD double amx__pairwise(amx__ent_t *e, int which, uint64_t lo, uint64_t n)
 {
-    uint64_t flo[64], fn[64];
-    double fleft[64];
-    int fstate[64]; /* 0: new, 1: waits for its left half, 2: for its right half */
+    uint64_t flo[AMX__PW_DEPTH], fn[AMX__PW_DEPTH];
+    double fleft[AMX__PW_DEPTH];
+    int fstate[AMX__PW_DEPTH]; /* 0: new, 1: waits for its left half, 2: for its right half */
     int sp = 0;
     flo[0] = lo, fn[0] = n, fstate[0] = 0;
     for (;;) {
