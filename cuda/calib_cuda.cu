@@ -49,17 +49,6 @@ typedef struct hjob {
     uint32_t ncand;
 } hjob_t;
 
-/* The candidates a method tries: entropy start_bin..num_bins, MSE
- * start_bin..num_bins - 1, by stride; percentile none. */
-static uint32_t ncand_of(const amx_calib_t *c)
-{
-    if (c->method == AMX_HM_ENTROPY)
-        return c->start_bin <= c->num_bins ? (c->num_bins - c->start_bin) / c->stride + 1 : 0;
-    if (c->method == AMX_HM_MSE)
-        return c->start_bin < c->num_bins ? (c->num_bins - 1 - c->start_bin) / c->stride + 1 : 0;
-    return 0;
-}
-
 __global__ void k_edges(const hjob_t *jobs, float *edges)
 {
     const hjob_t *h = &jobs[blockIdx.x];
@@ -69,59 +58,28 @@ __global__ void k_edges(const hjob_t *jobs, float *edges)
             amx__linspace_at(0.0f, h->j.g, c->num_bins + 1, amx__torch_fma(c->torch_cpu), e);
 }
 
-/* The candidates of each entropy job: divergence and its terms'
- * magnitudes. (Two kernels, not one with two branches: each thread's
- * local arrays are those of one method.) */
+/* Each job's candidates, one thread each: entropy's divergence and its
+ * terms' magnitudes, MSE's loss. (Two kernels, not one with two branches:
+ * each thread's local arrays are those of one method.) */
 __global__ void k_entropy(const hjob_t *jobs, const double *sums, double *val, double *mag)
 {
     const hjob_t *h = &jobs[blockIdx.x];
-    const amx_calib_t *c = &h->j.c;
-    if (c->method != AMX_HM_ENTROPY || !(h->j.g > 0.0f))
+    if (h->j.c.method != AMX_HM_ENTROPY || !(h->j.g > 0.0f))
         return;
-    const double *counts = sums + h->j.sbase;
-    uint64_t nbins = (uint64_t)1 << (c->num_bits - 1 + (c->is_unsigned != 0));
-    for (uint32_t k = threadIdx.x; k < h->ncand; k += blockDim.x) {
-        uint64_t i = (uint64_t)c->start_bin + (uint64_t)k * c->stride;
-        double tail = amx__ent_tail(counts, c->num_bins, c->start_bin, i);
-        val[h->coff + k] =
-            amx__ent_divergence(counts, c->num_bins, i, nbins, tail, &mag[h->coff + k]);
-    }
+    for (uint32_t k = threadIdx.x; k < h->ncand; k += blockDim.x)
+        val[h->coff + k] = amx__hist_cand_entropy(&h->j.c, sums + h->j.sbase, k, &mag[h->coff + k]);
 }
 
-/* The candidates of each histogram MSE job: their losses. */
 __global__ void k_mse(const hjob_t *jobs, const double *sums, const float *edges, double *val)
 {
     const hjob_t *h = &jobs[blockIdx.x];
-    const amx_calib_t *c = &h->j.c;
-    if (c->method != AMX_HM_MSE || !(h->j.g > 0.0f))
+    if (h->j.c.method != AMX_HM_MSE || !(h->j.g > 0.0f))
         return;
-    const double *counts = sums + h->j.sbase;
-    for (uint32_t k = threadIdx.x; k < h->ncand; k += blockDim.x) {
-        uint64_t i = (uint64_t)c->start_bin + (uint64_t)k * c->stride;
-        val[h->coff + k] =
-            (double)amx__hmse_loss(counts, c->num_bins, edges + h->eoff, i, c->grid, c->num_bits,
-                                   c->is_unsigned, amx__torch_lanes(c->torch_cpu));
-    }
+    for (uint32_t k = threadIdx.x; k < h->ncand; k += blockDim.x)
+        val[h->coff + k] = amx__hist_cand_mse(&h->j.c, sums + h->j.sbase, edges + h->eoff, k);
 }
 
-/* Whether entropy candidate w, picked from the device's divergences, is
- * the host's pick too (the bound above). */
-__device__ int entropy_sure(const double *val, const double *mag, uint32_t n, int64_t w)
-{
-    if (isnan(val[w]) || isinf(val[w]))
-        return 1; /* a NaN or +inf pick: no log decided it */
-    for (uint32_t k = 0; k < n; k++) {
-        if ((int64_t)k == w || isinf(val[k]))
-            continue;
-        double diff = val[k] - val[w], m = (mag[k] + mag[w]) * 0x1p-45;
-        /* The host keeps w over an earlier candidate it ties with, and
-         * over a later one only when strictly below it. */
-        if ((int64_t)k < w ? !(diff >= m) : !(diff > m))
-            return 0;
-    }
-    return 1;
-}
-
+/* One thread per job: ModelOpt's pick over its candidates, in order. */
 __global__ void k_pick(const hjob_t *jobs, uint32_t n, const double *sums, const float *edges,
                        const double *val, const double *mag, float *out)
 {
@@ -129,30 +87,8 @@ __global__ void k_pick(const hjob_t *jobs, uint32_t n, const double *sums, const
     if (q >= n)
         return;
     const hjob_t *h = &jobs[q];
-    const amx_calib_t *c = &h->j.c;
-    const float *e = edges + h->eoff;
-    if (!(h->j.g > 0.0f)) {
-        out[q] = 0.0f; /* amx_hist_amax: every edge is 0 */
-        return;
-    }
-    if (c->method == AMX_HM_PERCENTILE) {
-        out[q] = e[amx__percentile_idx(sums + h->j.sbase, c->num_bins, c->percentile)];
-        return;
-    }
-    amx__pick_t p;
-    amx__pick_init(&p, c->method == AMX_HM_ENTROPY);
-    for (uint32_t k = 0; k < h->ncand; k++)
-        amx__pick_add(&p, k, val[h->coff + k]);
-    int64_t w = amx__pick_result(&p);
-    if (w < 0) {
-        out[q] = NAN;
-        return;
-    }
-    uint64_t i = (uint64_t)c->start_bin + (uint64_t)w * c->stride;
-    if (c->method == AMX_HM_ENTROPY)
-        out[q] = entropy_sure(val + h->coff, mag + h->coff, h->ncand, w) ? e[i] : NAN;
-    else
-        out[q] = amx__center(e, i);
+    out[q] = amx__hist_pick(&h->j.c, h->j.g, sums + h->j.sbase, edges + h->eoff, val + h->coff,
+                            mag + h->coff, 1);
 }
 
 extern "C" amx_status_t amx__cuda_hist_amax(const double *d_sums, uint64_t nsums,
@@ -181,7 +117,7 @@ extern "C" amx_status_t amx__cuda_hist_amax(const double *d_sums, uint64_t nsums
         h[q].j = jobs[q];
         h[q].eoff = ne;
         h[q].coff = nc;
-        h[q].ncand = ncand_of(c);
+        h[q].ncand = amx__hist_ncand(c);
         ne += (uint64_t)c->num_bins + 1;
         nc += h[q].ncand;
     }

@@ -516,4 +516,86 @@ AMX_HD int64_t amx__pick_result(const amx__pick_t *p)
     return p->nan_k >= 0 ? p->nan_k : p->k;
 }
 
+/* ---- one quantizer's method, split as a device runs it ---- */
+
+/* The candidates the method tries: entropy start_bin..num_bins, MSE
+ * start_bin..num_bins - 1, by stride; percentile none. */
+AMX_HD uint32_t amx__hist_ncand(const amx_calib_t *c)
+{
+    if (c->method == AMX_HM_ENTROPY)
+        return c->start_bin <= c->num_bins ? (c->num_bins - c->start_bin) / c->stride + 1 : 0;
+    if (c->method == AMX_HM_MSE)
+        return c->start_bin < c->num_bins ? (c->num_bins - 1 - c->start_bin) / c->stride + 1 : 0;
+    return 0;
+}
+
+/* Candidate k (< amx__hist_ncand) of an entropy quantizer: its
+ * divergence, *mag the sum of its terms' magnitudes. */
+AMX_HD double amx__hist_cand_entropy(const amx_calib_t *c, const double *counts, uint32_t k,
+                                     double *mag)
+{
+    uint64_t i = (uint64_t)c->start_bin + (uint64_t)k * c->stride;
+    uint64_t nbins = (uint64_t)1 << (c->num_bits - 1 + (c->is_unsigned != 0));
+    double tail = amx__ent_tail(counts, c->num_bins, c->start_bin, i);
+    return amx__ent_divergence(counts, c->num_bins, i, nbins, tail, mag);
+}
+
+/* Candidate k of a histogram MSE quantizer: its loss. */
+AMX_HD double amx__hist_cand_mse(const amx_calib_t *c, const double *counts, const float *edges,
+                                 uint32_t k)
+{
+    uint64_t i = (uint64_t)c->start_bin + (uint64_t)k * c->stride;
+    return (double)amx__hmse_loss(counts, c->num_bins, edges, i, c->grid, c->num_bits,
+                                  c->is_unsigned, amx__torch_lanes(c->torch_cpu));
+}
+
+/*
+ * Whether entropy candidate w, picked from divergences `val` whose log may
+ * differ from the host's (CUDA's against the C library's), is the host's
+ * pick too: its margin over every other candidate k beyond (mag_k +
+ * mag_w) * 2^-45, more than 3 times the most the two logs can move a
+ * divergence (cuda/calib_cuda.cu derives the bound). NaN and +inf picks
+ * involve no log.
+ */
+AMX_HD int amx__entropy_sure(const double *val, const double *mag, uint32_t n, int64_t w)
+{
+    if (isnan(val[w]) || isinf(val[w]))
+        return 1;
+    for (uint32_t k = 0; k < n; k++) {
+        if ((int64_t)k == w || isinf(val[k]))
+            continue;
+        double diff = val[k] - val[w], m = (mag[k] + mag[w]) * 0x1p-45;
+        /* The host keeps w over an earlier candidate it ties with, and
+         * over a later one only when strictly below it. */
+        if ((int64_t)k < w ? !(diff >= m) : !(diff > m))
+            return 0;
+    }
+    return 1;
+}
+
+/* The amax of a histogram quantizer with range top g from its candidates'
+ * values (amx__hist_cand, n = amx__hist_ncand) and its edges: ModelOpt's
+ * pick; percentile from the counts. NaN when an entropy pick is not sure
+ * (`sure_check`: the values came from another log than the host's). */
+AMX_HD float amx__hist_pick(const amx_calib_t *c, float g, const double *counts, const float *edges,
+                            const double *val, const double *mag, int sure_check)
+{
+    if (!(g > 0.0f))
+        return 0.0f; /* amx_hist_amax: every edge is 0 */
+    if (c->method == AMX_HM_PERCENTILE)
+        return edges[amx__percentile_idx(counts, c->num_bins, c->percentile)];
+    uint32_t n = amx__hist_ncand(c);
+    amx__pick_t p;
+    amx__pick_init(&p, c->method == AMX_HM_ENTROPY);
+    for (uint32_t k = 0; k < n; k++)
+        amx__pick_add(&p, k, val[k]);
+    int64_t w = amx__pick_result(&p);
+    if (w < 0)
+        return NAN;
+    uint64_t i = (uint64_t)c->start_bin + (uint64_t)w * c->stride;
+    if (c->method == AMX_HM_ENTROPY)
+        return !sure_check || amx__entropy_sure(val, mag, n, w) ? edges[i] : NAN;
+    return amx__center(edges, i);
+}
+
 #endif
