@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "calib_cuda.h"
 #include "clock.h"
 #include "devbuf.h"
 #include "kernels.h"
@@ -82,9 +83,10 @@ typedef struct cuda_state {
     /* Statistics of calibrators beyond max (state.h): float64 pending[2]
      * (flipped with pend), receive and accumulated sums; the calibrated
      * amax of each stat cell for a finish (st->ovr uploaded); the loop's
-     * float64 staging (pinned + device). The methods themselves run on
-     * the host (engine_stat.c): the accumulated sums are copied back
-     * after each accumulation. */
+     * float64 staging (pinned + device). The histogram methods run on
+     * the device (stat_hist, calib_cuda.cu), the rest on the host
+     * (engine_stat.c): the accumulated sums are copied back after each
+     * accumulation. */
     double *spend[2], *srecv, *saccum;
     uint64_t spend_n[2], srecv_n, saccum_n;
     float *d_ovr;
@@ -1304,12 +1306,22 @@ static amx_status_t cuda_stat_accumulate(amx_state_t *st, uint64_t n, const amx_
     if (c->spend_n[fl] > 0)
         CU(cudaMemsetAsync(c->spend[fl], 0, c->spend_n[fl] * sizeof(double), s),
            "cudaMemsetAsync (stat buffer)");
-    /* The methods run on the host (engine_stat.c): the sums come back. */
+    /* The engine reads the sums on the host (engine_stat.c): they come back. */
     if (n > 0)
         CU(cudaMemcpyAsync(host, c->saccum, n * sizeof(double), cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (statistics)");
     CU(cudaStreamSynchronize(s), "stat accumulate");
     return AMX_OK;
+}
+
+/* The histogram methods on the device, from the accumulated sums
+ * (calib_cuda.cu). */
+static amx_status_t cuda_stat_hist(amx_state_t *st, const struct amx_hist_job *jobs, size_t n,
+                                   float *out, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    return amx__cuda_hist_amax(c->saccum, st->nstat, jobs, n, out, c->se, err);
 }
 
 static amx_status_t cuda_read_accum(amx_state_t *st, const amx_run_t *runs, size_t nruns,
@@ -1816,6 +1828,7 @@ static const amx_state_ops_t cuda_ops = {
     cuda_dev_bad,
     cuda_dev_answer,
     cuda_dev_close,
+    cuda_stat_hist,
 };
 
 extern "C" uint64_t amx__state_cuda_memory(int device)

@@ -14,9 +14,10 @@
  * build: amx_calib_t.torch_cpu.
  *
  * Pure functions on host memory, no state: any thread. The daemon runs
- * them on the engine thread after the SUM collective, for both state
- * backends (the CUDA backend copies the summed statistics to the host for
- * this step).
+ * them on the engine thread after the SUM collective; the CUDA backend
+ * runs the histogram methods on the device (cuda/calib_cuda.cu, the same
+ * arithmetic: calib_core.h) and the host computes what it leaves (an
+ * entropy near-tie) and the MSE searches.
  */
 #ifndef AMX_CALIB_H
 #define AMX_CALIB_H
@@ -87,7 +88,8 @@ void amx_torch_linspace_f32(float start, float end, uint32_t steps, int fma, flo
 /*
  * torch.sum of n float32 values on the CPU (aten/src/ATen/native/cpu/
  * SumKernel.cpp, cascade_sum: 4 x `lanes`-wide partial sums in up to four
- * cascade levels, then the tail and the lanes in order), n < 32768.
+ * cascade levels, then the tail and the lanes in order), n < 32768;
+ * lanes 1..8 (other values: 8, what every build sums with).
  */
 float amx_torch_sum_f32(const float *x, uint64_t n, int lanes);
 
@@ -120,6 +122,16 @@ float amx_hist_mse(const double *counts, uint32_t num_bins, const float *edges, 
  * values: the bins, then the overflow count) and its agreed range top `g`,
  * by c->method. A range of 0 gives 0 (every edge is 0). */
 float amx_hist_amax(const amx_calib_t *c, const double *counts, float g, void *scratch);
+
+/* A histogram quantizer whose amax a state backend computes where its
+ * statistics are (state.h stat_hist): its num_bins + 1 summed counts at
+ * `sbase` of the accumulated statistics, its range top g, its options. */
+typedef struct amx_hist_job {
+    uint64_t sbase;
+    float g;
+    uint32_t pad;
+    amx_calib_t c;
+} amx_hist_job_t;
 
 /* The candidate multipliers of an MSE search: torch.linspace(start_mult,
  * stop_mult, nsteps) in float32 (MseCalibrator._generate_candidates).

@@ -365,6 +365,8 @@ amx_status_t amx_codec_packed_parse(uint8_t *d, size_t n, amx_codec_packed_in_t 
                 in->epoch = v;
             else if (f == 8)
                 in->shm_has_data = v != 0;
+            else if (f == 11)
+                in->shm_stats = v != 0;
             break;
         }
         case 1:

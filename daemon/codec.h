@@ -95,7 +95,7 @@ typedef struct amx_codec_packed_in {
     char job[AMX_MAX_JOB_NAME + 2];
     uint32_t rank;
     uint64_t epoch, layout_id, shm_id;
-    int shm_has_data;
+    int shm_has_data, shm_stats;
     uint8_t *values, *has_data; /* into the message */
     size_t values_len, has_data_len;
     uint8_t *stats, *stat_epochs; /* into the message */

@@ -2,8 +2,9 @@
  * engine_stat.c - the statistics of calibrators beyond max in an epoch
  * (docs/API.md "Calibration beyond max", docs/NUMERICS.md): the SUM
  * collective beside the MAX one, accumulation, each quantizer's
- * calibrated amax (calib.h, on the host for both state backends), and the
- * bases fixed from the reconciled max.
+ * calibrated amax (calib.h), and the bases fixed from the reconciled max. The histogram methods run
+ * where the state's backend offers them (the CUDA backend: on the device), else on the host; the
+ * MSE searches on the host.
  *
  * Engine thread of the job, like the rest of an epoch (engine.c); the
  * replicated basis and epochs live in the state (state.h) and move with
@@ -79,16 +80,78 @@ static int grow(void **p, uint64_t *cap, uint64_t n, size_t elem)
     return 0;
 }
 
+/* The counts of histogram quantizer i summed (its bins, not the overflow
+ * count). */
+static double hist_total(const amx_engine_t *e, uint32_t i)
+{
+    const double *s = e->shost + e->w_desc[i].sbase;
+    double total = 0.0;
+    for (uint32_t b = 0; b < e->w_cat->q[i]->calib.num_bins; b++)
+        total += s[b];
+    return total;
+}
+
+/* Whether histogram quantizer i's statistic is last epoch's (its amax is
+ * in e->ocache). */
+static int hist_cached(const amx_engine_t *e, uint32_t i, int cache)
+{
+    const amx_qdesc_t *d = &e->w_desc[i];
+    return cache &&
+           memcmp(e->shost + d->sbase, e->sprev + d->sbase, d->svals * sizeof(double)) == 0;
+}
+
+/*
+ * The histogram quantizers' amax on the state's device where the backend
+ * computes them there (state.h stat_hist): every quantizer with counts
+ * whose amax is not cached, into e->ovr; what the backend leaves NaN (an
+ * entropy near-tie) hist_amax computes on the host.
+ */
+static amx_status_t hist_on_device(amx_engine_t *e, int cache)
+{
+    amx_state_t *st = e->job->state;
+    const amx_catalog_t *cat = e->w_cat;
+    amx_err_t err = {0};
+    size_t n = 0;
+    for (uint32_t i = 0; i < cat->n; i++)
+        n += e->w_desc[i].stat == AMX_CAL_HISTOGRAM && st->sq_epoch[i] != 0;
+    if (n == 0 || st->ops->stat_hist == NULL)
+        return AMX_OK;
+    amx_hist_job_t *jobs = malloc(n * sizeof(*jobs));
+    uint32_t *who = malloc(n * sizeof(*who));
+    float *out = malloc(n * sizeof(*out));
+    if (jobs == NULL || who == NULL || out == NULL) {
+        free(jobs), free(who), free(out);
+        return amx__engine_fail(e, AMX_ENOMEM, "out of memory for the statistics of job '%s'",
+                                e->job->name);
+    }
+    n = 0;
+    for (uint32_t i = 0; i < cat->n; i++) {
+        const amx_qdesc_t *d = &e->w_desc[i];
+        if (d->stat != AMX_CAL_HISTOGRAM || st->sq_epoch[i] == 0 || !(hist_total(e, i) > 0.0) ||
+            hist_cached(e, i, cache))
+            continue;
+        jobs[n] = (amx_hist_job_t){d->sbase, st->basis[d->obase], 0, cat->q[i]->calib};
+        who[n++] = i;
+    }
+    amx_status_t rs = n > 0 ? st->ops->stat_hist(st, jobs, n, out, &err) : AMX_OK;
+    for (size_t k = 0; rs == AMX_OK && k < n; k++)
+        e->ovr[e->w_desc[who[k]].obase] = out[k];
+    free(jobs), free(who), free(out);
+    if (rs != AMX_OK)
+        return amx__engine_fail(e, rs, "job '%s', epoch %llu: the histogram methods failed: %s",
+                                e->job->name, (unsigned long long)e->epoch, err.msg);
+    return AMX_OK;
+}
+
 /* The calibrated amax of histogram quantizer i (one stat cell) from the
- * summed counts `s`, and its published counts. */
+ * summed counts `s` (the device's when hist_on_device gave one), and its
+ * published counts. */
 static void hist_amax(amx_engine_t *e, uint32_t i, const double *s, int cached)
 {
     const amx_qdesc_t *d = &e->w_desc[i];
     const amx_calib_t *c = &e->w_cat->q[i]->calib;
     amx_stat_result_t *r = &e->sres[i];
-    double total = 0.0;
-    for (uint32_t b = 0; b < c->num_bins; b++)
-        total += s[b];
+    double total = hist_total(e, i);
     r->total = total;
     r->overflow = s[c->num_bins];
     if (!(total > 0.0)) {
@@ -100,7 +163,8 @@ static void hist_amax(amx_engine_t *e, uint32_t i, const double *s, int cached)
         e->ovr[d->obase] = e->ocache[d->obase];
         return;
     }
-    e->ovr[d->obase] = amx_hist_amax(c, s, e->job->state->basis[d->obase], e->sscratch);
+    if (isnan(e->ovr[d->obase]))
+        e->ovr[d->obase] = amx_hist_amax(c, s, e->job->state->basis[d->obase], e->sscratch);
 }
 
 /* The amax of each cell of MSE-search quantizer i with losses: the basis
@@ -249,6 +313,7 @@ amx_status_t amx__engine_stat_begin(amx_engine_t *e, int from_send)
     int cache = e->scache_ok && e->scache_gen == e->desc_gen && e->sprev_n == cat->nstat;
     for (uint64_t c = 0; c < ns; c++)
         e->ovr[c] = NAN;
+    AMX_CHECK(hist_on_device(e, cache));
     for (uint32_t i = 0; i < nq; i++) {
         const amx_qdesc_t *d = &e->w_desc[i];
         amx_stat_result_t *r = &e->sres[i];
@@ -262,8 +327,7 @@ amx_status_t amx__engine_stat_begin(amx_engine_t *e, int from_send)
         }
         const double *s = e->shost + d->sbase;
         if (d->stat == AMX_CAL_HISTOGRAM) {
-            int same = cache && memcmp(s, e->sprev + d->sbase, d->svals * sizeof(double)) == 0;
-            hist_amax(e, i, s, same);
+            hist_amax(e, i, s, hist_cached(e, i, cache));
         } else if (d->stat == AMX_CAL_NVFP4_MSE) {
             nvfp4_amax(e, i, s);
         } else {

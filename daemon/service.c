@@ -494,10 +494,10 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
     }
     amx_shm_region_t g;
     if (req->shm) {
-        if (amx_shm_open(
-                svc->shm, req->job, req->rank, l.id, l.total_cells,
-                amx_codec_packed_cap(l.total_cells, l.n, l.total_slices, l.calibrator != NULL), &g,
-                &err) != AMX_OK) {
+        amx_shm_sizes_t sz = {
+            l.total_cells, l.total_stats, l.n,
+            amx_codec_packed_cap(l.total_cells, l.n, l.total_slices, l.calibrator != NULL)};
+        if (amx_shm_open(svc->shm, req->job, req->rank, l.id, &sz, &g, &err) != AMX_OK) {
             reply_err(c, "GetLayout", &err);
             amx_arena_free(&a);
             return;
@@ -506,6 +506,10 @@ static void h_get_layout(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *
         r.shm_path = (char *)g.path;
         r.shm_has_data_offset = g.has_data_off;
         r.shm_answer_path = (char *)g.answer_path;
+        if (l.total_stats > 0) {
+            r.shm_stats_offset = g.stats_off;
+            r.shm_stat_epochs_offset = g.stat_epochs_off;
+        }
     }
     amx__call_reply(c, AMX_OK, NULL, &r.base);
     amx_arena_free(&a);
@@ -717,27 +721,30 @@ static amx_status_t send_packed(amx_svc_t *svc, uint8_t *data, size_t len, uint6
                                "bytes); the slab is either in the request or in the shared "
                                "buffer",
                                in.values_len, in.has_data_len);
-        float *sv = NULL;
-        const uint8_t *sh = NULL;
-        size_t n = 0;
+        if (in.shm_stats && (in.stats_len != 0 || in.stat_epochs_len != 0))
+            return amx_err_set(err, AMX_EINVAL,
+                               "SendPacked: stats or stat_epochs given with shm_stats (%zu and "
+                               "%zu bytes); the statistics are either in the request or in the "
+                               "shared buffer",
+                               in.stats_len, in.stat_epochs_len);
+        amx_shm_slab_t b;
         AMX_CHECK(amx_shm_read(svc->shm, in.job, in.rank, in.shm_id, in.layout_id, in.shm_has_data,
-                               &sv, &sh, &n, err));
-        amx_send_packed_req_t q = {in.job,
-                                   in.rank,
-                                   in.epoch,
-                                   in.layout_id,
-                                   sv,
-                                   4 * n,
-                                   sh,
-                                   sh != NULL ? n : 0,
-                                   in.stats,
-                                   in.stats_len,
-                                   in.stat_epochs,
-                                   in.stat_epochs_len};
+                               in.shm_stats, &b, err));
+        amx_send_packed_req_t q = {
+            in.job,   in.rank,      in.epoch,       in.layout_id,
+            b.values, 4 * b.cells,  b.has_data,     b.has_data != NULL ? b.cells : 0,
+            in.stats, in.stats_len, in.stat_epochs, in.stat_epochs_len};
+        if (in.shm_stats) {
+            q.stats = b.stats;
+            q.stats_len = b.stats_len;
+            q.stat_epochs = b.stat_epochs;
+            q.stat_epochs_len = b.epochs_len;
+        }
         return amx_registry_send_packed(svc->reg, &q, accepted, epoch, err);
     }
-    if (in.shm_has_data)
-        return amx_err_set(err, AMX_EINVAL, "SendPacked: shm_has_data without shm_id");
+    if (in.shm_has_data || in.shm_stats)
+        return amx_err_set(err, AMX_EINVAL, "SendPacked: %s without shm_id",
+                           in.shm_has_data ? "shm_has_data" : "shm_stats");
     float *vals = (float *)(void *)in.values;
     void *copy = NULL;
     if (((uintptr_t)in.values & 3) != 0 && in.values_len > 0) {

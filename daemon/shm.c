@@ -221,10 +221,17 @@ static amx_status_t make_file(amx_shm_t *s, uint64_t rnd, char kind, unsigned mo
     return AMX_OK;
 }
 
-amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t layout_id,
-                          uint64_t cells, uint64_t answer_bytes, amx_shm_region_t *out,
-                          amx_err_t *err)
+/* Where the statistics start: after the values and has-data bytes,
+ * 8-aligned (in the file and in the read buffer alike). */
+static uint64_t stats_at(uint64_t cells)
 {
+    return (5 * cells + 7) & ~(uint64_t)7;
+}
+
+amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t layout_id,
+                          const amx_shm_sizes_t *sz, amx_shm_region_t *out, amx_err_t *err)
+{
+    uint64_t cells = sz->cells, answer_bytes = sz->answer_bytes;
     if (s == NULL)
         return off("GetLayout", err);
     region_t *old = find(s, job, rank);
@@ -233,8 +240,15 @@ amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
                            "GetLayout: %zu shared buffers are open, the most this daemon keeps; "
                            "ask for the layout without shm",
                            s->n);
-    if (cells > (uint64_t)SIZE_MAX / 8 || answer_bytes > (uint64_t)SIZE_MAX / 2)
-        return amx_err_set(err, AMX_EINVAL, "GetLayout: %" PRIu64 " cells", cells);
+    /* The layout's limits keep them far below these; the slab's parts must
+     * have offsets that fit memory. */
+    const uint64_t lim = (uint64_t)SIZE_MAX / 32;
+    if (cells > lim || sz->stats > lim || sz->quantizers > lim ||
+        answer_bytes > (uint64_t)SIZE_MAX / 2)
+        return amx_err_set(err, AMX_EINVAL,
+                           "GetLayout: %" PRIu64 " cells, %" PRIu64 " statistic values and %" PRIu64
+                           " quantizers do not fit a shared buffer",
+                           cells, sz->stats, sz->quantizers);
     /* The id and the file's name are drawn apart: the name, visible to
      * whoever can list shm_dir, does not tell the id. */
     uint64_t rnd[2] = {0, 0};
@@ -282,7 +296,11 @@ amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
     g.r.id = id;
     g.r.layout_id = layout_id;
     g.r.cells = cells;
+    g.r.stats = sz->stats;
+    g.r.quantizers = sz->quantizers;
     g.r.has_data_off = 4 * cells;
+    g.r.stats_off = stats_at(cells);
+    g.r.stat_epochs_off = g.r.stats_off + 8 * sz->stats;
     if (old != NULL) {
         close_region(old);
         *old = g;
@@ -352,9 +370,10 @@ static amx_status_t read_at(int fd, uint8_t *dst, size_t len, uint64_t at, const
 }
 
 amx_status_t amx_shm_read(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
-                          uint64_t layout_id, int with_has_data, float **values,
-                          const uint8_t **has_data, size_t *cells, amx_err_t *err)
+                          uint64_t layout_id, int with_has_data, int with_stats,
+                          amx_shm_slab_t *out, amx_err_t *err)
 {
+    memset(out, 0, sizeof(*out));
     if (s == NULL)
         return off("SendPacked", err);
     region_t *g = named(s, "SendPacked", job, rank, id, err);
@@ -366,8 +385,11 @@ amx_status_t amx_shm_read(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
             "SendPacked: shared buffer %016" PRIx64 " was made for layout %016" PRIx64
             ", the request names layout %016" PRIx64 "; fetch the layout again with shm",
             id, g->r.layout_id, layout_id);
-    size_t n = (size_t)g->r.cells;
-    size_t need = 4 * n + (with_has_data ? n : 0);
+    /* In memory as in the file: values, has-data bytes, then (8-aligned)
+     * the statistics and their epochs. */
+    size_t n = (size_t)g->r.cells, sl = 8 * (size_t)g->r.stats, el = 8 * (size_t)g->r.quantizers;
+    size_t at = (size_t)stats_at(g->r.cells);
+    size_t need = with_stats ? at + sl + el : 4 * n + (with_has_data ? n : 0);
     if (need > s->scratch_cap) {
         uint8_t *p = NULL;
         if (posix_memalign((void **)&p, 64, need > 0 ? need : 64) != 0)
@@ -381,9 +403,18 @@ amx_status_t amx_shm_read(amx_shm_t *s, const char *job, uint32_t rank, uint64_t
     if (with_has_data)
         AMX_CHECK(
             read_at(g->slab.fd, s->scratch + 4 * n, n, g->r.has_data_off, "has-data bytes", err));
-    *values = (float *)(void *)s->scratch;
-    *has_data = with_has_data ? s->scratch + 4 * n : NULL;
-    *cells = n;
+    if (with_stats) {
+        AMX_CHECK(read_at(g->slab.fd, s->scratch + at, sl, g->r.stats_off, "statistics", err));
+        AMX_CHECK(read_at(g->slab.fd, s->scratch + at + sl, el, g->r.stat_epochs_off, "stat epochs",
+                          err));
+        out->stats = s->scratch + at;
+        out->stat_epochs = s->scratch + at + sl;
+        out->stats_len = sl;
+        out->epochs_len = el;
+    }
+    out->values = (float *)(void *)s->scratch;
+    out->has_data = with_has_data ? s->scratch + 4 * n : NULL;
+    out->cells = n;
     return AMX_OK;
 }
 

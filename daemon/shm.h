@@ -10,6 +10,10 @@
  * ReconcilePacked naming it gets the whole packed answer built in the
  * buffer and only its length over gRPC.
  *
+ * The slab file also holds the statistics of calibrators beyond max (the
+ * float64 stat slab and its stat epochs) when the trainer puts them there
+ * (SendPackedRequest.shm_stats).
+ *
  * A buffer is two files. The trainer writes the slab file; the daemon
  * never maps it but reads it with pread(2) into its own memory, so a
  * trainer that truncates, grows or rewrites it can give it short reads or
@@ -38,14 +42,32 @@
 
 typedef struct amx_shm amx_shm_t;
 
+/* What a buffer holds: the layout's cells, statistic values (float64)
+ * and quantizers (one uint64 stat epoch each), and the most bytes of an
+ * answer. */
+typedef struct amx_shm_sizes {
+    uint64_t cells, stats, quantizers, answer_bytes;
+} amx_shm_sizes_t;
+
+/* The slab file: values (cells float32) at 0, has-data bytes (cells) at
+ * has_data_off, statistics (stats float64) at stats_off (8-aligned), their
+ * stat epochs (quantizers uint64) at stat_epochs_off. */
 typedef struct amx_shm_region {
     uint64_t id; /* random, never 0: requests name the buffer by it */
     uint64_t layout_id;
-    uint64_t cells;
-    uint64_t has_data_off;   /* in the slab file; values at 0, cells floats */
+    uint64_t cells, stats, quantizers;
+    uint64_t has_data_off, stats_off, stat_epochs_off;
     const char *path;        /* the slab file; valid until the region goes */
     const char *answer_path; /* the answer file (at 0), read-only to trainers */
 } amx_shm_region_t;
+
+/* A slab read from a buffer (amx_shm_read), in memory of the amx_shm_t. */
+typedef struct amx_shm_slab {
+    float *values;           /* cells floats, writable: the registry normalizes them in place */
+    const uint8_t *has_data; /* cells bytes, or NULL */
+    const uint8_t *stats, *stat_epochs;  /* or NULL; 8-aligned */
+    size_t cells, stats_len, epochs_len; /* the last two in bytes */
+} amx_shm_slab_t;
 
 /* Buffers in `dir` (created with permission bits `mode`), at most
  * `max_regions` at once. An empty `dir` gives *out = NULL: the feature is
@@ -59,20 +81,19 @@ void amx_shm_free(amx_shm_t *s);
  * daemon). NULL is fine. */
 void amx_shm_trim(amx_shm_t *s, size_t keep);
 
-/* A new buffer for (job, rank) sized for `cells` cells of layout
- * `layout_id` and answers of up to `answer_bytes`, replacing the rank's
- * previous one. */
+/* A new buffer for (job, rank) of layout `layout_id` sized by `sz`,
+ * replacing the rank's previous one. */
 amx_status_t amx_shm_open(amx_shm_t *s, const char *job, uint32_t rank, uint64_t layout_id,
-                          uint64_t cells, uint64_t answer_bytes, amx_shm_region_t *out,
-                          amx_err_t *err);
+                          const amx_shm_sizes_t *sz, amx_shm_region_t *out, amx_err_t *err);
 
 /* Reads the slab of buffer `id` of (job, rank), which must belong to
- * layout `layout_id`: *values (cells floats, writable: the registry
- * normalizes them in place) and, when with_has_data, *has_data (cells
- * bytes), in memory of `s` valid until the next call. */
+ * layout `layout_id`: its values, and the has-data bytes when
+ * with_has_data, the statistics and their stat epochs when with_stats
+ * (else NULL, length 0), into *out, in memory of `s` valid until the next
+ * call. A file that ends before a part: AMX_EPRECOND naming the part. */
 amx_status_t amx_shm_read(amx_shm_t *s, const char *job, uint32_t rank, uint64_t id,
-                          uint64_t layout_id, int with_has_data, float **values,
-                          const uint8_t **has_data, size_t *cells, amx_err_t *err);
+                          uint64_t layout_id, int with_has_data, int with_stats,
+                          amx_shm_slab_t *out, amx_err_t *err);
 
 /* Whether (job, rank) has buffer `id` (a ReconcilePacked is refused
  * before it waits, not after its epoch). */

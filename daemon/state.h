@@ -162,6 +162,9 @@ static inline uint64_t amx_qdesc_slices(const struct amx_qdesc *q, uint32_t nq)
 
 typedef struct amx_state amx_state_t;
 
+/* A histogram quantizer whose amax a backend computes (calib.h, stat_hist). */
+struct amx_hist_job;
+
 /* Device buffers shared with one trainer (dev_open). */
 typedef struct amx_devbuf amx_devbuf_t;
 #define AMX_IPC_HANDLE_BYTES 64 /* cudaIpcMemHandle_t, cudaIpcEventHandle_t */
@@ -343,6 +346,16 @@ typedef struct amx_state_ops {
                                amx_err_t *err);
     /* Loop. Waits for the buffers' queued work and frees them. */
     void (*dev_close)(amx_state_t *st, struct amx_devbuf *d);
+
+    /* Optional (NULL: engine_stat.c computes every amax on the host).
+     * Engine, after stat_accumulate: the amax of the histogram quantizers
+     * `jobs` (calib.h amx_hist_job_t; job.sbase indexes the accumulated
+     * sums) by their methods, with the host's arithmetic (calib_core.h),
+     * into out[i]; NaN where the backend does not decide the host's bits
+     * (an entropy near-tie, cuda/calib_cuda.cu): the engine computes
+     * those. */
+    amx_status_t (*stat_hist)(amx_state_t *st, const struct amx_hist_job *jobs, size_t n,
+                              float *out, amx_err_t *err);
 
 } amx_state_ops_t;
 

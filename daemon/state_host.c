@@ -5,10 +5,12 @@
  */
 #include <float.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
+#include "calib_core.h"
 #include "clock.h"
 #include "postproc.h"
 #include "state.h"
@@ -977,6 +979,39 @@ static void host_destroy(amx_state_t *st)
     free(h);
 }
 
+/*
+ * A test aid (AMAXD_TEST_STAT_HIST): stat_hist as the CUDA backend runs it
+ * (cuda/calib_cuda.cu), its steps one after the other on the host (the
+ * edges, each candidate's value, the pick with the device's near-tie
+ * check; calib_core.h), every other job left to the engine (NaN), so that
+ * the end-to-end suite covers engine_stat.c's device path without a GPU.
+ */
+static amx_status_t host_stat_hist(amx_state_t *st, const struct amx_hist_job *jobs, size_t n,
+                                   float *out, amx_err_t *err)
+{
+    host_state_t *h = st->impl;
+    for (size_t q = 0; q < n; q++) {
+        const amx_calib_t *c = &jobs[q].c;
+        uint32_t nc = amx__hist_ncand(c);
+        float *edges = malloc(((size_t)c->num_bins + 1) * sizeof(float));
+        double *val = malloc(((size_t)nc + 1) * 2 * sizeof(double)), *mag = val + nc + 1;
+        if (edges == NULL || val == NULL) {
+            free(edges), free(val);
+            return amx_err_set(err, AMX_ENOMEM, "out of host memory");
+        }
+        const double *counts = h->saccum + jobs[q].sbase;
+        for (uint32_t e = 0; e <= c->num_bins; e++)
+            edges[e] =
+                amx__linspace_at(0.0f, jobs[q].g, c->num_bins + 1, amx__torch_fma(c->torch_cpu), e);
+        for (uint32_t k = 0; k < nc; k++)
+            val[k] = c->method == AMX_HM_ENTROPY ? amx__hist_cand_entropy(c, counts, k, &mag[k])
+                                                 : amx__hist_cand_mse(c, counts, edges, k);
+        out[q] = q % 2 ? NAN : amx__hist_pick(c, jobs[q].g, counts, edges, val, mag, 1);
+        free(edges), free(val);
+    }
+    return AMX_OK;
+}
+
 static const amx_state_ops_t host_ops = {
     .name = "host",
     .on_device = 0,
@@ -1003,6 +1038,16 @@ static const amx_state_ops_t host_ops = {
     .read_accum = host_read_accum,
 };
 
+/* host_ops with the test aid's stat_hist, made once. */
+static amx_state_ops_t host_ops_hist;
+static pthread_once_t host_ops_hist_once = PTHREAD_ONCE_INIT;
+
+static void make_host_ops_hist(void)
+{
+    host_ops_hist = host_ops;
+    host_ops_hist.stat_hist = host_stat_hist;
+}
+
 amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err)
 {
     amx_state_t *st = calloc(1, sizeof(*st));
@@ -1017,6 +1062,13 @@ amx_status_t amx__state_host_create(amx_state_t **out, amx_err_t *err)
     const char *f = getenv("AMAXD_TEST_DEVICE_FAULT");
     h->simulate_fault = f != NULL && f[0] != '\0' && strcmp(f, "0") != 0;
     st->ops = &host_ops;
+    /* ... and with AMAXD_TEST_STAT_HIST set, the histogram methods go
+     * through stat_hist, as on the CUDA backend. */
+    const char *t = getenv("AMAXD_TEST_STAT_HIST");
+    if (t != NULL && t[0] != '\0' && strcmp(t, "0") != 0) {
+        pthread_once(&host_ops_hist_once, make_host_ops_hist);
+        st->ops = &host_ops_hist;
+    }
     st->impl = h;
     *out = st;
     return AMX_OK;

@@ -136,14 +136,15 @@ def quantizers(pl):
     return q
 
 
-def run_rank(socket, job, layout, rank, seed=0, row_parallel=False, packed=False):
+def run_rank(socket, job, layout, rank, seed=0, row_parallel=False, packed=False, shm=False):
     """One rank's two passes (named form, or `packed`: SendPacked with the
-    statistics and ReconcilePacked); returns {name: Result} of both epochs."""
+    statistics and ReconcilePacked, through the daemon's shared-memory
+    buffer with `shm`); returns {name: Result} of both epochs."""
     world = LAYOUTS[layout][0]
     x, route, w = data(seed)
     act = act_shard(layout, rank, x, route)
     blk, pl, owner = weight_shard(layout, rank, w, row_parallel)
-    with amaxd.Client(job, rank, world, socket=socket) as c:
+    with amaxd.Client(job, rank, world, socket=socket, shm=shm) as c:
         c.join()
         c.register(quantizers(pl))
         # Pass 1: the max.
@@ -185,12 +186,12 @@ def run_rank(socket, job, layout, rank, seed=0, row_parallel=False, packed=False
     return {"r1": r1, "r2": r2, "whole": whole}
 
 
-def run_layout(sockets, job, layout, seed=0, row_parallel=False, packed=False):
+def run_layout(sockets, job, layout, seed=0, row_parallel=False, packed=False, shm=False):
     """All ranks of a layout in threads; rank r talks to sockets[r % len]."""
     world = LAYOUTS[layout][0]
     with ThreadPoolExecutor(max_workers=world) as ex:
         futs = [ex.submit(run_rank, sockets[r % len(sockets)], job, layout, r, seed, row_parallel,
-                          packed)
+                          packed, shm)
                 for r in range(world)]
         return [f.result(timeout=300) for f in futs]
 

@@ -77,6 +77,21 @@ def test_layouts_give_the_same_bytes(layouts_run):
                 assert np.float32(x.global_amax) == np.float32(res["whole"][q].global_amax)
 
 
+def test_methods_through_stat_hist(start_daemon, layouts_run):
+    """The histogram methods through the state's stat_hist, as the CUDA
+    backend runs them on the device (the host backend's test aid
+    AMAXD_TEST_STAT_HIST runs the same steps, calib_core.h, one after the
+    other, and leaves every other quantizer to the engine's host path):
+    the same bytes as the host path, per rank and for the whole state."""
+    d = start_daemon(env={"AMAXD_TEST_STAT_HIST": "1"})
+    for name in ("tp2dp2", "ep4dp2"):
+        ranks = W.run_layout([d.socket], f"stat-hist-{name}", name)
+        for r, res in enumerate(ranks):
+            assert W.whole_bytes(res) == W.whole_bytes(layouts_run[name][r]), (name, r)
+            for q, x in res["r2"].items():
+                assert x.amax.tobytes() == layouts_run[name][r]["r2"][q].amax.tobytes()
+
+
 def test_packed_answers_equal_named(layouts_run):
     """The packed form's answers (ReconcilePacked) carry the same statistic
     fields and bytes as the named ones of the same layout."""

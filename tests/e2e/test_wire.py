@@ -235,7 +235,7 @@ def test_client_register_bytes(monkeypatch):
 SEND_PACKED_HAND = {"job", "rank", "epoch", "layout_id", "values", "has_data", "align", "stats",
                     "stat_epochs"}
 # With Client(shm=True) the request carries no array and protobuf makes it.
-SEND_PACKED_PROTOBUF = {"shm_id", "shm_has_data"}
+SEND_PACKED_PROTOBUF = {"shm_id", "shm_has_data", "shm_stats"}
 
 
 def random_f32(rng, n):

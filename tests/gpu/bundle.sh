@@ -10,7 +10,8 @@ venv=${AMAXD_VENV:-$root/.venv}
 mkdir -p "$carry/lib" "$carry/wheels"
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl\.so|libpthread\.so|librt\.so|libstdc\+\+\.so|libgcc_s\.so|libcuda\.so|libnccl\.so|libnvidia)'
 for bin in "$build"/amaxd "$build"/amaxctl "$build"/backend_compare "$build"/bench_kernels \
-           "$build"/nccl_floor "$build"/tests/test_*; do
+           "$build"/nccl_floor "$build"/calib_compare "$build"/tests/test_*; do
+  [ -e "$bin" ] || continue
   ldd "$bin" | awk '/=>/ && $3 ~ /^\// {print $1, $3}' | while read -r name path; do
     [[ $name =~ $skip ]] && continue
     [ -e "$carry/lib/$name" ] || cp -L "$path" "$carry/lib/$name"

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Calibrators beyond max on GPUs (issue 23): the CUDA state backend holds the
 # statistics (merge and accumulate kernels), the daemons sum them with an
-# NCCL all-reduce(SUM) beside the MAX one, the methods run on the host.
-#   1. the calibrator unit tests of the CUDA build (test_calib)
+# NCCL all-reduce(SUM) beside the MAX one, the histogram methods run on the
+# device (cuda/calib_cuda.cu), the MSE searches on the host.
+#   1. the calibrator unit tests of the CUDA build (test_calib), and
+#      calib_compare: the histogram methods on the device against the
+#      host's, bit for bit, on random and adversarial histograms
 #   2. tests/e2e/test_calib.py against one daemon on the CUDA backend: every
 #      layout gives the same bytes, equal to one process; states, Reset,
 #      overflow, snapshots, bad input, the packed form
@@ -23,6 +26,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 if step 1; then
   echo "== 1. calibrator unit tests (CUDA build)"
   "$build/tests/test_calib" 2>&1 | tail -1 || rc=1
+  "$build/calib_compare" "${AMAXD_CALIB_COMPARE_N:-20000}" 2>&1 | tee "$out/calib_compare.txt" \
+    | tail -8 || rc=1
 fi
 
 py=$(mktemp -d)

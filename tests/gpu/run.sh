@@ -4,7 +4,8 @@
 #   1. Check unit tests (host code of the CUDA build)
 #   2. backend_compare: conformance vectors on the device, and 10^7 random
 #      amax values per recipe through the host and CUDA backends, compared
-#      byte for byte
+#      byte for byte; calib_compare: the histogram methods on the device
+#      against the host's, bit for bit
 #   3. the end-to-end pytest suite against amaxd on the CUDA backend
 #   4. bench_kernels: merge and NVFP4 scale kernels vs a device copy
 # Usage: tests/gpu/run.sh BUILD_DIR CARRY_DIR [OUT_DIR]
@@ -20,6 +21,7 @@ done
 
 echo "== 2. host vs CUDA backend"
 "$build/backend_compare" tests/vectors/recipes.tsv "${AMAXD_COMPARE_N:-10000000}" 2>&1 | tee "$out/backend_compare.txt" || rc=1
+"$build/calib_compare" "${AMAXD_CALIB_COMPARE_N:-20000}" 2>&1 | tee "$out/calib_compare.txt" || rc=1
 
 echo "== 3. end-to-end suite, daemon on the CUDA backend"
 py=$(mktemp -d)

@@ -9,6 +9,8 @@ rm -rf "$stage"
 mkdir -p "$stage/tests"
 cp "$build"/{amaxd,amaxctl,backend_compare,bench_kernels,nccl_floor,amaxd.service} "$stage/"
 cp "$build"/tests/test_* "$stage/tests/"
-# The calibrators' arithmetic alone, for tests/e2e/test_calib.py (issue 23).
+# The calibrators' arithmetic alone, for tests/e2e/test_calib.py, and the
+# device's histogram methods against it (issue 23).
 [ -e "$build/libamaxd_calib.so" ] && cp "$build/libamaxd_calib.so" "$stage/"
+[ -e "$build/calib_compare" ] && cp "$build/calib_compare" "$stage/"
 echo "stage: $(du -sh "$stage" | cut -f1) in $stage"

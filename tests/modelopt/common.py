@@ -1,10 +1,14 @@
-"""Helpers shared by the ModelOpt tier's tests: ModelOpt configs and
-byte-exact comparisons."""
+"""Helpers shared by the ModelOpt tier's tests: ModelOpt configs,
+byte-exact comparisons, and ModelOpt's static NVFP4 fake quantization on
+the CPU (``cpu_static_fp4``, the ``cpu_kernel`` fixture)."""
 import copy
 
 import numpy as np
+import pytest
 import torch
 import modelopt.torch.quantization as mtq
+from modelopt.torch.quantization import tensor_quant as TQ
+from modelopt.torch.quantization.nn.modules import tensor_quantizer as TQM
 
 
 def _nvfp4_static_cfg():
@@ -64,3 +68,37 @@ def block(ref, grid):
     ref = ref.reshape(shape)
     sl = tuple(slice(o, o + n) for o, n in zip(pl.offset, pl.local_shape))
     return ref[sl]
+
+
+# nvfp4_quant.py fp4_round_magnitude: (threshold, "<=" or "<", value).
+_FP4 = ((0.25, True, 0.0), (0.75, False, 0.5), (1.25, True, 1.0), (1.75, False, 1.5),
+        (2.5, True, 2.0), (3.5, False, 3.0), (5.0, True, 4.0))
+
+
+def cpu_static_fp4(x, amax, global_amax=None, quantize_block_scales=True,
+                   fp8_max_for_normalization=448.0, out_dtype=None, pass_through_bwd=False):
+    """fp4_kernel.py static_blockwise_fp4_fake_quant on the CPU: its
+    compute_fp4_scales (with tensor_quant._fp8_eager, what
+    scaled_e4m3_impl runs off CUDA) and static_blockwise_fp4_fake_quant_kernel
+    / nvfp4_scalar_quant, element for element in float32."""
+    n = amax.numel()
+    scale = amax.float() / 6.0
+    q = global_amax.float() * (448.0 / fp8_max_for_normalization) / 6.0
+    scale = TQ.fp8_eager(scale, q).contiguous().view(n, 1)
+    xf = x.contiguous().view(n, -1).float()
+    zero = scale == 0.0
+    safe = torch.where(zero | torch.isnan(scale) | torch.isinf(scale), torch.ones_like(scale),
+                       scale)
+    a = xf.abs() / safe
+    r = torch.full_like(a, 6.0)
+    for t, le, v in reversed(_FP4):
+        r = torch.where((a <= t) if le else (a < t), torch.full_like(a, v), r)
+    r = r * safe
+    y = torch.where(xf >= 0, r, -r)
+    y = torch.where(zero, torch.zeros_like(y), y)
+    return y.to(out_dtype or x.dtype).view(x.shape)
+
+
+@pytest.fixture
+def cpu_kernel(monkeypatch):
+    monkeypatch.setattr(TQM, "static_blockwise_fp4_fake_quant", cpu_static_fp4)

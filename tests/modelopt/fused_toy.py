@@ -113,6 +113,23 @@ def capture(model):
     return seen, lambda: [h.remove() for h in handles]
 
 
+def calibrate_full(quantize):
+    """The whole block calibrated on the tokens by `quantize(model, loop)`,
+    and what each expert's input quantizers were fed: (model, {(proj,
+    expert): input})."""
+    model, x = full_model(), tokens()
+    captured = {}
+
+    def loop(m):
+        seen, remove = capture(m)
+        m(x)
+        remove()
+        captured.update(seen)
+
+    quantize(model, loop)
+    return model, captured
+
+
 def coords(layout, rank):
     """(etp, ep, etp_rank, ep_rank, world)."""
     etp, ep = LAYOUTS[layout]

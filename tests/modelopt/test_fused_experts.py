@@ -61,17 +61,7 @@ PROJS = ("gate_up_proj", "down_proj")
 def reference(cfg_name):
     """(the single-process calibrated model, what each expert's input
     quantizers were fed)."""
-    model, x = ft.full_model(), ft.tokens()
-    captured = {}
-
-    def loop(m):
-        seen, remove = ft.capture(m)
-        m(x)
-        remove()
-        captured.update(seen)
-
-    quantize(model, cfg_name, loop)
-    return model, captured
+    return ft.calibrate_full(lambda m, loop: quantize(m, cfg_name, loop))
 
 
 @functools.lru_cache(maxsize=None)

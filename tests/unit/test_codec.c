@@ -388,6 +388,11 @@ START_TEST(packed_parse_equals_protobuf_c)
             r.align = (ProtobufCBinaryData){next_rand() % 16, vals + 2};
         r.shm_id = next_rand() % 2 ? (uint64_t)next_rand() << 32 : 0;
         r.shm_has_data = next_rand() % 2;
+        if (next_rand() % 2)
+            r.stats = (ProtobufCBinaryData){next_rand() % 80, vals + 3};
+        if (next_rand() % 2)
+            r.stat_epochs = (ProtobufCBinaryData){next_rand() % 40, vals + 4};
+        r.shm_stats = next_rand() % 2;
         size_t n;
         uint8_t *d = pack(&r.base, &n);
         Amaxd__V1__SendPackedRequest *m = amaxd__v1__send_packed_request__unpack(NULL, n, d);
@@ -401,6 +406,13 @@ START_TEST(packed_parse_equals_protobuf_c)
         ck_assert_uint_eq(in.layout_id, m->layout_id);
         ck_assert_uint_eq(in.shm_id, m->shm_id);
         ck_assert_int_eq(in.shm_has_data, m->shm_has_data);
+        ck_assert_int_eq(in.shm_stats, m->shm_stats);
+        ck_assert_msg(same_bytes(in.stats, in.stats_len, m->stats.data, m->stats.len),
+                      "try %d: stats of %zu bytes, protobuf-c %zu", t, in.stats_len, m->stats.len);
+        ck_assert_msg(
+            same_bytes(in.stat_epochs, in.stat_epochs_len, m->stat_epochs.data, m->stat_epochs.len),
+            "try %d: stat_epochs of %zu bytes, protobuf-c %zu", t, in.stat_epochs_len,
+            m->stat_epochs.len);
         ck_assert_msg(same_bytes(in.values, in.values_len, m->values.data, m->values.len),
                       "try %d: values of %zu bytes, protobuf-c %zu", t, in.values_len,
                       m->values.len);

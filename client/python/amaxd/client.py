@@ -195,7 +195,8 @@ class Client:
                             pb.GetLayoutResponse)
             if self.shm:
                 # Opened now: the daemon unlinks the files at their first use.
-                shm = open_shm(r.shm_path, r.shm_answer_path, r.shm_id, r.shm_has_data_offset)
+                shm = open_shm(r.shm_path, r.shm_answer_path, r.shm_id, r.shm_has_data_offset,
+                               r.shm_stats_offset, r.shm_stat_epochs_offset)
                 self._close_shm()
                 self._shm = shm
             self._layout = Layout.from_pb(r)
@@ -221,11 +222,12 @@ class Client:
             pwrite_all(shm.slab_fd, v, 0)
             if m is not None:
                 pwrite_all(shm.slab_fd, m, shm.has_data_offset)
-            req = pb.SendPackedRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
-                                       layout_id=L.id, shm_id=shm.id, shm_has_data=m is not None)
-            if sv is not None:
-                req.stats, req.stat_epochs = sv.tobytes(), se.tobytes()
-            return req.SerializeToString()
+            if sv is not None:  # the statistics after the slab (GetLayout's offsets)
+                pwrite_all(shm.slab_fd, sv, shm.stats_offset)
+                pwrite_all(shm.slab_fd, se, shm.stat_epochs_offset)
+            return pb.SendPackedRequest(job=self.job, rank=self.rank, epoch=self._epoch(epoch),
+                                        layout_id=L.id, shm_id=shm.id, shm_has_data=m is not None,
+                                        shm_stats=sv is not None).SerializeToString()
         return wire.encode_send_packed(self.job, self.rank, self._epoch(epoch), L.id, v, m, sv, se)
 
     def send_packed(self, values: object, has_data: object = None,

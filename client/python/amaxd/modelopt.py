@@ -1163,15 +1163,16 @@ def plan_nvfp4_mse(model: "torch.nn.Module", layout: Layout = Layout(), *,
     blocks placed as ``plan`` places them), each an amaxd quantizer
     ``<global name>.mse`` with ``Calibrator.nvfp4_mse()``; fusible siblings
     (q/k/v, gate/up) share their global amax through a scale group as in
-    ``plan``. Fused 3-D experts (per-expert globals) raise Unsupported."""
+    ``plan``. Fused 3-D experts: one quantizer per expert and projection
+    (``_plan_fused_nvfp4_mse``)."""
     out = []
     for e in plan(model, layout, column=column, row=row, shared_patterns=shared_patterns,
                   moe_share=False):
         if e.base_kind != "nvfp4_static":
             continue
         if e.fused:
-            raise Unsupported(f"{e.local_name}: the NVFP4 per-block search of fused experts "
-                              "(one global amax per expert) is not supported")
+            out.extend(_plan_fused_nvfp4_mse(model, e, layout))
+            continue
         tp_rank = layout.etp[0] if e.expert is not None else layout.tp_rank
         sg = e.spec.scale_group + ".mse" if e.spec.scale_group else ""
         spec = Quantizer(e.name + ".mse", e.spec.global_shape, e.spec.recipe, e.spec.placement,
@@ -1179,6 +1180,32 @@ def plan_nvfp4_mse(model: "torch.nn.Module", layout: Layout = Layout(), *,
         out.append(MseEntry(e.local_name, e.name + ".mse", e.quantizer, e.weight, spec, None,
                             _counts_here("linear", "weight_quantizer", e.parallel, tp_rank,
                                          layout, e.expert), "nvfp4"))
+    return out
+
+
+def _plan_fused_nvfp4_mse(model, e: Entry, layout: Layout) -> List[MseEntry]:
+    """The per-block search of a fused-experts projection, as ModelOpt 0.47
+    runs it: ``_QuantFusedExperts.iter_weights_for_calibration``
+    (plugins/huggingface.py) gives ``mse_calibrate`` each expert's 2-D slice
+    ``weight[i]`` with its own TensorQuantizer, whose global amax
+    ``promote_static_block_weight_quantizers`` (utils/core_utils.py) made
+    the max of that expert's blocks. So each expert is an amaxd quantizer
+    of its own, ``<...>_weight_quantizers.<global expert>.mse``: the
+    projection's block grid without the expert axis, this rank's part of it
+    (its expert-TP rows or columns), one global amax (its basis). EP ranks
+    hold disjoint experts; the first expert-data-parallel replica searches."""
+    gshape, pl = e.spec.global_shape, e.spec.placement
+    if len(pl.local_shape) < 3:  # plan(weight_blocks=False) never reaches here
+        raise Unsupported(f"{e.local_name}: fused experts registered without their blocks")
+    out = []
+    for i, q in enumerate(e.quantizer):
+        gname = global_name(model, f"{e.local_name}.{i}", layout)
+        spec = Quantizer(gname + ".mse", tuple(gshape[1:]), e.spec.recipe,
+                         P.Placement(tuple(pl.offset[1:]), tuple(pl.local_shape[1:])),
+                         calibrator=Calibrator.nvfp4_mse())
+        out.append(MseEntry(f"{e.local_name}.{i}", gname + ".mse", q, e.weight[i], spec, None,
+                            _counts_here("linear", "weight_quantizer", e.parallel,
+                                         layout.etp[0], layout, pl.offset[0] + i), "nvfp4"))
     return out
 
 
@@ -1203,7 +1230,9 @@ def _sync_nvfp4_mse(client: "Client", model: "torch.nn.Module", layout: Layout,
     entries = plan_nvfp4_mse(model, layout, **plan_kw)
     if entries:
         client.register([e.spec for e in entries])
-        client.send({e.name: _block_amax(e.weight, 16).cpu().numpy() for e in entries})
+        client.send({e.name: _block_amax(e.weight, 16).reshape(
+            e.spec.placement.local_shape if e.spec.placement else e.spec.global_shape)
+            .cpu().numpy() for e in entries})
     # Phase 1: the daemons fix each weight's global amax (the basis).
     r1 = client.reconcile([e.name for e in entries])
     stats = {}

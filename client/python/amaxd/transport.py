@@ -97,19 +97,24 @@ class Channel:
 class ShmBuffers(NamedTuple):
     """The two files of a rank's shared buffer, open (GetLayout with shm):
     the daemon reads slabs from the first (values at 0, has-data bytes at
-    has_data_offset) and writes answers into the second."""
+    has_data_offset, the statistics of calibrators beyond max at
+    stats_offset and their stat epochs at stat_epochs_offset) and writes
+    answers into the second."""
 
     slab_fd: int
     id: int
     has_data_offset: int
     answer_fd: int
+    stats_offset: int = 0
+    stat_epochs_offset: int = 0
 
     def close(self) -> None:
         os.close(self.slab_fd)
         os.close(self.answer_fd)
 
 
-def open_shm(slab_path: str, answer_path: str, shm_id: int, has_data_offset: int) -> ShmBuffers:
+def open_shm(slab_path: str, answer_path: str, shm_id: int, has_data_offset: int,
+             stats_offset: int = 0, stat_epochs_offset: int = 0) -> ShmBuffers:
     """Opens a shared buffer's files (as soon as GetLayout named them: the
     daemon unlinks them at their first use). An OSError says what to do
     when they cannot be opened."""
@@ -124,7 +129,7 @@ def open_shm(slab_path: str, answer_path: str, shm_id: int, has_data_offset: int
                                f"{e.filename} ({e.strerror}); is this process on the "
                                f"daemon's host and does it see its shm_dir? "
                                f"Use Client(shm=False) otherwise") from None
-    return ShmBuffers(fds[0], shm_id, has_data_offset, fds[1])
+    return ShmBuffers(fds[0], shm_id, has_data_offset, fds[1], stats_offset, stat_epochs_offset)
 
 
 def pwrite_all(fd: int, arr: np.ndarray, offset: int) -> None:
