@@ -105,8 +105,10 @@ extern "C" amx_status_t amx__cuda_hist_amax(const double *d_sums, uint64_t nsums
     uint64_t ne = 0, nc = 0;
     for (size_t q = 0; q < n; q++) {
         const amx_calib_t *c = &jobs[q].c;
+        /* PERCENTILE has no stride (0): it walks the bins, no candidates. */
         if (c->method < AMX_HM_ENTROPY || c->method > AMX_HM_MSE || c->num_bins == 0 ||
-            c->stride == 0 || jobs[q].sbase + c->num_bins + 1 > nsums) {
+            (c->method != AMX_HM_PERCENTILE && c->stride == 0) ||
+            jobs[q].sbase + c->num_bins + 1 > nsums) {
             free(h);
             return amx_err_set(err, AMX_EINTERNAL,
                                "histogram quantizer %zu: method %u, %u bins at %llu of %llu "
