@@ -166,10 +166,14 @@ static uint64_t new_incarnation(const amx_peer_t *p)
 
 static void abandon_joins(amx_peer_t *p);
 
+static void resend_joins(amx_peer_t *p);
+
 void amx_peer_tick(amx_peer_t *p)
 {
-    if (p->ncand > 1 && p->joins != NULL)
+    if (p->ncand > 1 && p->joins != NULL) {
         abandon_joins(p);
+        resend_joins(p);
+    }
     if (p->coord == NULL || p->ncand <= 1)
         return;
     uint64_t now = amx_now_ms(), gap = p->last_tick ? now - p->last_tick : 0;
@@ -268,7 +272,18 @@ typedef struct join_op {
     uint32_t crank;
     int done;
     uint64_t started_ms, deadline_ms; /* remote: when the Join was sent, and its deadline */
+    /* A Join refused UNAVAILABLE while the coordinator's role moves is sent
+     * again by the tick (retry_at != 0: waiting for it), within `until`. */
+    char *job;
+    uint32_t world, rank;
+    uint64_t retry_at, until;
 } join_op_t;
+
+static void join_op_free(join_op_t *op)
+{
+    free(op->job);
+    free(op);
+}
 
 static void on_local_join(void *ud, amx_status_t st, const char *msg, const amx_membership_t *m)
 {
@@ -276,7 +291,7 @@ static void on_local_join(void *ud, amx_status_t st, const char *msg, const amx_
     op->done = 1;
     op->creq = NULL;
     op->cb(op->ud, st, msg, m);
-    free(op);
+    join_op_free(op);
 }
 
 static void join_unlink(join_op_t *op)
@@ -290,12 +305,36 @@ static void join_unlink(join_op_t *op)
     op->prev = op->next = NULL;
 }
 
+static void join_link(join_op_t *op)
+{
+    amx_peer_t *p = op->p;
+    op->prev = NULL;
+    op->next = p->joins;
+    if (p->joins != NULL)
+        p->joins->prev = op;
+    p->joins = op;
+}
+
 static void on_remote_join(void *ud, amx_status_t st, const char *msg, const uint8_t *data,
                            size_t len)
 {
     join_op_t *op = ud;
     join_unlink(op);
     char buf[1200];
+    uint64_t now = amx_now_ms();
+    if ((st == AMX_EUNAVAIL || st == AMX_EINTERNAL) && op->p->ncand > 1 && now < op->until &&
+        now + 100 < op->deadline_ms) {
+        /* The coordinator died, or a candidate refused because it has not
+         * taken the role yet (members decide a moment apart): the tick
+         * sends it again, to whoever is named then, until the role has
+         * had time to move (the trainer is not told to Join again). */
+        AMX_DEBUG("peer", "Join of job %s, rank %u: %s; sent again shortly", op->job, op->rank,
+                  msg);
+        op->call = NULL;
+        op->retry_at = now + 1;
+        join_link(op);
+        return;
+    }
     if (st != AMX_OK) {
         if (st == AMX_ETIMEDOUT && amx_now_ms() + 50 >= op->deadline_ms) {
             /* Our own deadline, not the coordinator's answer (which comes
@@ -322,7 +361,7 @@ static void on_remote_join(void *ud, amx_status_t st, const char *msg, const uin
             msg = buf;
         }
         op->cb(op->ud, st, msg, NULL);
-        free(op);
+        join_op_free(op);
         return;
     }
     Amaxd__Peer__V1__JoinResponse *r = amaxd__peer__v1__join_response__unpack(NULL, len, data);
@@ -338,39 +377,31 @@ static void on_remote_join(void *ud, amx_status_t st, const char *msg, const uin
     }
     if (r != NULL)
         amaxd__peer__v1__join_response__free_unpacked(r, NULL);
-    free(op);
+    join_op_free(op);
 }
 
-amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint32_t rank,
-                           uint64_t deadline_ms, amx_peer_join_cb cb, void *ud, void **h,
-                           amx_err_t *err)
+/* Sends op's Join to the coordinator named now: the local one (which may
+ * answer at once: then *alive = 0, op is freed) or a remote one (op is
+ * linked into p->joins until its answer). */
+static amx_status_t send_join(join_op_t *op, int *alive, amx_err_t *err)
 {
-    *h = NULL;
-    join_op_t *op = calloc(1, sizeof(*op));
-    if (op == NULL)
-        return amx_err_set(err, AMX_ENOMEM, "out of memory");
-    op->p = p;
-    op->cb = cb;
-    op->ud = ud;
+    amx_peer_t *p = op->p;
+    *alive = 1;
     if (amx_peer_coordinating(p)) {
-        amx_coord_join_req_t req = {
-            job, world, rank, p->id.rank, p->id.incarnation, p->id.advertise, 0, deadline_ms};
+        amx_coord_join_req_t req = {op->job,           op->world,       op->rank, p->id.rank,
+                                    p->id.incarnation, p->id.advertise, 0,        op->deadline_ms};
         amx_creq_t *cr = NULL;
-        amx_status_t st = amx_coord_join(p->coord, &req, on_local_join, op, &cr, err);
-        if (st != AMX_OK) {
-            free(op);
-            return st;
-        }
-        if (cr != NULL) {
+        AMX_CHECK(amx_coord_join(p->coord, &req, on_local_join, op, &cr, err));
+        if (cr == NULL)
+            *alive = 0; /* answered (on_local_join freed it) */
+        else
             op->creq = cr;
-            *h = op;
-        }
         return AMX_OK;
     }
     Amaxd__Peer__V1__JoinRequest q = AMAXD__PEER__V1__JOIN_REQUEST__INIT;
-    q.job = (char *)job;
-    q.world_size = world;
-    q.rank = rank;
+    q.job = op->job;
+    q.world_size = op->world;
+    q.rank = op->rank;
     q.daemon = p->id.rank;
     q.incarnation = p->id.incarnation;
     q.address = p->id.advertise;
@@ -379,40 +410,81 @@ amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint3
      * only fires when the coordinator does not answer at all: either way
      * the trainer hears within its join_timeout_ms. */
     uint64_t now = amx_now_ms();
-    uint64_t left = deadline_ms > now ? deadline_ms - now : 1;
+    uint64_t left = op->deadline_ms > now ? op->deadline_ms - now : 1;
     uint64_t margin = left / 10 < JOIN_MARGIN_MS ? left / 10 : JOIN_MARGIN_MS;
     q.timeout_ms = (uint32_t)(left - margin > 0 ? left - margin : 1);
-    op->started_ms = now;
-    op->deadline_ms = deadline_ms;
     size_t len;
     uint8_t *buf = amx_codec_pack(&q.base, &len);
     op->gen = amx_peer_coordinator(p, &op->crank, op->addr, sizeof(op->addr));
     grpc_channel *ch = channel_to(p, op->addr);
     if (buf == NULL || ch == NULL) {
         free(buf);
-        free(op);
         return amx_err_set(err, AMX_ENOMEM, "out of memory");
     }
     char tok[160];
     token_for(p, SVC "Join", tok, sizeof(tok));
-    amx_status_t st = amx_rpc_call(p->rpc, ch, SVC "Join", buf, len, AUTH_KEY, tok, deadline_ms,
+    amx_status_t st = amx_rpc_call(p->rpc, ch, SVC "Join", buf, len, AUTH_KEY, tok, op->deadline_ms,
                                    on_remote_join, op, &op->call, err);
     free(buf);
-    if (st != AMX_OK) {
-        free(op);
+    if (st != AMX_OK)
         return st;
-    }
-    op->next = p->joins;
-    if (p->joins != NULL)
-        p->joins->prev = op;
-    p->joins = op;
-    *h = op;
+    join_link(op);
     return AMX_OK;
 }
 
+amx_status_t amx_peer_join(amx_peer_t *p, const char *job, uint32_t world, uint32_t rank,
+                           uint64_t deadline_ms, amx_peer_join_cb cb, void *ud, void **h,
+                           amx_err_t *err)
+{
+    *h = NULL;
+    join_op_t *op = calloc(1, sizeof(*op));
+    if (op == NULL || (op->job = strdup(job)) == NULL) {
+        free(op);
+        return amx_err_set(err, AMX_ENOMEM, "out of memory");
+    }
+    op->p = p;
+    op->cb = cb;
+    op->ud = ud;
+    op->world = world;
+    op->rank = rank;
+    op->started_ms = amx_now_ms();
+    op->deadline_ms = deadline_ms;
+    op->until = op->started_ms + 2 * p->failover_ms + 1000;
+    int alive;
+    amx_status_t st = send_join(op, &alive, err);
+    if (st != AMX_OK) {
+        join_op_free(op);
+        return st;
+    }
+    if (alive)
+        *h = op;
+    return AMX_OK;
+}
+
+/* The tick: Joins waiting to be sent again (on_remote_join). */
+static void resend_joins(amx_peer_t *p)
+{
+    uint64_t now = amx_now_ms();
+    for (join_op_t *op = p->joins, *next; op != NULL; op = next) {
+        next = op->next;
+        if (op->retry_at == 0 || now < op->retry_at)
+            continue;
+        join_unlink(op);
+        op->retry_at = 0;
+        amx_err_t e = {0};
+        int alive;
+        if (send_join(op, &alive, &e) != AMX_OK) {
+            op->cb(op->ud, e.code, e.msg, NULL);
+            join_op_free(op);
+        }
+    }
+}
+
 /* Remote Joins sent to a coordinator that is not the one any more (it
- * died or was stopped, and may keep its connections open): UNAVAILABLE,
- * so that the trainer joins again at once rather than at its deadline. */
+ * died or was stopped, and may keep its connections open): sent again to
+ * the new one (resend_joins) within 2 x coordinator_failover_ms + 1 s of
+ * the first send; after that UNAVAILABLE, so that the trainer hears at
+ * once rather than at its deadline. */
 static void abandon_joins(amx_peer_t *p)
 {
     unsigned gen = atomic_load(&p->co_gen);
@@ -420,15 +492,25 @@ static void abandon_joins(amx_peer_t *p)
         next = op->next;
         if (op->gen == gen || op->call == NULL)
             continue;
-        join_unlink(op);
         amx_rpc_call_cancel(p->rpc, op->call); /* its callback is not called */
+        uint64_t now = amx_now_ms();
+        if (now < op->until && now + 100 < op->deadline_ms) {
+            AMX_DEBUG("peer",
+                      "Join of job %s, rank %u: the coordinator %s (daemon %u) stopped "
+                      "answering; sent again to the next one",
+                      op->job, op->rank, op->addr, op->crank);
+            op->call = NULL; /* sent again to the new coordinator by resend_joins */
+            op->retry_at = now + 1;
+            continue;
+        }
+        join_unlink(op);
         char msg[600];
         snprintf(msg, sizeof(msg),
                  "the coordinator %s (daemon %u) stopped answering and another candidate takes "
                  "its role: Join again",
                  op->addr, op->crank);
         op->cb(op->ud, AMX_EUNAVAIL, msg, NULL);
-        free(op);
+        join_op_free(op);
     }
 }
 
@@ -442,7 +524,7 @@ void amx_peer_join_cancel(amx_peer_t *p, void *h)
         amx_coord_cancel(p->coord, op->creq);
     else if (op->call != NULL)
         amx_rpc_call_cancel(p->rpc, op->call); /* the callback is not called: free here */
-    free(op);
+    join_op_free(op);
 }
 
 static void ignore_answer(void *ud, amx_status_t st, const char *msg, const uint8_t *d, size_t n)

@@ -440,10 +440,13 @@ def test_a_failed_epoch_that_agreed_leaves_no_false_previous(make_cluster):
         cl.close()
 
 
-def test_a_join_sent_to_a_stopped_coordinator_is_abandoned(make_cluster):
+def test_a_join_sent_to_a_stopped_coordinator_moves_with_the_role(make_cluster):
     """A Join sent while the coordinator is stopped (its connections stay
-    open) gets UNAVAILABLE once another candidate takes the role, not at
-    join_timeout_ms; joined again, it completes at the new coordinator."""
+    open) is abandoned there once another candidate takes the role, and the
+    member daemon sends it again to the new coordinator (also when that
+    candidate has not taken the role yet: members decide a moment apart,
+    218 ms once on 4 x H200): the trainer's Join completes, with no error,
+    about coordinator_failover_ms later, not at join_timeout_ms."""
     if max_daemons(3) < 3:
         pytest.skip("needs 3 daemons")
     c = make_cluster(3, "--join-timeout-ms=30000", "--coordinator-failover-ms=1000",
@@ -454,26 +457,21 @@ def test_a_join_sent_to_a_stopped_coordinator_is_abandoned(make_cluster):
 
         def rank(r):
             t0 = time.monotonic()
-            try:
-                cls[r].join(timeout=30)
-                first = None
-            except amaxd.errors.Unavailable as e:
-                first = (time.monotonic() - t0, str(e))
-            if first is not None:
-                cls[r].join(timeout=30)
+            cls[r].join(timeout=30)
+            took = time.monotonic() - t0
             cls[r].register([amaxd.Quantizer("z", [], amaxd.Recipe.fp8_current())])
             cls[r].send({"z": np.float32(2.0 + r)})
             cls[r].reconcile()
-            return first, float(cls[r].get_scales(["z"])["z"].amax)
+            return took, float(cls[r].get_scales(["z"])["z"].amax)
         out, errs = run_threads({r: (lambda r=r: rank(r)) for r in range(2)})
         assert not errs, f"{errs}\n{c.logs()}"
         for r in range(2):
-            first, amax = out[r]
+            took, amax = out[r]
             assert amax == 3.0
-            if r == 1:  # daemon 2's Join went to the stopped daemon 0
-                assert first is not None, out
-                assert first[0] < 5.0 and "Join again" in first[1], first
-                print(f"Join at the stopped coordinator: UNAVAILABLE after {first[0]:.2f} s")
+            assert took < 10.0, (r, took)
+        print(f"Joins while the role moved: done after {out[0][0]:.2f} / {out[1][0]:.2f} s")
+        # Daemon 2's Join went to the stopped daemon 0 and was sent again.
+        assert "Join of job late, rank 1" in c[2].log() and "sent again" in c[2].log()
         for cl in cls.values():
             cl.close()
     finally:
