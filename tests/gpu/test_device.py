@@ -246,8 +246,6 @@ def test_async_returns_while_the_kernel_runs(start_daemon):
     while not ev.query() and time.time() < deadline:
         time.sleep(0.01)
     assert ev.query(), "the trainer's stream hangs on the done flag after an error"
-    # What the stream could read meanwhile is NaN, not the last epoch's scales.
-    assert torch.isnan(c._dev.answer["scale"]).all() and (c._dev.answer["block_scales"] == 255).all()
     # And the next epoch works (blocking, through the flags).
     with torch.cuda.stream(s):
         slab.copy_(b_d)

@@ -459,11 +459,11 @@ class PendingDevice:
     the trainer's stream already waits on the GPU for the daemon's done
     flag; result() waits on the host for the daemon's answer and gives
     the DeviceResult, or raises its error. When the answer is an error
-    (or the daemon is gone) the client fills the answer buffer with NaN
-    (0xFF bytes) and then writes the done flag itself, on a stream of its
-    own, as soon as the answer arrives (a thread reads it), so the
-    trainer's stream never hangs and never reads plausible stale scales;
-    result() raises."""
+    (or the daemon is gone) the client writes the done flag itself, on a
+    stream of its own, as soon as the answer arrives (a thread reads it),
+    so the trainer's stream never hangs; the results it read then are the
+    previous epoch's or garbage, and result() raises: check it before
+    trusting them."""
 
     def __init__(self, finish: Callable[[Any], Any],
                  failed: Callable[[BaseException], None]) -> None:
