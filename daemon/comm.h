@@ -95,6 +95,11 @@ typedef struct amx_comm_params {
     const char *host;     /* gloo: the address to bind and advertise */
     int cuda_device;      /* nccl: the device of the job's state */
     uint64_t deadline_ms; /* CLOCK_MONOTONIC ms by which the rendezvous must end */
+    /* Optional: polled while create waits for the peers (NCCL: its init);
+     * non-zero ends create with EABORTED (the epoch was aborted, e.g. by a
+     * peer that will never join). Called from another thread. */
+    int (*aborted)(void *ud);
+    void *abort_ud;
 } amx_comm_params_t;
 
 /* Creates a communicator of backend `name` ("local", "gloo", "nccl").
@@ -102,6 +107,13 @@ typedef struct amx_comm_params {
  * participant has joined the rendezvous or the deadline passes. */
 amx_status_t amx_comm_create(const char *name, const amx_comm_params_t *p, amx_comm_t **out,
                              amx_err_t *err);
+
+/* Sets the process-wide defaults of the backends; main calls it once,
+ * before any other thread starts (it may setenv). Returns a sentence for
+ * the log, or NULL. NCCL: NCCL_RUNTIME_CONNECT=0 unless the environment
+ * sets it, so that the all-reduces can run on a blocking communicator
+ * (comm_nccl.c); AMAXD_NCCL_BLOCKING=0 keeps them on the non-blocking one. */
+const char *amx_comm_process_init(void);
 
 /* Whether backend `name` is compiled in. */
 int amx_comm_available(const char *name);

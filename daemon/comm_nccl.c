@@ -4,11 +4,26 @@
  * NCCL is never called from two threads: one NCCL thread per daemon issues
  * every NCCL call (unique id, communicator init, all-reduce, abort,
  * destroy) on behalf of the jobs' engine threads, which wait for their
- * request to complete. Communicators are non-blocking
- * (ncclConfig_t.blocking = 0): the thread polls every operation in flight
+ * request to complete. The thread polls every operation in flight
  * (ncclCommGetAsyncError, cudaEventQuery), so one job's collective that
  * waits on a dead peer does not hold up another job's, and an operation is
  * aborted (ncclCommAbort) when its deadline passes or abort() is called.
+ *
+ * Two communicators per job. The first is non-blocking
+ * (ncclConfig_t.blocking = 0): its init, which waits for every peer, runs
+ * on a thread of NCCL's and is polled with the deadline. Once it is up, it
+ * is split (same ranks, splitShare = 1, so the child uses the parent's
+ * connections) into a *blocking* child, again polled, because a split of
+ * a non-blocking parent runs asynchronously. The all-reduces go to the
+ * child: a blocking communicator enqueues on the calling thread, where a
+ * non-blocking one starts a thread of NCCL's per call (200-340 us per
+ * epoch on H200). A blocking enqueue never waits for a peer once the
+ * connections exist, so the daemon sets NCCL_RUNTIME_CONNECT=0 (unless the
+ * operator set it): every connection is made during the (polled) init.
+ * The kernel of a collective whose peer is gone still spins on the GPU
+ * and is ended by ncclCommAbort, as before. With NCCL_RUNTIME_CONNECT=1
+ * set by the operator, or AMAXD_NCCL_BLOCKING=0, the all-reduces stay on
+ * the non-blocking communicator.
  *
  * The rendezvous (the unique id through the coordinator's key-value store)
  * happens on the engine thread before the init request.
@@ -31,10 +46,14 @@ enum { R_GETID, R_INIT, R_ALLREDUCE, R_DESTROY };
 
 typedef struct nccl_comm {
     amx_comm_t base;
-    ncclComm_t comm;
+    ncclComm_t comm;  /* the non-blocking communicator (init, split) */
+    ncclComm_t fast;  /* its blocking child, for the all-reduces (NULL: use comm) */
+    ncclComm_t split; /* written by NCCL when the split ends */
     int device;
-    atomic_int abort_req; /* abort() was called */
-    int dead;             /* aborted or failed: every later request fails */
+    atomic_int abort_req;     /* abort() was called */
+    int (*aborted)(void *ud); /* during create: the caller's abort (params) */
+    void *abort_ud;
+    int dead; /* aborted or failed: every later request fails */
     char why[256];
 } nccl_comm_t;
 
@@ -52,6 +71,7 @@ typedef struct nreq {
     cudaStream_t stream;
     cudaEvent_t ev;
     int launched;
+    int phase; /* R_INIT: 0 init, 1 split */
     uint64_t deadline;
     uint64_t t_submit, t_issue, t_enqueued, t_done; /* AMAXD_PROFILE */
     /* completion */
@@ -101,13 +121,43 @@ static void finish(nreq_t *r, amx_status_t st, const char *fmt, ...)
     pthread_mutex_unlock(&G.mu);
 }
 
+/* Aborts the child (if any) and then the parent, which share their
+ * connections and abort flag. A split still running is ended by the
+ * parent's abort (NCCL joins it); its child, written when it ends, is then
+ * aborted too. */
+static void abort_both(nccl_comm_t *c)
+{
+    if (c->fast != NULL)
+        ncclCommAbort(c->fast);
+    c->fast = NULL;
+    if (c->comm != NULL)
+        ncclCommAbort(c->comm);
+    c->comm = NULL;
+    ncclComm_t late = __atomic_exchange_n(&c->split, NULL, __ATOMIC_ACQ_REL);
+    if (late != NULL)
+        ncclCommAbort(late);
+}
+
+/* Whether the all-reduces go to a blocking child (see the top). */
+static int use_blocking(void)
+{
+    static int v = -1;
+    if (v < 0) {
+        const char *b = getenv("AMAXD_NCCL_BLOCKING");
+        const char *rc = getenv("NCCL_RUNTIME_CONNECT");
+        /* main sets NCCL_RUNTIME_CONNECT=0 (amx_comm_process_init); a
+         * program that did not keeps the non-blocking communicator. */
+        v = !(b != NULL && strcmp(b, "0") == 0) && rc != NULL && strcmp(rc, "0") == 0;
+    }
+    return v;
+}
+
 static void kill_comm(nccl_comm_t *c, const char *why)
 {
     if (c->comm != NULL && !c->dead) {
         AMX_WARN("nccl", "aborting a communicator (rank %d of %d): %s", c->base.rank, c->base.size,
                  why);
-        ncclCommAbort(c->comm);
-        c->comm = NULL;
+        abort_both(c);
     }
     if (!c->dead)
         snprintf(c->why, sizeof(c->why), "%s", why);
@@ -147,7 +197,7 @@ static int issue(nreq_t *r)
         r->t_issue = amx_now_us();
         ncclResult_t e =
             ncclAllReduce(r->send, r->recv, r->n, r->sum_f64 ? ncclFloat64 : ncclFloat32,
-                          r->sum_f64 ? ncclSum : ncclMax, c->comm, r->stream);
+                          r->sum_f64 ? ncclSum : ncclMax, c->fast ? c->fast : c->comm, r->stream);
         if (e == ncclSuccess)
             r->t_enqueued = amx_now_us();
         if (e != ncclSuccess && e != ncclInProgress) {
@@ -164,13 +214,10 @@ static int issue(nreq_t *r)
         return 0;
     }
     /* R_DESTROY */
-    if (c->comm != NULL) {
-        /* ncclCommFinalize may wait for peers that are gone; a communicator
-         * being destroyed has no work left, so abort frees it as well and
-         * never waits. */
-        ncclCommAbort(c->comm);
-        c->comm = NULL;
-    }
+    /* ncclCommFinalize may wait for peers that are gone; a communicator
+     * being destroyed has no work left, so abort frees it as well and
+     * never waits. */
+    abort_both(c);
     finish(r, AMX_OK, NULL);
     return 1;
 }
@@ -181,7 +228,8 @@ static int poll_one(nreq_t *r)
     nccl_comm_t *c = r->c;
     cudaSetDevice(c->device);
     uint64_t now = amx_now_ms();
-    if (atomic_load(&c->abort_req)) {
+    if (atomic_load(&c->abort_req) ||
+        (r->kind == R_INIT && c->aborted != NULL && c->aborted(c->abort_ud))) {
         kill_comm(c, "aborted by the daemon");
         finish(r, AMX_EABORTED, "aborted");
         return 1;
@@ -189,6 +237,8 @@ static int poll_one(nreq_t *r)
     ncclResult_t async = ncclSuccess;
     if (c->comm != NULL)
         ncclCommGetAsyncError(c->comm, &async);
+    if (async == ncclSuccess && c->fast != NULL)
+        ncclCommGetAsyncError(c->fast, &async);
     if (async != ncclSuccess && async != ncclInProgress) {
         const char *m = ncclGetErrorString(async);
         const char *last = c->comm ? ncclGetLastError(c->comm) : "";
@@ -197,7 +247,32 @@ static int poll_one(nreq_t *r)
         return 1;
     }
     if (r->kind == R_INIT) {
+        if (async == ncclSuccess && r->phase == 0 && use_blocking()) {
+            /* The parent is up: split it into the blocking child. The
+             * split runs on a thread of NCCL's (the parent is
+             * non-blocking); the parent reads ncclInProgress until it
+             * ends, and NCCL writes c->split before that. */
+            ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+            cfg.blocking = 1;
+            cfg.splitShare = 1;
+            r->phase = 1;
+            ncclResult_t e = ncclCommSplit(c->comm, 0, c->base.rank, &c->split, &cfg);
+            if (e != ncclSuccess && e != ncclInProgress) {
+                kill_comm(c, ncclGetErrorString(e));
+                finish(r, AMX_EUNAVAIL, "ncclCommSplit: %s", ncclGetErrorString(e));
+                return 1;
+            }
+            return 0;
+        }
         if (async == ncclSuccess) {
+            if (r->phase == 1) {
+                c->fast = __atomic_exchange_n(&c->split, NULL, __ATOMIC_ACQ_REL);
+                if (c->fast == NULL) {
+                    kill_comm(c, "the split gave no communicator");
+                    finish(r, AMX_EUNAVAIL, "ncclCommSplit gave no communicator");
+                    return 1;
+                }
+            }
             finish(r, AMX_OK, NULL);
             return 1;
         }
@@ -217,7 +292,7 @@ static int poll_one(nreq_t *r)
                 /* Kernels that NCCL stopped (a peer's failure) end too:
                  * done only if the communicator is still sound. */
                 ncclResult_t after = ncclSuccess;
-                ncclCommGetAsyncError(c->comm, &after);
+                ncclCommGetAsyncError(c->fast ? c->fast : c->comm, &after);
                 if (after != ncclSuccess && after != ncclInProgress) {
                     const char *m = ncclGetErrorString(after);
                     kill_comm(c, m);
@@ -461,6 +536,8 @@ amx_status_t amx__comm_nccl_create(const amx_comm_params_t *p, amx_comm_t **out,
     c->base.size = p->size;
     c->base.on_device = 1;
     c->device = p->cuda_device;
+    c->aborted = p->aborted;
+    c->abort_ud = p->abort_ud;
     atomic_init(&c->abort_req, 0);
     nreq_t r;
     memset(&r, 0, sizeof(r));
@@ -498,7 +575,9 @@ amx_status_t amx__comm_nccl_create(const amx_comm_params_t *p, amx_comm_t **out,
     init.nranks = p->size;
     init.rank = p->rank;
     init.deadline = p->deadline_ms;
-    if (submit(&init, err) != AMX_OK) {
+    amx_status_t st = submit(&init, err);
+    c->aborted = NULL; /* the caller's flag is not ours to read after create */
+    if (st != AMX_OK) {
         nccl_destroy(&c->base);
         return err->code;
     }

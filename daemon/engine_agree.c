@@ -201,6 +201,13 @@ static amx_status_t catch_up(amx_engine_t *e, const amx_sync_result_t *sr)
     return AMX_OK;
 }
 
+/* For the communicator's create: whether the epoch was aborted. */
+static int engine_aborted(void *ud)
+{
+    amx_engine_t *e = ud;
+    return atomic_load(&e->abort_flag) != 0;
+}
+
 static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
 {
     amx_job_t *j = e->job;
@@ -223,6 +230,8 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
         .host = e->env.gloo_host,
         .cuda_device = e->env.cuda_device,
         .deadline_ms = e->deadline,
+        .aborted = engine_aborted,
+        .abort_ud = e,
     };
     amx_err_t err = {0};
     amx_comm_t *c = NULL;

@@ -280,6 +280,9 @@ int main(int argc, char **argv)
     AMX_INFO("main", "amaxd %s starting (pid %d)", AMAXD_VERSION, (int)getpid());
     tune_malloc();
     raise_nofile();
+    const char *comm_init = amx_comm_process_init();
+    if (comm_init != NULL)
+        AMX_INFO("main", "%s", comm_init);
     amx_config_foreach(&d.cfg, log_setting, NULL);
 
     if (amx_cluster_resolve(&d.cfg, (const char *(*)(const char *))getenv, &d.id, &err) != AMX_OK) {

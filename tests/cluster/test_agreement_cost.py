@@ -127,7 +127,7 @@ def test_agreed_catalog_over_one_daemons_limits_fails_everywhere_with_the_cause(
     for r in range(3):
         e, took = out[r]
         assert e is not None, f"rank {r} reconciled a catalog over daemon 2's limit\n{c.logs()}"
-        assert isinstance(e, amaxd.errors.ResourceExhausted), (r, type(e), e)
+        assert isinstance(e, amaxd.errors.ResourceExhausted), (r, type(e), e, c.logs())
         assert "daemon 2's max_quantizers=5" in str(e), (r, e)
         assert "never entered" not in str(e), (r, e)
         assert took < 30, (r, took)  # not the 60 s deadline

@@ -78,10 +78,36 @@ class Daemon:
         try:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            where = self.stacks()
             self.proc.kill()
-            raise AssertionError(f"amaxd did not exit within {timeout}s of signal {sig}")
+            raise AssertionError(f"amaxd did not exit within {timeout}s of signal {sig}; "
+                                 f"its threads:\n{where}\nlog:\n{self.log()[-3000:]}")
         self._log.close()
         return rc
+
+    def stacks(self):
+        """Where a hung daemon's threads are: gdb's backtraces where gdb is
+        installed, else each thread's name and kernel wait channel."""
+        import shutil
+        pid = self.proc.pid
+        if shutil.which("gdb"):
+            try:
+                r = subprocess.run(["gdb", "-batch", "-p", str(pid), "-ex", "thread apply all bt 12"],
+                                   capture_output=True, text=True, timeout=60)
+                return "\n".join(l for l in r.stdout.splitlines()
+                                 if l.startswith(("Thread", "#")))[-12000:]
+            except (subprocess.TimeoutExpired, OSError) as e:
+                return f"(gdb failed: {e})"
+        out = []
+        for t in sorted(os.listdir(f"/proc/{pid}/task")):
+            def rd(n):
+                try:
+                    with open(f"/proc/{pid}/task/{t}/{n}") as f:
+                        return f.read().strip()
+                except OSError:
+                    return "?"
+            out.append(f"{t} {rd('comm')} {rd('wchan')}")
+        return "\n".join(out)
 
     def check_clean_exit(self, rc):
         log = self.log()
