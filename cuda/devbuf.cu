@@ -57,6 +57,10 @@ struct amx_devbuf {
     size_t cap_runs, n_runs;           /* n_runs: the runs on the device now */
     amx_run_t *d_gruns, *h_gruns;      /* answer runs */
     size_t cap_gruns, n_gruns;
+    uint64_t *d_qoff, *h_qoff; /* the slab's quantizer offsets (answer's missing counts) */
+    size_t cap_qoff, n_qoff;
+    uint32_t *d_miss; /* state_dev, cap_qoff: the counts, copied into the answer (atomics
+                         stay local: peer atomics need NVLink) */
     void *h_tail;
     size_t cap_tail;
 };
@@ -145,10 +149,28 @@ __global__ void k_dev_merge(float *pending, const float *v, const uint8_t *has, 
     }
 }
 
-/* The answer's per-cell arrays in slab order (runs sorted by dst). */
+/* The quantizer of slab cell i: qoff[q] <= i < qoff[q + 1]. */
+__device__ __forceinline__ uint32_t find_quantizer(const uint64_t *qoff, uint32_t nq, uint64_t i)
+{
+    uint32_t lo = 0, hi = nq;
+    while (hi - lo > 1) {
+        uint32_t mid = (lo + hi) / 2;
+        if (qoff[mid] <= i)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The answer's per-cell arrays in slab order (runs sorted by dst), and
+ * per quantizer the count of its cells without data (`missing`, zeroed
+ * before): as the packed answer counts them (results.c). Most epochs
+ * have no such cell: the search and the atomic run for those only. */
 __global__ void k_dev_gather(uint8_t *ans, uint64_t o_a, uint64_t o_s, uint64_t o_i, uint64_t o_b,
                              uint64_t n, const float *amax, const float *scale, const float *inv,
-                             const uint8_t *bytes, const amx_run_t *runs, uint32_t nruns)
+                             const uint8_t *bytes, const amx_run_t *runs, uint32_t nruns,
+                             uint32_t *missing, const uint64_t *qoff, uint32_t nq)
 {
     float *da = (float *)(ans + o_a), *ds = (float *)(ans + o_s), *di = (float *)(ans + o_i);
     uint8_t *db = ans + o_b;
@@ -159,10 +181,14 @@ __global__ void k_dev_gather(uint8_t *ans, uint64_t o_a, uint64_t o_s, uint64_t 
             da[i] = 0.0f;
             ds[i] = di[i] = 1.0f;
             db[i] = 0;
+            if (nq > 0)
+                atomicAdd(&missing[find_quantizer(qoff, nq, i)], 1u);
             continue;
         }
         uint64_t c = runs[r].src + (i - runs[r].dst);
         float a = amax[c];
+        if (a == -INFINITY && nq > 0)
+            atomicAdd(&missing[find_quantizer(qoff, nq, i)], 1u);
         da[i] = a == -INFINITY ? 0.0f : a;
         ds[i] = scale[c];
         di[i] = inv[c];
@@ -262,6 +288,9 @@ extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
     cudaFreeHost(d->h_runs);
     cudaFree(d->d_gruns);
     cudaFreeHost(d->h_gruns);
+    cudaFree(d->d_qoff);
+    cudaFreeHost(d->h_qoff);
+    cudaFree(d->d_miss);
     cudaFreeHost(d->h_tail);
     cudaSetDevice(d->dev);
     if (d->ds != NULL) {
@@ -394,6 +423,35 @@ static amx_status_t upload_runs(amx_run_t **h, amx_run_t **d, size_t *cap, size_
     return AMX_OK;
 }
 
+/* The slab's quantizer offsets (n values) on the device (d->d_qoff),
+ * copied through pinned staging only when they changed (as upload_runs). */
+static amx_status_t upload_qoff(amx_devbuf_t *d, const uint64_t *qoff, size_t n, cudaStream_t s,
+                                amx_err_t *err)
+{
+    if (n > d->cap_qoff) {
+        cudaFreeHost(d->h_qoff);
+        cudaFree(d->d_qoff);
+        cudaFree(d->d_miss);
+        d->h_qoff = NULL;
+        d->d_qoff = NULL;
+        d->d_miss = NULL;
+        d->cap_qoff = d->n_qoff = 0;
+        CU(cudaHostAlloc((void **)&d->h_qoff, n * sizeof(uint64_t), cudaHostAllocDefault),
+           "cudaHostAlloc");
+        CU(cudaMalloc((void **)&d->d_qoff, n * sizeof(uint64_t)), "cudaMalloc (offsets)");
+        CU(cudaMalloc((void **)&d->d_miss, n * sizeof(uint32_t)), "cudaMalloc (counts)");
+        d->cap_qoff = n;
+    }
+    if (n == 0 || (n == d->n_qoff && memcmp(d->h_qoff, qoff, n * sizeof(uint64_t)) == 0))
+        return AMX_OK;
+    d->n_qoff = 0;
+    memcpy(d->h_qoff, qoff, n * sizeof(uint64_t));
+    CU(cudaMemcpyAsync(d->d_qoff, d->h_qoff, n * sizeof(uint64_t), cudaMemcpyHostToDevice, s),
+       "cudaMemcpyAsync (offsets)");
+    d->n_qoff = n;
+    return AMX_OK;
+}
+
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
                                             size_t nruns, uint64_t ncells, uint64_t has_data_off,
                                             const amx_devsignal_t *ready, cudaStream_t sd,
@@ -451,18 +509,28 @@ amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax, const float *o_scale,
                      uint64_t ncells, const amx_devans_layout_t *lay, const void *tail,
                      size_t tail_bytes, const amx_devsignal_t *done, cudaStream_t s, amx_err_t *err)
 {
-    if (lay->tail + tail_bytes > d->answer_bytes || lay->block_scales + ncells > d->answer_bytes)
+    if (lay->tail + tail_bytes > d->answer_bytes || lay->block_scales + ncells > d->answer_bytes ||
+        lay->missing + 4 * (uint64_t)lay->nq > d->answer_bytes)
         return amx_err_set(err, AMX_EINTERNAL, "device answer of %llu bytes too small",
                            (unsigned long long)d->answer_bytes);
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     AMX_CHECK(
         upload_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, &d->n_gruns, gather, ngather, s, err));
+    if (lay->nq > 0) {
+        AMX_CHECK(upload_qoff(d, lay->qoff, (size_t)lay->nq + 1, s, err));
+        CU(cudaMemsetAsync(d->d_miss, 0, lay->nq * sizeof(uint32_t), s), "cudaMemsetAsync");
+    }
     if (ncells > 0) {
         k_dev_gather<<<grid_for(ncells), THREADS, 0, s>>>(
             (uint8_t *)d->answer, lay->amax, lay->scale, lay->scale_inv, lay->block_scales, ncells,
-            o_amax, o_scale, o_inv, o_bytes, d->d_gruns, (uint32_t)ngather);
+            o_amax, o_scale, o_inv, o_bytes, d->d_gruns, (uint32_t)ngather, d->d_miss, d->d_qoff,
+            lay->nq);
         CU(cudaGetLastError(), "device answer launch");
     }
+    if (lay->nq > 0)
+        CU(cudaMemcpyAsync((uint8_t *)d->answer + lay->missing, d->d_miss,
+                           lay->nq * sizeof(uint32_t), cudaMemcpyDeviceToDevice, s),
+           "cudaMemcpyAsync (missing counts)");
     if (tail_bytes > 0) {
         if (tail_bytes > d->cap_tail) {
             cudaFreeHost(d->h_tail);

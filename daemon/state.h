@@ -184,9 +184,14 @@ typedef struct amx_devsignal {
     uint64_t flag_off;
     uint32_t seq;
 } amx_devsignal_t;
-/* Byte offsets of the device answer's arrays (dev_answer). */
+/* Byte offsets of the device answer's arrays (dev_answer). `missing`: a
+ * uint32 per quantizer of the slab, the count of its cells without data
+ * (amax -inf, or in no gather run), counted on the device; `qoff`: the
+ * slab's nq + 1 quantizer offsets (cells), which say whose cell is whose. */
 typedef struct amx_devans_layout {
-    uint64_t amax, scale, scale_inv, block_scales, tail;
+    uint64_t amax, scale, scale_inv, block_scales, tail, missing;
+    const uint64_t *qoff;
+    uint32_t nq;
 } amx_devans_layout_t;
 
 typedef struct amx_state_ops {
@@ -335,10 +340,10 @@ typedef struct amx_state_ops {
      * output cell, run.dst = slab cell, sorted by dst) of a slab of
      * `ncells` cells into the answer buffer in slab order: amax (no data:
      * 0), scale, scale_inv and the byte at the offsets of `lay`; cells of
-     * no run read 0, 1, 1, 0. Then copies `tail_bytes` of host memory
-     * `tail` to lay->tail and records the done event (with `done`: writes
-     * its flag instead). Returns once the
-     * daemon's side is queued and its own buffers may be reused; nothing
+     * no run read 0, 1, 1, 0; and per quantizer of the slab (lay->qoff) the
+     * count of its cells without data (-inf or no run) at lay->missing. Then copies `tail_bytes` of
+     * host memory `tail` to lay->tail and records the done event (with `done`: writes its flag
+     * instead). Returns once the daemon's side is queued and its own buffers may be reused; nothing
      * of it waits for the trainer. */
     amx_status_t (*dev_answer)(amx_state_t *st, struct amx_devbuf *d, const amx_run_t *gather,
                                size_t ngather, uint64_t ncells, const struct amx_devans_layout *lay,

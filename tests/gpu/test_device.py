@@ -3,7 +3,8 @@ as torch processes/threads on the same GPU.
 
 - the device path gives the same bytes as the packed path (3 ranks, FP8
   current/delayed, NVFP4 with scale groups and global slices, MXFP8, peer
-  groups, cells without data; 3 epochs);
+  groups, cells without data; 3 epochs), the per-quantizer `missing`
+  counts, `has_previous` and the previous globals included;
 - the blocking ReconcileDevice needs no host sync from the trainer: a slab
   written behind a ~1 s kernel on the trainer's stream is merged (the
   daemon's stream waited on the trainer's ready event), the call returns
@@ -42,7 +43,9 @@ if not torch.cuda.is_available():
 
 ENV = {"AMAXD_BACKEND": "cuda"}
 ARRAYS = ("amax", "scale", "scale_inv", "block_scales", "global_amax", "global_scale",
-          "global_scale_inv", "global_amaxes", "global_scales", "global_scale_invs")
+          "global_scale_inv", "global_amaxes", "global_scales", "global_scale_invs",
+          # per quantizer, as ReconcilePacked (missing counted on the GPU)
+          "missing", "has_previous", "previous_global_amax", "previous_global_scale")
 
 
 def host(t):
@@ -82,7 +85,7 @@ def test_device_same_bytes_as_packed(start_daemon):
         L = cd.layout()
         slab, slab_g = cd.device_slab(), cg.device_slab()
         assert cd._dev.doorbell == d.socket + ".door"
-        got = []
+        got, seen_missing, seen_prev = [], 0, []
         for e in range(epochs):
             vals, has = cp.layout().pack(TP.contributions(r, e, rng))
             cp.send_packed(vals, has)
@@ -102,7 +105,18 @@ def test_device_same_bytes_as_packed(start_daemon):
                 b = host(getattr(rd, k))
                 assert a == b, (r, e, k, np.frombuffer(a, np.uint8)[:16], np.frombuffer(b, np.uint8)[:16])
                 assert host(getattr(rg, k)) == a, (r, e, k)
+            # The per-quantizer extras, through res[name] as well.
+            for i, name in enumerate(L.names):
+                q = rd[name]
+                assert int(q["missing"]) == int(rp.missing[i]), (r, e, name)
+                assert int(q["has_previous"]) == int(rp.has_previous[i]), (r, e, name)
+            seen_missing += int(np.asarray(rp.missing).sum())
+            seen_prev.append(int(np.asarray(rp.has_previous).sum()))
             got.append(len(L.names))
+        # The comparison covered both values of each: cells without data
+        # (masked experts) and no previous globals in epoch 1, some after.
+        assert seen_missing > 0 and seen_prev[0] == 0 and seen_prev[-1] > 0, (seen_missing,
+                                                                              seen_prev)
         for c in (cp, cd, cg):
             c.close()
         return got

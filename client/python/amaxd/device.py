@@ -93,7 +93,7 @@ class _Cupy:
         """A torch tensor over device memory, through DLPack."""
         import cupy
         t = _torch()
-        dt = {"<f4": cupy.float32, "|u1": cupy.uint8}[typestr]
+        dt = {"<f4": cupy.float32, "|u1": cupy.uint8, "<i4": cupy.int32}[typestr]
         mem = cupy.cuda.UnownedMemory(ptr, max(n, 1) * cupy.dtype(dt).itemsize, owner, dev)
         a = cupy.ndarray((n,), dt, cupy.cuda.MemoryPointer(mem, 0))
         return t.from_dlpack(a)
@@ -273,6 +273,17 @@ class DeviceBuffers:
             "global_scales": view(ans, r.global_scales_offset, s, "<f4"),
             "global_scale_invs": view(ans, r.global_scale_invs_offset, s, "<f4"),
         }
+        # Per quantizer, as ReconcilePacked answers them; a daemon before
+        # them answers no offsets (0 is the amax array's). `missing` is the
+        # uint32 count viewed as int32 (torch's uint32 support is thin; a
+        # count never reaches 2^31: a slab of 8 GiB).
+        if getattr(r, "missing_offset", 0):
+            self.answer.update({
+                "missing": view(ans, r.missing_offset, q, "<i4"),
+                "has_previous": view(ans, r.has_previous_offset, q, "|u1"),
+                "previous_global_amax": view(ans, r.previous_global_amax_offset, q, "<f4"),
+                "previous_global_scale": view(ans, r.previous_global_scale_offset, q, "<f4"),
+            })
 
     def record_ready(self, stream: int) -> None:
         self._b.record(self.ready, stream)
@@ -604,34 +615,40 @@ class AsyncReader:
             pending._set(ans, None)
 
 
+PER_QUANTIZER = ("global_amax", "global_scale", "global_scale_inv", "missing", "has_previous",
+                 "previous_global_amax", "previous_global_scale")
+
+
 class DeviceResult:
     """One epoch's answer in the device buffers: CUDA tensor views (amax,
     scale, scale_inv, block_scales per cell in slab order; global_amax,
-    global_scale, global_scale_inv per quantizer; global_amaxes, ... per
-    global slice), valid until the next reconcile_device()."""
+    global_scale, global_scale_inv, missing (int32: cells of this rank's
+    block without data anywhere), has_previous (uint8), previous_global_amax,
+    previous_global_scale per quantizer; global_amaxes, ... per global
+    slice), valid until the next reconcile_device(). The arrays are
+    ReconcilePacked's, byte for byte."""
 
     def __init__(self, bufs: DeviceBuffers, layout: Any, epoch: int, next_epoch: int) -> None:
         self.epoch, self.next_epoch = epoch, next_epoch
         self.layout = layout
+        self._keys = tuple(bufs.answer)
         for k, v in bufs.answer.items():
             setattr(self, k, v)
 
     def __getitem__(self, name: str) -> Dict[str, Any]:
         """Views of quantizer `name`: its block's amax/scale/scale_inv/
-        block_scales and its globals."""
+        block_scales, its globals, missing count and previous globals."""
         L = self.layout
         i = L.index[name]
         out = {k: L.view(getattr(self, k), name)
                for k in ("amax", "scale", "scale_inv", "block_scales")}
-        for k in ("global_amax", "global_scale", "global_scale_inv"):
-            out[k] = getattr(self, k)[i]
+        for k in PER_QUANTIZER:
+            if k in self._keys:
+                out[k] = getattr(self, k)[i]
         return out
 
     def arrays(self) -> Dict[str, Any]:
-        return {k: getattr(self, k) for k in ("amax", "scale", "scale_inv", "block_scales",
-                                              "global_amax", "global_scale", "global_scale_inv",
-                                              "global_amaxes", "global_scales",
-                                              "global_scale_invs")}
+        return {k: getattr(self, k) for k in self._keys}
 
 
 def current_stream(dev: int) -> Tuple[Any, int]:
