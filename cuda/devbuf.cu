@@ -31,10 +31,13 @@
 #include <cuda.h> /* types of the stream memory operations (found at run time) */
 #include <cuda_runtime.h>
 #include <ctype.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "clock.h"
 #include "devbuf.h"
 #include "log.h"
 
@@ -61,6 +64,13 @@ struct amx_devbuf {
     size_t cap_qoff, n_qoff;
     uint32_t *d_miss; /* state_dev, cap_qoff: the counts, copied into the answer (atomics
                          stay local: peer atomics need NVLink) */
+    /* The deadline on the trainer's ready flag (amx__cuda_dev_wait): each
+     * merge has a token; the merge kernel skips the slab when *d_abort
+     * holds its token, which a release writes before it writes the flag. */
+    uint32_t *d_abort;    /* state_dev */
+    uint32_t token;       /* the last merge's */
+    amx_devsignal_t pend; /* the last merge's ready flag (pend_signal: by a flag) */
+    int pend_signal, released;
     void *h_tail;
     size_t cap_tail;
 };
@@ -132,9 +142,10 @@ __global__ void k_dev_check(const float *v, const uint8_t *has, uint64_t n, unsi
  * check found nothing. The merges of one epoch run one after another on
  * one stream, and a rank's runs never overlap: plain stores. */
 __global__ void k_dev_merge(float *pending, const float *v, const uint8_t *has, uint64_t n,
-                            const amx_run_t *runs, uint32_t nruns, const unsigned long long *bad)
+                            const amx_run_t *runs, uint32_t nruns, const unsigned long long *bad,
+                            const volatile uint32_t *abort, uint32_t token)
 {
-    if (*bad != NO_BAD)
+    if (*bad != NO_BAD || *abort == token) /* a bad value, or released at the deadline */
         return;
     for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
          i += (uint64_t)gridDim.x * blockDim.x) {
@@ -291,6 +302,7 @@ extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
     cudaFree(d->d_qoff);
     cudaFreeHost(d->h_qoff);
     cudaFree(d->d_miss);
+    cudaFree(d->d_abort);
     cudaFreeHost(d->h_tail);
     cudaSetDevice(d->dev);
     if (d->ds != NULL) {
@@ -345,6 +357,8 @@ static amx_status_t open_buffers(amx_devbuf_t *d, amx_devbuf_info_t *info, amx_e
     CU(cudaEventCreateWithFlags(&d->answered, cudaEventDisableTiming), "cudaEventCreate");
     CU(cudaEventCreateWithFlags(&d->merged, cudaEventDisableTiming), "cudaEventCreate");
     CU(cudaMalloc(&d->d_bad, sizeof(unsigned long long)), "cudaMalloc");
+    CU(cudaMalloc(&d->d_abort, sizeof(uint32_t)), "cudaMalloc");
+    CU(cudaMemset(d->d_abort, 0, sizeof(uint32_t)), "cudaMemset");
     CU(cudaHostAlloc(&d->h_bad, sizeof(unsigned long long), cudaHostAllocDefault), "cudaHostAlloc");
     *d->h_bad = NO_BAD;
     info->signals = memops_found();
@@ -464,6 +478,11 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
         CU(cudaEventSynchronize(d->merged), "cudaEventSynchronize");
     AMX_CHECK(upload_runs(&d->h_runs, &d->d_runs, &d->cap_runs, &d->n_runs, runs, nruns, sd, err));
     CU(cudaMemsetAsync(d->d_bad, 0xff, sizeof(unsigned long long), sd), "cudaMemsetAsync");
+    d->token = d->token + 1 ? d->token + 1 : 1; /* never 0, what d_abort starts with */
+    d->released = 0;
+    d->pend_signal = ready != NULL && memops_found();
+    if (ready != NULL)
+        d->pend = *ready;
     /* Behind the trainer's writes of the slab: its last record of `ready`
      * (before it called ReconcileDevice), waited on by ds on its GPU. */
     CU(cudaSetDevice(d->dev), "cudaSetDevice");
@@ -481,8 +500,8 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
         has_data_off == UINT64_MAX ? NULL : (const uint8_t *)d->slab + has_data_off;
     if (ncells > 0) {
         k_dev_check<<<grid_for(ncells), THREADS, 0, sd>>>(v, has, ncells, d->d_bad);
-        k_dev_merge<<<grid_for(ncells), THREADS, 0, sd>>>(pending, v, has, ncells, d->d_runs,
-                                                          (uint32_t)nruns, d->d_bad);
+        k_dev_merge<<<grid_for(ncells), THREADS, 0, sd>>>(
+            pending, v, has, ncells, d->d_runs, (uint32_t)nruns, d->d_bad, d->d_abort, d->token);
         CU(cudaGetLastError(), "device slab merge launch");
     }
     CU(cudaMemcpyAsync(d->h_bad, d->d_bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, sd),
@@ -495,12 +514,120 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
 
 extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d)
 {
-    if (!d->merged_used)
+    if (!d->merged_used || d->released)
         return -1;
     cudaSetDevice(d->state_dev);
     if (cudaEventSynchronize(d->merged) != cudaSuccess)
         return -1;
     return *d->h_bad == NO_BAD ? -1 : (int64_t)*d->h_bad;
+}
+
+/* Releases the last merge of d, whose trainer never wrote its ready flag:
+ * cancels the merge (its token into d_abort, on the state's device), then
+ * writes the flag (pend.seq) into the slab from a stream of the buffers'
+ * device, each synchronized, in that order: when the daemon's stream gets
+ * past the flag, the merge kernel reads the token and skips the slab. */
+static amx_status_t release(amx_devbuf_t *d, amx_err_t *err)
+{
+    cudaStream_t s = NULL;
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    CUresult r = p_write32((CUstream)s, (CUdeviceptr)d->d_abort, d->token, 0);
+    cudaError_t e = r == CUDA_SUCCESS ? cudaStreamSynchronize(s) : cudaSuccess;
+    cudaStreamDestroy(s);
+    if (r != CUDA_SUCCESS)
+        return amx_err_set(err, AMX_EDEVICE,
+                           "cuStreamWriteValue32 (cancel a merge): driver error %d", (int)r);
+    CU(e, "cudaStreamSynchronize (cancel a merge)");
+    CU(cudaSetDevice(d->dev), "cudaSetDevice");
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    r = p_write32((CUstream)s, (CUdeviceptr)((char *)d->slab + d->pend.flag_off), d->pend.seq, 0);
+    e = r == CUDA_SUCCESS ? cudaStreamSynchronize(s) : cudaSuccess;
+    cudaStreamDestroy(s);
+    if (r != CUDA_SUCCESS)
+        return amx_err_set(err, AMX_EDEVICE,
+                           "cuStreamWriteValue32 (a trainer's ready flag): driver error %d",
+                           (int)r);
+    CU(e, "cudaStreamSynchronize (a trainer's ready flag)");
+    d->released = 1;
+    return AMX_OK;
+}
+
+/* Whether d's last merge still waits for its trainer (its stream did not
+ * get past the ready flag or event). */
+static int stuck(amx_devbuf_t *d)
+{
+    int s = cudaEventQuery(d->seen) == cudaErrorNotReady;
+    cudaGetLastError();
+    return s;
+}
+
+extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaEvent_t in,
+                                           int state_dev, uint64_t deadline_ms, amx_err_t *err)
+{
+    int warned = 0;
+    for (uint64_t spins = 0;; spins++) {
+        cudaError_t e = cudaEventQuery(in);
+        if (e == cudaSuccess)
+            return AMX_OK;
+        if (e != cudaErrorNotReady)
+            CU(e, "cudaEventQuery (device slabs merged)");
+        if (deadline_ms != UINT64_MAX && !warned && amx_now_ms() >= deadline_ms) {
+            char ranks[256] = "";
+            size_t nr = 0, nev = 0;
+            for (size_t i = 0; i < n; i++) {
+                if (!stuck(ds[i]))
+                    continue;
+                if (!ds[i]->pend_signal) {
+                    nev++;
+                    continue;
+                }
+                if (nr < sizeof(ranks))
+                    nr += (size_t)snprintf(ranks + nr, sizeof(ranks) - nr, "%s%u (signal %u)",
+                                           nr ? ", " : "", ds[i]->pend.rank, ds[i]->pend.seq);
+            }
+            warned = 1;
+            if (nev > 0) {
+                /* A stream wait on an interprocess event cannot be
+                 * cancelled: releasing the others would not free the
+                 * daemon's stream. Wait on, as without a deadline. */
+                AMX_ERROR("devbuf",
+                          "the deadline passed while the daemon's stream waits for %zu trainer "
+                          "slab(s) ordered by the ready event: a stream wait on an interprocess "
+                          "event cannot be released, so this epoch waits on for the trainer "
+                          "(signals, the doorbell's flags, have a deadline)",
+                          nev);
+                continue;
+            }
+            if (nr == 0)
+                continue; /* every trainer got past its flag: merging now */
+            for (size_t i = 0; i < n; i++) {
+                if (!stuck(ds[i]))
+                    continue;
+                amx_status_t st = release(ds[i], err);
+                cudaSetDevice(state_dev);
+                if (st != AMX_OK)
+                    return st;
+            }
+            /* The released merges skip their slabs; `in` follows shortly
+             * (the loop's unflip waits for it). */
+            return amx_err_set(
+                err, AMX_ETIMEDOUT,
+                "the device slab of trainer rank %s was not ready within the epoch's deadline "
+                "(reconcile_timeout_ms): its stream never wrote the ready flag after the slab (a "
+                "stream stuck behind other work, or a trainer that died). The daemon wrote the "
+                "flag itself so that its own stream goes on; the slab was not merged, nothing of "
+                "this epoch was reconciled, and the other contributions are kept for the next "
+                "epoch",
+                ranks);
+        }
+        if (spins < 1000) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+    }
 }
 
 extern "C" amx_status_t

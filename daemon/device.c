@@ -299,7 +299,7 @@ void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j)
                              " before epoch %llu started; its device slab (layout %016" PRIx64
                              ") was not merged: open new device buffers (OpenDevice)",
                              r->rank, sl->id, (unsigned long long)j->epoch, d->layout_id);
-        amx_devsignal_t ready = {d->ready_off, d->seq};
+        amx_devsignal_t ready = {d->ready_off, d->seq, r->rank};
         if (rc == AMX_OK)
             rc = st->ops->dev_merge(st, d->buf, sl->merge, sl->nmerge, d->ncells,
                                     d->has_data ? d->has_off : UINT64_MAX,
@@ -391,7 +391,7 @@ amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, 
     d->lay.missing = d->missing_off;
     d->lay.qoff = sl->off;
     d->lay.nq = sl->n;
-    amx_devsignal_t done = {d->done_off, d->seq};
+    amx_devsignal_t done = {d->done_off, d->seq, r->rank};
     amx_status_t rc = st->ops->dev_answer(st, d->buf, sl->gather, sl->ngather, d->ncells, &d->lay,
                                           d->tail, d->tail_bytes, d->seq != 0 ? &done : NULL, err);
     if (rc == AMX_EDEVICE)

@@ -183,6 +183,7 @@ typedef struct amx_devbuf_info {
 typedef struct amx_devsignal {
     uint64_t flag_off;
     uint32_t seq;
+    uint32_t rank; /* ready: the trainer rank whose slab it orders (messages) */
 } amx_devsignal_t;
 /* Byte offsets of the device answer's arrays (dev_answer). `missing`: a
  * uint32 per quantizer of the slab, the count of its cells without data
@@ -334,7 +335,8 @@ typedef struct amx_state_ops {
                               size_t nruns, uint64_t ncells, uint64_t has_data_off,
                               const amx_devsignal_t *ready, amx_err_t *err);
     /* Loop, after the epoch of the last dev_merge ended: the first slab
-     * cell that failed its check (the slab was then not merged), or -1. */
+     * cell that failed its check (the slab was then not merged), or -1
+     * (also for a slab dev_wait released). */
     int64_t (*dev_bad)(amx_state_t *st, struct amx_devbuf *d);
     /* Loop. Writes the front outputs of the `ngather` runs (run.src =
      * output cell, run.dst = slab cell, sorted by dst) of a slab of
@@ -362,6 +364,18 @@ typedef struct amx_state_ops {
     amx_status_t (*stat_hist)(amx_state_t *st, const struct amx_hist_job *jobs, size_t n,
                               float *out, amx_err_t *err);
 
+    /* Optional (NULL: nothing to wait for). Engine, before anything of
+     * the epoch touches the in-flight buffer: waits on the host, until
+     * `deadline_ms` (amx_now_ms; UINT64_MAX: none), for the device slabs
+     * the loop queued at the flip (dev_merge) to be merged. When the
+     * deadline passes first, every slab whose trainer never wrote its
+     * ready flag is released: its merge is cancelled (the slab is not
+     * merged) and the daemon writes the flag itself from another stream,
+     * so its streams go on; then ETIMEDOUT naming those ranks. A slab
+     * ordered by the ready event instead cannot be released (a stream
+     * wait on an event cannot be cancelled): then this logs why and
+     * waits on, as without a deadline. */
+    amx_status_t (*dev_wait)(amx_state_t *st, uint64_t deadline_ms, amx_err_t *err);
 } amx_state_ops_t;
 
 struct amx_state {

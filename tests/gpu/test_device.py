@@ -12,6 +12,9 @@ as torch processes/threads on the same GPU.
   read on that stream afterwards are right;
 - kill -9 of a trainer holding mappings frees them (the daemon's GPU memory
   in nvidia-smi and cudaMemGetInfo back to the baseline);
+- a trainer whose stream never writes its ready flag: the epoch fails at
+  its deadline with DEADLINE_EXCEEDED naming the rank, the daemon frees
+  its own stream, the slab is not merged and the next epoch is right;
 - bad input: an unknown or malformed device, another rank's buffers, a
   wrong layout id, a layout change while mapped, closed buffers, a NaN in
   the slab (INVALID_ARGUMENT naming the cell; the epoch goes on without
@@ -268,6 +271,88 @@ def test_async_returns_while_the_kernel_runs(start_daemon):
     assert r3.epoch == 4 and np.array_equal(r3.amax.cpu().numpy(), b)
     ref.close()
     c.close()
+
+
+def test_deadline_on_a_stuck_trainer(start_daemon):
+    """A trainer whose stream never writes its ready flag (it sent the
+    request through the doorbell with a signal, but the flag write never
+    runs) does not hang the daemon: at the epoch's deadline
+    (reconcile_timeout_ms, 3 s here) the epoch fails with
+    DEADLINE_EXCEEDED naming that rank, for both ranks; the daemon writes
+    the flag itself, so its own stream goes on; the stuck rank's slab
+    (1e30 everywhere) is not merged and the reconciled state is
+    unchanged: the next epoch, through the same buffers and flags,
+    answers at once the bytes of a packed reference that never saw the
+    failed epoch."""
+    d = start_daemon("--reconcile-timeout-ms=3000", env=ENV)
+    n, W = 1000, 2
+    qs = [amaxd.Quantizer(f"q{i:04d}", [], amaxd.Recipe.fp8_current()) for i in range(n)]
+    rng = np.random.default_rng(11)
+    a = [(rng.random(n, dtype=np.float32) * 10).astype(np.float32) for _ in range(W)]
+    b = [(rng.random(n, dtype=np.float32) * 100 + 11).astype(np.float32) for _ in range(W)]
+    ref = d.client("ref", 0, 1)
+    ref.join()
+    ref.register(qs)
+    cs = [d.client("st", r, W) for r in range(W)]
+    run_ranks(lambda r: cs[r].join(), W)
+    for c in cs:
+        c.register(qs)
+    slabs = [c.device_slab() for c in cs]
+
+    def normal(vals):
+        def body(r):
+            slabs[r].copy_(torch.from_numpy(vals[r]).cuda())
+            res = cs[r].reconcile_device()
+            torch.cuda.current_stream().synchronize()
+            return res.epoch, {k: host(getattr(res, k)) for k in ARRAYS}
+        return body
+    assert [e for e, _ in run_ranks(normal(a), W)] == [1, 1]
+    assert all(c._dev.signals and c._door is not None for c in cs), "no signals or no doorbell"
+    ref.send_packed(np.maximum(a[0], a[1]))
+    ref.reconcile_packed()
+
+    def stuck_epoch(r):
+        c = cs[r]
+        try:
+            if r == 0:
+                slabs[0].copy_(torch.from_numpy(a[0]).cuda())
+                c.reconcile_device()
+            else:
+                # Garbage that must never be merged, then the request with
+                # a signal whose flag nobody writes.
+                slabs[1].fill_(1e30)
+                torch.cuda.synchronize()
+                req = pb.ReconcileDeviceRequest(job="st", rank=1, epoch=c.epoch,
+                                                layout_id=c.layout().id, device_id=c._dev.id,
+                                                send=True)
+                c._door.call(req, 60, c._dev.next_seq())
+        except errors.AmaxdError as e:
+            return e
+        return None
+    t0 = time.perf_counter()
+    errs = run_ranks(stuck_epoch, W)
+    dt = time.perf_counter() - t0
+    print(f"stuck trainer: both ranks answered after {dt:.2f} s: {errs[0]}")
+    for e in errs:
+        assert isinstance(e, errors.DeadlineExceeded), e
+        assert "device slab of trainer rank 1 (signal 2)" in e.message, e.message
+        assert "was not merged" in e.message, e.message
+    assert 2.0 < dt < 30, dt
+    # The next epoch: the same buffers, at once, the reference's bytes.
+    ref.send_packed(np.maximum(b[0], b[1]))
+    want = ref.reconcile_packed()
+    t0 = time.perf_counter()
+    outs = run_ranks(normal(b), W)
+    dt = time.perf_counter() - t0
+    print(f"the next epoch after the released one: {1e3 * dt:.0f} ms")
+    assert dt < 2.0, "the daemon's stream still waited"
+    for r, (epoch, got) in enumerate(outs):
+        assert epoch == 2, epoch
+        for k in ARRAYS:
+            assert got[k] == np.asarray(getattr(want, k)).tobytes(), (r, k)
+    assert "was not ready within the epoch's deadline" in d.log()
+    for c in (ref, *cs):
+        c.close()
 
 
 def _gpu_used_by(pid):
