@@ -15,6 +15,8 @@ as torch processes/threads on the same GPU.
 - a trainer whose stream never writes its ready flag: the epoch fails at
   its deadline with DEADLINE_EXCEEDED naming the rank, the daemon frees
   its own stream, the slab is not merged and the next epoch is right;
+- amaxd.modelopt.sync on a model on the GPU takes the device path and
+  writes what the packed path writes;
 - bad input: an unknown or malformed device, another rank's buffers, a
   wrong layout id, a layout change while mapped, closed buffers, a NaN in
   the slab (INVALID_ARGUMENT naming the cell; the epoch goes on without
@@ -353,6 +355,62 @@ def test_deadline_on_a_stuck_trainer(start_daemon):
     assert "was not ready within the epoch's deadline" in d.log()
     for c in (ref, *cs):
         c.close()
+
+
+def test_modelopt_sync_takes_the_device_path(start_daemon):
+    """amaxd.modelopt.sync on a model on the GPU takes the device path
+    (SyncResults.path == "device": the rank's amax slab and the answer in
+    the device buffers) and writes into every quantizer the bytes the
+    packed path writes for the same shards on the CPU (4 ranks, TP x EP,
+    NVFP4 static weight blocks: _amax blocks and _global_amax, and
+    per-tensor inputs with experts that got no tokens). Needs
+    nvidia-modelopt (skipped without)."""
+    pytest.importorskip("modelopt.torch.quantization")
+    import copy
+    sys.path.insert(0, os.path.join(HERE, "..", "modelopt"))
+    import toy
+    from common import quantize, quantizers
+    import amaxd.modelopt as amo
+    d = start_daemon(env=ENV)
+    cfg, layout = "nvfp4_static", sorted(toy.LAYOUTS)[0]
+    ref, x = toy.full_model(), toy.batch()
+    captured = {}
+
+    def loop(m):
+        seen, remove = toy.capture_hooks(m)
+        m(x)
+        remove()
+        captured.update(seen)
+    quantize(ref, cfg, loop)
+    base = []
+    for r in range(toy.W):
+        m = toy.shard_model(toy.full_model(), layout, r)
+        quantize(m, cfg, lambda mm, r=r: toy.replay(mm, captured, layout, r))
+        base.append(m)
+    written = {}
+    for path, where in (("auto", "cuda"), ("packed", "cpu")):
+        models = [copy.deepcopy(m).to(where) for m in base]
+        job = f"mo-{path}"
+
+        def rank(r):
+            tp, ep, tpr, epr = toy.coords(layout, r)
+            lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep,
+                             dp_rank=r // tp, dp_size=toy.W // tp)
+            with d.client(job, r, toy.W) as c:
+                c.join()
+                res = amo.sync(c, models[r], lay, path=path, column=toy.COLUMN, row=toy.ROW,
+                               moe_share=amo.supports_share())
+            return res.path
+        used = run_ranks(rank, toy.W)
+        assert used == ["device" if path == "auto" else "packed"] * toy.W, (path, used)
+        written[path] = [{n: tuple(getattr(q, a).detach().cpu().numpy().tobytes()
+                                   for a in ("_amax", "_global_amax")
+                                   if getattr(q, a, None) is not None)
+                          for n, q in quantizers(m).items()} for m in models]
+    print("modelopt sync: device path on the GPU, packed on the CPU:",
+          sum(len(w) for w in written["auto"]), "quantizers compared")
+    assert written["auto"] == written["packed"]
+    assert any(v for w in written["auto"] for v in w.values())
 
 
 def _gpu_used_by(pid):
