@@ -650,33 +650,6 @@ class DeviceResult:
     def arrays(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in self._keys}
 
-    def to_host(self) -> Any:
-        """The answer copied to host memory as a PackedResult (numpy;
-        res[name] a Result), as ReconcilePacked would give it, without
-        `filled` and the calibrators' statistics. Synchronizes with the
-        current stream of the buffers' device (it waited for the answer)."""
-        import numpy as np
-
-        from .packed import PackedResult
-        t = _torch()
-        dev = self.amax.device
-        t.cuda.current_stream(dev).synchronize()
-        r = PackedResult.__new__(PackedResult)
-        r.raw, r.layout = None, self.layout
-        r.epoch, r.next_epoch, r.layout_id = self.epoch, self.next_epoch, self.layout.id
-        r.shm_bytes, r.peer_fill_known, r.filled = 0, False, None
-        for k in self._keys:
-            a = getattr(self, k).cpu().numpy()
-            setattr(r, k, a.view("<u4") if k == "missing" else a)
-        if "missing" not in self._keys:
-            raise ValueError("this daemon's device answer has no missing counts (a daemon "
-                             "before them): use reconcile_packed for host results")
-        r.stat_state = np.zeros(0, np.uint8)
-        r.stat_epoch = np.zeros(0, "<u8")
-        r.stat_total = r.stat_overflow = np.zeros(0, "<f8")
-        r.stat_basis = np.zeros(0, "<f4")
-        return r
-
 
 def current_stream(dev: int) -> Tuple[Any, int]:
     """torch's current stream on device `dev` and its cudaStream_t."""

@@ -76,6 +76,7 @@ import numpy as np
 
 from . import placement as P
 from ._gen import amaxd_pb2 as pb
+from .packed import PackedResult
 from .types import Calibrator, Masked, Quantizer, Recipe, Result, Stat
 
 if TYPE_CHECKING:  # torch is imported when first needed
@@ -938,7 +939,7 @@ def _reconcile_packed(client: "Client", entries: Sequence[Entry], device: Option
         if has is not None:
             bufs.has_data.copy_(torch.from_numpy(has).to(bufs.slab.device))
         res = client.reconcile_device(has_data=has is not None)
-        return res.to_host()
+        return PackedResult.from_device(res)
 
 
 def sync(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
