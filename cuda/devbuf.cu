@@ -31,10 +31,13 @@
 #include <cuda.h> /* types of the stream memory operations (found at run time) */
 #include <cuda_runtime.h>
 #include <ctype.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
+#include "clock.h"
 #include "devbuf.h"
 #include "log.h"
 
@@ -57,6 +60,17 @@ struct amx_devbuf {
     size_t cap_runs, n_runs;           /* n_runs: the runs on the device now */
     amx_run_t *d_gruns, *h_gruns;      /* answer runs */
     size_t cap_gruns, n_gruns;
+    uint64_t *d_qoff, *h_qoff; /* the slab's quantizer offsets (answer's missing counts) */
+    size_t cap_qoff, n_qoff;
+    uint32_t *d_miss; /* state_dev, cap_qoff: the counts, copied into the answer (atomics
+                         stay local: peer atomics need NVLink) */
+    /* The deadline on the trainer's ready flag (amx__cuda_dev_wait): each
+     * merge has a token; the merge kernel skips the slab when *d_abort
+     * holds its token, which a release writes before it writes the flag. */
+    uint32_t *d_abort;    /* state_dev */
+    uint32_t token;       /* the last merge's */
+    amx_devsignal_t pend; /* the last merge's ready flag (pend_signal: by a flag) */
+    int pend_signal, released;
     void *h_tail;
     size_t cap_tail;
 };
@@ -128,9 +142,10 @@ __global__ void k_dev_check(const float *v, const uint8_t *has, uint64_t n, unsi
  * check found nothing. The merges of one epoch run one after another on
  * one stream, and a rank's runs never overlap: plain stores. */
 __global__ void k_dev_merge(float *pending, const float *v, const uint8_t *has, uint64_t n,
-                            const amx_run_t *runs, uint32_t nruns, const unsigned long long *bad)
+                            const amx_run_t *runs, uint32_t nruns, const unsigned long long *bad,
+                            const volatile uint32_t *abort, uint32_t token)
 {
-    if (*bad != NO_BAD)
+    if (*bad != NO_BAD || *abort == token) /* a bad value, or released at the deadline */
         return;
     for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
          i += (uint64_t)gridDim.x * blockDim.x) {
@@ -145,10 +160,28 @@ __global__ void k_dev_merge(float *pending, const float *v, const uint8_t *has, 
     }
 }
 
-/* The answer's per-cell arrays in slab order (runs sorted by dst). */
+/* The quantizer of slab cell i: qoff[q] <= i < qoff[q + 1]. */
+__device__ __forceinline__ uint32_t find_quantizer(const uint64_t *qoff, uint32_t nq, uint64_t i)
+{
+    uint32_t lo = 0, hi = nq;
+    while (hi - lo > 1) {
+        uint32_t mid = (lo + hi) / 2;
+        if (qoff[mid] <= i)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The answer's per-cell arrays in slab order (runs sorted by dst), and
+ * per quantizer the count of its cells without data (`missing`, zeroed
+ * before): as the packed answer counts them (results.c). Most epochs
+ * have no such cell: the search and the atomic run for those only. */
 __global__ void k_dev_gather(uint8_t *ans, uint64_t o_a, uint64_t o_s, uint64_t o_i, uint64_t o_b,
                              uint64_t n, const float *amax, const float *scale, const float *inv,
-                             const uint8_t *bytes, const amx_run_t *runs, uint32_t nruns)
+                             const uint8_t *bytes, const amx_run_t *runs, uint32_t nruns,
+                             uint32_t *missing, const uint64_t *qoff, uint32_t nq)
 {
     float *da = (float *)(ans + o_a), *ds = (float *)(ans + o_s), *di = (float *)(ans + o_i);
     uint8_t *db = ans + o_b;
@@ -159,10 +192,14 @@ __global__ void k_dev_gather(uint8_t *ans, uint64_t o_a, uint64_t o_s, uint64_t 
             da[i] = 0.0f;
             ds[i] = di[i] = 1.0f;
             db[i] = 0;
+            if (nq > 0)
+                atomicAdd(&missing[find_quantizer(qoff, nq, i)], 1u);
             continue;
         }
         uint64_t c = runs[r].src + (i - runs[r].dst);
         float a = amax[c];
+        if (a == -INFINITY && nq > 0)
+            atomicAdd(&missing[find_quantizer(qoff, nq, i)], 1u);
         da[i] = a == -INFINITY ? 0.0f : a;
         ds[i] = scale[c];
         di[i] = inv[c];
@@ -262,6 +299,10 @@ extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
     cudaFreeHost(d->h_runs);
     cudaFree(d->d_gruns);
     cudaFreeHost(d->h_gruns);
+    cudaFree(d->d_qoff);
+    cudaFreeHost(d->h_qoff);
+    cudaFree(d->d_miss);
+    cudaFree(d->d_abort);
     cudaFreeHost(d->h_tail);
     cudaSetDevice(d->dev);
     if (d->ds != NULL) {
@@ -316,6 +357,8 @@ static amx_status_t open_buffers(amx_devbuf_t *d, amx_devbuf_info_t *info, amx_e
     CU(cudaEventCreateWithFlags(&d->answered, cudaEventDisableTiming), "cudaEventCreate");
     CU(cudaEventCreateWithFlags(&d->merged, cudaEventDisableTiming), "cudaEventCreate");
     CU(cudaMalloc(&d->d_bad, sizeof(unsigned long long)), "cudaMalloc");
+    CU(cudaMalloc(&d->d_abort, sizeof(uint32_t)), "cudaMalloc");
+    CU(cudaMemset(d->d_abort, 0, sizeof(uint32_t)), "cudaMemset");
     CU(cudaHostAlloc(&d->h_bad, sizeof(unsigned long long), cudaHostAllocDefault), "cudaHostAlloc");
     *d->h_bad = NO_BAD;
     info->signals = memops_found();
@@ -394,6 +437,35 @@ static amx_status_t upload_runs(amx_run_t **h, amx_run_t **d, size_t *cap, size_
     return AMX_OK;
 }
 
+/* The slab's quantizer offsets (n values) on the device (d->d_qoff),
+ * copied through pinned staging only when they changed (as upload_runs). */
+static amx_status_t upload_qoff(amx_devbuf_t *d, const uint64_t *qoff, size_t n, cudaStream_t s,
+                                amx_err_t *err)
+{
+    if (n > d->cap_qoff) {
+        cudaFreeHost(d->h_qoff);
+        cudaFree(d->d_qoff);
+        cudaFree(d->d_miss);
+        d->h_qoff = NULL;
+        d->d_qoff = NULL;
+        d->d_miss = NULL;
+        d->cap_qoff = d->n_qoff = 0;
+        CU(cudaHostAlloc((void **)&d->h_qoff, n * sizeof(uint64_t), cudaHostAllocDefault),
+           "cudaHostAlloc");
+        CU(cudaMalloc((void **)&d->d_qoff, n * sizeof(uint64_t)), "cudaMalloc (offsets)");
+        CU(cudaMalloc((void **)&d->d_miss, n * sizeof(uint32_t)), "cudaMalloc (counts)");
+        d->cap_qoff = n;
+    }
+    if (n == 0 || (n == d->n_qoff && memcmp(d->h_qoff, qoff, n * sizeof(uint64_t)) == 0))
+        return AMX_OK;
+    d->n_qoff = 0;
+    memcpy(d->h_qoff, qoff, n * sizeof(uint64_t));
+    CU(cudaMemcpyAsync(d->d_qoff, d->h_qoff, n * sizeof(uint64_t), cudaMemcpyHostToDevice, s),
+       "cudaMemcpyAsync (offsets)");
+    d->n_qoff = n;
+    return AMX_OK;
+}
+
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
                                             size_t nruns, uint64_t ncells, uint64_t has_data_off,
                                             const amx_devsignal_t *ready, cudaStream_t sd,
@@ -406,6 +478,11 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
         CU(cudaEventSynchronize(d->merged), "cudaEventSynchronize");
     AMX_CHECK(upload_runs(&d->h_runs, &d->d_runs, &d->cap_runs, &d->n_runs, runs, nruns, sd, err));
     CU(cudaMemsetAsync(d->d_bad, 0xff, sizeof(unsigned long long), sd), "cudaMemsetAsync");
+    d->token = d->token + 1 ? d->token + 1 : 1; /* never 0, what d_abort starts with */
+    d->released = 0;
+    d->pend_signal = ready != NULL && memops_found();
+    if (ready != NULL)
+        d->pend = *ready;
     /* Behind the trainer's writes of the slab: its last record of `ready`
      * (before it called ReconcileDevice), waited on by ds on its GPU. */
     CU(cudaSetDevice(d->dev), "cudaSetDevice");
@@ -423,8 +500,8 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
         has_data_off == UINT64_MAX ? NULL : (const uint8_t *)d->slab + has_data_off;
     if (ncells > 0) {
         k_dev_check<<<grid_for(ncells), THREADS, 0, sd>>>(v, has, ncells, d->d_bad);
-        k_dev_merge<<<grid_for(ncells), THREADS, 0, sd>>>(pending, v, has, ncells, d->d_runs,
-                                                          (uint32_t)nruns, d->d_bad);
+        k_dev_merge<<<grid_for(ncells), THREADS, 0, sd>>>(
+            pending, v, has, ncells, d->d_runs, (uint32_t)nruns, d->d_bad, d->d_abort, d->token);
         CU(cudaGetLastError(), "device slab merge launch");
     }
     CU(cudaMemcpyAsync(d->h_bad, d->d_bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, sd),
@@ -437,12 +514,120 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
 
 extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d)
 {
-    if (!d->merged_used)
+    if (!d->merged_used || d->released)
         return -1;
     cudaSetDevice(d->state_dev);
     if (cudaEventSynchronize(d->merged) != cudaSuccess)
         return -1;
     return *d->h_bad == NO_BAD ? -1 : (int64_t)*d->h_bad;
+}
+
+/* Releases the last merge of d, whose trainer never wrote its ready flag:
+ * cancels the merge (its token into d_abort, on the state's device), then
+ * writes the flag (pend.seq) into the slab from a stream of the buffers'
+ * device, each synchronized, in that order: when the daemon's stream gets
+ * past the flag, the merge kernel reads the token and skips the slab. */
+static amx_status_t release(amx_devbuf_t *d, amx_err_t *err)
+{
+    cudaStream_t s = NULL;
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    CUresult r = p_write32((CUstream)s, (CUdeviceptr)d->d_abort, d->token, 0);
+    cudaError_t e = r == CUDA_SUCCESS ? cudaStreamSynchronize(s) : cudaSuccess;
+    cudaStreamDestroy(s);
+    if (r != CUDA_SUCCESS)
+        return amx_err_set(err, AMX_EDEVICE,
+                           "cuStreamWriteValue32 (cancel a merge): driver error %d", (int)r);
+    CU(e, "cudaStreamSynchronize (cancel a merge)");
+    CU(cudaSetDevice(d->dev), "cudaSetDevice");
+    CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    r = p_write32((CUstream)s, (CUdeviceptr)((char *)d->slab + d->pend.flag_off), d->pend.seq, 0);
+    e = r == CUDA_SUCCESS ? cudaStreamSynchronize(s) : cudaSuccess;
+    cudaStreamDestroy(s);
+    if (r != CUDA_SUCCESS)
+        return amx_err_set(err, AMX_EDEVICE,
+                           "cuStreamWriteValue32 (a trainer's ready flag): driver error %d",
+                           (int)r);
+    CU(e, "cudaStreamSynchronize (a trainer's ready flag)");
+    d->released = 1;
+    return AMX_OK;
+}
+
+/* Whether d's last merge still waits for its trainer (its stream did not
+ * get past the ready flag or event). */
+static int stuck(amx_devbuf_t *d)
+{
+    int s = cudaEventQuery(d->seen) == cudaErrorNotReady;
+    cudaGetLastError();
+    return s;
+}
+
+extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaEvent_t in,
+                                           int state_dev, uint64_t deadline_ms, amx_err_t *err)
+{
+    int warned = 0;
+    for (uint64_t spins = 0;; spins++) {
+        cudaError_t e = cudaEventQuery(in);
+        if (e == cudaSuccess)
+            return AMX_OK;
+        if (e != cudaErrorNotReady)
+            CU(e, "cudaEventQuery (device slabs merged)");
+        if (deadline_ms != UINT64_MAX && !warned && amx_now_ms() >= deadline_ms) {
+            char ranks[256] = "";
+            size_t nr = 0, nev = 0;
+            for (size_t i = 0; i < n; i++) {
+                if (!stuck(ds[i]))
+                    continue;
+                if (!ds[i]->pend_signal) {
+                    nev++;
+                    continue;
+                }
+                if (nr < sizeof(ranks))
+                    nr += (size_t)snprintf(ranks + nr, sizeof(ranks) - nr, "%s%u (signal %u)",
+                                           nr ? ", " : "", ds[i]->pend.rank, ds[i]->pend.seq);
+            }
+            warned = 1;
+            if (nev > 0) {
+                /* A stream wait on an interprocess event cannot be
+                 * cancelled: releasing the others would not free the
+                 * daemon's stream. Wait on, as without a deadline. */
+                AMX_ERROR("devbuf",
+                          "the deadline passed while the daemon's stream waits for %zu trainer "
+                          "slab(s) ordered by the ready event: a stream wait on an interprocess "
+                          "event cannot be released, so this epoch waits on for the trainer "
+                          "(signals, the doorbell's flags, have a deadline)",
+                          nev);
+                continue;
+            }
+            if (nr == 0)
+                continue; /* every trainer got past its flag: merging now */
+            for (size_t i = 0; i < n; i++) {
+                if (!stuck(ds[i]))
+                    continue;
+                amx_status_t st = release(ds[i], err);
+                cudaSetDevice(state_dev);
+                if (st != AMX_OK)
+                    return st;
+            }
+            /* The released merges skip their slabs; `in` follows shortly
+             * (the loop's unflip waits for it). */
+            return amx_err_set(
+                err, AMX_ETIMEDOUT,
+                "the device slab of trainer rank %s was not ready within the epoch's deadline "
+                "(reconcile_timeout_ms): its stream never wrote the ready flag after the slab (a "
+                "stream stuck behind other work, or a trainer that died). The daemon wrote the "
+                "flag itself so that its own stream goes on; the slab was not merged, nothing of "
+                "this epoch was reconciled, and the other contributions are kept for the next "
+                "epoch",
+                ranks);
+        }
+        if (spins < 1000) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+    }
 }
 
 extern "C" amx_status_t
@@ -451,18 +636,28 @@ amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax, const float *o_scale,
                      uint64_t ncells, const amx_devans_layout_t *lay, const void *tail,
                      size_t tail_bytes, const amx_devsignal_t *done, cudaStream_t s, amx_err_t *err)
 {
-    if (lay->tail + tail_bytes > d->answer_bytes || lay->block_scales + ncells > d->answer_bytes)
+    if (lay->tail + tail_bytes > d->answer_bytes || lay->block_scales + ncells > d->answer_bytes ||
+        lay->missing + 4 * (uint64_t)lay->nq > d->answer_bytes)
         return amx_err_set(err, AMX_EINTERNAL, "device answer of %llu bytes too small",
                            (unsigned long long)d->answer_bytes);
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     AMX_CHECK(
         upload_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, &d->n_gruns, gather, ngather, s, err));
+    if (lay->nq > 0) {
+        AMX_CHECK(upload_qoff(d, lay->qoff, (size_t)lay->nq + 1, s, err));
+        CU(cudaMemsetAsync(d->d_miss, 0, lay->nq * sizeof(uint32_t), s), "cudaMemsetAsync");
+    }
     if (ncells > 0) {
         k_dev_gather<<<grid_for(ncells), THREADS, 0, s>>>(
             (uint8_t *)d->answer, lay->amax, lay->scale, lay->scale_inv, lay->block_scales, ncells,
-            o_amax, o_scale, o_inv, o_bytes, d->d_gruns, (uint32_t)ngather);
+            o_amax, o_scale, o_inv, o_bytes, d->d_gruns, (uint32_t)ngather, d->d_miss, d->d_qoff,
+            lay->nq);
         CU(cudaGetLastError(), "device answer launch");
     }
+    if (lay->nq > 0)
+        CU(cudaMemcpyAsync((uint8_t *)d->answer + lay->missing, d->d_miss,
+                           lay->nq * sizeof(uint32_t), cudaMemcpyDeviceToDevice, s),
+           "cudaMemcpyAsync (missing counts)");
     if (tail_bytes > 0) {
         if (tail_bytes > d->cap_tail) {
             cudaFreeHost(d->h_tail);

@@ -106,6 +106,10 @@ typedef struct cuda_state {
     cudaStream_t sd;
     cudaEvent_t in;
     int dev_used;
+    /* The buffers merged since the last flip (dev_wait's; the loop
+     * appends at the flip, the engine reads during the epoch). */
+    amx_devbuf_t **merging;
+    size_t nmerging, cap_merging;
 } cuda_state_t;
 
 /* Stream s waits for the device slabs merged into the in-flight buffer. */
@@ -840,6 +844,7 @@ static void cuda_flip(amx_state_t *st)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     c->active ^= 1;
+    c->nmerging = 0;
     st->pend_cells = c->pend_n[c->active];
 }
 
@@ -1718,6 +1723,7 @@ static void cuda_destroy(amx_state_t *st)
     for (size_t i = 0; i < c->nretired; i++)
         cudaFreeHost(c->retired[i]);
     free(c->retired);
+    free(c->merging);
     pthread_mutex_destroy(&c->retired_mu);
     cudaStreamDestroy(c->sl);
     cudaStreamDestroy(c->se);
@@ -1756,8 +1762,27 @@ static amx_status_t cuda_dev_merge(amx_state_t *st, amx_devbuf_t *d, const amx_r
     int fl = c->active ^ 1; /* just flipped: the in-flight buffer */
     if (c->pend[fl] == NULL)
         return amx_err_set(err, AMX_EINTERNAL, "no in-flight buffer to merge a device slab into");
-    return amx__cuda_dev_merge(d, c->pend[fl] + AMX_HDR_CELLS, runs, nruns, ncells, has_data_off,
-                               ready, c->sd, c->in, err);
+    if (c->nmerging == c->cap_merging) {
+        size_t cap = c->cap_merging ? 2 * c->cap_merging : 8;
+        amx_devbuf_t **m = (amx_devbuf_t **)realloc(c->merging, cap * sizeof(*m));
+        if (m == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory");
+        c->merging = m;
+        c->cap_merging = cap;
+    }
+    AMX_CHECK(amx__cuda_dev_merge(d, c->pend[fl] + AMX_HDR_CELLS, runs, nruns, ncells, has_data_off,
+                                  ready, c->sd, c->in, err));
+    c->merging[c->nmerging++] = d;
+    return AMX_OK;
+}
+
+static amx_status_t cuda_dev_wait(amx_state_t *st, uint64_t deadline_ms, amx_err_t *err)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    if (!c->dev_used || c->nmerging == 0)
+        return AMX_OK;
+    CU(cudaSetDevice(c->device), "cudaSetDevice");
+    return amx__cuda_dev_wait(c->merging, c->nmerging, c->in, c->device, deadline_ms, err);
 }
 
 static int64_t cuda_dev_bad(amx_state_t *st, amx_devbuf_t *d)
@@ -1779,7 +1804,10 @@ static amx_status_t cuda_dev_answer(amx_state_t *st, amx_devbuf_t *d, const amx_
 
 static void cuda_dev_close(amx_state_t *st, amx_devbuf_t *d)
 {
-    (void)st;
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    for (size_t i = 0; i < c->nmerging; i++)
+        if (c->merging[i] == d)
+            c->merging[i--] = c->merging[--c->nmerging];
     amx__cuda_dev_close(d);
 }
 
@@ -1829,6 +1857,7 @@ static const amx_state_ops_t cuda_ops = {
     cuda_dev_answer,
     cuda_dev_close,
     cuda_stat_hist,
+    cuda_dev_wait,
 };
 
 extern "C" uint64_t amx__state_cuda_memory(int device)

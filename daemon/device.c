@@ -38,8 +38,13 @@ struct amx_devrank {
     uint64_t ready_off, done_off; /* the signals' flags: in the slab, in the answer */
     int signals;                  /* the GPU has the stream memory operations */
     amx_devans_layout_t lay;
-    uint64_t g_off[6]; /* g_amax, g_scale, g_inv, s_amax, s_scale, s_inv (answer offsets) */
-    uint8_t *tail;     /* host copy of the answer's [lay.tail, lay.tail + tail_bytes) */
+    /* Answer offsets of the host-made arrays (the tail): g_amax, g_scale,
+     * g_inv (per quantizer), s_amax, s_scale, s_inv (per slice), then
+     * prev_amax, prev_scale (float32) and has_previous (a byte), per
+     * quantizer. */
+    uint64_t g_off[9];
+    uint64_t missing_off; /* uint32 per quantizer, written on the device */
+    uint8_t *tail;        /* host copy of the answer's [lay.tail, lay.tail + tail_bytes) */
     size_t tail_bytes;
     uint32_t pid;
     int pidfd; /* -1: none (pid 0, or no pidfd_open: kill(pid, 0)) */
@@ -137,13 +142,14 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
     d->lay.scale_inv = align_up(d->lay.scale + 4 * n);
     d->lay.tail = align_up(d->lay.scale_inv + 4 * n);
     uint64_t at = d->lay.tail;
-    for (int k = 0; k < 6; k++) {
+    for (int k = 0; k < 9; k++) {
         d->g_off[k] = align_up(at);
-        at = d->g_off[k] + 4 * (k < 3 ? nq : ns);
+        at = d->g_off[k] + (k == 8 ? 1 : 4) * (k < 3 || k > 5 ? nq : ns);
     }
     d->tail_bytes = (size_t)(at - d->lay.tail);
     d->lay.block_scales = align_up(at);
-    d->done_off = align_up(d->lay.block_scales + n);
+    d->missing_off = align_up(d->lay.block_scales + n);
+    d->done_off = align_up(d->missing_off + 4 * (uint64_t)nq);
     uint64_t answer_bytes = d->done_off + 4;
     d->tail = calloc(1, d->tail_bytes ? d->tail_bytes : 1);
     if (d->tail == NULL) {
@@ -198,6 +204,10 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
     out->s_amax = d->g_off[3];
     out->s_scale = d->g_off[4];
     out->s_inv = d->g_off[5];
+    out->prev_amax = d->g_off[6];
+    out->prev_scale = d->g_off[7];
+    out->has_prev = d->g_off[8];
+    out->missing = d->missing_off;
     memcpy(out->slab_handle, info.slab, 64);
     memcpy(out->answer_handle, info.answer, 64);
     memcpy(out->ready_event, info.ready, 64);
@@ -289,7 +299,7 @@ void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j)
                              " before epoch %llu started; its device slab (layout %016" PRIx64
                              ") was not merged: open new device buffers (OpenDevice)",
                              r->rank, sl->id, (unsigned long long)j->epoch, d->layout_id);
-        amx_devsignal_t ready = {d->ready_off, d->seq};
+        amx_devsignal_t ready = {d->ready_off, d->seq, r->rank};
         if (rc == AMX_OK)
             rc = st->ops->dev_merge(st, d->buf, sl->merge, sl->nmerge, d->ncells,
                                     d->has_data ? d->has_off : UINT64_MAX,
@@ -320,14 +330,23 @@ static uint32_t slab_quantizer(const amx_slab_t *sl, uint64_t c)
     return lo;
 }
 
-/* The per-quantizer and per-slice globals in layout order, as the packed
- * answer has them (results.c amx__build_packed). */
+/* The per-quantizer and per-slice globals and the previous-epoch globals
+ * in layout order, as the packed answer has them (results.c
+ * amx__build_packed). */
 static void fill_globals(amx_job_t *j, const amx_slab_t *sl, struct amx_devrank *d)
 {
-    float *g[6];
-    for (int k = 0; k < 6; k++)
+    float *g[8];
+    for (int k = 0; k < 8; k++)
         g[k] = (float *)(void *)(d->tail + (d->g_off[k] - d->lay.tail));
+    uint8_t *has_prev = d->tail + (d->g_off[8] - d->lay.tail);
     amx__slab_globals(j, sl, g[0], g[1], g[2], g[3], g[4], g[5]);
+    for (uint32_t i = 0; i < sl->n; i++) {
+        uint32_t ci = sl->cidx[i];
+        int prev = ci < j->prev_n && j->prev_ok[ci];
+        has_prev[i] = (uint8_t)prev;
+        g[6][i] = prev ? j->prev_ga[ci] : 0.0f;
+        g[7][i] = prev ? j->prev_gs[ci] : 0.0f;
+    }
 }
 
 amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, uint64_t epoch,
@@ -369,7 +388,10 @@ amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, 
                            "results are in GetScales",
                            (unsigned long long)epoch, j->name, r->rank, sl->id, d->layout_id);
     fill_globals(j, sl, d);
-    amx_devsignal_t done = {d->done_off, d->seq};
+    d->lay.missing = d->missing_off;
+    d->lay.qoff = sl->off;
+    d->lay.nq = sl->n;
+    amx_devsignal_t done = {d->done_off, d->seq, r->rank};
     amx_status_t rc = st->ops->dev_answer(st, d->buf, sl->gather, sl->ngather, d->ncells, &d->lay,
                                           d->tail, d->tail_bytes, d->seq != 0 ? &done : NULL, err);
     if (rc == AMX_EDEVICE)

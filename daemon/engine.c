@@ -702,6 +702,23 @@ static void explain(amx_engine_t *e)
     }
 }
 
+/* The trainers' device slabs queued at the flip are merged, or, past
+ * `deadline`, those whose trainers never wrote their ready flags were
+ * released (state.h dev_wait): the epoch fails with the ranks named, on
+ * every daemon (peers hear it through the abort of run_epoch). */
+static amx_status_t wait_device_slabs(amx_engine_t *e, uint64_t deadline)
+{
+    amx_job_t *j = e->job;
+    if (j->state->ops->dev_wait == NULL)
+        return AMX_OK;
+    amx_err_t err = {0};
+    amx_status_t st = j->state->ops->dev_wait(j->state, deadline, &err);
+    if (st != AMX_OK)
+        return amx__engine_fail(e, st, "job '%s', epoch %llu: %s", j->name,
+                                (unsigned long long)e->epoch, err.msg);
+    return AMX_OK;
+}
+
 static void run_epoch(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
@@ -719,6 +736,8 @@ static void run_epoch(amx_engine_t *e)
     e->aborted_here = 0;
     uint64_t full_deadline = e->deadline;
     if (j->mship.npart <= 1) {
+        if (wait_device_slabs(e, e->deadline) != AMX_OK)
+            goto out;
         if (j->nprop > 0 && adopt_locally(e) != AMX_OK)
             goto out;
         if (finish(e, 1) != AMX_OK)
@@ -736,6 +755,8 @@ static void run_epoch(amx_engine_t *e)
         amx__engine_fail_aborted(e, "the epoch");
         goto out;
     }
+    if (wait_device_slabs(e, e->deadline) != AMX_OK)
+        goto out;
     if (e->comm == NULL || e->need_sync) {
         if (amx__engine_agree(e) != AMX_OK)
             goto out;

@@ -88,6 +88,7 @@ typedef struct amx_dev_opened {
     uint64_t slab_bytes, has_data_off, answer_bytes;
     uint64_t amax, scale, scale_inv, block_scales;           /* answer offsets, per cell */
     uint64_t g_amax, g_scale, g_inv, s_amax, s_scale, s_inv; /* per quantizer, per slice */
+    uint64_t missing, has_prev, prev_amax, prev_scale;       /* per quantizer */
     uint8_t slab_handle[64], answer_handle[64], ready_event[64], done_event[64];
     char bus_id[32];
     int signals;                            /* flags may replace the events (seq != 0) */

@@ -656,6 +656,10 @@ static void h_open_device(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage 
     r.global_amaxes_offset = o.s_amax;
     r.global_scales_offset = o.s_scale;
     r.global_scale_invs_offset = o.s_inv;
+    r.missing_offset = o.missing;
+    r.has_previous_offset = o.has_prev;
+    r.previous_global_amax_offset = o.prev_amax;
+    r.previous_global_scale_offset = o.prev_scale;
     r.device_bus_id = o.bus_id;
     r.doorbell = svc->doorbell;
     r.signals = o.signals != 0;

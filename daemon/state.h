@@ -183,10 +183,16 @@ typedef struct amx_devbuf_info {
 typedef struct amx_devsignal {
     uint64_t flag_off;
     uint32_t seq;
+    uint32_t rank; /* ready: the trainer rank whose slab it orders (messages) */
 } amx_devsignal_t;
-/* Byte offsets of the device answer's arrays (dev_answer). */
+/* Byte offsets of the device answer's arrays (dev_answer). `missing`: a
+ * uint32 per quantizer of the slab, the count of its cells without data
+ * (amax -inf, or in no gather run), counted on the device; `qoff`: the
+ * slab's nq + 1 quantizer offsets (cells), which say whose cell is whose. */
 typedef struct amx_devans_layout {
-    uint64_t amax, scale, scale_inv, block_scales, tail;
+    uint64_t amax, scale, scale_inv, block_scales, tail, missing;
+    const uint64_t *qoff;
+    uint32_t nq;
 } amx_devans_layout_t;
 
 typedef struct amx_state_ops {
@@ -329,16 +335,17 @@ typedef struct amx_state_ops {
                               size_t nruns, uint64_t ncells, uint64_t has_data_off,
                               const amx_devsignal_t *ready, amx_err_t *err);
     /* Loop, after the epoch of the last dev_merge ended: the first slab
-     * cell that failed its check (the slab was then not merged), or -1. */
+     * cell that failed its check (the slab was then not merged), or -1
+     * (also for a slab dev_wait released). */
     int64_t (*dev_bad)(amx_state_t *st, struct amx_devbuf *d);
     /* Loop. Writes the front outputs of the `ngather` runs (run.src =
      * output cell, run.dst = slab cell, sorted by dst) of a slab of
      * `ncells` cells into the answer buffer in slab order: amax (no data:
      * 0), scale, scale_inv and the byte at the offsets of `lay`; cells of
-     * no run read 0, 1, 1, 0. Then copies `tail_bytes` of host memory
-     * `tail` to lay->tail and records the done event (with `done`: writes
-     * its flag instead). Returns once the
-     * daemon's side is queued and its own buffers may be reused; nothing
+     * no run read 0, 1, 1, 0; and per quantizer of the slab (lay->qoff) the
+     * count of its cells without data (-inf or no run) at lay->missing. Then copies `tail_bytes` of
+     * host memory `tail` to lay->tail and records the done event (with `done`: writes its flag
+     * instead). Returns once the daemon's side is queued and its own buffers may be reused; nothing
      * of it waits for the trainer. */
     amx_status_t (*dev_answer)(amx_state_t *st, struct amx_devbuf *d, const amx_run_t *gather,
                                size_t ngather, uint64_t ncells, const struct amx_devans_layout *lay,
@@ -357,6 +364,18 @@ typedef struct amx_state_ops {
     amx_status_t (*stat_hist)(amx_state_t *st, const struct amx_hist_job *jobs, size_t n,
                               float *out, amx_err_t *err);
 
+    /* Optional (NULL: nothing to wait for). Engine, before anything of
+     * the epoch touches the in-flight buffer: waits on the host, until
+     * `deadline_ms` (amx_now_ms; UINT64_MAX: none), for the device slabs
+     * the loop queued at the flip (dev_merge) to be merged. When the
+     * deadline passes first, every slab whose trainer never wrote its
+     * ready flag is released: its merge is cancelled (the slab is not
+     * merged) and the daemon writes the flag itself from another stream,
+     * so its streams go on; then ETIMEDOUT naming those ranks. A slab
+     * ordered by the ready event instead cannot be released (a stream
+     * wait on an event cannot be cancelled): then this logs why and
+     * waits on, as without a deadline. */
+    amx_status_t (*dev_wait)(amx_state_t *st, uint64_t deadline_ms, amx_err_t *err);
 } amx_state_ops_t;
 
 struct amx_state {

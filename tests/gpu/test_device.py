@@ -3,7 +3,8 @@ as torch processes/threads on the same GPU.
 
 - the device path gives the same bytes as the packed path (3 ranks, FP8
   current/delayed, NVFP4 with scale groups and global slices, MXFP8, peer
-  groups, cells without data; 3 epochs);
+  groups, cells without data; 3 epochs), the per-quantizer `missing`
+  counts, `has_previous` and the previous globals included;
 - the blocking ReconcileDevice needs no host sync from the trainer: a slab
   written behind a ~1 s kernel on the trainer's stream is merged (the
   daemon's stream waited on the trainer's ready event), the call returns
@@ -11,6 +12,11 @@ as torch processes/threads on the same GPU.
   read on that stream afterwards are right;
 - kill -9 of a trainer holding mappings frees them (the daemon's GPU memory
   in nvidia-smi and cudaMemGetInfo back to the baseline);
+- a trainer whose stream never writes its ready flag: the epoch fails at
+  its deadline with DEADLINE_EXCEEDED naming the rank, the daemon frees
+  its own stream, the slab is not merged and the next epoch is right;
+- amaxd.modelopt.sync on a model on the GPU takes the device path and
+  writes what the packed path writes;
 - bad input: an unknown or malformed device, another rank's buffers, a
   wrong layout id, a layout change while mapped, closed buffers, a NaN in
   the slab (INVALID_ARGUMENT naming the cell; the epoch goes on without
@@ -42,7 +48,9 @@ if not torch.cuda.is_available():
 
 ENV = {"AMAXD_BACKEND": "cuda"}
 ARRAYS = ("amax", "scale", "scale_inv", "block_scales", "global_amax", "global_scale",
-          "global_scale_inv", "global_amaxes", "global_scales", "global_scale_invs")
+          "global_scale_inv", "global_amaxes", "global_scales", "global_scale_invs",
+          # per quantizer, as ReconcilePacked (missing counted on the GPU)
+          "missing", "has_previous", "previous_global_amax", "previous_global_scale")
 
 
 def host(t):
@@ -82,7 +90,7 @@ def test_device_same_bytes_as_packed(start_daemon):
         L = cd.layout()
         slab, slab_g = cd.device_slab(), cg.device_slab()
         assert cd._dev.doorbell == d.socket + ".door"
-        got = []
+        got, seen_missing, seen_prev = [], 0, []
         for e in range(epochs):
             vals, has = cp.layout().pack(TP.contributions(r, e, rng))
             cp.send_packed(vals, has)
@@ -102,7 +110,18 @@ def test_device_same_bytes_as_packed(start_daemon):
                 b = host(getattr(rd, k))
                 assert a == b, (r, e, k, np.frombuffer(a, np.uint8)[:16], np.frombuffer(b, np.uint8)[:16])
                 assert host(getattr(rg, k)) == a, (r, e, k)
+            # The per-quantizer extras, through res[name] as well.
+            for i, name in enumerate(L.names):
+                q = rd[name]
+                assert int(q["missing"]) == int(rp.missing[i]), (r, e, name)
+                assert int(q["has_previous"]) == int(rp.has_previous[i]), (r, e, name)
+            seen_missing += int(np.asarray(rp.missing).sum())
+            seen_prev.append(int(np.asarray(rp.has_previous).sum()))
             got.append(len(L.names))
+        # The comparison covered both values of each: cells without data
+        # (masked experts) and no previous globals in epoch 1, some after.
+        assert seen_missing > 0 and seen_prev[0] == 0 and seen_prev[-1] > 0, (seen_missing,
+                                                                              seen_prev)
         for c in (cp, cd, cg):
             c.close()
         return got
@@ -254,6 +273,144 @@ def test_async_returns_while_the_kernel_runs(start_daemon):
     assert r3.epoch == 4 and np.array_equal(r3.amax.cpu().numpy(), b)
     ref.close()
     c.close()
+
+
+def test_deadline_on_a_stuck_trainer(start_daemon):
+    """A trainer whose stream never writes its ready flag (it sent the
+    request through the doorbell with a signal, but the flag write never
+    runs) does not hang the daemon: at the epoch's deadline
+    (reconcile_timeout_ms, 3 s here) the epoch fails with
+    DEADLINE_EXCEEDED naming that rank, for both ranks; the daemon writes
+    the flag itself, so its own stream goes on; the stuck rank's slab
+    (1e30 everywhere) is not merged and the reconciled state is
+    unchanged: the next epoch, through the same buffers and flags,
+    answers at once the bytes of a packed reference that never saw the
+    failed epoch."""
+    d = start_daemon("--reconcile-timeout-ms=3000", env=ENV)
+    n, W = 1000, 2
+    qs = [amaxd.Quantizer(f"q{i:04d}", [], amaxd.Recipe.fp8_current()) for i in range(n)]
+    rng = np.random.default_rng(11)
+    a = [(rng.random(n, dtype=np.float32) * 10).astype(np.float32) for _ in range(W)]
+    b = [(rng.random(n, dtype=np.float32) * 100 + 11).astype(np.float32) for _ in range(W)]
+    ref = d.client("ref", 0, 1)
+    ref.join()
+    ref.register(qs)
+    cs = [d.client("st", r, W) for r in range(W)]
+    run_ranks(lambda r: cs[r].join(), W)
+    for c in cs:
+        c.register(qs)
+    slabs = [c.device_slab() for c in cs]
+
+    def normal(vals):
+        def body(r):
+            slabs[r].copy_(torch.from_numpy(vals[r]).cuda())
+            res = cs[r].reconcile_device()
+            torch.cuda.current_stream().synchronize()
+            return res.epoch, {k: host(getattr(res, k)) for k in ARRAYS}
+        return body
+    assert [e for e, _ in run_ranks(normal(a), W)] == [1, 1]
+    assert all(c._dev.signals and c._door is not None for c in cs), "no signals or no doorbell"
+    ref.send_packed(np.maximum(a[0], a[1]))
+    ref.reconcile_packed()
+
+    def stuck_epoch(r):
+        c = cs[r]
+        try:
+            if r == 0:
+                slabs[0].copy_(torch.from_numpy(a[0]).cuda())
+                c.reconcile_device()
+            else:
+                # Garbage that must never be merged, then the request with
+                # a signal whose flag nobody writes.
+                slabs[1].fill_(1e30)
+                torch.cuda.synchronize()
+                req = pb.ReconcileDeviceRequest(job="st", rank=1, epoch=c.epoch,
+                                                layout_id=c.layout().id, device_id=c._dev.id,
+                                                send=True)
+                c._door.call(req, 60, c._dev.next_seq())
+        except errors.AmaxdError as e:
+            return e
+        return None
+    t0 = time.perf_counter()
+    errs = run_ranks(stuck_epoch, W)
+    dt = time.perf_counter() - t0
+    print(f"stuck trainer: both ranks answered after {dt:.2f} s: {errs[0]}")
+    for e in errs:
+        assert isinstance(e, errors.DeadlineExceeded), e
+        assert "device slab of trainer rank 1 (signal 2)" in e.message, e.message
+        assert "was not merged" in e.message, e.message
+    assert 2.0 < dt < 30, dt
+    # The next epoch: the same buffers, at once, the reference's bytes.
+    ref.send_packed(np.maximum(b[0], b[1]))
+    want = ref.reconcile_packed()
+    t0 = time.perf_counter()
+    outs = run_ranks(normal(b), W)
+    dt = time.perf_counter() - t0
+    print(f"the next epoch after the released one: {1e3 * dt:.0f} ms")
+    assert dt < 2.0, "the daemon's stream still waited"
+    for r, (epoch, got) in enumerate(outs):
+        assert epoch == 2, epoch
+        for k in ARRAYS:
+            assert got[k] == np.asarray(getattr(want, k)).tobytes(), (r, k)
+    assert "was not ready within the epoch's deadline" in d.log()
+    for c in (ref, *cs):
+        c.close()
+
+
+def test_modelopt_sync_takes_the_device_path(start_daemon):
+    """amaxd.modelopt.sync on a model on the GPU takes the device path
+    (SyncResults.path == "device": the rank's amax slab and the answer in
+    the device buffers) and writes into every quantizer the bytes the
+    packed path writes for the same shards on the CPU (4 ranks, TP x EP,
+    NVFP4 static weight blocks: _amax blocks and _global_amax, and
+    per-tensor inputs with experts that got no tokens). Needs
+    nvidia-modelopt (skipped without)."""
+    pytest.importorskip("modelopt.torch.quantization")
+    import copy
+    sys.path.insert(0, os.path.join(HERE, "..", "modelopt"))
+    import toy
+    from common import quantize, quantizers
+    import amaxd.modelopt as amo
+    d = start_daemon(env=ENV)
+    cfg, layout = "nvfp4_static", sorted(toy.LAYOUTS)[0]
+    ref, x = toy.full_model(), toy.batch()
+    captured = {}
+
+    def loop(m):
+        seen, remove = toy.capture_hooks(m)
+        m(x)
+        remove()
+        captured.update(seen)
+    quantize(ref, cfg, loop)
+    base = []
+    for r in range(toy.W):
+        m = toy.shard_model(toy.full_model(), layout, r)
+        quantize(m, cfg, lambda mm, r=r: toy.replay(mm, captured, layout, r))
+        base.append(m)
+    written = {}
+    for path, where in (("auto", "cuda"), ("packed", "cpu")):
+        models = [copy.deepcopy(m).to(where) for m in base]
+        job = f"mo-{path}"
+
+        def rank(r):
+            tp, ep, tpr, epr = toy.coords(layout, r)
+            lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep,
+                             dp_rank=r // tp, dp_size=toy.W // tp)
+            with d.client(job, r, toy.W) as c:
+                c.join()
+                res = amo.sync(c, models[r], lay, path=path, column=toy.COLUMN, row=toy.ROW,
+                               moe_share=amo.supports_share())
+            return res.path
+        used = run_ranks(rank, toy.W)
+        assert used == ["device" if path == "auto" else "packed"] * toy.W, (path, used)
+        written[path] = [{n: tuple(getattr(q, a).detach().cpu().numpy().tobytes()
+                                   for a in ("_amax", "_global_amax")
+                                   if getattr(q, a, None) is not None)
+                          for n, q in quantizers(m).items()} for m in models]
+    print("modelopt sync: device path on the GPU, packed on the CPU:",
+          sum(len(w) for w in written["auto"]), "quantizers compared")
+    assert written["auto"] == written["packed"]
+    assert any(v for w in written["auto"] for v in w.values())
 
 
 def _gpu_used_by(pid):

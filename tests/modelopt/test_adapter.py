@@ -453,3 +453,48 @@ def test_refuses_unknown_modules():
             layout=amo.Layout(ep_size=2))
     assert len(amo.plan(m)) == 4  # EP = 1: local indices are the global ones
     assert issubclass(amo.Unsupported, ValueError)
+
+
+@pytest.mark.parametrize("cfg_name", ["fp8", "nvfp4_static"])
+def test_sync_paths_write_the_same(daemon, cfg_name):
+    """sync(path=...): a CPU model takes the packed path under "auto"
+    (SyncResults.path says so), and the packed and named paths write the
+    same bytes into every quantizer (_amax, _global_amax); "device" on a
+    CPU model is refused. On a GPU, tests/gpu/test_device.py checks the
+    device path against the packed one."""
+    import copy
+    layout = sorted(toy.LAYOUTS)[0]
+    _, captured = reference(cfg_name)
+    base = []
+    for r in range(toy.W):
+        m = toy.shard_model(toy.full_model(), layout, r)
+        quantize(m, cfg_name, lambda mm, r=r: toy.replay(mm, captured, layout, r))
+        base.append(m)
+    got = {}
+    for path in ("auto", "named"):
+        models = [copy.deepcopy(m) for m in base]
+        job = f"paths-{cfg_name}-{path}".replace("_", "-")
+
+        def rank(r):
+            tp, ep, tpr, epr = toy.coords(layout, r)
+            lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep,
+                             dp_rank=r // tp, dp_size=toy.W // tp)
+            with daemon.client(job, r, toy.W) as c:
+                c.join()
+                res = amo.sync(c, models[r], lay, path=path, column=toy.COLUMN, row=toy.ROW,
+                               moe_share=SHARE)
+            return res.path
+        with ThreadPoolExecutor(toy.W) as ex:
+            used = list(ex.map(rank, range(toy.W)))
+        assert used == ["packed" if path == "auto" else "named"] * toy.W, used
+        got[path] = [{n: tuple(getattr(q, a).detach().numpy().tobytes()
+                               for a in ("_amax", "_global_amax") if getattr(q, a, None) is not None)
+                      for n, q in _quantizers(m).items()} for m in models]
+    assert got["auto"] == got["named"]
+    assert any(v for d in got["auto"] for v in d.values()), "nothing was written back"
+    with daemon.client(f"paths-device-{cfg_name}".replace("_", "-"), 0, 1) as c:
+        c.join()
+        with pytest.raises(ValueError, match="no parameter on a CUDA GPU"):
+            amo.sync(c, base[0], amo.Layout(), path="device", column=toy.COLUMN, row=toy.ROW)
+        with pytest.raises(ValueError, match="one of auto"):
+            amo.sync(c, base[0], amo.Layout(), path="gpu")

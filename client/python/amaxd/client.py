@@ -374,32 +374,42 @@ class Client:
                 f"{bufs.signals} at the daemon, {dv.memops() is not None} here")
         seq = bufs.next_seq()
         mo = dv.memops()
-        if send:
-            mo.write(bufs.dev, sp, bufs.ready_flag, seq)
-        mo.wait(bufs.dev, sp, bufs.done_flag, seq)
-        if self._reader is None or self._reader.door is not door:
-            self._reader = dv.AsyncReader(door, bufs.dev)
+        # The release stream is made here, on the caller's thread, so that
+        # the release (in the reader thread) is one driver call and a sync.
+        side = bufs.release_stream()
+
+        def release() -> None:
+            # The daemon will not write the done flag: free the stream.
+            mo.write(bufs.dev, int(side.cuda_stream), bufs.done_flag, seq)
+            side.synchronize()
 
         def finish(r: Any) -> Any:
             self.epoch = r.next_epoch
             return dv.DeviceResult(bufs, L, r.epoch, r.next_epoch)
 
-        def release() -> None:
-            # The daemon will not write the done flag: free the stream.
-            side = dv._torch().cuda.Stream(device=bufs.dev)
-            mo.write(bufs.dev, int(side.cuda_stream), bufs.done_flag, seq)
-            side.synchronize()
         def failed(e: BaseException) -> None:
             # As the blocking call: a refused or failed epoch moves the open one.
             if epoch is None and isinstance(e, (InvalidArgument, FailedPrecondition)):
                 self._learn_epoch()
         pending = dv.PendingDevice(finish, failed)
+        if send:
+            mo.write(bufs.dev, sp, bufs.ready_flag, seq)
+        mo.wait(bufs.dev, sp, bufs.done_flag, seq)
+        # From here the stream waits for the done flag: every way out that
+        # does not hand the call to the reader releases it.
         try:
+            if (self._reader is None or self._reader.door is not door
+                    or not self._reader.alive()):
+                self._reader = dv.AsyncReader(door, bufs.dev)
             door.send(req, seq)
         except AmaxdError as e:
-            release()
-            pending._set(None, e)
+            pending._set(None, dv.release_after(release, e))
             return pending
+        except BaseException as e:
+            err = dv.release_after(release, e)
+            if err is not e:
+                raise err from e
+            raise
         self._reader.submit(pending, self.timeout if timeout is None else timeout, release)
         self._pending = pending
         return pending

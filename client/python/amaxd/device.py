@@ -93,7 +93,7 @@ class _Cupy:
         """A torch tensor over device memory, through DLPack."""
         import cupy
         t = _torch()
-        dt = {"<f4": cupy.float32, "|u1": cupy.uint8}[typestr]
+        dt = {"<f4": cupy.float32, "|u1": cupy.uint8, "<i4": cupy.int32}[typestr]
         mem = cupy.cuda.UnownedMemory(ptr, max(n, 1) * cupy.dtype(dt).itemsize, owner, dev)
         a = cupy.ndarray((n,), dt, cupy.cuda.MemoryPointer(mem, 0))
         return t.from_dlpack(a)
@@ -229,6 +229,7 @@ class DeviceBuffers:
         # Signals (docs/API.md "Signals"): uint32 flags instead of the events.
         self.signals = bool(getattr(r, "signals", False))
         self.seq = 0
+        self._release: Any = None
         self._b = b
         self._ptrs: List[int] = []
         self._events: List[Any] = []
@@ -272,12 +273,30 @@ class DeviceBuffers:
             "global_scales": view(ans, r.global_scales_offset, s, "<f4"),
             "global_scale_invs": view(ans, r.global_scale_invs_offset, s, "<f4"),
         }
+        # Per quantizer, as ReconcilePacked answers them; a daemon before
+        # them answers no offsets (0 is the amax array's). `missing` is the
+        # uint32 count viewed as int32 (torch's uint32 support is thin; a
+        # count never reaches 2^31: a slab of 8 GiB).
+        if getattr(r, "missing_offset", 0):
+            self.answer.update({
+                "missing": view(ans, r.missing_offset, q, "<i4"),
+                "has_previous": view(ans, r.has_previous_offset, q, "|u1"),
+                "previous_global_amax": view(ans, r.previous_global_amax_offset, q, "<f4"),
+                "previous_global_scale": view(ans, r.previous_global_scale_offset, q, "<f4"),
+            })
 
     def record_ready(self, stream: int) -> None:
         self._b.record(self.ready, stream)
 
     def wait_done(self, stream: int) -> None:
         self._b.wait(stream, self.done)
+
+    def release_stream(self) -> Any:
+        """The torch stream on which the client writes the done flag
+        itself when an asynchronous call fails (made once, on first use)."""
+        if self._release is None:
+            self._release = _torch().cuda.Stream(device=self.dev)
+        return self._release
 
     def next_seq(self) -> int:
         """The next signal sequence number (1, 2, ..., never 0)."""
@@ -454,6 +473,56 @@ class Doorbell:
         return self.recv(timeout)
 
 
+class StreamNotReleased(AmaxdError):
+    """An asynchronous device call failed (its `cause`: the daemon's error,
+    a vanished daemon, a timeout) and the client could not write the done
+    flag that frees the trainer's stream either (`release_error`): kernels
+    queued on that stream after reconcile_device_async() may stay blocked
+    on the flag. The code is the cause's. Write the flag yourself
+    (amaxd.device.memops().write(bufs.dev, stream, bufs.done_flag, seq))
+    or treat the stream (and its CUDA context) as lost."""
+
+    cause: Optional[BaseException] = None
+    release_error: Optional[BaseException] = None
+
+    @classmethod
+    def of(cls, cause: BaseException, release_error: BaseException) -> "StreamNotReleased":
+        code = getattr(cause, "code", None)
+        if not isinstance(code, grpc.StatusCode):
+            code = grpc.StatusCode.UNKNOWN
+        what = getattr(cause, "message", None) or f"{type(cause).__name__}: {cause}"
+        e = cls(code, f"{what}; releasing the trainer's stream failed too "
+                      f"({type(release_error).__name__}: {release_error}): the stream may stay "
+                      "blocked on the done flag, and kernels queued on it after "
+                      "reconcile_device_async() may never run")
+        e.cause, e.release_error = cause, release_error
+        return e
+
+
+def release_after(release: Callable[[], None], error: BaseException) -> BaseException:
+    """Runs release() (the write of the done flag that frees the trainer's
+    stream) after `error` failed an asynchronous call, and gives the error
+    result() must raise: `error` itself, or a StreamNotReleased when the
+    release raised. Never raises."""
+    try:
+        release()
+    except BaseException as e:  # noqa: BLE001 - a failed release is reported, never lost
+        try:
+            out: BaseException = StreamNotReleased.of(error, e)
+        except BaseException:  # noqa: BLE001 - even building the message must not lose it
+            out = StreamNotReleased(grpc.StatusCode.UNKNOWN,
+                                    "the asynchronous call failed and releasing the trainer's "
+                                    "stream failed too: the stream may stay blocked")
+        try:
+            out.__cause__ = e
+            import logging
+            logging.getLogger("amaxd").error("%s", out)
+        except BaseException:  # noqa: BLE001
+            pass
+        return out
+    return error
+
+
 class PendingDevice:
     """An asynchronous reconcile_device (Client.reconcile_device_async):
     the trainer's stream already waits on the GPU for the daemon's done
@@ -463,7 +532,8 @@ class PendingDevice:
     stream of its own, as soon as the answer arrives (a thread reads it),
     so the trainer's stream never hangs; the results it read then are the
     previous epoch's or garbage, and result() raises: check it before
-    trusting them."""
+    trusting them. Should that write fail, result() raises
+    StreamNotReleased: the stream may stay blocked."""
 
     def __init__(self, finish: Callable[[Any], Any],
                  failed: Callable[[BaseException], None]) -> None:
@@ -502,14 +572,22 @@ class PendingDevice:
 class AsyncReader:
     """The thread that reads a doorbell's answers to asynchronous calls:
     resolves each PendingDevice in order, and on an error releases the
-    trainer's stream (writes the done flag on a stream of its own)."""
+    trainer's stream (writes the done flag on a stream of its own). Every
+    call it took is resolved and, unless answered OK, released, whatever
+    raises (the thread's CUDA set-up, the doorbell, the mapping of the
+    error, the release itself): the thread never dies with calls queued."""
 
-    def __init__(self, door: Doorbell, dev: int) -> None:
+    def __init__(self, door: Doorbell, dev: int,
+                 setup: Optional[Callable[[], None]] = None) -> None:
         self.door = door
         self.dev = dev
+        self._setup = setup if setup is not None else lambda: _torch().cuda.set_device(dev)
         self._q: "queue.Queue[Any]" = queue.Queue()
         self._t = threading.Thread(target=self._run, name="amaxd-doorbell", daemon=True)
         self._t.start()
+
+    def alive(self) -> bool:
+        return self._t.is_alive()
 
     def submit(self, pending: PendingDevice, timeout: Optional[float],
                release: Callable[[], None]) -> None:
@@ -520,8 +598,10 @@ class AsyncReader:
         self._t.join(timeout=5)
 
     def _run(self) -> None:
-        t = _torch()
-        t.cuda.set_device(self.dev)
+        try:
+            self._setup()  # the current device of this thread (the release needs none)
+        except BaseException:  # noqa: BLE001 - the calls are still read and released
+            pass
         while True:
             item = self._q.get()
             if item is None:
@@ -530,42 +610,45 @@ class AsyncReader:
             try:
                 ans = self.door.recv(timeout)
             except BaseException as e:  # noqa: BLE001 - every failure releases the stream
-                try:
-                    release()
-                finally:
-                    pending._set(None, e)
+                pending._set(None, release_after(release, e))
                 continue
             pending._set(ans, None)
+
+
+PER_QUANTIZER = ("global_amax", "global_scale", "global_scale_inv", "missing", "has_previous",
+                 "previous_global_amax", "previous_global_scale")
 
 
 class DeviceResult:
     """One epoch's answer in the device buffers: CUDA tensor views (amax,
     scale, scale_inv, block_scales per cell in slab order; global_amax,
-    global_scale, global_scale_inv per quantizer; global_amaxes, ... per
-    global slice), valid until the next reconcile_device()."""
+    global_scale, global_scale_inv, missing (int32: cells of this rank's
+    block without data anywhere), has_previous (uint8), previous_global_amax,
+    previous_global_scale per quantizer; global_amaxes, ... per global
+    slice), valid until the next reconcile_device(). The arrays are
+    ReconcilePacked's, byte for byte."""
 
     def __init__(self, bufs: DeviceBuffers, layout: Any, epoch: int, next_epoch: int) -> None:
         self.epoch, self.next_epoch = epoch, next_epoch
         self.layout = layout
+        self._keys = tuple(bufs.answer)
         for k, v in bufs.answer.items():
             setattr(self, k, v)
 
     def __getitem__(self, name: str) -> Dict[str, Any]:
         """Views of quantizer `name`: its block's amax/scale/scale_inv/
-        block_scales and its globals."""
+        block_scales, its globals, missing count and previous globals."""
         L = self.layout
         i = L.index[name]
         out = {k: L.view(getattr(self, k), name)
                for k in ("amax", "scale", "scale_inv", "block_scales")}
-        for k in ("global_amax", "global_scale", "global_scale_inv"):
-            out[k] = getattr(self, k)[i]
+        for k in PER_QUANTIZER:
+            if k in self._keys:
+                out[k] = getattr(self, k)[i]
         return out
 
     def arrays(self) -> Dict[str, Any]:
-        return {k: getattr(self, k) for k in ("amax", "scale", "scale_inv", "block_scales",
-                                              "global_amax", "global_scale", "global_scale_inv",
-                                              "global_amaxes", "global_scales",
-                                              "global_scale_invs")}
+        return {k: getattr(self, k) for k in self._keys}
 
 
 def current_stream(dev: int) -> Tuple[Any, int]:
@@ -576,4 +659,4 @@ def current_stream(dev: int) -> Tuple[Any, int]:
 
 
 __all__ = ["DeviceBuffers", "DeviceResult", "DeviceUnavailable", "Doorbell", "PendingDevice",
-           "device_name", "ipc", "memops", "AmaxdError"]
+           "StreamNotReleased", "device_name", "ipc", "memops", "release_after", "AmaxdError"]

@@ -76,6 +76,7 @@ import numpy as np
 
 from . import placement as P
 from ._gen import amaxd_pb2 as pb
+from .packed import PackedResult
 from .types import Calibrator, Masked, Quantizer, Recipe, Result, Stat
 
 if TYPE_CHECKING:  # torch is imported when first needed
@@ -84,7 +85,7 @@ if TYPE_CHECKING:  # torch is imported when first needed
     from .client import Client
 
 __all__ = ["Layout", "Entry", "Unsupported", "plan", "register", "send", "reconcile",
-           "write_back", "sync", "supports_share", "global_name", "DEFAULT_COLUMN",
+           "write_back", "sync", "SyncResults", "PATHS", "supports_share", "global_name", "DEFAULT_COLUMN",
            "DEFAULT_ROW", "HistEntry", "plan_histograms", "sync_histograms", "MseEntry",
            "plan_mse", "sync_mse", "plan_nvfp4_mse"]
 
@@ -884,16 +885,108 @@ def write_back(entries: Sequence[Entry], results: Dict[str, Result]) -> None:
             _set_global_amax(e.quantizer, r.global_amax)
 
 
+class SyncResults(dict):
+    """{global name: Result} of sync(), with `path`: how this rank's amax
+    went to the daemon and its results came back ("device", "packed" or
+    "named"; docs/MODELOPT.md "Paths")."""
+
+    path: str = "named"
+
+
+PATHS = ("auto", "device", "packed", "named")
+
+
+def _model_device(model) -> Optional[int]:
+    """The CUDA device of the model's first CUDA parameter or buffer, or None."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_cuda:
+            return t.device.index if t.device.index is not None else _torch().cuda.current_device()
+    return None
+
+
+def _open_device(client: "Client", dev: int) -> bool:
+    """Device buffers of this rank's current layout on GPU `dev`, opened
+    when needed; False when GPU-direct cannot run here or the daemon does
+    not offer it (no torch CUDA / IPC binding, a host-backend daemon, a GPU
+    the daemon does not see, a GPU it cannot reach)."""
+    from . import device as dv
+    from .errors import FailedPrecondition, NotFound
+    b = getattr(client, "_dev", None)
+    if b is not None and b.dev == dev and b.layout_id == client.layout().id:
+        return "missing" in b.answer
+    try:
+        b = client.open_device(dev)
+    except (dv.DeviceUnavailable, FailedPrecondition, NotFound):
+        return False
+    # A daemon whose answer has no missing counts cannot say which
+    # quantizers had no data: write_back needs them.
+    return "missing" in b.answer
+
+
+def _reconcile_packed(client: "Client", entries: Sequence[Entry], device: Optional[int]):
+    """Sends this rank's amax as one slab and reconciles: through the
+    device buffers when `device` is given, else ReconcilePacked. A
+    PackedResult (host arrays) either way."""
+    L = client.layout()
+    vals, has = L.pack({e.name: _local_amax(e) for e in entries})
+    if device is None:
+        client.send_packed(vals, has)
+        return client.reconcile_packed()
+    torch = _torch()
+    bufs = client._dev
+    with torch.cuda.device(device):
+        bufs.slab.copy_(torch.from_numpy(vals).to(bufs.slab.device))
+        if has is not None:
+            bufs.has_data.copy_(torch.from_numpy(has).to(bufs.slab.device))
+        res = client.reconcile_device(has_data=has is not None)
+        return PackedResult.from_device(res)
+
+
 def sync(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
-         **plan_kw: Any) -> Dict[str, Result]:
+         path: str = "auto", **plan_kw: Any) -> Dict[str, Result]:
     """Registers, sends, reconciles and writes back in one call (after
-    this rank's calibration); returns {global name: Result}."""
+    this rank's calibration); returns {global name: Result} (a SyncResults:
+    `.path` says which path ran).
+
+    `path`: "device" sends the rank's amax slab through the daemon's device
+    buffers (GPU-direct, docs/API.md "Device buffers") on the model's GPU;
+    "packed" as one slab over gRPC (SendPacked, ReconcilePacked); "named"
+    per quantizer name (SendAmax, Reconcile). "auto" (the default) takes
+    the device path when the model is on a CUDA GPU and the daemon offers
+    it (CUDA backend, a GPU it sees), else the packed one. All three give
+    the same bytes; ranks of one job may take different paths."""
+    if path not in PATHS:
+        raise ValueError(f"path {path!r}: one of {', '.join(PATHS)}")
     entries = plan(model, layout, **plan_kw)
+    dev = _model_device(model) if entries and path in ("auto", "device") else None
+    if dev is None and path == "device" and entries:
+        raise ValueError("path='device': the model has no parameter on a CUDA GPU")
     register(client, entries)
-    send(client, entries)
-    results = reconcile(client, entries)
+    used = "named" if path == "named" else "packed"
+    if dev is not None:
+        if not _open_device(client, dev):
+            if path == "device":
+                from .device import DeviceUnavailable
+                client.open_device(dev)  # raises what stops it, if anything
+                raise DeviceUnavailable("path='device': the daemon's device answer has no "
+                                        "missing counts (a daemon before them); use 'packed'")
+            dev = None
+        if dev is not None:
+            used = "device"
+    if used == "named" or not entries:
+        send(client, entries)
+        results = reconcile(client, entries)
+        used = "named"
+    else:
+        res = _reconcile_packed(client, entries, dev)
+        results = {e.name: res[e.name] for e in entries}
     write_back(entries, results)
-    return results
+    out = SyncResults(results)
+    out.path = used
+    import logging
+    logging.getLogger("amaxd").info("amaxd.modelopt.sync: %d quantizers through the %s path",
+                                    len(entries), used)
+    return out
 
 
 # -- calibrators beyond max (docs/MODELOPT.md "Histogram and MSE calibration") --

@@ -211,6 +211,31 @@ class PackedResult:
         if self.peer_fill_known and self.filled is None:
             self.filled = np.zeros(n, dtype=u8)
 
+    @classmethod
+    def from_device(cls, res: Any) -> "PackedResult":
+        """A device answer (amaxd.device.DeviceResult) copied to host
+        memory, as ReconcilePacked would give it, without `filled` and the
+        calibrators' statistics. Synchronizes with the current stream of
+        the buffers' device (the stream that waited for the answer)."""
+        from .device import _torch
+        keys = res.arrays()
+        if "missing" not in keys:
+            raise ValueError("this daemon's device answer has no missing counts (a daemon "
+                             "before them): use reconcile_packed for host results")
+        _torch().cuda.current_stream(res.amax.device).synchronize()
+        r = cls.__new__(cls)
+        r.raw, r.layout = None, res.layout
+        r.epoch, r.next_epoch, r.layout_id = res.epoch, res.next_epoch, res.layout.id
+        r.shm_bytes, r.peer_fill_known, r.filled = 0, False, None
+        for k, v in keys.items():
+            a = v.cpu().numpy()
+            setattr(r, k, a.view("<u4") if k == "missing" else a)
+        r.stat_state = np.zeros(0, np.uint8)
+        r.stat_epoch = np.zeros(0, "<u8")
+        r.stat_total = r.stat_overflow = np.zeros(0, "<f8")
+        r.stat_basis = np.zeros(0, "<f4")
+        return r
+
     def result(self, name: str) -> Result:
         """Quantizer `name`'s Result, its arrays views into this answer."""
         L = self.layout
