@@ -427,9 +427,10 @@ class Caster:
         """Makes the device buffers' has-data bytes this Caster's mask (once,
         unless another Caster of the client wrote its own since)."""
         b = self._bufs
-        if getattr(b, "_amaxd_te_owner", None) is not self:
+        owner = getattr(b, "_amaxd_te_owner", None)
+        if owner is None or owner() is not self:
             b.has_data.copy_(self._mask_dev)
-            b._amaxd_te_owner = self
+            b._amaxd_te_owner = weakref.ref(self)  # the buffers do not keep this Caster alive
 
     def _views(self, p: _Part):
         L = self.layout
