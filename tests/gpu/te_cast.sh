@@ -18,6 +18,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 "$build/amaxd" --version
 py=$(mktemp -d)
 python3 -m pip install -q --no-deps --no-index --target "$py" "$carry"/wheels/*.whl || rc=1
+# The client under test is this tree's: a bundle made before its amaxd.te
+# changed would test the old one (the wheel's generated _gen is kept).
+if ! cmp -s "$py/amaxd/te.py" "$root/client/python/amaxd/te.py"; then
+  echo "note: the bundle's amaxd wheel is not this tree's client: using the tree's sources"
+  cp "$root"/client/python/amaxd/*.py "$py/amaxd/"
+fi
 export PYTHONPATH="$py:$root/tests/e2e"
 export AMAXD_BIN="$build/amaxd"
 python3 -c 'import torch, amaxd.device as d; print("torch", torch.__version__, "ipc:", d.ipc().name)'
