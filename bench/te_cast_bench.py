@@ -1,25 +1,37 @@
 """Per optimizer step, TE's master-weight cast (issue 22): TransformerEngine's
 pattern written in torch (partial amax of each rank's master shards, one
 all_reduce(MAX) of the packed tile amaxes, a second one of the NVFP4 global
-amaxes, the scale computations) against amaxd.te (the same partial amaxes,
-one packed amaxd epoch, the scales from the daemon), in the same run, on the
-same GPUs, for the weights of an 8B-parameter model (Llama-3-8B shapes: 32
-layers of q/k/v/o and gate/up/down, hidden 4096, intermediate 14336, 8 KV
-heads), data parallel over --ranks GPUs, Megatron's flat-buffer sharding.
+amaxes, the scale computations) against amaxd.te's two paths (the same
+partial amaxes, one amaxd epoch, the scales from the daemon), in the same
+run, on the same GPUs, for the weights of an 8B-parameter model
+(Llama-3-8B shapes: 32 layers of q/k/v/o and gate/up/down, hidden 4096,
+intermediate 14336, 8 KV heads), data parallel over --ranks GPUs,
+Megatron's flat-buffer sharding:
 
-Each recipe (NVFP4 2D, FP8 block 128x128, MXFP8, FP8 current scaling) is
-timed on its own: median milliseconds per step over --steps steps after
---warmup, CUDA-synchronized, the slowest rank of each step. Before timing,
-one step of each side is compared byte for byte (scale_inv layouts, global
-amax); a mismatch fails the run.
+- "packed": Caster(path="packed"), SendPacked + ReconcilePacked over
+  shared memory (--no-shm: in the gRPC messages), the answer copied to
+  the GPU;
+- "device": Caster(path="device"), GPU-direct: the partial amaxes written
+  into the device slab, ReconcileDevice over the doorbell (signals), the
+  outputs derived from the device answer on the GPU, no host sync.
 
-    python3 bench/te_cast_bench.py --amaxd build-gpu/amaxd [--ranks 4] [--layers 32]
+Each recipe (NVFP4 2D, FP8 block 128x128, MXFP8, FP8 current scaling) and
+each path is a phase of its own (its own amaxd job, dropped after it, so
+that the daemons hold one 8B catalog at a time): in a phase every step
+times TE's pattern and then the path, each CUDA-synchronized behind a
+barrier, the slowest rank of each step; medians over --steps steps after
+--warmup. A path's ratio is its median over the median of TE's pattern in
+the same phase. Before timing, one step of each side is compared byte for
+byte with TE's pattern (scale_inv layouts, scales, global amax); a
+mismatch fails the run.
+
+    AMAXD_BIN=.gpu-build/amaxd python3 bench/te_cast_bench.py [--ranks 4] [--layers 32]
     python3 bench/te_cast_bench.py --amaxd build/amaxd --device cpu --ranks 2 --layers 1 --shrink 16
 
-Needs torch with CUDA (and NCCL) and the amaxd client; one amaxd per GPU
-(CUDA backend, NCCL between daemons) is started here. amaxd's side uses
-the packed path over shared memory (--no-shm: in the gRPC messages); the
-GPU-direct path does not exist yet.
+Needs torch with CUDA (and NCCL), CuPy or cuda-bindings for the device
+path, and the amaxd client; one amaxd per GPU (CUDA backend, NCCL between
+daemons) is started here. tests/gpu/te_cast.sh runs it with the staged
+build.
 """
 import argparse
 import multiprocessing as mp
@@ -228,19 +240,21 @@ def trainer(rank, args, sockets, port, q):
                    for rr in ranges]
         rows = []
         for kind in args.recipes.split(","):
-            try:
-                rows.append(run_recipe(kind, rank, args, sockets, shapes, ranges, masters, dev,
-                                       cuda))
-            except amaxd.AmaxdError as e:  # e.g. a catalog over the daemon's limits
-                rows.append((kind, 0, 0.0, -1, str(e)))
+            for path in args.paths.split(","):
+                try:
+                    rows.append(run_phase(kind, path, rank, args, sockets, shapes, ranges, masters,
+                                          dev, cuda))
+                except amaxd.AmaxdError as e:  # e.g. a catalog over the daemon's limits
+                    rows.append((kind, path, 0, 0.0, -1, str(e)))
         dist.destroy_process_group()
         q.put((rank, rows, None))
     except Exception:  # noqa: BLE001
         q.put((rank, None, traceback.format_exc()))
 
 
-def run_recipe(kind, rank, args, sockets, shapes, ranges, masters, dev, cuda):
-    """One recipe: register, check the bytes of one step, time both sides."""
+def run_phase(kind, path, rank, args, sockets, shapes, ranges, masters, dev, cuda):
+    """One recipe through one amaxd.te path: register, check the bytes of
+    one step against TE's pattern, time both, drop the job."""
     import torch
     import torch.distributed as dist
     import amaxd
@@ -248,13 +262,17 @@ def run_recipe(kind, rank, args, sockets, shapes, ranges, masters, dev, cuda):
     specs = [ate.WeightSpec(n, s, kind, "bfloat16", power_of_2=kind == "fp8_block")
              for n, s in shapes]
     te = TEPattern(specs, ranges, rank, dev, None)
-    with amaxd.Client(f"te-bench-{kind}", rank, args.ranks, socket=sockets[rank],
-                      timeout=1200, max_message_bytes=1 << 30, shm=not args.no_shm) as c:
+    with amaxd.Client(f"te-bench-{kind}-{path}", rank, args.ranks, socket=sockets[rank],
+                      timeout=1200, max_message_bytes=1 << 30,
+                      shm=path == "packed" and not args.no_shm) as c:
         c.join()
         t0 = time.perf_counter()
         cast = ate.Caster(c, specs, [rr[rank][0] for rr in ranges],
-                          [rr[rank][1] for rr in ranges], device=dev)
-        t_reg = time.perf_counter() - t0
+                          [rr[rank][1] for rr in ranges], device=dev, path=path)
+        t_reg = time.perf_counter() - t0  # registration and buffers (device: OpenDevice)
+        if cast.path != path:
+            raise RuntimeError(f"{kind}: asked for the {path} path, got {cast.path} "
+                               f"({cast.path_reason})")
         # Byte check of one step of each side.
         mine = cast.step(masters)
         theirs = te.step(masters)
@@ -267,6 +285,7 @@ def run_recipe(kind, rank, args, sockets, shapes, ranges, masters, dev, cuda):
                 if a.shape != b.shape or not torch.equal(a.contiguous().view(torch.uint8),
                                                           b.contiguous().view(torch.uint8)):
                     bad += 1
+        del mine, theirs
         times = {"te": [], "amaxd": [], "partial": []}
         for it in range(args.warmup + args.steps):
             for side, fn in (("te", lambda: te.step(masters)),
@@ -278,7 +297,7 @@ def run_recipe(kind, rank, args, sockets, shapes, ranges, masters, dev, cuda):
                 sync(torch, cuda)
                 if it >= args.warmup:
                     times[side].append(time.perf_counter() - t0)
-            if it >= args.warmup:  # the partial amaxes alone (the same code both sides)
+            if it >= args.warmup:  # the partial amaxes alone (the same code both paths)
                 sync(torch, cuda)
                 t0 = time.perf_counter()
                 for i, (s, m) in enumerate(zip(specs, masters)):
@@ -286,14 +305,25 @@ def run_recipe(kind, rank, args, sockets, shapes, ranges, masters, dev, cuda):
                         cast._partial(s, cast.parts[i], cast.blocks[i], cast.ranges[i], m)
                 sync(torch, cuda)
                 times["partial"].append(time.perf_counter() - t0)
+        cells = cast.layout.total_cells
+        # Every rank done with the job's buffers before they are freed.
+        sync(torch, cuda)
+        del cast
+        c.close_device()
+        dist.barrier()
         if rank == 0:
             c.reset(drop_job=True)
-        return (kind, cast.layout.total_cells, t_reg, bad, times)
+        dist.barrier()
+    del te
+    if cuda:
+        torch.cuda.empty_cache()
+    return (kind, path, cells, t_reg, bad, times)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--amaxd", required=True)
+    ap.add_argument("--amaxd", default=os.environ.get("AMAXD_BIN"),
+                    help="the amaxd binary (default: $AMAXD_BIN)")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--shrink", type=int, default=1, help="divide hidden/intermediate sizes")
@@ -301,8 +331,17 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--no-shm", action="store_true")
+    ap.add_argument("--no-shm", action="store_true", help="the packed path in the gRPC messages")
+    ap.add_argument("--paths", default=None,
+                    help="amaxd.te paths, comma-separated (default: packed,device on cuda, "
+                         "packed on cpu)")
     args = ap.parse_args()
+    if not args.amaxd:
+        ap.error("--amaxd (or AMAXD_BIN) is required")
+    if args.paths is None:
+        args.paths = "packed,device" if args.device == "cuda" else "packed"
+    if "device" in args.paths.split(",") and args.device != "cuda":
+        ap.error("the device path needs --device cuda")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from te_cast import free_ports, start_daemons
     with tempfile.TemporaryDirectory(prefix="amaxd-te-bench-") as tmp:
@@ -330,30 +369,51 @@ def main():
         return 1
     shapes = llama8b_shapes(args.layers, args.shrink)
     params = sum(r * c for _, (r, c) in shapes)
+    paths = args.paths.split(",")
     print(f"\nTE master-weight cast per optimizer step: {len(shapes)} weights, {params / 1e9:.2f} B "
           f"parameters, DP = {args.ranks} ({args.device}), one amaxd per rank "
-          f"({'NCCL' if args.device == 'cuda' else 'Gloo'}), packed path "
-          f"{'in the messages' if args.no_shm else 'over shared memory'}; "
-          f"median of {args.steps} steps, slowest rank")
-    print(f"{'recipe':12s} {'amax cells':>11s} {'register':>9s} {'partial amax':>13s} "
-          f"{'TE pattern':>11s} {'amaxd.te':>9s} {'ratio':>6s}  bytes")
+          f"({'NCCL' if args.device == 'cuda' else 'Gloo'}); packed path "
+          f"{'in the messages' if args.no_shm else 'over shared memory'}, device path GPU-direct "
+          f"(doorbell); median of {args.steps} steps, slowest rank; ratio = path / TE's pattern "
+          f"in the same phase")
+    head = f"{'recipe':12s} {'amax cells':>11s} {'partial amax':>13s} {'TE pattern':>11s}"
+    for p in paths:
+        head += f" {p:>9s} {p[:6] + '/TE':>9s}"
+    print(head + "  register  bytes")
     bad = False
     med = statistics.median
-    for k in range(len(res[0][1])):
-        kind, cells, t_reg = res[0][1][k][:3]
-        if any(r[1][k][3] < 0 for r in res):
-            msg = next(r[1][k][4] for r in res if r[1][k][3] < 0)
-            print(f"{kind:12s} not run: {msg[:300]}")
-            continue
-        mism = sum(r[1][k][3] for r in res)
+    rows = [r[1] for r in res]  # per rank: (kind, path, ...) per phase
+    by_kind = {}
+    for k, row in enumerate(rows[0]):
+        by_kind.setdefault(row[0], []).append(k)
+    for kind, ks in by_kind.items():
+        line, cells, te_all, pa_all, regs, notes = "", 0, [], [], [], []
+        mism = 0
+        for k in ks:
+            path = rows[0][k][1]
+            if any(r[k][4] < 0 for r in rows):
+                msg = next(r[k][5] for r in rows if r[k][4] < 0)
+                notes.append(f"{path} not run: {msg[:300]}")
+                line += f" {'-':>9s} {'-':>9s}"
+                continue
+            cells = rows[0][k][2]
+            mism += sum(r[k][4] for r in rows)
 
-        def slowest(side):
-            return med([max(r[1][k][4][side][i] for r in res) for i in range(args.steps)]) * 1e3
+            def slowest(side):
+                return med([max(r[k][5][side][i] for r in rows) for i in range(args.steps)]) * 1e3
 
-        te_ms, am_ms, pa_ms = slowest("te"), slowest("amaxd"), slowest("partial")
-        print(f"{kind:12s} {cells:11d} {t_reg:8.2f}s {pa_ms:11.2f}ms {te_ms:9.2f}ms "
-              f"{am_ms:7.2f}ms {am_ms / te_ms:5.2f}x  {'equal' if mism == 0 else f'{mism} DIFFER'}")
-        bad |= mism != 0
+            te_ms, am_ms = slowest("te"), slowest("amaxd")
+            te_all.append(te_ms)
+            pa_all.append(slowest("partial"))
+            regs.append(f"{path} {max(r[k][3] for r in rows):.1f}s")
+            line += f" {am_ms:7.2f}ms {am_ms / te_ms:8.2f}x"
+        te_ms = med(te_all) if te_all else float("nan")
+        pa_ms = med(pa_all) if pa_all else float("nan")
+        print(f"{kind:12s} {cells:11d} {pa_ms:11.2f}ms {te_ms:9.2f}ms{line}  {', '.join(regs)}  "
+              f"{'equal' if mism == 0 else f'{mism} DIFFER'}")
+        for n in notes:
+            print(f"  {n}")
+        bad |= mism != 0 or bool(notes)
     return 1 if bad else 0
 
 

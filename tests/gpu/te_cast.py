@@ -7,8 +7,14 @@ shapes that are not multiples of the tiles, with zero, subnormal, huge and
 NaN values, sharded as Megatron's distributed optimizer shards them (one
 flat buffer of all weights cut in N equal pieces: most weights fall on one
 or two ranks, many ranks hold nothing of a weight) and by random cuts
-(empty shards included), every rank's amaxd.te output must equal, byte for
-byte:
+(empty shards included), every rank's amaxd.te output, through both of
+amaxd.te's paths, must equal, byte for byte:
+  0. the other path's: the GPU-direct device path (Caster(path="device"):
+     partial amaxes written into the device slab, ReconcileDevice over
+     the doorbell, outputs derived from the device answer; every step
+     under torch.cuda.set_sync_debug_mode("error"), so a host sync in it
+     fails the run) and the packed path (path="packed": SendPacked +
+     ReconcilePacked), each in a job of its own;
   1. the numpy transcription of TE's kernels (tests/e2e/te_reference.py);
   2. where TransformerEngine is installed, TE's own kernels run the way
      quantize_master_weights runs them (tex partial amax, NCCL
@@ -16,11 +22,13 @@ byte:
   3. the same weights reconciled by jobs of 1, 2, ..., N ranks.
 Several steps per job reuse one registration. Exit status 0 when all agree.
 
-    python3 tests/gpu/te_cast.py --amaxd build-gpu/amaxd [--ranks 4] [--steps 3]
+    AMAXD_BIN=.gpu-build/amaxd python3 tests/gpu/te_cast.py [--ranks 4] [--steps 3]
+    python3 tests/gpu/te_cast.py --amaxd build-gpu/amaxd --paths device   # one path only
     python3 tests/gpu/te_cast.py --amaxd build/amaxd --device cpu   # CPU, Gloo: a smoke run
 
-Needs torch (CUDA) and the amaxd client on the path (tests/gpu/README.md);
-keep NCCL_NVLS_ENABLE=0.
+Needs torch (CUDA), CuPy or cuda-bindings for the device path, and the
+amaxd client on the path (tests/gpu/README.md; tests/gpu/te_cast.sh runs
+it with the staged build and the bundle's wheel); keep NCCL_NVLS_ENABLE=0.
 """
 import argparse
 import multiprocessing as mp
@@ -252,71 +260,117 @@ def trainer(rank, args, sockets, port, q):
             have_te = False
         weights = make_weights(args.seed, args.scale)
         lays = layouts(weights, args.ranks, args.seed + 1)
-        errors, checked, digests, timings = [], 0, {}, []
+        errors, checked = [], 0
         jobs = [(name, args.ranks, lay) for name, lay in lays.items()]
         # The same weights over 1, 2, ..., N ranks (Megatron cuts).
         jobs += [(f"megatron-dp{k}", k, layouts(weights, k, args.seed + 1)["megatron"])
                  for k in range(1, args.ranks)]
+        paths = args.paths.split(",")
+        digests = {p: {} for p in paths}
+        timings = {p: [] for p in paths}
         for job, world, lay in jobs:
             group = dist.new_group(list(range(world))) if have_te else None
             if rank >= world:
                 continue
-            with amaxd.Client(f"te-cast-{job}", rank, world, socket=sockets[rank], timeout=600,
-                              max_message_bytes=1 << 30) as c:
+            specs = [s for s, _ in weights]
+            starts = [lay[s.name][rank][0] for s in specs]
+            numels = [lay[s.name][rank][1] for s in specs]
+            clients, casters = {}, {}
+            for p in paths:
+                c = clients[p] = amaxd.Client(f"te-cast-{job}-{p}", rank, world,
+                                              socket=sockets[rank], timeout=600,
+                                              max_message_bytes=1 << 30)
                 c.join()
-                specs = [s for s, _ in weights]
-                starts = [lay[s.name][rank][0] for s in specs]
-                numels = [lay[s.name][rank][1] for s in specs]
-                cast = ate.Caster(c, specs, starts, numels, device=dev)
+                casters[p] = ate.Caster(c, specs, starts, numels, device=dev, path=p)
+                if casters[p].path != p:
+                    errors.append(f"{job} rank {rank}: asked for the {p} path, got "
+                                  f"{casters[p].path} ({casters[p].path_reason})")
+            try:
                 for step in range(args.steps):
                     k = np.float32(2.0 ** -step)
                     masters = [torch.from_numpy((v * k)[s:s + n]).to(dev) if n else None
                                for (_, v), s, n in zip(weights, starts, numels)]
-                    if cuda:
-                        torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    out = cast.step(masters)
-                    if cuda:
-                        torch.cuda.synchronize()
-                    timings.append(time.perf_counter() - t0)
-                    got = {nm: {f: t.cpu().numpy() for f, t in fs.items()} for nm, fs in out.items()}
+                    got = {}
+                    for p in paths:
+                        if cuda:
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                        if cuda and p == "device":
+                            # No host sync inside a device step: torch
+                            # raises on one.
+                            torch.cuda.set_sync_debug_mode("error")
+                            try:
+                                out = casters[p].step(masters)
+                            finally:
+                                torch.cuda.set_sync_debug_mode(0)
+                        else:
+                            out = casters[p].step(masters)
+                        if cuda:
+                            torch.cuda.synchronize()
+                        timings[p].append(time.perf_counter() - t0)
+                        got[p] = {nm: {f: t.cpu().numpy() for f, t in fs.items()}
+                                  for nm, fs in out.items()}
+                    # 0. the device path's bytes are the packed path's.
+                    for p in paths[1:]:
+                        for spec in specs:
+                            checked += compare(got[p][spec.name], got[paths[0]][spec.name],
+                                               f"{job} rank {rank} step {step} {spec.name} ({p} "
+                                               f"path vs {paths[0]} path)", errors)
                     for (spec, v), s in zip(weights, starts):
                         want = expected(spec, v * k, [lay[spec.name][r] for r in range(world)])
-                        checked += compare(got[spec.name], want,
-                                           f"{job} rank {rank} step {step} {spec.name} (numpy TE)",
-                                           errors)
+                        tw = None
                         if have_te:
                             sh = masters[specs.index(spec)]
                             sh = None if sh is None else sh.to(getattr(torch, spec.dtype))
-                            tw = te_kernels(spec, sh, s, group)
-                            checked += compare(got[spec.name],
-                                               {f: t.cpu().numpy() for f, t in tw.items()},
+                            tw = {f: t.cpu().numpy()
+                                  for f, t in te_kernels(spec, sh, s, group).items()}
+                        for p in paths:
+                            checked += compare(got[p][spec.name], want,
                                                f"{job} rank {rank} step {step} {spec.name} "
-                                               f"(TE kernels)", errors)
+                                               f"({p} path vs numpy TE)", errors)
+                            if tw is not None:
+                                checked += compare(got[p][spec.name], tw,
+                                                   f"{job} rank {rank} step {step} {spec.name} "
+                                                   f"({p} path vs TE kernels)", errors)
                     if step == 0 and job.startswith("megatron"):
-                        digests[world] = {nm: {f: a.tobytes() for f, a in fs.items()}
-                                          for nm, fs in got.items()}
+                        for p in paths:
+                            digests[p][world] = {nm: {f: a.tobytes() for f, a in fs.items()}
+                                                 for nm, fs in got[p].items()}
+            finally:
+                for c in clients.values():
+                    c.close()
         # 3. the same bytes whatever the number of ranks.
         if rank == 0:
-            for k, d in digests.items():
-                if d != digests[args.ranks]:
-                    errors.append(f"megatron cuts over {k} ranks give other bytes than over "
-                                  f"{args.ranks}")
+            for p in paths:
+                for k, d in digests[p].items():
+                    if d != digests[p][args.ranks]:
+                        errors.append(f"{p} path: megatron cuts over {k} ranks give other bytes "
+                                      f"than over {args.ranks}")
         dist.destroy_process_group()
         q.put((rank, errors, checked, have_te, timings))
     except Exception:  # noqa: BLE001
-        q.put((rank, [traceback.format_exc()], 0, False, []))
+        q.put((rank, [traceback.format_exc()], 0, False, {}))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--amaxd", required=True)
+    ap.add_argument("--amaxd", default=os.environ.get("AMAXD_BIN"),
+                    help="the amaxd binary (default: $AMAXD_BIN)")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--scale", type=int, default=1, help="weight size multiplier")
     ap.add_argument("--seed", type=int, default=22)
+    ap.add_argument("--paths", default=None,
+                    help="amaxd.te paths, comma-separated, the first the reference of the others "
+                         "(default: packed,device on cuda, packed on cpu)")
     args = ap.parse_args()
+    if not args.amaxd:
+        ap.error("--amaxd (or AMAXD_BIN) is required")
+    if args.paths is None:
+        args.paths = "packed,device" if args.device == "cuda" else "packed"
+    if "device" in args.paths.split(",") and args.device != "cuda":
+        ap.error("the device path needs --device cuda")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     with tempfile.TemporaryDirectory(prefix="amaxd-te-cast-") as tmp:
         ds = start_daemons(args, tmp)
@@ -336,9 +390,10 @@ def main():
             logs = [d.log() for d in ds]
     bad = False
     for rank, errors, checked, have_te, timings in sorted(res, key=lambda x: x[0]):
-        med = f"{1e3 * float(np.median(timings)):.1f} ms" if timings else "-"
-        print(f"rank {rank}: {checked} fields compared ({'numpy TE and TE kernels' if have_te else 'numpy TE'}), "
-              f"{len(errors)} mismatches; amaxd.te step median {med}")
+        med = ", ".join(f"{p} {1e3 * float(np.median(t)):.1f} ms" for p, t in timings.items() if t)
+        print(f"rank {rank}: {checked} fields compared (paths {args.paths}; "
+              f"{'numpy TE and TE kernels' if have_te else 'numpy TE'}), "
+              f"{len(errors)} mismatches; amaxd.te step median {med or '-'}")
         for e in errors:
             print("  " + e)
         bad |= bool(errors) or checked == 0
@@ -347,7 +402,8 @@ def main():
         for i, lg in enumerate(logs):
             print(f"--- daemon {i} log (tail) ---\n" + lg[-3000:])
         bad = True
-    print(f"te_cast: {'FAILED' if bad else 'amaxd.te equals TE byte for byte on every rank'}")
+    print(f"te_cast: {'FAILED' if bad else 'amaxd.te equals TE byte for byte on every rank'} "
+          f"(paths {args.paths})")
     return 1 if bad else 0
 
 

@@ -345,3 +345,163 @@ def test_bad_specs():
     with pytest.raises(ValueError, match="128x128"):
         ate.WeightSpec.from_te("b", types.SimpleNamespace(shape=(8, 8), dtype=torch.bfloat16,
                                                           _get_quantizer=lambda: q))
+
+
+# -- the device path's code, on CPU --
+
+class EmulatedDeviceClient(amaxd.Client):
+    """A client whose device buffers are CPU tensors and whose
+    reconcile_device runs the epoch through the packed form of the same
+    connection (the slab and has-data bytes as amaxd.te left them in the
+    "device" slab; the answer's arrays copied into the "device" answer).
+    What a CUDA daemon does with the buffers is tests/gpu/te_cast.py's;
+    this runs amaxd.te's side of the device path where there is no GPU:
+    the slab writes, the has-data mask, the outputs as views of the
+    answer, the NVFP4 layout. The slab starts as NaN and the has-data
+    bytes as 0xab, as fresh device memory might."""
+
+    ARRAYS = ("amax", "scale", "scale_inv", "block_scales", "global_amax", "global_scale",
+              "global_scale_inv")
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.opened = self.device_calls = 0
+
+    def open_device(self, device=None):
+        L = self.layout()
+        n, q = L.total_cells, len(L)
+        f32 = torch.float32
+        ans = {"amax": torch.full((n,), 3.0, dtype=f32), "scale": torch.full((n,), 3.0, dtype=f32),
+               "scale_inv": torch.full((n,), 3.0, dtype=f32),
+               "block_scales": torch.full((n,), 0xcd, dtype=torch.uint8),
+               "global_amax": torch.full((q,), 3.0, dtype=f32),
+               "global_scale": torch.full((q,), 3.0, dtype=f32),
+               "global_scale_inv": torch.full((q,), 3.0, dtype=f32)}
+        self._dev = types.SimpleNamespace(
+            id=77, layout_id=L.id, dev=device, doorbell="", slab=torch.full((n,), float("nan")),
+            has_data=torch.full((n,), 0xab, dtype=torch.uint8), answer=ans)
+        self.opened += 1
+        return self._dev
+
+    def close_device(self):
+        self._dev = None
+
+    def reconcile_device(self, send=True, has_data=False, epoch=None, stream=None, timeout=None):
+        b = self._dev
+        self.device_calls += 1
+        assert send
+        self.send_packed(b.slab.numpy().copy(), b.has_data.numpy().copy() if has_data else None)
+        r = self.reconcile_packed()
+        for k in self.ARRAYS:
+            a = np.asarray(getattr(r, k))
+            if a.size:
+                b.answer[k].copy_(torch.from_numpy(a.copy()))
+        return types.SimpleNamespace(epoch=r.epoch, next_epoch=r.next_epoch, **b.answer)
+
+
+def test_device_path_code_on_cpu(daemon, monkeypatch):
+    """amaxd.te's device path with an emulated client on CPU: the same
+    bytes as the packed path and the TE reference on every rank (an empty
+    shard included), over several steps; one open_device, no copy of the
+    answer (the outputs are views of the device answer), path visible."""
+    monkeypatch.setattr(ate, "_DEVICE_TYPES", ("cuda", "cpu"))
+    rng = np.random.default_rng(31)
+    weights = random_specs(rng, "devpath")
+    dp, steps = 3, 3
+    ranges_of = {s.name: random_ranges(rng, s.rows * s.cols, dp) for s, _ in weights}
+    # Rank 2 holds nothing of the first weight, rank 1 nothing at all of the second.
+    s0, s1 = weights[0][0], weights[1][0]
+    n0, n1 = s0.rows * s0.cols, s1.rows * s1.cols
+    ranges_of[s0.name] = [(0, n0 // 2), (n0 // 2, n0 - n0 // 2), (0, 0)]
+    ranges_of[s1.name] = [(0, n1), (0, 0), (0, 0)]
+    errors, got = [], [None] * dp
+
+    def rank(r):
+        try:
+            dc = EmulatedDeviceClient("te-devpath", r, dp, socket=daemon.socket, timeout=60)
+            pc = daemon.client("te-devpath-packed", r, dp)
+            with dc, pc:
+                dc.join()
+                pc.join()
+                specs = [w[0] for w in weights]
+                starts = [ranges_of[s.name][r][0] for s in specs]
+                numels = [ranges_of[s.name][r][1] for s in specs]
+                cd = ate.Caster(dc, specs, starts, numels, device="cpu", path="device")
+                cp = ate.Caster(pc, specs, starts, numels, path="auto")
+                assert cd.path == "device" and cd.path_reason == ""
+                assert cp.path is None  # built at its first step
+                res = []
+                for k in range(steps):
+                    masters = [torch.from_numpy((v * np.float32(2.0 ** -k))[s:s + n]) if n else None
+                               for (_, v), s, n in zip(weights, starts, numels)]
+                    od, op = cd.step(masters), cp.step(masters)
+                    # The real client on CPU: auto falls back, saying why.
+                    assert cp.path == "packed" and "DeviceUnavailable" in cp.path_reason, \
+                        cp.path_reason
+                    res.append(({nm: {f: t.numpy().copy() for f, t in fs.items()}
+                                 for nm, fs in od.items()},
+                                {nm: {f: t.numpy().copy() for f, t in fs.items()}
+                                 for nm, fs in op.items()}))
+                # The outputs are the device answer's memory, not copies.
+                ans = dc._dev.answer
+                lo = {k: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                      for k, t in ans.items()}
+                for nm, fs in od.items():
+                    for f, t in fs.items():
+                        if f != "rowwise_scale_inv" or cd.specs[[s.name for s in specs].index(
+                                nm)].kind != "nvfp4":
+                            assert any(a <= t.data_ptr() < b for a, b in lo.values()), (nm, f)
+                assert dc.opened == 1 and dc.device_calls == steps
+                got[r] = res
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((r, e))
+
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(dp)]
+    [t.start() for t in ts]
+    [t.join(300) for t in ts]
+    assert not errors, errors
+    for spec, vals in weights:
+        for k in range(steps):
+            want = expected(spec, (vals * np.float32(2.0 ** -k)).astype(np.float32),
+                            ranges_of[spec.name])
+            for r in range(dp):
+                dev, packed = got[r][k][0][spec.name], got[r][k][1][spec.name]
+                assert dev.keys() == packed.keys()
+                for f in dev:
+                    assert dev[f].dtype == packed[f].dtype and dev[f].shape == packed[f].shape
+                    assert dev[f].tobytes() == packed[f].tobytes(), (spec.name, r, k, f)
+                assert_same(dev, want, f"device path, rank {r} step {k} {spec.name}")
+
+
+def test_path_choice(daemon, monkeypatch):
+    """path="packed" and CPU outputs take the packed path; path="device"
+    where the device path cannot run raises DeviceUnavailable; a bad path
+    is refused. The choice is logged once."""
+    import logging
+    from amaxd.device import DeviceUnavailable
+    spec = ate.WeightSpec("p", (20, 20), "fp8_block")
+    with daemon.client("te-path", 0, 1) as c:
+        c.join()
+        with pytest.raises(ValueError, match="path"):
+            ate.Caster(c, [spec], [0], [400], path="gpu")
+        with pytest.raises(DeviceUnavailable, match="not on a CUDA device"):
+            ate.Caster(c, [spec], [0], [400], device="cpu", path="device")
+        logs = []
+
+        class H(logging.Handler):
+            def emit(self, rec):
+                logs.append(rec.getMessage())
+        h = H(level=logging.INFO)
+        lg = logging.getLogger("amaxd.te")
+        lg.addHandler(h)
+        old = lg.level
+        lg.setLevel(logging.INFO)
+        try:
+            cast = ate.Caster(c, [spec], [0], [400], path="packed")
+            for _ in range(3):
+                cast.step([torch.ones(400)])
+        finally:
+            lg.removeHandler(h)
+            lg.setLevel(old)
+        assert cast.path == "packed" and cast.path_reason == "path='packed' was asked for"
+        assert len(logs) == 1 and "the packed path (path='packed' was asked for)" in logs[0], logs

@@ -8,7 +8,7 @@ runs every optimizer step: each data-parallel rank holds the flat elements
 partial amaxes of the tiles its range touches, all-reduces them (MAX) over
 `group`, and derives the scales that every rank stores on its full copy of
 the model weight. This module does the same with torch (CPU or CUDA
-tensors; TE is not needed) and one packed amaxd epoch per step:
+tensors; TE is not needed) and one amaxd epoch per step:
 
     import amaxd, amaxd.te as ate
     with amaxd.Client("llama-8b-train", dp_rank, dp_size) as c:
@@ -24,6 +24,26 @@ master_weights, start_offsets, client=c)`, which writes TE's
 `_scale_inv` in place (and, with cast=True, casts each rank's fragment
 with TE's own partial-cast kernels).
 
+The epoch goes one of two ways, chosen once per Caster when its buffers
+are built (`Caster.path`, logged once on the "amaxd.te" logger):
+
+- "device" (GPU-direct, docs/API.md "Device buffers"): the outputs live on
+  a CUDA device and the daemon, on the CUDA backend on this node, maps a
+  device slab and answer for the client (Client.open_device). The partial
+  amaxes are written by torch straight into the device slab, the has-data
+  mask once; Client.reconcile_device() marks the slab written on the
+  current stream (the doorbell's signal, else an interprocess event),
+  the daemon merges it on the GPU, reconciles, writes this rank's answer
+  into the device answer buffer, and the current stream waits for it on
+  the GPU. The outputs are views of that answer buffer (no copy); the
+  NVFP4 scale layout is one copy on the stream. No .cpu(), no stream
+  synchronize: the host waits only for the daemon's answer.
+- "packed": the slab goes through SendPacked (a .cpu() copy of it for a
+  CUDA slab) and ReconcilePacked, and the answer is copied to the output
+  buffers. Taken for CPU outputs, a host-backend daemon, a trainer without
+  torch CUDA or a CUDA IPC binding (path="auto" falls back, saying why),
+  or path="packed".
+
 Four recipes, as TE stores them (docs/NUMERICS.md, "TE master-weight cast"):
 
 - "nvfp4" (NVFP4 2D, 16x16 tiles; _cast_master_weights_to_nvfp4_2d): a
@@ -31,7 +51,8 @@ Four recipes, as TE stores them (docs/NUMERICS.md, "TE master-weight cast"):
   te_partial_cast; fields amax, global_amax, global_scale (S_enc),
   tile_scale_inv (the tile's E4M3 decode scale as float),
   tile_encode_scale (what the cast multiplies a tile by), rowwise_scale_inv
-  (uint8, TE's layout: see Caster._read) and amax_rowwise (= global_amax).
+  (uint8, TE's layout: see Caster._nvfp4_layout) and amax_rowwise
+  (= global_amax).
 - "fp8_block" (128x128 blocks; _cast_master_weights_to_fp8_blockwise_scaling):
   the amax buffer of get_scale_shape, [ceil(R/128), round_up(ceil(C/128),
   4)], registered with that padded shape so that the padding reads amax 0
@@ -49,9 +70,12 @@ holds the full model weight) and marks as data only the tiles its range
 touches (amaxd.tiles): the reconciled tile amax is the max over the ranks
 that touched the tile, TE's all-reduce; a rank with an empty range sends
 nothing but "no data" and still takes part in every epoch. Registration
-happens once, in Caster(); each step reuses the layout, the mask, the
-slab and the output buffers.
+happens once, in Caster(); the buffers (and on the device path the
+client's device buffers) once, at the first step or in Caster() when its
+device is given; each step reuses the layout, the mask, the slab and the
+output buffers: no registration, no allocation of amaxd buffers.
 """
+import logging
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -65,9 +89,15 @@ from .types import FP8_E4M3, FP8_E5M2, PER_EPOCH, Quantizer, Recipe
 __all__ = ["WeightSpec", "Caster", "quantize_master_weights", "scale_inv_shapes", "KINDS"]
 
 KINDS = ("nvfp4", "fp8_block", "mxfp8", "fp8_current")
+PATHS = ("auto", "device", "packed")  # Caster(path=...): see the module's docstring
 NVFP4_TILE = 16  # TE constants.NVFP4_BLOCK_SCALING_SIZE
 FP8_BLOCK_LEN = 128  # Float8BlockQuantizer.block_len (the partial-amax kernel's kTileDim)
 MXFP8_BLOCK = 32  # MXFP8_BLOCK_SCALING_SIZE
+
+_LOG = logging.getLogger("amaxd.te")
+# The torch device types the device path serves (a test widens it to run
+# the path's code on CPU through an emulated client).
+_DEVICE_TYPES = ("cuda",)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -207,11 +237,28 @@ class Caster:
     specs: WeightSpec per weight; start_offsets / numels: where this rank's
     master shard of each weight starts in the flattened weight and how many
     elements it has (0: none). device: where the outputs live (default:
-    the first master weight's device at the first step, else CPU)."""
+    the first master weight's device at the first step, else CPU); when
+    given, the buffers are built here, else at the first step.
+
+    path: "auto" (the device path when the outputs are on a CUDA device
+    and the client can open device buffers with the daemon, else the
+    packed path), "device" (the device path or an error: DeviceUnavailable
+    or the daemon's status) or "packed". After the buffers are built,
+    self.path is the path taken ("device" or "packed") and
+    self.path_reason why the packed one was, if it was; both are logged
+    once (logger "amaxd.te", INFO).
+
+    The device path uses the client's device buffers (Client.open_device;
+    reused when the client has them for this layout and device): the
+    outputs are views of them, valid while the client is open. One Caster
+    per client and layout is the intended use (two share the buffers
+    correctly, but each step's outputs are then the last caller's)."""
 
     def __init__(self, client: Any, specs: Sequence[WeightSpec], start_offsets: Sequence[int],
-                 numels: Sequence[int], device: Any = None) -> None:
+                 numels: Sequence[int], device: Any = None, path: str = "auto") -> None:
         torch = _torch()
+        if path not in PATHS:
+            raise ValueError(f"path {path!r} is not one of {PATHS}")
         if not (len(specs) == len(start_offsets) == len(numels)):
             raise ValueError("specs, start_offsets and numels must have one entry per weight")
         names = [s.name for s in specs]
@@ -231,9 +278,17 @@ class Caster:
         client.register([Quantizer(p.qname, p.shape, p.recipe, accumulation=PER_EPOCH)
                          for ps in self.parts for p in ps])
         self.layout = client.layout()
+        self.requested_path = path
+        self.path: Optional[str] = None  # "device" or "packed", once the buffers are built
+        self.path_reason = ""
+        self._bufs: Any = None  # the client's DeviceBuffers on the device path
         self.device = None if device is None else torch.device(device)
         self._built_for = None
         self._mask = self._build_mask()
+        # Cells without data: the daemon reads the has-data bytes.
+        self._gaps = not bool(self._mask.all())
+        if self.device is not None:
+            self._build_buffers(self.device)
 
     # -- built once --
 
@@ -262,20 +317,65 @@ class Caster:
             self.blocks.append(bl)
         return mask
 
+    def _open_device(self, device) -> Tuple[Any, str]:
+        """(the client's device buffers for this layout on `device`, "") for
+        the device path, or (None, why not) for the packed one; raises
+        instead when path="device"."""
+        if self.requested_path == "packed":
+            return None, "path='packed' was asked for"
+        from . import device as dv
+        from .errors import AmaxdError
+        try:
+            if device.type not in _DEVICE_TYPES:
+                raise dv.DeviceUnavailable(f"the outputs live on {device}, not on a CUDA device "
+                                           f"(the device path keeps them in the daemon's device "
+                                           f"answer buffer on the trainer's GPU)")
+            bufs = getattr(self.client, "_dev", None)
+            if (bufs is None or bufs.layout_id != self.layout.id
+                    or (device.index is not None and bufs.dev != device.index)):
+                bufs = self.client.open_device(device.index)
+            if bufs.slab.device != device and device.index is not None:
+                raise dv.DeviceUnavailable(f"the device buffers are on {bufs.slab.device}, the "
+                                           f"outputs on {device}")
+        except (dv.DeviceUnavailable, AmaxdError) as e:
+            if self.requested_path == "device":
+                raise
+            return None, f"{type(e).__name__}: {getattr(e, 'message', None) or e}"
+        return bufs, ""
+
     def _build_buffers(self, device):
-        """The slab, the scratch and the output tensors, on `device`."""
+        """The slab, the scratch and the output tensors, on `device`: the
+        client's device buffers (the device path) or buffers of this
+        Caster (the packed path)."""
         torch = _torch()
         L = self.layout
         n = L.total_cells
+        bufs, why = self._open_device(device)
+        if bufs is not None:
+            device = bufs.slab.device
         self.device = device
-        self.slab = torch.zeros(n, dtype=torch.float32, device=device)
-        # Per-cell answers on the device; outputs are views of them.
-        self.a_amax = torch.zeros(n, dtype=torch.float32, device=device)
-        self.a_scale = torch.zeros(n, dtype=torch.float32, device=device)
-        self.a_inv = torch.zeros(n, dtype=torch.float32, device=device)
-        self.a_bytes = torch.zeros(n, dtype=torch.uint8, device=device)
-        self.a_gamax = torch.zeros(len(L), dtype=torch.float32, device=device)
-        self.a_gscale = torch.zeros(len(L), dtype=torch.float32, device=device)
+        if bufs is not None:
+            # The partial amaxes go straight into the device slab; the
+            # outputs are views of the device answer.
+            self.path, self.path_reason, self._bufs = "device", "", bufs
+            self.slab = bufs.slab
+            self.slab.zero_()
+            self._mask_dev = torch.from_numpy(self._mask).to(device)
+            self._claim()
+            a = bufs.answer
+            self.a_amax, self.a_scale, self.a_inv = a["amax"], a["scale"], a["scale_inv"]
+            self.a_bytes = a["block_scales"]
+            self.a_gamax, self.a_gscale = a["global_amax"], a["global_scale"]
+        else:
+            self.path, self.path_reason = "packed", why
+            self.slab = torch.zeros(n, dtype=torch.float32, device=device)
+            # Per-cell answers on the device; outputs are views of them.
+            self.a_amax = torch.zeros(n, dtype=torch.float32, device=device)
+            self.a_scale = torch.zeros(n, dtype=torch.float32, device=device)
+            self.a_inv = torch.zeros(n, dtype=torch.float32, device=device)
+            self.a_bytes = torch.zeros(n, dtype=torch.uint8, device=device)
+            self.a_gamax = torch.zeros(len(L), dtype=torch.float32, device=device)
+            self.a_gscale = torch.zeros(len(L), dtype=torch.float32, device=device)
         # One scratch per model dtype, as large as the largest need: the
         # element rows of the touched tiles of one weight.
         need: Dict[str, int] = {}
@@ -308,7 +408,29 @@ class Caster:
                 amax, scale, inv, _, _ = views[0]
                 o.update(amax=amax.reshape(1), scale=scale.reshape(1), scale_inv=inv.reshape(1))
             self.outputs[spec.name] = o
+        self._public = {k: {f: t for f, t in v.items() if not f.startswith("_")}
+                        for k, v in self.outputs.items()}
         self._built_for = device
+        if self.path == "device":
+            b = self._bufs
+            _LOG.info("amaxd.te: job %s rank %d: %d weights, %d cells on %s: the device path "
+                      "(GPU-direct: slab and answer in device buffers %d, ReconcileDevice over %s)",
+                      self.client.job, self.client.rank, len(self.specs), n, device, b.id,
+                      "the doorbell" if getattr(b, "doorbell", "") and
+                      getattr(self.client, "doorbell", False) else "gRPC")
+        else:
+            _LOG.info("amaxd.te: job %s rank %d: %d weights, %d cells on %s: the packed path "
+                      "(%s)", self.client.job, self.client.rank, len(self.specs), n, device,
+                      self.path_reason)
+
+    def _claim(self):
+        """Makes the device buffers' has-data bytes this Caster's mask (once,
+        unless another Caster of the client wrote its own since)."""
+        b = self._bufs
+        owner = getattr(b, "_amaxd_te_owner", None)
+        if owner is None or owner() is not self:
+            b.has_data.copy_(self._mask_dev)
+            b._amaxd_te_owner = weakref.ref(self)  # the buffers do not keep this Caster alive
 
     def _views(self, p: _Part):
         L = self.layout
@@ -367,10 +489,13 @@ class Caster:
 
     def step(self, master_weights: Sequence[Any]) -> Dict[str, Dict[str, Any]]:
         """One optimizer step: partial amaxes of this rank's master shards
-        (torch tensors, or None where the rank holds nothing), one packed
-        epoch, and the scales of every weight as TE stores them: {name:
-        {field: tensor}} on self.device. The tensors are buffers of this
-        Caster, overwritten by the next step."""
+        (torch tensors, or None where the rank holds nothing), one amaxd
+        epoch (self.path), and the scales of every weight as TE stores
+        them: {name: {field: tensor}} on self.device, the same dict and
+        tensors every step, overwritten by the next one. On the device
+        path they are views of the client's device answer, written on the
+        GPU and ordered on the current stream: read them on it (or order
+        another stream after it) before the next step."""
         torch = _torch()
         if len(master_weights) != len(self.specs):
             raise ValueError(f"{len(master_weights)} master weights for {len(self.specs)} specs")
@@ -379,23 +504,32 @@ class Caster:
             if dev is None:
                 dev = next((m.device for m in master_weights if m is not None), torch.device("cpu"))
             self._build_buffers(torch.device(dev))
+        if self.path == "device":
+            if getattr(self.client, "_dev", None) is not self._bufs:
+                raise RuntimeError("amaxd.te: the client's device buffers were closed or replaced "
+                                   "(close_device, open_device, or a new layout) after this "
+                                   "Caster mapped them: its outputs are views of them; build a "
+                                   "new Caster")
+            self._claim()
         for spec, parts, blocks, rng, m in zip(self.specs, self.parts, self.blocks, self.ranges,
                                                master_weights):
             self._partial(spec, parts, blocks, rng, m)
-        self.client.send_packed(self.slab, has_data=self._mask)
-        res = self.client.reconcile_packed()
-        if res.layout_id != self.layout.id:
-            raise RuntimeError("the job's layout changed under amaxd.te (a quantizer was refused "
-                               "by agreement); register the same specs on every rank")
-        self._read(res)
-        return {k: {f: t for f, t in v.items() if not f.startswith("_")}
-                for k, v in self.outputs.items()}
+        if self.path == "device":
+            # Ordered on the current stream: after the slab writes above,
+            # before whatever the caller queues next; no host sync.
+            self.client.reconcile_device(has_data=self._gaps)
+        else:
+            self.client.send_packed(self.slab, has_data=self._mask)
+            res = self.client.reconcile_packed()
+            if res.layout_id != self.layout.id:
+                raise RuntimeError("the job's layout changed under amaxd.te (a quantizer was "
+                                   "refused by agreement); register the same specs on every rank")
+            self._read(res)
+        self._nvfp4_layout()
+        return self._public
 
     def _read(self, res):
-        """Copies the packed answer to the device buffers, then TE's NVFP4
-        scale layout (nvfp4_fused_scale_kernel): each tile row's bytes
-        repeated over its 16 rows, written with row stride tile_cols over
-        the first rows_padded rows; rows past the tiles stay 0."""
+        """Copies the packed answer to the output buffers (the packed path)."""
         torch = _torch()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only answer bytes, only read
@@ -404,6 +538,13 @@ class Caster:
                              (self.a_gamax, res.global_amax), (self.a_gscale, res.global_scale)):
                 if src.size:
                     dst.copy_(torch.from_numpy(src))
+
+    def _nvfp4_layout(self):
+        """TE's NVFP4 scale layout (nvfp4_fused_scale_kernel) from the tile
+        bytes of the answer: each tile row's bytes repeated over its 16
+        rows, written with row stride tile_cols over the first rows_padded
+        rows; rows past the tiles stay 0. One copy on the current stream
+        (an expanded view, nothing allocated)."""
         for spec in self.specs:
             if spec.kind != "nvfp4":
                 continue
@@ -412,7 +553,8 @@ class Caster:
             tr, tc = tb.shape
             rp = o["rowwise_scale_inv"].shape[0]
             flat = o["rowwise_scale_inv"].view(-1)[:rp * tc].view(rp, tc)
-            flat[:tr * NVFP4_TILE].copy_(tb.repeat_interleave(NVFP4_TILE, dim=0))
+            flat[:tr * NVFP4_TILE].view(tr, NVFP4_TILE, tc).copy_(
+                tb.unsqueeze(1).expand(tr, NVFP4_TILE, tc))
 
     # -- TransformerEngine's model weights --
 
@@ -492,8 +634,8 @@ def quantize_master_weights(model_weights: Sequence[Any], master_weights: Sequen
                             start_offsets: Sequence[Optional[int]], group: Any = None, *,
                             client: Any, names: Optional[Sequence[str]] = None,
                             cast: bool = False,
-                            manual_post_all_gather_processing: bool = False
-                            ) -> Dict[str, Dict[str, Any]]:
+                            manual_post_all_gather_processing: bool = False,
+                            path: str = "auto") -> Dict[str, Dict[str, Any]]:
     """TE's quantize_master_weights through amaxd. model_weights: TE
     quantized tensors (their scales are written in place) or WeightSpecs;
     master_weights: this rank's shards (None or empty where it holds none);
@@ -506,6 +648,9 @@ def quantize_master_weights(model_weights: Sequence[Any], master_weights: Sequen
     kernels (TE model weights only; not FSDP-sharded model weights, nor
     Float8 weights that keep only a transpose). The per-step tensors of
     the first call's Caster are reused: copy what must outlive a step.
+    path: the Caster's ("auto": GPU-direct for CUDA master weights when the
+    daemon offers it, else packed; "device"; "packed"); the Caster of a
+    call is _CASTERS[client][key], its .path the one taken.
     fsdp_shard_model_weights is not supported."""
     del group
     names = list(names) if names is not None else [f"w{i}" for i in range(len(model_weights))]
@@ -513,11 +658,11 @@ def quantize_master_weights(model_weights: Sequence[Any], master_weights: Sequen
              for nm, mw in zip(names, model_weights)]
     numels = [0 if m is None else int(m.numel()) for m in master_weights]
     starts = [0 if s is None else int(s) for s in start_offsets]
-    key = (tuple(specs), tuple(starts), tuple(numels))
+    key = (tuple(specs), tuple(starts), tuple(numels), path)
     per_client = _CASTERS.setdefault(client, {})
     c = per_client.get(key)
     if c is None:
-        c = per_client[key] = Caster(client, specs, starts, numels)
+        c = per_client[key] = Caster(client, specs, starts, numels, path=path)
     out = c.step(master_weights)
     te_weights = [mw for mw in model_weights if not isinstance(mw, WeightSpec)]
     if te_weights and len(te_weights) == len(model_weights):
