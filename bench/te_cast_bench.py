@@ -266,57 +266,80 @@ def run_phase(kind, path, rank, args, sockets, shapes, ranges, masters, dev, cud
                       timeout=1200, max_message_bytes=1 << 30,
                       shm=path == "packed" and not args.no_shm) as c:
         c.join()
-        t0 = time.perf_counter()
-        cast = ate.Caster(c, specs, [rr[rank][0] for rr in ranges],
-                          [rr[rank][1] for rr in ranges], device=dev, path=path)
-        t_reg = time.perf_counter() - t0  # registration and buffers (device: OpenDevice)
-        if cast.path != path:
-            raise RuntimeError(f"{kind}: asked for the {path} path, got {cast.path} "
-                               f"({cast.path_reason})")
-        # Byte check of one step of each side.
-        mine = cast.step(masters)
-        theirs = te.step(masters)
-        bad = 0
-        for s in specs:
-            for f, t in theirs[s.name].items():
-                a, b = mine[s.name][f], t
-                if kind == "fp8_current" and f in ("scale", "scale_inv"):
-                    b = b.reshape(1)
-                if a.shape != b.shape or not torch.equal(a.contiguous().view(torch.uint8),
-                                                          b.contiguous().view(torch.uint8)):
-                    bad += 1
-        del mine, theirs
-        times = {"te": [], "amaxd": [], "partial": []}
-        for it in range(args.warmup + args.steps):
-            for side, fn in (("te", lambda: te.step(masters)),
-                             ("amaxd", lambda: cast.step(masters))):
-                dist.barrier()
-                sync(torch, cuda)
-                t0 = time.perf_counter()
-                fn()
-                sync(torch, cuda)
-                if it >= args.warmup:
-                    times[side].append(time.perf_counter() - t0)
-            if it >= args.warmup:  # the partial amaxes alone (the same code both paths)
-                sync(torch, cuda)
-                t0 = time.perf_counter()
-                for i, (s, m) in enumerate(zip(specs, masters)):
-                    if m is not None:
-                        cast._partial(s, cast.parts[i], cast.blocks[i], cast.ranges[i], m)
-                sync(torch, cuda)
-                times["partial"].append(time.perf_counter() - t0)
-        cells = cast.layout.total_cells
-        # Every rank done with the job's buffers before they are freed.
-        sync(torch, cuda)
-        del cast
-        c.close_device()
-        dist.barrier()
-        if rank == 0:
-            c.reset(drop_job=True)
-        dist.barrier()
-    del te
-    if cuda:
-        torch.cuda.empty_cache()
+        try:
+            return _phase_body(c, kind, path, rank, args, specs, ranges, masters, te, dev, cuda)
+        except amaxd.AmaxdError:
+            # Drop the job on every daemon even when the phase failed (a
+            # catalog or an answer over a limit), or the next phase would
+            # find its cells still held.
+            sync(torch, cuda)
+            try:
+                c.close_device()
+            except Exception:  # noqa: BLE001
+                pass
+            dist.barrier()
+            if rank == 0:
+                c.reset(drop_job=True)
+            dist.barrier()
+            raise
+        finally:
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+def _phase_body(c, kind, path, rank, args, specs, ranges, masters, te, dev, cuda):
+    """run_phase's work once the client has joined."""
+    import torch
+    import torch.distributed as dist
+    import amaxd.te as ate
+    t0 = time.perf_counter()
+    cast = ate.Caster(c, specs, [rr[rank][0] for rr in ranges],
+                      [rr[rank][1] for rr in ranges], device=dev, path=path)
+    t_reg = time.perf_counter() - t0  # registration and buffers (device: OpenDevice)
+    if cast.path != path:
+        raise RuntimeError(f"{kind}: asked for the {path} path, got {cast.path} "
+                           f"({cast.path_reason})")
+    # Byte check of one step of each side.
+    mine = cast.step(masters)
+    theirs = te.step(masters)
+    bad = 0
+    for s in specs:
+        for f, t in theirs[s.name].items():
+            a, b = mine[s.name][f], t
+            if kind == "fp8_current" and f in ("scale", "scale_inv"):
+                b = b.reshape(1)
+            if a.shape != b.shape or not torch.equal(a.contiguous().view(torch.uint8),
+                                                      b.contiguous().view(torch.uint8)):
+                bad += 1
+    del mine, theirs
+    times = {"te": [], "amaxd": [], "partial": []}
+    for it in range(args.warmup + args.steps):
+        for side, fn in (("te", lambda: te.step(masters)),
+                         ("amaxd", lambda: cast.step(masters))):
+            dist.barrier()
+            sync(torch, cuda)
+            t0 = time.perf_counter()
+            fn()
+            sync(torch, cuda)
+            if it >= args.warmup:
+                times[side].append(time.perf_counter() - t0)
+        if it >= args.warmup:  # the partial amaxes alone (the same code both paths)
+            sync(torch, cuda)
+            t0 = time.perf_counter()
+            for i, (s, m) in enumerate(zip(specs, masters)):
+                if m is not None:
+                    cast._partial(s, cast.parts[i], cast.blocks[i], cast.ranges[i], m)
+            sync(torch, cuda)
+            times["partial"].append(time.perf_counter() - t0)
+    cells = cast.layout.total_cells
+    # Every rank done with the job's buffers before they are freed.
+    sync(torch, cuda)
+    del cast
+    c.close_device()
+    dist.barrier()
+    if rank == 0:
+        c.reset(drop_job=True)
+    dist.barrier()
     return (kind, path, cells, t_reg, bad, times)
 
 
