@@ -563,16 +563,19 @@ static int stuck(amx_devbuf_t *d)
 }
 
 extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaEvent_t in,
-                                           int state_dev, uint64_t deadline_ms, amx_err_t *err)
+                                           int state_dev, uint64_t deadline_ms,
+                                           int (*aborted)(void *ud), void *ud, amx_err_t *err)
 {
-    int warned = 0;
+    int warned = 0, warned_abort = 0;
     for (uint64_t spins = 0;; spins++) {
         cudaError_t e = cudaEventQuery(in);
         if (e == cudaSuccess)
             return AMX_OK;
         if (e != cudaErrorNotReady)
             CU(e, "cudaEventQuery (device slabs merged)");
-        if (deadline_ms != UINT64_MAX && !warned && amx_now_ms() >= deadline_ms) {
+        int abort_now = !warned_abort && aborted != NULL && (spins & 63) == 0 && aborted(ud);
+        int late = deadline_ms != UINT64_MAX && !warned && amx_now_ms() >= deadline_ms;
+        if (abort_now || late) {
             char ranks[256] = "";
             size_t nr = 0, nev = 0;
             for (size_t i = 0; i < n; i++) {
@@ -586,17 +589,20 @@ extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cu
                     nr += (size_t)snprintf(ranks + nr, sizeof(ranks) - nr, "%s%u (signal %u)",
                                            nr ? ", " : "", ds[i]->pend.rank, ds[i]->pend.seq);
             }
-            warned = 1;
+            if (late)
+                warned = 1;
+            if (abort_now)
+                warned_abort = 1;
             if (nev > 0) {
                 /* A stream wait on an interprocess event cannot be
                  * cancelled: releasing the others would not free the
                  * daemon's stream. Wait on, as without a deadline. */
                 AMX_ERROR("devbuf",
-                          "the deadline passed while the daemon's stream waits for %zu trainer "
-                          "slab(s) ordered by the ready event: a stream wait on an interprocess "
-                          "event cannot be released, so this epoch waits on for the trainer "
-                          "(signals, the doorbell's flags, have a deadline)",
-                          nev);
+                          "%s while the daemon's stream waits for %zu trainer slab(s) ordered by "
+                          "the ready event: a stream wait on an interprocess event cannot be "
+                          "released, so this epoch waits on for the trainer (signals, the "
+                          "doorbell's flags, can be released)",
+                          late ? "the deadline passed" : "the epoch was aborted", nev);
                 continue;
             }
             if (nr == 0)
@@ -610,15 +616,25 @@ extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cu
                     return st;
             }
             /* The released merges skip their slabs; `in` follows shortly
-             * (the loop's unflip waits for it). */
+             * (the loop's unflip waits for it). A trainer whose flag lands
+             * between stuck() and release() has its (real) slab merged in
+             * part or in whole: the sentences say so. */
+            if (!late)
+                return amx_err_set(
+                    err, AMX_EABORTED,
+                    "the epoch was aborted while the daemon's stream waited for the ready flag "
+                    "of trainer rank %s; the daemon wrote the flag itself so that its own "
+                    "stream goes on, and that slab was not merged (unless its flag arrived at "
+                    "that very moment)",
+                    ranks);
             return amx_err_set(
                 err, AMX_ETIMEDOUT,
                 "the device slab of trainer rank %s was not ready within the epoch's deadline "
                 "(reconcile_timeout_ms): its stream never wrote the ready flag after the slab (a "
                 "stream stuck behind other work, or a trainer that died). The daemon wrote the "
-                "flag itself so that its own stream goes on; the slab was not merged, nothing of "
-                "this epoch was reconciled, and the other contributions are kept for the next "
-                "epoch",
+                "flag itself so that its own stream goes on; the slab was not merged (unless its "
+                "flag arrived at that very moment), nothing of this epoch was reconciled, and "
+                "the other contributions are kept for the next epoch",
                 ranks);
         }
         if (spins < 1000) {

@@ -39,7 +39,8 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
 /* Engine thread. dev_wait of state.h over the `n` buffers `ds` merged at
  * the last flip, whose merges record `in` (state_dev's). */
 extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaEvent_t in,
-                                           int state_dev, uint64_t deadline_ms, amx_err_t *err);
+                                           int state_dev, uint64_t deadline_ms,
+                                           int (*aborted)(void *ud), void *ud, amx_err_t *err);
 
 /* Loop thread. dev_bad of state.h. */
 extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d);

@@ -1776,13 +1776,15 @@ static amx_status_t cuda_dev_merge(amx_state_t *st, amx_devbuf_t *d, const amx_r
     return AMX_OK;
 }
 
-static amx_status_t cuda_dev_wait(amx_state_t *st, uint64_t deadline_ms, amx_err_t *err)
+static amx_status_t cuda_dev_wait(amx_state_t *st, uint64_t deadline_ms, int (*aborted)(void *ud),
+                                  void *ud, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     if (!c->dev_used || c->nmerging == 0)
         return AMX_OK;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
-    return amx__cuda_dev_wait(c->merging, c->nmerging, c->in, c->device, deadline_ms, err);
+    return amx__cuda_dev_wait(c->merging, c->nmerging, c->in, c->device, deadline_ms, aborted, ud,
+                              err);
 }
 
 static int64_t cuda_dev_bad(amx_state_t *st, amx_devbuf_t *d)

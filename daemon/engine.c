@@ -706,13 +706,27 @@ static void explain(amx_engine_t *e)
  * `deadline`, those whose trainers never wrote their ready flags were
  * released (state.h dev_wait): the epoch fails with the ranks named, on
  * every daemon (peers hear it through the abort of run_epoch). */
+/* For the device slabs' wait: whether the epoch was aborted (a job drop,
+ * a peer's abort, shutdown). */
+static int wait_aborted(void *ud)
+{
+    amx_engine_t *e = ud;
+    return atomic_load(&e->abort_flag) != 0;
+}
+
 static amx_status_t wait_device_slabs(amx_engine_t *e, uint64_t deadline)
 {
     amx_job_t *j = e->job;
     if (j->state->ops->dev_wait == NULL)
         return AMX_OK;
     amx_err_t err = {0};
-    amx_status_t st = j->state->ops->dev_wait(j->state, deadline, &err);
+    amx_status_t st = j->state->ops->dev_wait(j->state, deadline, wait_aborted, e, &err);
+    if (st == AMX_EABORTED && atomic_load(&e->abort_flag)) {
+        /* The trainers hear the abort's own cause; what the wait did is
+         * logged. */
+        AMX_WARN("epoch", "job %s, epoch %llu: %s", j->name, (unsigned long long)e->epoch, err.msg);
+        return amx__engine_fail_aborted(e, "waiting for the device slabs");
+    }
     if (st != AMX_OK)
         return amx__engine_fail(e, st, "job '%s', epoch %llu: %s", j->name,
                                 (unsigned long long)e->epoch, err.msg);

@@ -374,8 +374,11 @@ typedef struct amx_state_ops {
      * so its streams go on; then ETIMEDOUT naming those ranks. A slab
      * ordered by the ready event instead cannot be released (a stream
      * wait on an event cannot be cancelled): then this logs why and
-     * waits on, as without a deadline. */
-    amx_status_t (*dev_wait)(amx_state_t *st, uint64_t deadline_ms, amx_err_t *err);
+     * waits on, as without a deadline. `aborted(ud)` (may be NULL) is
+     * polled as well: once it is non-zero the stuck signal slabs are
+     * released the same way and the wait ends with EABORTED. */
+    amx_status_t (*dev_wait)(amx_state_t *st, uint64_t deadline_ms, int (*aborted)(void *ud),
+                             void *ud, amx_err_t *err);
 } amx_state_ops_t;
 
 struct amx_state {

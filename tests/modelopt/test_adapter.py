@@ -498,3 +498,62 @@ def test_sync_paths_write_the_same(daemon, cfg_name):
             amo.sync(c, base[0], amo.Layout(), path="device", column=toy.COLUMN, row=toy.ROW)
         with pytest.raises(ValueError, match="one of auto"):
             amo.sync(c, base[0], amo.Layout(), path="gpu")
+
+
+def test_a_second_sync_with_more_quantizers(daemon):
+    """One client syncs a model, then a larger one that holds the first
+    one's layers and more (a model grown between calibrations): the second
+    sync registers the new quantizers and must read the layout again (it
+    used to reuse the first layout: KeyError or a stale layout on the
+    default path). Both write what the named path writes."""
+    import copy
+    torch.manual_seed(7)
+    small = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    big = torch.nn.Sequential(*[copy.deepcopy(m) for m in small], torch.nn.ReLU(),
+                              torch.nn.Linear(8, 4))
+    x = torch.randn(64, 16)
+    models = {}
+    for name, m in (("small", small), ("big", big)):
+        for path in ("auto", "named"):
+            mm = copy.deepcopy(m)
+            quantize(mm, "fp8", lambda q: q(x))
+            models[name, path] = mm
+    got = {}
+    for path in ("auto", "named"):
+        with daemon.client(f"grow-{path}", 0, 1) as c:
+            c.join()
+            r1 = amo.sync(c, models["small", path], amo.Layout(), path=path)
+            r2 = amo.sync(c, models["big", path], amo.Layout(), path=path)
+            assert r1.path == r2.path == ("packed" if path == "auto" else "named")
+            assert len(r2) > len(r1), (len(r1), len(r2))
+        got[path] = {n: q._amax.detach().numpy().tobytes()
+                     for n, q in _quantizers(models["big", path]).items()
+                     if getattr(q, "_amax", None) is not None}
+    assert got["auto"] == got["named"] and len(got["auto"]) >= 6, got
+
+
+def test_a_partly_nan_per_channel_amax_is_refused(daemon):
+    """A NaN in one channel of an FP8 per-channel weight amax (found from
+    outside: the whole rank's amax of that quantizer was dropped as no
+    data, valid channels included, with no error): ValueError naming the
+    quantizer, nothing sent; an all-NaN amax is still no data."""
+    import copy
+    torch.manual_seed(3)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(32, 16)
+    quantize(m, "fp8_channel", lambda q: q(x))
+    q = _quantizers(m)["0.weight_quantizer"]
+    assert q._amax.numel() > 1
+    bad = copy.deepcopy(m)
+    _quantizers(bad)["0.weight_quantizer"]._amax.view(-1)[1] = float("nan")
+    with daemon.client("nan-channel", 0, 1) as c:
+        c.join()
+        with pytest.raises(ValueError, match=r"0\.weight_quantizer: _amax has NaN in 1 of"):
+            amo.sync(c, bad, amo.Layout())
+        assert c.status("nan-channel").jobs[0].reconciled_epochs == 0
+    allnan = copy.deepcopy(m)
+    _quantizers(allnan)["0.weight_quantizer"]._amax.fill_(float("nan"))
+    with daemon.client("nan-channel-all", 0, 1) as c:
+        c.join()
+        res = amo.sync(c, allnan, amo.Layout())
+        assert int(np.asarray(res["0.weight_quantizer"].missing).sum()) > 0

@@ -309,6 +309,13 @@ class Client:
             old.close()  # the daemon freed them when it made the new ones
         return bufs
 
+    @property
+    def device_buffers(self) -> Any:
+        """The open device buffers (amaxd.device.DeviceBuffers: slab,
+        has_data, the answer's views, layout_id), or None before
+        open_device() and after close_device()."""
+        return self._dev
+
     def device_slab(self, device: Optional[int] = None) -> Any:
         """The device slab (torch CUDA float32 view, one cell per layout
         cell): write this rank's amax into it on the current stream, e.g.

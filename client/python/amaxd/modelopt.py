@@ -689,11 +689,26 @@ def _check_max_calibrated(name: str, amax, blocks, static: bool):
                          "max-calibrated weights")
 
 
-def _usable(amax) -> bool:
-    """Whether a quantizer's _amax is data: not absent, meta or NaN
-    (load_calib_amax(strict=False))."""
+def _usable(amax, name: str = "") -> bool:
+    """Whether a quantizer's _amax is data: not absent, meta or all NaN
+    (load_calib_amax(strict=False) leaves NaN where nothing was seen). A
+    NaN in some of its values only is not that convention but a broken
+    amax: ValueError naming the quantizer (treating the whole quantizer
+    as no data would silently drop its valid channels)."""
     torch = _torch()
-    return amax is not None and not amax.is_meta and not bool(torch.isnan(amax).any())
+    if amax is None or amax.is_meta:
+        return False
+    nan = torch.isnan(amax.detach())
+    if not bool(nan.any()):
+        return True
+    if bool(nan.all()):
+        return False
+    bad = int(nan.sum())
+    first = int(torch.nonzero(nan.reshape(-1))[0])
+    raise ValueError(f"{name or 'a quantizer'}: _amax has NaN in {bad} of its {nan.numel()} "
+                     f"values (the first at flat index {first}) and valid values in the "
+                     "others; amaxd.modelopt takes an all-NaN _amax as no data, a partly "
+                     "NaN one is refused (a broken calibration?)")
 
 
 def _fused_local_amax(e: Entry):
@@ -707,7 +722,7 @@ def _fused_local_amax(e: Entry):
         nodata = torch.zeros(local, dtype=torch.bool)
         for i, q in enumerate(qs):
             a = getattr(q, "_amax", None)
-            if _usable(a):
+            if _usable(a, f"{e.local_name}.{i}"):
                 vals[i] = a.detach().float().reshape(local[1:])
             else:
                 nodata[i] = True
@@ -744,12 +759,12 @@ def _local_amax(e: Entry):
         return a.cpu().numpy()
     amax = getattr(e.quantizer, "_amax", None)
     if e.kind == "fp8_channel":
-        if not _usable(amax):
+        if not _usable(amax, e.local_name):
             rows = e.grid[1].local_shape[0]
             return Masked(torch.zeros(rows), torch.ones(rows, dtype=torch.bool))
         return amax.detach().float().reshape(-1).cpu().numpy()
     # Per-tensor: no amax (or NaN from load_calib_amax(strict=False)) = no data.
-    if not _usable(amax):
+    if not _usable(amax, e.local_name):
         return Masked(torch.zeros(()), torch.tensor(True))
     return amax.detach().float().reshape(()).cpu().numpy()
 
@@ -904,19 +919,24 @@ def _model_device(model) -> Optional[int]:
     return None
 
 
-def _open_device(client: "Client", dev: int) -> bool:
+def _open_device(client: "Client", dev: int, strict: bool = False) -> bool:
     """Device buffers of this rank's current layout on GPU `dev`, opened
     when needed; False when GPU-direct cannot run here or the daemon does
     not offer it (no torch CUDA / IPC binding, a host-backend daemon, a GPU
     the daemon does not see, a GPU it cannot reach)."""
     from . import device as dv
-    from .errors import FailedPrecondition, NotFound
-    b = getattr(client, "_dev", None)
+    from .errors import AmaxdError
+    b = client.device_buffers
     if b is not None and b.dev == dev and b.layout_id == client.layout().id:
         return "missing" in b.answer
     try:
         b = client.open_device(dev)
-    except (dv.DeviceUnavailable, FailedPrecondition, NotFound):
+    except (dv.DeviceUnavailable, AmaxdError):
+        # Any refusal (a host backend, a GPU the daemon does not see, a
+        # daemon without OpenDevice, a device error): "auto" goes packed,
+        # "device" (strict) raises it.
+        if strict:
+            raise
         return False
     # A daemon whose answer has no missing counts cannot say which
     # quantizers had no data: write_back needs them.
@@ -933,7 +953,7 @@ def _reconcile_packed(client: "Client", entries: Sequence[Entry], device: Option
         client.send_packed(vals, has)
         return client.reconcile_packed()
     torch = _torch()
-    bufs = client._dev
+    bufs = client.device_buffers
     with torch.cuda.device(device):
         bufs.slab.copy_(torch.from_numpy(vals).to(bufs.slab.device))
         if has is not None:
@@ -961,13 +981,16 @@ def sync(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
     dev = _model_device(model) if entries and path in ("auto", "device") else None
     if dev is None and path == "device" and entries:
         raise ValueError("path='device': the model has no parameter on a CUDA GPU")
-    register(client, entries)
+    reg = register(client, entries)
+    if reg is not None and reg.created and path != "named":
+        # A layout fetched before (an earlier sync, a Caster) lacks the new
+        # quantizers: the packed and device paths need this one.
+        client.layout(refresh=True)
     used = "named" if path == "named" else "packed"
     if dev is not None:
-        if not _open_device(client, dev):
+        if not _open_device(client, dev, strict=path == "device"):
             if path == "device":
                 from .device import DeviceUnavailable
-                client.open_device(dev)  # raises what stops it, if anything
                 raise DeviceUnavailable("path='device': the daemon's device answer has no "
                                         "missing counts (a daemon before them); use 'packed'")
             dev = None

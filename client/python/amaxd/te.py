@@ -275,9 +275,11 @@ class Caster:
         # PER_EPOCH (history 1): each step's amax is that step's, as TE's
         # all-reduce of freshly zeroed buffers; whole placements: every rank
         # answers every cell.
-        client.register([Quantizer(p.qname, p.shape, p.recipe, accumulation=PER_EPOCH)
-                         for ps in self.parts for p in ps])
-        self.layout = client.layout()
+        reg = client.register([Quantizer(p.qname, p.shape, p.recipe, accumulation=PER_EPOCH)
+                               for ps in self.parts for p in ps])
+        # A layout the client fetched before (another Caster, a sync) lacks
+        # quantizers registered now.
+        self.layout = client.layout(refresh=bool(reg.created))
         self.requested_path = path
         self.path: Optional[str] = None  # "device" or "packed", once the buffers are built
         self.path_reason = ""
@@ -330,7 +332,7 @@ class Caster:
                 raise dv.DeviceUnavailable(f"the outputs live on {device}, not on a CUDA device "
                                            f"(the device path keeps them in the daemon's device "
                                            f"answer buffer on the trainer's GPU)")
-            bufs = getattr(self.client, "_dev", None)
+            bufs = self.client.device_buffers
             if (bufs is None or bufs.layout_id != self.layout.id
                     or (device.index is not None and bufs.dev != device.index)):
                 bufs = self.client.open_device(device.index)
@@ -505,7 +507,7 @@ class Caster:
                 dev = next((m.device for m in master_weights if m is not None), torch.device("cpu"))
             self._build_buffers(torch.device(dev))
         if self.path == "device":
-            if getattr(self.client, "_dev", None) is not self._bufs:
+            if self.client.device_buffers is not self._bufs:
                 raise RuntimeError("amaxd.te: the client's device buffers were closed or replaced "
                                    "(close_device, open_device, or a new layout) after this "
                                    "Caster mapped them: its outputs are views of them; build a "
