@@ -681,6 +681,11 @@ def _check_max_calibrated(name: str, amax, blocks, static: bool):
     overwritten by the write-back: refuse rather than do that."""
     torch = _torch()
     cal = amax.detach().float()
+    if bool(torch.isnan(cal).any()):
+        raise ValueError(f"{name}: _amax has NaN in {int(torch.isnan(cal).sum())} of its "
+                         f"{cal.numel()} values (a broken calibration?); amaxd.modelopt "
+                         "recomputes a weight's blocks from the weight and checks them "
+                         "against a max-calibrated _amax")
     ok = (torch.equal(cal.reshape(blocks.shape), blocks) if static
           else cal.numel() == 1 and torch.equal(cal.reshape(()), blocks.amax()))
     if not ok:
