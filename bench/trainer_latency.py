@@ -29,6 +29,10 @@ ratios are to `inproc` of the same run. Raw per-sync times go to --out
   python3 bench/trainer_latency.py --amaxd .gpu-build/amaxd --gpus 1 \
       [--sizes 1000,20000,100000+pc] [--iters 50] [--out results.jsonl]
 
+--one-daemon: one amaxd (on GPU 0) serves the W trainers of the node, its
+state on GPU 0 and each trainer's device buffers on the trainer's GPU
+(read and written by peer access), no NCCL between daemons.
+
 Sizes: N (N per-tensor FP8 quantizers per rank), or N+pc (N per-tensor plus
 1000 per-channel of 10000 channels, column-parallel over the ranks).
 """
@@ -107,7 +111,8 @@ def worker(rank, world, socks, port, args, q):
         specs = catalog(size, rank, world)
         clients = {}
         for path in ("grpc", "shm", "device", "devgrpc", "async"):
-            c = amaxd.Client(f"lat-{size.replace('+', '_')}-{path}", rank, world, socket=socks[rank], timeout=600,
+            c = amaxd.Client(f"lat-{size.replace('+', '_')}-{path}", rank, world,
+                             socket=socks[rank % len(socks)], timeout=600,
                              max_message_bytes=512 << 20, shm=(path == "shm"))
             c.doorbell = path != "devgrpc"  # devgrpc: ReconcileDevice over gRPC
             c.join()
@@ -218,6 +223,8 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--one-daemon", action="store_true",
+                    help="one amaxd (GPU 0) for all the trainers, instead of one per GPU")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print where rank 0's device sync went (daemon's Status marks)")
     args = ap.parse_args()
@@ -227,7 +234,7 @@ def main():
     if torch.cuda.device_count() < W:
         sys.exit(f"{W} GPUs asked, {torch.cuda.device_count()} visible")
     tmp = tempfile.mkdtemp(prefix="amaxd-lat-")
-    ds = start_daemons(args.amaxd, W, tmp)
+    ds = start_daemons(args.amaxd, 1 if args.one_daemon else W, tmp)
     port = free_ports(1)[0]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -241,8 +248,10 @@ def main():
     for d in ds:
         d.stop()
     name = torch.cuda.get_device_name(0)
-    print(f"trainer_latency: {W} x {name}, one amaxd per GPU (CUDA backend"
-          f"{', NCCL between daemons' if W > 1 else ''}), {args.iters} syncs per path after "
+    who = ("one amaxd for all GPUs (CUDA backend, its state on GPU 0, peer access)"
+           if args.one_daemon else
+           f"one amaxd per GPU (CUDA backend{', NCCL between daemons' if W > 1 else ''})")
+    print(f"trainer_latency: {W} x {name}, {who}, {args.iters} syncs per path after "
           f"{args.warmup} warm-up, median of the slowest rank, stream synchronized at the end of "
           f"every path")
     print(f"{'per rank':>16} {'cells':>9} | {'inproc ms':>9} | {'grpc ms':>8} {'x':>6} | "

@@ -4,6 +4,7 @@
 #           and with AMAXD_NCCL_BLOCKING=0 (1 run), each against its floors
 #           measured in the same run; the daemons' GPU memory (nvidia-smi)
 #   lat     bench/trainer_latency.py on every GPU, blocking then not
+#   one     bench/trainer_latency.py --one-daemon: one amaxd for every GPU
 #   outside tests/gpu/outside/device_check.py on GPU 0 (written from the docs)
 #   cluster the cluster suite over NCCL (kill -9, restart, missing trainer,
 #           conflicts): the dead-peer guarantees with the blocking child
@@ -11,7 +12,7 @@
 # Usage: tests/gpu/blocking.sh BUILD_DIR CARRY_DIR OUT_DIR; AMAXD_BLOCKING_STEPS
 source "$(dirname "$0")/env.sh" "$@"
 n=$(nvidia-smi -L | wc -l)
-steps=" ${AMAXD_BLOCKING_STEPS:-bench lat outside cluster failover} "
+steps=" ${AMAXD_BLOCKING_STEPS:-bench lat one outside cluster failover} "
 py=$(mktemp -d)
 python3 -m pip install -q --no-deps --no-index --target "$py" "$carry"/wheels/*.whl || rc=1
 export PYTHONPATH="$py:$root/tests/e2e"
@@ -44,6 +45,12 @@ if [[ $steps == *" lat "* ]]; then
       --out "$out/trainer_latency.$mode.jsonl" ${AMAXD_LAT_ARGS:---breakdown} 2>&1 | tee "$out/trainer_latency.$mode.txt" || rc=1
   done
   unset AMAXD_NCCL_BLOCKING
+fi
+if [[ $steps == *" one "* ]]; then
+  echo "== trainer_latency, $n GPUs, one amaxd for all of them"
+  python3 bench/trainer_latency.py --amaxd "$build/amaxd" --gpus "$n" --one-daemon \
+    --sizes "${AMAXD_LAT_SIZES:-1000,20000,100000+pc}" --iters "${AMAXD_LAT_ITERS:-30}" \
+    --out "$out/trainer_latency.one.jsonl" ${AMAXD_LAT_ARGS:---breakdown} 2>&1 | tee "$out/trainer_latency.one.txt" || rc=1
 fi
 if [[ $steps == *" outside "* ]]; then
   echo "== outside check of GPU-direct (written from the docs), GPU 0"
