@@ -13,7 +13,8 @@ the catalog and creates the communicator, is reported apart.
 Floors, measured in the same run on the same devices by bench/nccl_floor
 (GPU only):
   (a) one packed all-reduce of the same number of cells (header included),
-      and (a') the same on a non-blocking communicator, the kind amaxd uses;
+      and (a') the same on a non-blocking communicator, the kind amaxd's
+      all-reduces use with AMAXD_NCCL_BLOCKING=0 (by default a blocking child);
   (b) one all-reduce per quantizer, what a per-quantizer loop does.
 
     python bench/cluster_bench.py --amaxd build-gpu/amaxd --floor build-gpu/nccl_floor \
@@ -195,7 +196,7 @@ def main():
             ("    its finish (accumulate, fill, scales)", med(fi))]
     if fl:
         rows.append(("(a) one packed NCCL all-reduce of the same cells", fl[0]))
-        rows.append(("(a') the same on a non-blocking communicator (amaxd's kind)", fl[3]))
+        rows.append(("(a') the same on a non-blocking communicator (AMAXD_NCCL_BLOCKING=0)", fl[3]))
         rows.append((f"(b) one NCCL all-reduce per quantizer ({fl[2]} calls)", fl[1]))
     for name, v in rows:
         ratio = f"{v / fl[0]:.2f}x" if fl else ""
