@@ -363,6 +363,63 @@ def test_deadline_on_a_stuck_trainer(start_daemon):
         c.close()
 
 
+def test_shutdown_while_a_trainer_is_stuck(start_daemon):
+    """The daemon's wait for a stuck trainer's ready flag ends when the
+    epoch is aborted, not at the epoch's deadline (600 s here): SIGTERM
+    while rank 1's flag is never written stops the daemon cleanly within
+    seconds (the shutdown aborts the epoch; the daemon releases the stuck
+    slab and logs it), and both ranks get an error at once, no hang. (The
+    wait used to ignore aborts: a drop or a shutdown waited for the
+    deadline.)"""
+    d = start_daemon("--reconcile-timeout-ms=600000", env=ENV)
+    n, W = 1000, 2
+    qs = [amaxd.Quantizer(f"q{i:04d}", [], amaxd.Recipe.fp8_current()) for i in range(n)]
+    cs = [d.client("sd", r, W) for r in range(W)]
+    run_ranks(lambda r: cs[r].join(), W)
+    for c in cs:
+        c.register(qs)
+    slabs = [c.device_slab() for c in cs]
+    assert all(c._dev.signals and c._door is not None for c in cs), "no signals or no doorbell"
+    errs = [None] * W
+
+    def stuck_epoch(r):
+        c = cs[r]
+        try:
+            if r == 0:
+                slabs[0].fill_(1.0)
+                c.reconcile_device(timeout=120)
+            else:
+                slabs[1].fill_(1e30)
+                torch.cuda.synchronize()
+                req = pb.ReconcileDeviceRequest(job="sd", rank=1, epoch=c.epoch,
+                                                layout_id=c.layout().id, device_id=c._dev.id,
+                                                send=True)
+                c._door.call(req, 120, c._dev.next_seq())
+        except errors.AmaxdError as e:
+            errs[r] = e
+    import threading
+    ts = [threading.Thread(target=stuck_epoch, args=(r,)) for r in range(W)]
+    for t in ts:
+        t.start()
+    time.sleep(1.5)  # both ranks in the epoch; the daemon's stream waits for rank 1's flag
+    t0 = time.perf_counter()
+    rc = d.stop(timeout=60)
+    dt = time.perf_counter() - t0
+    for t in ts:
+        t.join(60)
+    print(f"SIGTERM with a stuck trainer: the daemon exited {rc} after {dt:.2f} s; "
+          f"ranks: {[type(e).__name__ for e in errs]}")
+    assert rc == 0 and dt < 15, (rc, dt)
+    assert all(e is not None for e in errs), errs
+    assert "the epoch was aborted while the daemon's stream waited for the ready flag of " \
+           "trainer rank 1" in d.log(), d.log()[-3000:]
+    for c in cs:
+        try:
+            c.close()
+        except errors.AmaxdError:
+            pass
+
+
 def test_modelopt_sync_takes_the_device_path(start_daemon):
     """amaxd.modelopt.sync on a model on the GPU takes the device path
     (SyncResults.path == "device": the rank's amax slab and the answer in
