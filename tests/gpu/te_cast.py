@@ -281,7 +281,11 @@ def trainer(rank, args, sockets, port, q):
                                               socket=sockets[rank], timeout=600,
                                               max_message_bytes=1 << 30)
                 c.join()
-                casters[p] = ate.Caster(c, specs, starts, numels, device=dev, path=p)
+                # The device path's no-host-sync check (below) runs without
+                # the step guard, whose read of W + 2 floats is the one host
+                # sync of a device step.
+                casters[p] = ate.Caster(c, specs, starts, numels, device=dev, path=p,
+                                        verify=p != "device")
                 if casters[p].path != p:
                     errors.append(f"{job} rank {rank}: asked for the {p} path, got "
                                   f"{casters[p].path} ({casters[p].path_reason})")

@@ -207,7 +207,9 @@ def test_registered_once_for_many_steps(daemon):
         amaxd.Client.register, amaxd.Client.layout = orig_reg, orig_layout
     assert calls == {"register": dp, "layout": dp}
     with daemon.client("te-steps", 0, dp) as c:
-        assert len(c.list_quantizers().quantizers) == sum(len(ate._parts(s)) for s, _ in weights)
+        # The weights' quantizers and the step guard's three.
+        want = sum(len(ate._parts(s)) for s, _ in weights) + 3
+        assert len(c.list_quantizers().quantizers) == want
     for spec, vals in weights:
         want = expected(spec, (vals * np.float32(2.0 ** -19)).astype(np.float32),
                         ranges_of[spec.name])
@@ -271,7 +273,9 @@ def test_thousands_of_steps(daemon):
         job = c.status("te-long").jobs[0]
         # One epoch per step (the Caster's constructor reconciles none).
         assert job.reconciled_epochs == steps and job.epochs_failed == 0, job
-        assert len(c.list_quantizers().quantizers) == sum(len(ate._parts(s)) for s, _ in weights)
+        # The weights' quantizers and the step guard's three.
+        want = sum(len(ate._parts(s)) for s, _ in weights) + 3
+        assert len(c.list_quantizers().quantizers) == want
     # Flat once warm: 2800 more steps may not keep more than 4 MiB.
     assert rss[steps - 1] - rss[200] < 4096, rss
 
@@ -395,6 +399,121 @@ def test_infinite_weight_is_refused(daemon):
         v[17] = 2
         out = cast.step([torch.from_numpy(v)])
         assert out["inf"]["amax"][0, 0].item() == 2
+
+
+def _join_all(clients):
+    ts = [threading.Thread(target=c.join) for c in clients]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+
+
+def _step_all(casts, masters_of, k):
+    """Step k on every rank at once (threads); per rank the outputs as numpy
+    or the exception."""
+    out = [None] * len(casts)
+
+    def one(r):
+        try:
+            o = casts[r].step(masters_of(r, k))
+            out[r] = {n: {f: t.cpu().numpy().copy() for f, t in fs.items()} for n, fs in o.items()}
+        except Exception as e:  # noqa: BLE001 (returned)
+            out[r] = e
+    ts = [threading.Thread(target=one, args=(r,)) for r in range(len(casts))]
+    [t.start() for t in ts]
+    [t.join(120) for t in ts]
+    return out
+
+
+def test_a_failed_step_is_an_error_on_every_rank(daemon):
+    """Found from outside: +inf in one rank's master weights made that
+    rank's step raise while the other rank's step returned scales without
+    its shard, and from then on each rank's step paired with the other's
+    previous one (scales of mixed steps, silently). With the step guard,
+    the bad rank raises the daemon's INVALID_ARGUMENT, the other raises
+    StepMismatch naming it, and the next step is clean on both, for every
+    recipe."""
+    rng = np.random.default_rng(5)
+    weights = random_specs(rng, "guard")[:4]
+    dp = 2
+    ranges_of = {s.name: even_ranges(s.rows * s.cols, dp) for s, _ in weights}
+    clients = [daemon.client("te-guard", r, dp) for r in range(dp)]
+    _join_all(clients)
+    casts = [ate.Caster(c, [w[0] for w in weights], [ranges_of[w[0].name][r][0] for w in weights],
+                        [ranges_of[w[0].name][r][1] for w in weights])
+             for r, c in enumerate(clients)]
+    vals = [np.nan_to_num(v, nan=1.0) for _, v in weights]
+
+    def masters(r, k):
+        out = []
+        for (spec, _), v in zip(weights, vals):
+            st, n = ranges_of[spec.name][r]
+            x = (v * np.float32(2.0 ** -k)).astype(np.float32)[st:st + n].copy()
+            if k == 1 and r == 0 and n:
+                x[0] = np.inf
+            out.append(torch.from_numpy(x) if n else None)
+        return out
+    got = _step_all(casts, masters, 0)
+    assert not any(isinstance(o, Exception) for o in got), got
+    got = _step_all(casts, masters, 1)
+    assert isinstance(got[0], amaxd.errors.InvalidArgument), got[0]
+    assert isinstance(got[1], ate.StepMismatch), got[1]
+    assert "rank(s) 0 contributed nothing" in str(got[1]), got[1]
+    for k in (2, 3):
+        got = _step_all(casts, masters, k)
+        for r in range(dp):
+            assert not isinstance(got[r], Exception), (k, r, got[r])
+            for (spec, _), v in zip(weights, vals):
+                want = expected(spec, (v * np.float32(2.0 ** -k)).astype(np.float32),
+                                ranges_of[spec.name])
+                assert_same(got[r][spec.name], want, f"step {k} rank {r} {spec.name}")
+    for c in clients:
+        c.close()
+
+
+def test_a_step_after_a_timed_out_one_is_not_mixed(tmp_path):
+    """Found from outside: a step whose epoch timed out (a rank never came)
+    leaves its contributions in the daemon (kept, as for every epoch), and
+    the next step's scales silently took them in (the max of both steps).
+    With the step guard that step raises StepMismatch on every rank (the
+    ids of two steps met in one epoch), and the one after is clean."""
+    d = Daemon(str(tmp_path), "--reconcile-timeout-ms=1500")
+    try:
+        spec = ate.WeightSpec("w", (8, 40), "fp8_current")
+        dp = 3
+        ranges = even_ranges(320, dp)
+        clients = [d.client("te-retry", r, dp) for r in range(dp)]
+        _join_all(clients)
+        casts = [ate.Caster(c, [spec], [ranges[r][0]], [ranges[r][1]])
+                 for r, c in enumerate(clients)]
+        scale = {0: 100.0, 1: 0.5, 2: 0.25, 3: 0.125}
+
+        def masters(r, k):
+            st, n = ranges[r]
+            return [torch.full((n,), scale[k] * (1 + r), dtype=torch.float32)]
+        # Step 0 on ranks 0 and 1 only: it times out there.
+        got = _step_all(casts[:2], masters, 0)
+        assert all(isinstance(o, amaxd.errors.DeadlineExceeded) for o in got), got
+        got = _step_all(casts, masters, 1)
+        assert all(isinstance(o, ate.StepMismatch) for o in got), got
+        assert "merged contributions of step ids" in str(got[0]), got[0]
+        for k in (2, 3):
+            got = _step_all(casts, masters, k)
+            for r in range(dp):
+                assert not isinstance(got[r], Exception), (k, r, got[r])
+                assert got[r]["w"]["amax"][0] == np.float32(scale[k] * dp), (k, r, got[r]["w"])
+        for c in clients:
+            c.close()
+    finally:
+        d.check_clean_exit(d.stop())
+
+
+def test_power_of_2_defaults_as_te():
+    """force_pow_2_scales defaults as TE's quantizers (TE main d0067d0):
+    Float8BlockQuantizer True, Float8CurrentScalingQuantizer False (found
+    from outside: a hand-built fp8_block spec used False)."""
+    assert ate.WeightSpec("d", (8, 8), "fp8_block").power_of_2 is True
+    assert ate.WeightSpec("d", (8, 8), "fp8_current").power_of_2 is False
+    assert ate.WeightSpec("d", (8, 8), "fp8_block", power_of_2=False).power_of_2 is False
 
 
 def test_bad_specs():

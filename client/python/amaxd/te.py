@@ -86,10 +86,28 @@ import numpy as np
 from . import tiles as T
 from .types import FP8_E4M3, FP8_E5M2, PER_EPOCH, Quantizer, Recipe
 
-__all__ = ["WeightSpec", "Caster", "quantize_master_weights", "scale_inv_shapes", "KINDS"]
+__all__ = ["WeightSpec", "Caster", "StepMismatch", "quantize_master_weights", "scale_inv_shapes",
+           "KINDS"]
 
 KINDS = ("nvfp4", "fp8_block", "mxfp8", "fp8_current")
 PATHS = ("auto", "device", "packed")  # Caster(path=...): see the module's docstring
+
+# The step guard (Caster, "Every rank in every step"): three quantizers of
+# the job beside the weights' (the prefix is reserved): one cell per rank
+# that the rank marks 1.0 in each step it contributes, and the step's id
+# and GUARD_C minus it (two MAXes give the max and the min of the ids of
+# everything the epoch merged). Ids stay below 2^23, exact in float32.
+GUARD = "amaxd.te:guard/"
+GUARD_C = float(1 << 23)
+
+
+class StepMismatch(RuntimeError):
+    """A step whose epoch was not one clean step of every rank: a rank
+    contributed nothing to it (its step failed: a refused slab, an error
+    before it sent), or the epoch also merged contributions a failed step
+    left in the daemon (a timed-out epoch keeps them). The step's outputs
+    are not that step's; the Caster's next step is clean again (every rank
+    raises this for the same step, and the step ids are realigned)."""
 NVFP4_TILE = 16  # TE constants.NVFP4_BLOCK_SCALING_SIZE
 FP8_BLOCK_LEN = 128  # Float8BlockQuantizer.block_len (the partial-amax kernel's kTileDim)
 MXFP8_BLOCK = 32  # MXFP8_BLOCK_SCALING_SIZE
@@ -113,7 +131,11 @@ class WeightSpec:
     """One model weight: a stable name (the same on every rank), its [rows,
     cols] shape, the recipe kind, the model weight's dtype (the master shard
     is cast to it before its amax is taken, as TE does), and for FP8 kinds
-    the format ("e4m3" / "e5m2"), TE's amax_epsilon and force_pow_2_scales."""
+    the format ("e4m3" / "e5m2"), TE's amax_epsilon and force_pow_2_scales
+    (default as TE's quantizers: True for "fp8_block", Float8BlockQuantizer
+    in tensor/float8_blockwise_tensor.py; False for "fp8_current",
+    Float8CurrentScalingQuantizer in tensor/float8_tensor.py; TE main
+    d0067d0)."""
 
     name: str
     shape: Tuple[int, int]
@@ -121,11 +143,13 @@ class WeightSpec:
     dtype: str = "bfloat16"
     fp8_format: str = "e4m3"
     eps: float = 0.0
-    power_of_2: bool = False
+    power_of_2: Optional[bool] = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"{self.name}: kind {self.kind!r} is not one of {KINDS}")
+        if self.power_of_2 is None:
+            object.__setattr__(self, "power_of_2", self.kind == "fp8_block")
         if len(self.shape) != 2 or min(self.shape) <= 0:
             raise ValueError(f"{self.name}: shape {tuple(self.shape)} is not a 2-D weight")
         if self.fp8_format not in ("e4m3", "e5m2"):
@@ -255,7 +279,8 @@ class Caster:
     correctly, but each step's outputs are then the last caller's)."""
 
     def __init__(self, client: Any, specs: Sequence[WeightSpec], start_offsets: Sequence[int],
-                 numels: Sequence[int], device: Any = None, path: str = "auto") -> None:
+                 numels: Sequence[int], device: Any = None, path: str = "auto",
+                 verify: bool = True) -> None:
         torch = _torch()
         if path not in PATHS:
             raise ValueError(f"path {path!r} is not one of {PATHS}")
@@ -275,11 +300,30 @@ class Caster:
         # PER_EPOCH (history 1): each step's amax is that step's, as TE's
         # all-reduce of freshly zeroed buffers; whole placements: every rank
         # answers every cell.
+        for sp in self.specs:
+            if sp.name.startswith(GUARD):
+                raise ValueError(f"{sp.name}: names starting with {GUARD!r} are amaxd.te's own")
+        self.world, self.rank = int(client.world_size), int(client.rank)
+        self.verify = bool(verify)
+        guard = [Quantizer(GUARD + "present", (self.world,), Recipe.fp8_current(),
+                           accumulation=PER_EPOCH),
+                 Quantizer(GUARD + "step_max", (), Recipe.fp8_current(), accumulation=PER_EPOCH),
+                 Quantizer(GUARD + "step_min", (), Recipe.fp8_current(), accumulation=PER_EPOCH)]
         reg = client.register([Quantizer(p.qname, p.shape, p.recipe, accumulation=PER_EPOCH)
-                               for ps in self.parts for p in ps])
+                               for ps in self.parts for p in ps] + guard)
         # A layout the client fetched before (another Caster, a sync) lacks
         # quantizers registered now.
         self.layout = client.layout(refresh=bool(reg.created))
+        L = self.layout
+        pa, _ = L.span(GUARD + "present")
+        self._g_present = pa + self.rank
+        self._g_max = L.span(GUARD + "step_max")[0]
+        self._g_min = L.span(GUARD + "step_min")[0]
+        # The cells read back after each epoch: every rank's present cell,
+        # then the two ids.
+        self._g_cells = np.array(list(range(pa, pa + self.world)) + [self._g_max, self._g_min],
+                                 dtype=np.int64)
+        self._step_id = 0
         self.requested_path = path
         self.path: Optional[str] = None  # "device" or "packed", once the buffers are built
         self.path_reason = ""
@@ -317,6 +361,7 @@ class Caster:
                 mask[a:b] = T.whole_mask(blk, p.shape).reshape(-1)
                 bl.append(blk)
             self.blocks.append(bl)
+        mask[[self._g_present, self._g_max, self._g_min]] = 1
         return mask
 
     def _open_device(self, device) -> Tuple[Any, str]:
@@ -388,6 +433,7 @@ class Caster:
                 rows = blk.shape[0] * p.tile[0]  # the element rows of its tile rows
                 need[spec.dtype] = max(need.get(spec.dtype, 0), rows * spec.cols)
         self.scratch = {d: torch.zeros(k, dtype=_dtype(d), device=device) for d, k in need.items()}
+        self._g_idx = torch.from_numpy(self._g_cells).to(device)
         self.outputs: Dict[str, Dict[str, object]] = {}
         for spec, parts in zip(self.specs, self.parts):
             o: Dict[str, object] = {}
@@ -513,22 +559,96 @@ class Caster:
                                    "Caster mapped them: its outputs are views of them; build a "
                                    "new Caster")
             self._claim()
-        for spec, parts, blocks, rng, m in zip(self.specs, self.parts, self.blocks, self.ranges,
-                                               master_weights):
-            self._partial(spec, parts, blocks, rng, m)
+        # The guard: this rank's present cell and the step's id (small
+        # fills on the stream; no host sync).
+        self._step_id = self._step_id % (int(GUARD_C) - 1) + 1
+        sid = float(self._step_id)
+        self.slab[self._g_present:self._g_present + 1].fill_(1.0)
+        self.slab[self._g_max:self._g_max + 1].fill_(sid)
+        self.slab[self._g_min:self._g_min + 1].fill_(GUARD_C - sid)
+        try:
+            for spec, parts, blocks, rng, m in zip(self.specs, self.parts, self.blocks,
+                                                   self.ranges, master_weights):
+                self._partial(spec, parts, blocks, rng, m)
+        except Exception:
+            # A master shard this rank cannot use: the rank still takes
+            # part in the step's epoch, contributing nothing (see below).
+            self._enter_empty()
+            raise
         if self.path == "device":
             # Ordered on the current stream: after the slab writes above,
-            # before whatever the caller queues next; no host sync.
+            # before whatever the caller queues next.
             self.client.reconcile_device(has_data=self._gaps)
+            if self.verify:
+                # The one host sync of a device step: W + 2 floats.
+                self._check(self.a_amax.index_select(0, self._g_idx).cpu().numpy())
         else:
-            self.client.send_packed(self.slab, has_data=self._mask)
+            from .errors import AmaxdError
+            try:
+                self.client.send_packed(self.slab, has_data=self._mask)
+            except AmaxdError:
+                # Refused (an infinite weight, a stale layout, ...): this
+                # rank still enters the step's epoch, with only its step id
+                # and without its present mark, so that the other ranks'
+                # step fails with StepMismatch rather than silently without
+                # this rank's shard, and no rank's next step pairs with
+                # this one.
+                self._enter_empty()
+                raise
             res = self.client.reconcile_packed()
             if res.layout_id != self.layout.id:
                 raise RuntimeError("the job's layout changed under amaxd.te (a quantizer was "
                                    "refused by agreement); register the same specs on every rank")
+            if self.verify:
+                self._check(np.asarray(res.amax)[self._g_cells])
             self._read(res)
         self._nvfp4_layout()
         return self._public
+
+    def _enter_empty(self) -> None:
+        """Takes part in the step's epoch without this rank's present mark
+        (its step failed here), so that the other ranks' step raises
+        StepMismatch instead of giving scales without this rank's shard,
+        and no rank's next step pairs with this one. Errors are left to the
+        caller's exception."""
+        from .errors import AmaxdError
+        try:
+            if self.path == "device":
+                self.client.reconcile_device(send=False)
+            else:
+                mask = np.zeros_like(self._mask)
+                mask[[self._g_max, self._g_min]] = 1
+                self.client.send_packed(self.slab, has_data=mask)
+                self.client.reconcile_packed()
+        except AmaxdError:
+            pass
+
+    def _check(self, g) -> None:
+        """The step guard, from the reconciled cells of every rank's present
+        mark and the two ids (the same on every rank): StepMismatch unless
+        every rank contributed and every contribution was this step's."""
+        W = self.world
+        g = np.asarray(g, dtype=np.float32)
+        absent = [r for r in range(W) if g[r] != np.float32(1.0)]
+        hi, lo = int(g[W]), int(GUARD_C - float(g[W + 1])) if g[W + 1] > 0 else 0
+        mine = self._step_id
+        if not absent and hi == lo == mine:
+            return
+        # Realign: every rank read the same ids, so every rank's next step
+        # carries the same id.
+        self._step_id = max(mine, hi)
+        why = []
+        if absent:
+            why.append(f"rank(s) {', '.join(map(str, absent))} contributed nothing to it (their "
+                       f"step failed: a refused slab or send, an error before it was sent)")
+        if hi != lo or (not absent and hi != mine):
+            why.append(f"its epoch merged contributions of step ids {lo}..{hi} while this rank's "
+                       f"step is {mine} (a step that failed before it was reconciled left its "
+                       f"contributions in the daemon, which keeps them)")
+        raise StepMismatch(
+            f"amaxd.te, job {self.client.job} rank {self.rank}: this step is not one clean step of "
+            f"every rank: {'; and '.join(why)}. Its outputs are not this step's: do not use "
+            f"them. The next step is clean (every rank raised this for the same step)")
 
     def _read(self, res):
         """Copies the packed answer to the output buffers (the packed path)."""
