@@ -358,15 +358,8 @@ def main():
     ap.add_argument("--paths", default=None,
                     help="amaxd.te paths, comma-separated (default: packed,device on cuda, "
                          "packed on cpu)")
-    args = ap.parse_args()
-    if not args.amaxd:
-        ap.error("--amaxd (or AMAXD_BIN) is required")
-    if args.paths is None:
-        args.paths = "packed,device" if args.device == "cuda" else "packed"
-    if "device" in args.paths.split(",") and args.device != "cuda":
-        ap.error("the device path needs --device cuda")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    from te_cast import free_ports, start_daemons
+    from te_cast import check_args, free_ports, start_daemons
+    args = check_args(ap, ap.parse_args())
     with tempfile.TemporaryDirectory(prefix="amaxd-te-bench-") as tmp:
         # An 8B model's MXFP8 blocks are 2 x 218 M cells: above the default
         # max_cells (2^28) and max_request_memory (256 MiB).

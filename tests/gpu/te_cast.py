@@ -356,6 +356,18 @@ def trainer(rank, args, sockets, port, q):
         q.put((rank, [traceback.format_exc()], 0, False, {}))
 
 
+def check_args(ap, args):
+    """--amaxd, --paths and --device of te_cast.py and bench/te_cast_bench.py."""
+    if not args.amaxd:
+        ap.error("--amaxd (or AMAXD_BIN) is required")
+    if args.paths is None:
+        args.paths = "packed,device" if args.device == "cuda" else "packed"
+    if "device" in args.paths.split(",") and args.device != "cuda":
+        ap.error("the device path needs --device cuda")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    return args
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--amaxd", default=os.environ.get("AMAXD_BIN"),
@@ -368,14 +380,7 @@ def main():
     ap.add_argument("--paths", default=None,
                     help="amaxd.te paths, comma-separated, the first the reference of the others "
                          "(default: packed,device on cuda, packed on cpu)")
-    args = ap.parse_args()
-    if not args.amaxd:
-        ap.error("--amaxd (or AMAXD_BIN) is required")
-    if args.paths is None:
-        args.paths = "packed,device" if args.device == "cuda" else "packed"
-    if "device" in args.paths.split(",") and args.device != "cuda":
-        ap.error("the device path needs --device cuda")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    args = check_args(ap, ap.parse_args())
     with tempfile.TemporaryDirectory(prefix="amaxd-te-cast-") as tmp:
         ds = start_daemons(args, tmp)
         try:

@@ -550,7 +550,9 @@ def test_a_partly_nan_per_channel_amax_is_refused(daemon):
         c.join()
         with pytest.raises(ValueError, match=r"0\.weight_quantizer: _amax has NaN in 1 of"):
             amo.sync(c, bad, amo.Layout())
+        # Refused before anything reached the daemon.
         assert c.status("nan-channel").jobs[0].reconciled_epochs == 0
+        assert len(c.list_quantizers().quantizers) == 0
     allnan = copy.deepcopy(m)
     _quantizers(allnan)["0.weight_quantizer"]._amax.fill_(float("nan"))
     with daemon.client("nan-channel-all", 0, 1) as c:

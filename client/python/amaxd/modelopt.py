@@ -782,10 +782,13 @@ def register(client: "Client", entries: Sequence[Entry]) -> Optional[pb.Register
     return None
 
 
-def send(client: "Client", entries: Sequence[Entry]) -> Optional[pb.SendAmaxResponse]:
-    """Sends this rank's local amax of every entry, in one request."""
+def send(client: "Client", entries: Sequence[Entry],
+         local: Optional[Dict[str, Any]] = None) -> Optional[pb.SendAmaxResponse]:
+    """Sends this rank's local amax of every entry (`local`: computed
+    already, {name: amax}), in one request."""
     if entries:
-        return client.send({e.name: _local_amax(e) for e in entries})
+        return client.send(local if local is not None else
+                           {e.name: _local_amax(e) for e in entries})
     return None
 
 
@@ -948,12 +951,13 @@ def _open_device(client: "Client", dev: int, strict: bool = False) -> bool:
     return "missing" in b.answer
 
 
-def _reconcile_packed(client: "Client", entries: Sequence[Entry], device: Optional[int]):
+def _reconcile_packed(client: "Client", entries: Sequence[Entry], device: Optional[int],
+                      local: Dict[str, Any]):
     """Sends this rank's amax as one slab and reconciles: through the
     device buffers when `device` is given, else ReconcilePacked. A
     PackedResult (host arrays) either way."""
     L = client.layout()
-    vals, has = L.pack({e.name: _local_amax(e) for e in entries})
+    vals, has = L.pack(local)
     if device is None:
         client.send_packed(vals, has)
         return client.reconcile_packed()
@@ -986,6 +990,9 @@ def sync(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
     dev = _model_device(model) if entries and path in ("auto", "device") else None
     if dev is None and path == "device" and entries:
         raise ValueError("path='device': the model has no parameter on a CUDA GPU")
+    # This rank's amax first: one it refuses (a partly NaN _amax, a weight
+    # not max-calibrated) raises before anything is registered or sent.
+    local = {e.name: _local_amax(e) for e in entries}
     reg = register(client, entries)
     if reg is not None and reg.created and path != "named":
         # A layout fetched before (an earlier sync, a Caster) lacks the new
@@ -1002,11 +1009,11 @@ def sync(client: "Client", model: "torch.nn.Module", layout: Layout = Layout(),
         if dev is not None:
             used = "device"
     if used == "named" or not entries:
-        send(client, entries)
+        send(client, entries, local)
         results = reconcile(client, entries)
         used = "named"
     else:
-        res = _reconcile_packed(client, entries, dev)
+        res = _reconcile_packed(client, entries, dev, local)
         results = {e.name: res[e.name] for e in entries}
     write_back(entries, results)
     out = SyncResults(results)
