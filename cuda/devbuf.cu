@@ -55,6 +55,7 @@ struct amx_devbuf {
     cudaEvent_t answered; /* on state_dev: the answer is written */
     cudaEvent_t merged;   /* on state_dev: the last merge's check copied back */
     int merged_used;
+    int answered_used;                 /* `answered` was recorded (the last answer may still run) */
     unsigned long long *d_bad, *h_bad; /* first bad cell of the last merge */
     amx_run_t *d_runs, *h_runs;        /* merge runs (state_dev, pinned) */
     size_t cap_runs, n_runs;           /* n_runs: the runs on the device now */
@@ -71,6 +72,7 @@ struct amx_devbuf {
     uint32_t token;       /* the last merge's */
     amx_devsignal_t pend; /* the last merge's ready flag (pend_signal: by a flag) */
     int pend_signal, released;
+    uint32_t rank; /* the last merge's trainer rank */
     void *h_tail;
     size_t cap_tail;
 };
@@ -289,6 +291,8 @@ extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
     cudaSetDevice(d->state_dev);
     if (d->merged_used)
         cudaEventSynchronize(d->merged);
+    if (d->answered_used)
+        cudaEventSynchronize(d->answered);
     if (d->merged != NULL)
         cudaEventDestroy(d->merged);
     if (d->answered != NULL)
@@ -468,8 +472,8 @@ static amx_status_t upload_qoff(amx_devbuf_t *d, const uint64_t *qoff, size_t n,
 
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
                                             size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                                            const amx_devsignal_t *ready, cudaStream_t sd,
-                                            cudaEvent_t in, amx_err_t *err)
+                                            const amx_devsignal_t *ready, uint32_t rank,
+                                            cudaStream_t sd, cudaEvent_t in, amx_err_t *err)
 {
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     /* The last merge's staging is free once its check came back (the
@@ -480,6 +484,7 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
     CU(cudaMemsetAsync(d->d_bad, 0xff, sizeof(unsigned long long), sd), "cudaMemsetAsync");
     d->token = d->token + 1 ? d->token + 1 : 1; /* never 0, what d_abort starts with */
     d->released = 0;
+    d->rank = rank;
     d->pend_signal = ready != NULL && memops_found();
     if (ready != NULL)
         d->pend = *ready;
@@ -562,15 +567,58 @@ static int stuck(amx_devbuf_t *d)
     return s;
 }
 
+/* After every merge of `ds` ended: EINVAL when a slab failed its check
+ * (it was not merged), naming the first such rank and cell and counting
+ * the others; the epoch fails on every rank instead of going on without
+ * the slab (state.h dev_wait). */
+static amx_status_t check_merged(amx_devbuf_t *const *ds, size_t n, amx_err_t *err)
+{
+    size_t nbad = 0, first = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (ds[i]->released || *ds[i]->h_bad == NO_BAD)
+            continue;
+        if (nbad++ == 0)
+            first = i;
+    }
+    if (nbad == 0)
+        return AMX_OK;
+    char more[64] = "";
+    if (nbad > 1)
+        snprintf(more, sizeof(more), " (and %zu more trainer slab%s)", nbad - 1,
+                 nbad > 2 ? "s" : "");
+    return amx_err_set(err, AMX_EINVAL,
+                       "the device slab of trainer rank %u holds a NaN, infinite or negative "
+                       "amax (slab cell %llu)%s; amax values must be finite and >= 0. That slab "
+                       "was not merged, so nothing of this epoch was reconciled (on every rank); "
+                       "the other contributions are kept for the next epoch",
+                       ds[first]->rank, (unsigned long long)*ds[first]->h_bad, more);
+}
+
 extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaEvent_t in,
                                            int state_dev, uint64_t deadline_ms,
                                            int (*aborted)(void *ud), void *ud, amx_err_t *err)
 {
     int warned = 0, warned_abort = 0;
+    int prof = amx_log_profiling(); /* when the flags passed, when the merges ended */
+    uint64_t t0 = prof ? amx_now_us() : 0, t_seen = 0;
+    int seen = !prof;
     for (uint64_t spins = 0;; spins++) {
+        if (!seen) {
+            seen = 1;
+            for (size_t i = 0; i < n && seen; i++)
+                seen = !stuck(ds[i]);
+            if (seen)
+                t_seen = amx_now_us() - t0;
+        }
         cudaError_t e = cudaEventQuery(in);
-        if (e == cudaSuccess)
-            return AMX_OK;
+        if (e == cudaSuccess) {
+            if (prof)
+                AMX_INFO("profile",
+                         "device slabs of %zu trainer(s): their flags passed %llu us into the "
+                         "engine's wait, the merges ended at %llu us",
+                         n, (unsigned long long)t_seen, (unsigned long long)(amx_now_us() - t0));
+            return check_merged(ds, n, err);
+        }
         if (e != cudaErrorNotReady)
             CU(e, "cudaEventQuery (device slabs merged)");
         int abort_now = !warned_abort && aborted != NULL && (spins & 63) == 0 && aborted(ud);
@@ -657,6 +705,10 @@ amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax, const float *o_scale,
         return amx_err_set(err, AMX_EINTERNAL, "device answer of %llu bytes too small",
                            (unsigned long long)d->answer_bytes);
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    /* The last answer's copies out of our pinned staging (runs, offsets,
+     * tail) are done before the host writes them again; long done by now. */
+    if (d->answered_used)
+        CU(cudaEventSynchronize(d->answered), "cudaEventSynchronize (last answer)");
     AMX_CHECK(
         upload_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, &d->n_gruns, gather, ngather, s, err));
     if (lay->nq > 0) {
@@ -688,6 +740,7 @@ amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax, const float *o_scale,
            "cudaMemcpyAsync (globals)");
     }
     CU(cudaEventRecord(d->answered, s), "cudaEventRecord");
+    d->answered_used = 1;
     CU(cudaSetDevice(d->dev), "cudaSetDevice");
     CU(cudaStreamWaitEvent(d->ds, d->answered, 0), "cudaStreamWaitEvent");
     if (done != NULL && memops_found())
@@ -697,8 +750,8 @@ amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax, const float *o_scale,
     else
         CU(cudaEventRecord(d->done, d->ds), "cudaEventRecord (done event)");
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
-    /* Only the daemon's own work is on s: this wait is short, and keeps the
-     * staging and the front outputs ours until the answer is written. */
-    CU(cudaStreamSynchronize(s), "device answer");
+    /* Not waited for: the trainer's stream waits for the done flag or
+     * event, the state's engine for its `answered` (state_cuda.cu), and
+     * the staging for d->answered above. */
     return AMX_OK;
 }

@@ -33,8 +33,8 @@ extern "C" amx_status_t amx__cuda_dev_open(int state_dev, const char *device, ui
  * recorded on sd after the merge. */
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
                                             size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                                            const amx_devsignal_t *ready, cudaStream_t sd,
-                                            cudaEvent_t in, amx_err_t *err);
+                                            const amx_devsignal_t *ready, uint32_t rank,
+                                            cudaStream_t sd, cudaEvent_t in, amx_err_t *err);
 
 /* Engine thread. dev_wait of state.h over the `n` buffers `ds` merged at
  * the last flip, whose merges record `in` (state_dev's). */
@@ -45,8 +45,8 @@ extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cu
 /* Loop thread. dev_bad of state.h. */
 extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d);
 
-/* Loop thread. dev_answer of state.h from the front outputs, on stream s
- * (synchronized before it returns: nothing on it waits for a trainer). */
+/* Loop thread. dev_answer of state.h from the front outputs, on stream s,
+ * not waited for (the caller orders its own later work after it). */
 extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax,
                                              const float *o_scale, const float *o_inv,
                                              const uint8_t *o_bytes, const amx_run_t *gather,

@@ -31,6 +31,31 @@
 
 #define THREADS 256
 
+/* What finish's launches after the uploads read (finish_launch): the key
+ * of its CUDA graphs too, so zeroed before it is filled (padding). */
+struct fin_args {
+    uint32_t nq, nch, back, fl;
+    uint64_t n, npeer, nsl, ngroups, pend_n;
+    const float *red, *d_ovr;
+    float *clear; /* the pending buffer's data, when accumulate clears it */
+    float *pend;  /* else cleared by a fill */
+    float *groups, *accum, *hist, *prev, *prev_g, *prev_gs;
+    amx_qdesc_t *dq;
+    uint8_t *empty;
+    uint32_t *chunkq;
+    float *gdec, *sdec;
+    float *o_amax, *o_scale, *o_inv, *o_gamax, *o_gscale, *o_ginv, *o_samax, *o_sscale, *o_sinv;
+    uint8_t *o_bytes, *o_filled;
+    unsigned long long *d_counts, *h_counts;
+    float *g_amax, *g_scale, *g_inv, *s_amax, *s_scale, *s_inv; /* pinned host results */
+};
+
+struct fin_graph {
+    struct fin_args key;
+    cudaGraphExec_t exec;
+    uint64_t used;
+};
+
 typedef struct cuda_state {
     int device;
     cudaStream_t sl, se;
@@ -110,6 +135,19 @@ typedef struct cuda_state {
      * appends at the flip, the engine reads during the epoch). */
     amx_devbuf_t **merging;
     size_t nmerging, cap_merging;
+    /* The device answers the loop queued on sl (dev_answer) and did not
+     * wait for: `answered` is recorded after each, and every engine
+     * operation waits for it on its own stream (wait_in), so nothing of
+     * the next epoch frees or moves what they read. */
+    cudaEvent_t answered;
+    int answered_used;
+    /* The engine's pinned header (prepare). */
+    float *e_hdr;
+    /* CUDA graphs of finish's kernels and copies (finish_graph), keyed by
+     * everything they were captured with. */
+    struct fin_graph graphs[4];
+    uint64_t graph_clock;
+    int graphs_off; /* AMAXD_FINISH_GRAPH=0, or a capture failed */
 } cuda_state_t;
 
 /* Stream s waits for the device slabs merged into the in-flight buffer. */
@@ -117,6 +155,8 @@ static amx_status_t wait_in(cuda_state_t *c, cudaStream_t s, amx_err_t *err)
 {
     if (c->dev_used)
         CU(cudaStreamWaitEvent(s, c->in, 0), "cudaStreamWaitEvent (device slabs)");
+    if (c->answered_used)
+        CU(cudaStreamWaitEvent(s, c->answered, 0), "cudaStreamWaitEvent (device answers)");
     return AMX_OK;
 }
 
@@ -1228,14 +1268,18 @@ static amx_status_t cuda_prepare(amx_state_t *st, const float *hdr, uint64_t nce
         AMX_CHECK(dalloc((void **)&c->recv, (AMX_HDR_CELLS + ncells) * sizeof(float), c->se, err));
         c->recv_n = ncells;
     }
-    CU(cudaMemcpyAsync(c->pend[fl], hdr, AMX_HDR_CELLS * sizeof(float), cudaMemcpyHostToDevice,
+    /* From pinned memory, not waited for: the collective is queued on the
+     * same stream, and the next prepare comes after it completed. */
+    if (c->e_hdr == NULL)
+        CU(cudaHostAlloc((void **)&c->e_hdr, AMX_HDR_CELLS * sizeof(float), cudaHostAllocDefault),
+           "cudaHostAlloc (header)");
+    memcpy(c->e_hdr, hdr, AMX_HDR_CELLS * sizeof(float));
+    CU(cudaMemcpyAsync(c->pend[fl], c->e_hdr, AMX_HDR_CELLS * sizeof(float), cudaMemcpyHostToDevice,
                        c->se),
        "cudaMemcpyAsync (header)");
     /* A receive header nothing wrote fails the engine's check. */
     CU(cudaMemsetAsync(c->recv, 0, AMX_HDR_CELLS * sizeof(float), c->se),
        "cudaMemsetAsync (receive header)");
-    /* Ordered on the engine stream: the collective runs after the header. */
-    CU(cudaStreamSynchronize(c->se), "header");
     *send = c->pend[fl];
     *recv = c->recv;
     *stream = (void *)c->se;
@@ -1359,18 +1403,6 @@ static amx_status_t cuda_read_accum(amx_state_t *st, const amx_run_t *runs, size
     return AMX_OK;
 }
 
-/* AMAXD_PROFILE=1: finish logs the device time of each of its stages
- * (events) and the host time around them, at info level. */
-static int profiling(void)
-{
-    static int on = -1;
-    if (on < 0) {
-        const char *v = getenv("AMAXD_PROFILE");
-        on = v != NULL && v[0] != '\0' && strcmp(v, "0") != 0;
-    }
-    return on;
-}
-
 enum { P_START, P_UPLOAD, P_RESET, P_ACCUM, P_FILL, P_GLOBAL, P_SCALES, P_D2H, P_CLEAR, P_N };
 
 /* The engine's pinned staging buffer, at least `bytes` long. */
@@ -1389,6 +1421,138 @@ static amx_status_t engine_pin(cuda_state_t *c, size_t bytes, amx_err_t *err)
     return AMX_OK;
 }
 
+/* Queues finish's kernels and copies after the uploads on s: the epoch's
+ * accumulation, the per-quantizer and per-slice globals, the scales, the
+ * per-quantizer results into the pinned host arrays and the clearing of
+ * the pending buffer. With `ev` (AMAXD_PROFILE), records ev[P_RESET ..
+ * P_D2H] between the stages. Nothing here allocates or waits: it is
+ * captured as a CUDA graph (finish_graph). */
+static amx_status_t finish_launch(const struct fin_args *a, cudaStream_t s, cudaEvent_t *ev,
+                                  amx_err_t *err)
+{
+#define AT(i)                                                                                      \
+    do {                                                                                           \
+        if (ev != NULL)                                                                            \
+            cudaEventRecord(ev[i], s);                                                             \
+    } while (0)
+    if (a->nq > 0) {
+        uint32_t nq = a->nq;
+        float *peer_max = a->groups, *scale_max = a->groups + a->npeer;
+        size_t m = a->ngroups > nq ? a->ngroups : nq;
+        k_epoch_init<<<blocks_for(m), THREADS, 0, s>>>(a->groups, a->ngroups, a->o_gamax, a->empty,
+                                                       nq);
+        AT(P_RESET);
+        if (a->n > 0)
+            k_accumulate<<<chunks_for(a->n), THREADS, 0, s>>>(
+                a->dq, nq, a->n, a->red, a->accum, a->hist, a->o_amax, peer_max, a->o_gamax,
+                a->empty, a->clear, a->chunkq, a->d_ovr);
+        AT(P_ACCUM);
+        k_quantizer_max<<<blocks_for(nq), THREADS, 0, s>>>(a->dq, nq, peer_max, a->empty,
+                                                           a->o_gamax, scale_max);
+        AT(P_FILL);
+        k_global<<<blocks_for(nq), THREADS, 0, s>>>(a->dq, nq, scale_max, a->o_gamax, a->prev_g,
+                                                    a->o_gscale, a->o_ginv, a->gdec);
+        if (a->nsl > 0) {
+            unsigned sb = a->nsl < 65535u * 16u ? (unsigned)a->nsl : 65535u * 16u;
+            k_slices<<<sb, THREADS, 0, s>>>(a->dq, nq, a->nsl, a->o_amax, peer_max, a->prev_gs,
+                                            a->o_samax, a->o_sscale, a->o_sinv, a->sdec);
+        }
+        CU(cudaGetLastError(), "epoch kernels launch");
+        AT(P_GLOBAL);
+        AMX_CHECK(amx__cuda_scales_launch(a->dq, nq, a->n, a->o_amax, peer_max, a->o_gamax,
+                                          a->o_gscale, a->gdec, a->o_samax, a->o_sscale, a->sdec,
+                                          a->prev, a->o_scale, a->o_inv, a->o_bytes, a->chunkq,
+                                          a->o_filled, a->d_counts, s, err));
+        AT(P_SCALES);
+        size_t gbytes = (size_t)nq * 4;
+        CU(cudaMemcpyAsync(a->h_counts, a->d_counts, 2 * sizeof(unsigned long long),
+                           cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (cell counts)");
+        /* Straight into the (pinned) host results. */
+        CU(cudaMemcpyAsync(a->g_amax, a->o_gamax, gbytes, cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (globals)");
+        CU(cudaMemcpyAsync(a->g_scale, a->o_gscale, gbytes, cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (globals)");
+        CU(cudaMemcpyAsync(a->g_inv, a->o_ginv, gbytes, cudaMemcpyDeviceToHost, s),
+           "cudaMemcpyAsync (globals)");
+        if (a->nsl > 0) {
+            size_t sb = (size_t)a->nsl * 4;
+            CU(cudaMemcpyAsync(a->s_amax, a->o_samax, sb, cudaMemcpyDeviceToHost, s),
+               "cudaMemcpyAsync (slices)");
+            CU(cudaMemcpyAsync(a->s_scale, a->o_sscale, sb, cudaMemcpyDeviceToHost, s),
+               "cudaMemcpyAsync (slices)");
+            CU(cudaMemcpyAsync(a->s_inv, a->o_sinv, sb, cudaMemcpyDeviceToHost, s),
+               "cudaMemcpyAsync (slices)");
+        }
+    }
+    AT(P_D2H);
+    if (a->clear == NULL)
+        AMX_CHECK(fill_f(a->pend, a->pend_n, -INFINITY, s, err));
+#undef AT
+    return AMX_OK;
+}
+
+/* finish_launch through a CUDA graph: one launch instead of a dozen (at a
+ * small catalog the host's launches, not the device, set finish's time:
+ * bench/NOTES.md). A graph is captured once per distinct fin_args (the
+ * output set and pending buffer alternate, so a steady job uses two) and
+ * kept while its key holds; four are kept. AMAXD_FINISH_GRAPH=0, or a
+ * capture that fails, launches directly instead. *graphed: a graph ran. */
+static amx_status_t finish_graph(cuda_state_t *c, const struct fin_args *a, cudaStream_t s,
+                                 cudaEvent_t *ev, int *graphed, amx_err_t *err)
+{
+    *graphed = 0;
+    if (c->graphs_off == 0) {
+        const char *v = getenv("AMAXD_FINISH_GRAPH");
+        c->graphs_off = v != NULL && strcmp(v, "0") == 0 ? 1 : -1;
+    }
+    if (c->graphs_off > 0)
+        return finish_launch(a, s, ev, err);
+    struct fin_graph *g = NULL, *lru = &c->graphs[0];
+    for (int i = 0; i < 4 && g == NULL; i++) {
+        if (c->graphs[i].exec != NULL && memcmp(&c->graphs[i].key, a, sizeof(*a)) == 0)
+            g = &c->graphs[i];
+        else if (c->graphs[i].used < lru->used)
+            lru = &c->graphs[i];
+    }
+    if (g == NULL) {
+        if (lru->exec != NULL)
+            cudaGraphExecDestroy(lru->exec);
+        lru->exec = NULL;
+        cudaGraph_t graph = NULL;
+        cudaError_t e = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+        amx_status_t r = AMX_OK;
+        if (e == cudaSuccess) {
+            r = finish_launch(a, s, NULL, err);
+            cudaError_t e2 = cudaStreamEndCapture(s, &graph);
+            if (r == AMX_OK)
+                e = e2;
+        }
+        if (e == cudaSuccess && r == AMX_OK)
+            e = cudaGraphInstantiate(&lru->exec, graph, 0);
+        if (graph != NULL)
+            cudaGraphDestroy(graph);
+        if (e != cudaSuccess || r != AMX_OK) {
+            lru->exec = NULL;
+            cudaGetLastError();
+            AMX_WARN("cuda",
+                     "capturing finish as a CUDA graph failed (%s%s): launching its kernels one "
+                     "by one from now on",
+                     e != cudaSuccess ? cudaGetErrorString(e) : "", r != AMX_OK ? err->msg : "");
+            c->graphs_off = 1;
+            return finish_launch(a, s, ev, err);
+        }
+        lru->key = *a;
+        g = lru;
+    }
+    g->used = ++c->graph_clock;
+    CU(cudaGraphLaunch(g->exec, s), "cudaGraphLaunch (finish)");
+    *graphed = 1;
+    for (int i = P_RESET; ev != NULL && i <= P_D2H; i++)
+        cudaEventRecord(ev[i], s); /* the profile shows the graph as its first stage */
+    return AMX_OK;
+}
+
 static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_t nq,
                                  uint64_t ncells, uint32_t npeer, uint32_t nscale, int from_send,
                                  int desc_dirty, amx_err_t *err)
@@ -1401,7 +1565,7 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
     if (ncells != st->ncells)
         return amx_err_set(err, AMX_EINTERNAL, "finish over %llu cells, the state holds %llu",
                            (unsigned long long)ncells, (unsigned long long)st->ncells);
-    int prof = profiling();
+    int prof = amx_log_profiling();
     cudaEvent_t ev[P_N];
     if (prof)
         for (int i = 0; i < P_N; i++)
@@ -1422,7 +1586,7 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
     AMX_CHECK(grow_dev((void **)&c->chunkq, &c->cap_chunkq, nch, sizeof(uint32_t), s, err));
     AMX_CHECK(grow_dev((void **)&c->empty, &c->cap_empty, nq, 1, s, err));
     AMX_CHECK(grow_dev((void **)&c->gdec, &c->cap_gdec, nq, sizeof(float), s, err));
-    size_t dbytes = (size_t)nq * sizeof(amx_qdesc_t), gbytes = (size_t)nq * 4;
+    size_t dbytes = (size_t)nq * sizeof(amx_qdesc_t);
     AMX_CHECK(engine_pin(c, dbytes, err));
     char *pin_d = (char *)c->e_pin;
     uint64_t nsl = amx_qdesc_slices(qs, nq);
@@ -1445,7 +1609,6 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
         d_ovr = c->d_ovr;
     }
     uint64_t t_setup = amx_now_us();
-    int cleared = 0;
     MARK(P_START);
     if (nq > 0) {
         int upload = desc_dirty || c->dq_n != nq;
@@ -1460,68 +1623,62 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
             c->chunkq_n = nch;
         }
         MARK(P_UPLOAD);
-        float *peer_max = c->groups, *scale_max = c->groups + npeer;
         /* Reset flags only ever come with new descriptors. */
         if (desc_dirty) {
             unsigned nb = nq < 4096 ? nq : 4096;
             k_reset_flagged<<<nb, THREADS, 0, s>>>(c->dq, nq, c->accum, c->prev, c->hist, c->prev_g,
                                                    c->prev_gs);
         }
-        size_t m = ngroups > nq ? ngroups : nq;
-        k_epoch_init<<<blocks_for(m), THREADS, 0, s>>>(c->groups, ngroups, c->o_gamax[back],
-                                                       c->empty, nq);
-        MARK(P_RESET);
-        /* The next epoch's pending buffer is cleared by accumulate when it
-         * covers the same cells. */
-        float *clear = c->pend_n[fl] == n ? c->pend[fl] + AMX_HDR_CELLS : NULL;
-        cleared = clear != NULL;
-        if (n > 0)
-            k_accumulate<<<chunks_for(n), THREADS, 0, s>>>(
-                c->dq, nq, n, red, c->accum, c->hist, c->o_amax[back], peer_max, c->o_gamax[back],
-                c->empty, clear, c->chunkq, d_ovr);
-        MARK(P_ACCUM);
-        k_quantizer_max<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, peer_max, c->empty,
-                                                           c->o_gamax[back], scale_max);
-        MARK(P_FILL);
-        k_global<<<blocks_for(nq), THREADS, 0, s>>>(c->dq, nq, scale_max, c->o_gamax[back],
-                                                    c->prev_g, c->o_gscale[back], c->o_ginv[back],
-                                                    c->gdec);
-        if (nsl > 0) {
-            unsigned sb = nsl < 65535u * 16u ? (unsigned)nsl : 65535u * 16u;
-            k_slices<<<sb, THREADS, 0, s>>>(c->dq, nq, nsl, c->o_amax[back], peer_max, c->prev_gs,
-                                            c->o_samax[back], c->o_sscale[back], c->o_sinv[back],
-                                            c->sdec);
-        }
-        CU(cudaGetLastError(), "epoch kernels launch");
-        MARK(P_GLOBAL);
-        AMX_CHECK(amx__cuda_scales_launch(
-            c->dq, nq, n, c->o_amax[back], peer_max, c->o_gamax[back], c->o_gscale[back], c->gdec,
-            c->o_samax[back], c->o_sscale[back], c->sdec, c->prev, c->o_scale[back], c->o_inv[back],
-            c->o_bytes[back], c->chunkq, c->o_filled[back], c->d_counts, s, err));
-        MARK(P_SCALES);
-        CU(cudaMemcpyAsync(c->h_counts, c->d_counts, 2 * sizeof(unsigned long long),
-                           cudaMemcpyDeviceToHost, s),
-           "cudaMemcpyAsync (cell counts)");
-        /* Straight into the (pinned) host results. */
-        CU(cudaMemcpyAsync(st->g_amax[back], c->o_gamax[back], gbytes, cudaMemcpyDeviceToHost, s),
-           "cudaMemcpyAsync (globals)");
-        CU(cudaMemcpyAsync(st->g_scale[back], c->o_gscale[back], gbytes, cudaMemcpyDeviceToHost, s),
-           "cudaMemcpyAsync (globals)");
-        CU(cudaMemcpyAsync(st->g_inv[back], c->o_ginv[back], gbytes, cudaMemcpyDeviceToHost, s),
-           "cudaMemcpyAsync (globals)");
-        if (nsl > 0) {
-            size_t sb = (size_t)nsl * 4;
-            CU(cudaMemcpyAsync(st->s_amax[back], c->o_samax[back], sb, cudaMemcpyDeviceToHost, s),
-               "cudaMemcpyAsync (slices)");
-            CU(cudaMemcpyAsync(st->s_scale[back], c->o_sscale[back], sb, cudaMemcpyDeviceToHost, s),
-               "cudaMemcpyAsync (slices)");
-            CU(cudaMemcpyAsync(st->s_inv[back], c->o_sinv[back], sb, cudaMemcpyDeviceToHost, s),
-               "cudaMemcpyAsync (slices)");
-        }
     }
-    MARK(P_D2H);
-    if (!cleared)
-        AMX_CHECK(fill_f(c->pend[fl] + AMX_HDR_CELLS, c->pend_n[fl], -INFINITY, s, err));
+    struct fin_args a;
+    memset(&a, 0, sizeof(a)); /* a graph key: no stray padding */
+    a.nq = nq;
+    a.nch = nch;
+    a.back = (uint32_t)back;
+    a.fl = (uint32_t)fl;
+    a.n = n;
+    a.npeer = npeer;
+    a.nsl = nsl;
+    a.ngroups = ngroups;
+    a.pend_n = c->pend_n[fl];
+    a.red = red;
+    a.d_ovr = d_ovr;
+    /* The next epoch's pending buffer is cleared by accumulate when it
+     * covers the same cells, else by a fill. */
+    a.clear = nq > 0 && c->pend_n[fl] == n ? c->pend[fl] + AMX_HDR_CELLS : NULL;
+    a.pend = c->pend[fl] + AMX_HDR_CELLS;
+    a.groups = c->groups;
+    a.accum = c->accum;
+    a.hist = c->hist;
+    a.prev = c->prev;
+    a.prev_g = c->prev_g;
+    a.prev_gs = c->prev_gs;
+    a.dq = c->dq;
+    a.empty = c->empty;
+    a.chunkq = c->chunkq;
+    a.gdec = c->gdec;
+    a.sdec = c->sdec;
+    a.o_amax = c->o_amax[back];
+    a.o_scale = c->o_scale[back];
+    a.o_inv = c->o_inv[back];
+    a.o_gamax = c->o_gamax[back];
+    a.o_gscale = c->o_gscale[back];
+    a.o_ginv = c->o_ginv[back];
+    a.o_samax = c->o_samax[back];
+    a.o_sscale = c->o_sscale[back];
+    a.o_sinv = c->o_sinv[back];
+    a.o_bytes = c->o_bytes[back];
+    a.o_filled = c->o_filled[back];
+    a.d_counts = c->d_counts;
+    a.h_counts = c->h_counts;
+    a.g_amax = st->g_amax[back];
+    a.g_scale = st->g_scale[back];
+    a.g_inv = st->g_inv[back];
+    a.s_amax = st->s_amax[back];
+    a.s_scale = st->s_scale[back];
+    a.s_inv = st->s_inv[back];
+    int graphed = 0;
+    AMX_CHECK(finish_graph(c, &a, s, prof ? ev : NULL, &graphed, err));
     MARK(P_CLEAR);
     uint64_t t_launched = amx_now_us();
     CU(cudaStreamSynchronize(s), "epoch kernels");
@@ -1542,10 +1699,11 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
             k += (size_t)snprintf(buf + k, sizeof(buf) - k, " %s %.0f", names[i], ms * 1000.0f);
         }
         AMX_INFO("profile",
-                 "finish of %llu cells / %u quantizers: host setup %llu us, launches "
+                 "finish of %llu cells / %u quantizers%s: host setup %llu us, launches "
                  "%llu us, wait %llu us, copy-out %llu us; device us:%s",
-                 (unsigned long long)ncells, nq, (unsigned long long)(t_setup - t0),
-                 (unsigned long long)(t_launched - t_setup),
+                 (unsigned long long)ncells, nq,
+                 graphed ? " (one CUDA graph: its time is under reset)" : "",
+                 (unsigned long long)(t_setup - t0), (unsigned long long)(t_launched - t_setup),
                  (unsigned long long)(t_synced - t_launched),
                  (unsigned long long)(amx_now_us() - t_synced), buf);
         for (int i = 0; i < P_N; i++)
@@ -1718,6 +1876,10 @@ static void cuda_destroy(amx_state_t *st)
     cudaFreeHost(c->h_stage);
     cudaFreeHost(c->h_runs);
     cudaFreeHost(c->e_pin);
+    cudaFreeHost(c->e_hdr);
+    for (int i = 0; i < 4; i++)
+        if (c->graphs[i].exec != NULL)
+            cudaGraphExecDestroy(c->graphs[i].exec);
     cudaFreeHost(c->h_counts);
     cudaFreeHost(c->h_sstage);
     for (size_t i = 0; i < c->nretired; i++)
@@ -1729,6 +1891,7 @@ static void cuda_destroy(amx_state_t *st)
     cudaStreamDestroy(c->se);
     if (c->dev_used) {
         cudaEventDestroy(c->in);
+        cudaEventDestroy(c->answered);
         cudaStreamDestroy(c->sd);
     }
     free(c);
@@ -1745,6 +1908,11 @@ static amx_status_t cuda_dev_open(amx_state_t *st, const char *device, uint64_t 
         CU(cudaSetDevice(c->device), "cudaSetDevice");
         CU(cudaStreamCreateWithFlags(&c->sd, cudaStreamNonBlocking), "cudaStreamCreate");
         cudaError_t e = cudaEventCreateWithFlags(&c->in, cudaEventDisableTiming);
+        if (e == cudaSuccess) {
+            e = cudaEventCreateWithFlags(&c->answered, cudaEventDisableTiming);
+            if (e != cudaSuccess)
+                cudaEventDestroy(c->in);
+        }
         if (e != cudaSuccess) {
             cudaStreamDestroy(c->sd);
             CU(e, "cudaEventCreate");
@@ -1756,7 +1924,7 @@ static amx_status_t cuda_dev_open(amx_state_t *st, const char *device, uint64_t 
 
 static amx_status_t cuda_dev_merge(amx_state_t *st, amx_devbuf_t *d, const amx_run_t *runs,
                                    size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                                   const amx_devsignal_t *ready, amx_err_t *err)
+                                   const amx_devsignal_t *ready, uint32_t rank, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int fl = c->active ^ 1; /* just flipped: the in-flight buffer */
@@ -1771,7 +1939,7 @@ static amx_status_t cuda_dev_merge(amx_state_t *st, amx_devbuf_t *d, const amx_r
         c->cap_merging = cap;
     }
     AMX_CHECK(amx__cuda_dev_merge(d, c->pend[fl] + AMX_HDR_CELLS, runs, nruns, ncells, has_data_off,
-                                  ready, c->sd, c->in, err));
+                                  ready, rank, c->sd, c->in, err));
     c->merging[c->nmerging++] = d;
     return AMX_OK;
 }
@@ -1800,8 +1968,14 @@ static amx_status_t cuda_dev_answer(amx_state_t *st, amx_devbuf_t *d, const amx_
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int f = st->front;
-    return amx__cuda_dev_answer(d, c->o_amax[f], c->o_scale[f], c->o_inv[f], c->o_bytes[f], gather,
-                                ngather, ncells, lay, tail, tail_bytes, done, c->sl, err);
+    AMX_CHECK(amx__cuda_dev_answer(d, c->o_amax[f], c->o_scale[f], c->o_inv[f], c->o_bytes[f],
+                                   gather, ngather, ncells, lay, tail, tail_bytes, done, c->sl,
+                                   err));
+    /* Not waited for here: the engine's next operations wait for it
+     * (wait_in), the loop's own are behind it on sl. */
+    CU(cudaEventRecord(c->answered, c->sl), "cudaEventRecord (device answers)");
+    c->answered_used = 1;
+    return AMX_OK;
 }
 
 static void cuda_dev_close(amx_state_t *st, amx_devbuf_t *d)

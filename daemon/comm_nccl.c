@@ -464,8 +464,7 @@ static amx_status_t nccl_allreduce(amx_comm_t *base, const void *send, void *rec
     r.deadline = deadline_ms;
     r.t_submit = amx_now_us();
     amx_status_t st = submit(&r, err);
-    const char *pv = getenv("AMAXD_PROFILE");
-    if (pv != NULL && pv[0] != '\0' && strcmp(pv, "0") != 0)
+    if (amx_log_profiling())
         AMX_INFO("profile",
                  "nccl all-reduce of %zu %s: to the NCCL thread %llu us, enqueue %llu us, "
                  "run %llu us, back to the engine %llu us",

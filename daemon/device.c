@@ -303,7 +303,7 @@ void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j)
         if (rc == AMX_OK)
             rc = st->ops->dev_merge(st, d->buf, sl->merge, sl->nmerge, d->ncells,
                                     d->has_data ? d->has_off : UINT64_MAX,
-                                    d->seq != 0 ? &ready : NULL, &e);
+                                    d->seq != 0 ? &ready : NULL, r->rank, &e);
         if (rc != AMX_OK) {
             if (rc == AMX_EDEVICE)
                 amx__note_fault(reg, rc, e.msg);
@@ -349,6 +349,27 @@ static void fill_globals(amx_job_t *j, const amx_slab_t *sl, struct amx_devrank 
     }
 }
 
+amx_status_t amx__dev_bad_slab(amx_job_t *j, amx_lrank_t *r, uint64_t epoch, amx_err_t *err)
+{
+    struct amx_devrank *d = r->dev;
+    amx_slab_t *sl;
+    if (d == NULL || !d->merged || amx__slab_get(j, r, &sl, err) != AMX_OK)
+        return AMX_OK;
+    int64_t bad = j->state->ops->dev_bad(j->state, d->buf);
+    if (bad < 0)
+        return AMX_OK;
+    uint32_t qi = slab_quantizer(sl, (uint64_t)bad);
+    return amx_err_set(
+        err, AMX_EINVAL,
+        "ReconcileDevice of rank %u, job '%s': device slab cell %lld "
+        "(quantizer '%s', its value[%llu]) is NaN, infinite or negative; "
+        "amax values must be finite and >= 0. Nothing of the slab was "
+        "merged, and epoch %llu failed on every rank (the other contributions "
+        "are kept for the next epoch)",
+        r->rank, j->name, (long long)bad, qi < sl->n ? j->lq[sl->lid[qi]].spec->name : "?",
+        (unsigned long long)((uint64_t)bad - sl->off[qi]), (unsigned long long)epoch);
+}
+
 amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, uint64_t epoch,
                              amx_err_t *err)
 {
@@ -365,20 +386,8 @@ amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, 
                            (unsigned long long)epoch, r->rank, d->merge_msg);
     amx_slab_t *sl;
     AMX_CHECK(amx__slab_get(j, r, &sl, err));
-    if (d->merged) {
-        int64_t bad = st->ops->dev_bad(st, d->buf);
-        if (bad >= 0) {
-            uint32_t qi = slab_quantizer(sl, (uint64_t)bad);
-            return amx_err_set(
-                err, AMX_EINVAL,
-                "ReconcileDevice of rank %u, job '%s': device slab cell %lld "
-                "(quantizer '%s', its value[%llu]) is NaN, infinite or negative; "
-                "amax values must be finite and >= 0. Nothing of the slab was "
-                "merged: epoch %llu was reconciled without it",
-                r->rank, j->name, (long long)bad, qi < sl->n ? j->lq[sl->lid[qi]].spec->name : "?",
-                (unsigned long long)((uint64_t)bad - sl->off[qi]), (unsigned long long)epoch);
-        }
-    }
+    /* A backend whose dev_wait checks the slabs failed the epoch already. */
+    AMX_CHECK(amx__dev_bad_slab(j, r, epoch, err));
     if (sl->id != d->layout_id)
         return amx_err_set(err, AMX_EPRECOND,
                            "epoch %llu of job '%s' was reconciled, but rank %u's layout changed "

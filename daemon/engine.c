@@ -148,7 +148,7 @@ static void make_header(float *h, uint64_t epoch, uint64_t hash, uint64_t gen, u
 
 /* ---- communicator ---- */
 
-void amx__engine_drop_comm(amx_engine_t *e)
+static amx_comm_t *detach_comm(amx_engine_t *e)
 {
     pthread_mutex_lock(&e->mu);
     amx_comm_t *c = e->comm;
@@ -157,10 +157,38 @@ void amx__engine_drop_comm(amx_engine_t *e)
     if (gen != 0)
         e->last_gen = gen;
     pthread_mutex_unlock(&e->mu);
-    if (c != NULL) {
+    if (c != NULL)
         c->ops->abort(c);
+    return c;
+}
+
+static void destroy_dying(amx_engine_t *e)
+{
+    if (e->dying == NULL)
+        return;
+    uint64_t t0 = amx_now_us();
+    e->dying->ops->destroy(e->dying);
+    e->dying = NULL;
+    uint64_t dt = amx_now_us() - t0;
+    if (dt > 50000)
+        AMX_INFO("epoch", "job %s: destroying the failed epoch's communicator took %llu ms",
+                 e->job->name, (unsigned long long)(dt / 1000));
+}
+
+void amx__engine_drop_comm(amx_engine_t *e)
+{
+    amx_comm_t *c = detach_comm(e);
+    if (c != NULL)
         c->ops->destroy(c);
-    }
+}
+
+void amx__engine_drop_comm_later(amx_engine_t *e)
+{
+    amx_comm_t *c = detach_comm(e);
+    if (c == NULL)
+        return;
+    destroy_dying(e); /* never two */
+    e->dying = c;
 }
 
 /* ---- layout changes ---- */
@@ -720,7 +748,9 @@ static amx_status_t wait_device_slabs(amx_engine_t *e, uint64_t deadline)
     if (j->state->ops->dev_wait == NULL)
         return AMX_OK;
     amx_err_t err = {0};
+    uint64_t t0 = amx_now_us();
     amx_status_t st = j->state->ops->dev_wait(j->state, deadline, wait_aborted, e, &err);
+    e->res.wait_us += amx_now_us() - t0;
     if (st == AMX_EABORTED && atomic_load(&e->abort_flag)) {
         /* The trainers hear the abort's own cause; what the wait did is
          * logged. */
@@ -826,7 +856,9 @@ out:
             else if (gen != 0 && !e->passed_on)
                 amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, 0, e->res.st, why,
                                     500);
-            amx__engine_drop_comm(e);
+            /* Aborted now (a kernel waiting for a dead peer ends), freed
+             * after the trainers were answered. */
+            amx__engine_drop_comm_later(e);
             e->need_sync = 1;
         }
         for (uint32_t i = 0; e->marked && i < e->w_cat->n; i++)
@@ -845,6 +877,19 @@ out:
     pthread_mutex_unlock(&e->blob_mu);
     e->res.end_at_us = amx_now_us();
     e->res.total_us = e->res.end_at_us - t0;
+    if (amx_log_profiling())
+        AMX_INFO("profile",
+                 "job %s, epoch %llu (%s): %llu us in the engine: device slabs %llu, prepare "
+                 "%llu, collectives %llu (%u), header %llu, finish %llu, snapshot %llu, the rest "
+                 "%llu",
+                 j->name, (unsigned long long)e->epoch, e->res.reconciled ? "reconciled" : "failed",
+                 (unsigned long long)e->res.total_us, (unsigned long long)e->res.wait_us,
+                 (unsigned long long)e->res.prepare_us, (unsigned long long)e->res.collective_us,
+                 e->res.collectives, (unsigned long long)e->res.header_us,
+                 (unsigned long long)e->res.finish_us, (unsigned long long)e->res.snapshot_us,
+                 (unsigned long long)(e->res.total_us -
+                                      (e->res.wait_us + e->res.prepare_us + e->res.collective_us +
+                                       e->res.header_us + e->res.finish_us + e->res.snapshot_us)));
 }
 
 static void *engine_main(void *arg)
@@ -862,9 +907,11 @@ static void *engine_main(void *arg)
         e->have_work = 0;
         pthread_mutex_unlock(&e->mu);
         e->env.post(e->env.ud, e->job);
+        destroy_dying(e);
         pthread_mutex_lock(&e->mu);
     }
     pthread_mutex_unlock(&e->mu);
+    destroy_dying(e);
     amx__engine_drop_comm(e);
     return NULL;
 }

@@ -66,6 +66,7 @@ typedef struct amx_epoch_result {
     int resets_applied;
     uint32_t collectives;
     uint64_t total_us, collective_us, finish_us, prepare_us, header_us;
+    uint64_t wait_us;                /* waiting for the trainers' device slabs to be merged */
     uint64_t begin_at_us, end_at_us; /* CLOCK_MONOTONIC: the engine thread took it, gave it back */
     /* Durability (snapshot.h): the epoch was written to the job's snapshot
      * (snapshot_ok), or writing it failed (snapshot_err); neither when

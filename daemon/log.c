@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -106,4 +107,16 @@ int amx_log_open(const char *path)
 void amx_log_close(void)
 {
     amx_log_open(NULL);
+}
+
+int amx_log_profiling(void)
+{
+    static atomic_int on = -1;
+    int v = atomic_load(&on);
+    if (v < 0) {
+        const char *e = getenv("AMAXD_PROFILE");
+        v = e != NULL && e[0] != '\0' && strcmp(e, "0") != 0;
+        atomic_store(&on, v);
+    }
+    return v;
 }

@@ -35,6 +35,11 @@ void amx_log_write(int level, const char *subsys, const char *fmt, ...)
 /* Parses "error|warn|info|debug"; returns -1 for anything else. */
 int amx_log_parse_level(const char *s);
 
+/* Whether AMAXD_PROFILE is set (not empty, not "0"): the engine, the NCCL
+ * thread and the CUDA backend then log where each epoch's time went, at
+ * info level (docs/OPERATING.md). Read once. */
+int amx_log_profiling(void);
+
 /* Opens (or re-opens, on SIGHUP) the log destination: NULL or "" means
  * stderr. Returns 0, or -errno when the file cannot be opened (the previous
  * destination is kept). Loop thread. */

@@ -536,9 +536,14 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             j->nin_reconcile--;
             amx_waiter_t *w = r->rec_w;
             r->rec_w = NULL;
+            /* The rank whose slab failed the check hears which cell. */
+            amx_err_t e2 = {0};
+            int bad =
+                w != NULL && w->device_answer && amx__dev_bad_slab(j, r, res->epoch, &e2) != AMX_OK;
             amx__dev_epoch_end(r);
             if (w != NULL)
-                amx__finish_waiter(reg, w, res->st, res->msg, NULL);
+                amx__finish_waiter(reg, w, bad ? AMX_EINVAL : res->st, bad ? e2.msg : res->msg,
+                                   NULL);
         }
     }
     amx__run_deferred(reg, j);

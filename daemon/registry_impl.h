@@ -190,6 +190,9 @@ amx_status_t amx__dev_check_reconcile(amx_registry_t *reg, amx_job_t *j, amx_lra
 void amx__dev_arm(amx_lrank_t *r, int send, int has_data, uint32_t seq);
 /* Just after the flip of an epoch: queues the device slabs of the ranks that sent one. */
 void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j);
+/* EINVAL naming the cell and quantizer when rank r's device slab of `epoch` failed its check
+ * (the slab was not merged); else AMX_OK. Before amx__dev_epoch_end. */
+amx_status_t amx__dev_bad_slab(amx_job_t *j, amx_lrank_t *r, uint64_t epoch, amx_err_t *err);
 /* Rank r's answer of a reconciled epoch into its device buffers; an error (a slab that failed its
  * check, a layout changed during the epoch) to answer instead. */
 amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, uint64_t epoch,

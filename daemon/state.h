@@ -330,10 +330,11 @@ typedef struct amx_state_ops {
      * cell, sorted) into the in-flight pending buffer. With `ready`, behind
      * its flag instead of the ready event. Never waits for the
      * trainer: the engine's stream waits for the merge (prepare, remap,
-     * finish and unflip do). */
+     * finish and unflip do). `rank`: the trainer rank of the slab (dev_wait's
+     * messages). */
     amx_status_t (*dev_merge)(amx_state_t *st, struct amx_devbuf *d, const amx_run_t *runs,
                               size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                              const amx_devsignal_t *ready, amx_err_t *err);
+                              const amx_devsignal_t *ready, uint32_t rank, amx_err_t *err);
     /* Loop, after the epoch of the last dev_merge ended: the first slab
      * cell that failed its check (the slab was then not merged), or -1
      * (also for a slab dev_wait released). */
@@ -376,7 +377,10 @@ typedef struct amx_state_ops {
      * wait on an event cannot be cancelled): then this logs why and
      * waits on, as without a deadline. `aborted(ud)` (may be NULL) is
      * polled as well: once it is non-zero the stuck signal slabs are
-     * released the same way and the wait ends with EABORTED. */
+     * released the same way and the wait ends with EABORTED. Once every
+     * slab is merged, a slab that failed its check (dev_bad) fails the
+     * wait with EINVAL naming its rank and cell: the epoch must fail on
+     * every rank, not go on without that slab. */
     amx_status_t (*dev_wait)(amx_state_t *st, uint64_t deadline_ms, int (*aborted)(void *ud),
                              void *ud, amx_err_t *err);
 } amx_state_ops_t;

@@ -19,8 +19,9 @@ as torch processes/threads on the same GPU.
   writes what the packed path writes;
 - bad input: an unknown or malformed device, another rank's buffers, a
   wrong layout id, a layout change while mapped, closed buffers, a NaN in
-  the slab (INVALID_ARGUMENT naming the cell; the epoch goes on without
-  it).
+  the slab (INVALID_ARGUMENT naming the cell; the epoch fails on every
+  rank, one daemon or two over NCCL, and the other contributions are kept
+  for the next epoch).
 
 Run by tests/gpu/device.sh (needs torch with CUDA and CuPy or
 cuda-bindings; AMAXD_BIN the CUDA build).
@@ -271,12 +272,13 @@ def test_async_returns_while_the_kernel_runs(start_daemon):
     while not ev.query() and time.time() < deadline:
         time.sleep(0.01)
     assert ev.query(), "the trainer's stream hangs on the done flag after an error"
-    # And the next epoch works (blocking, through the flags).
+    # And the next epoch works (blocking, through the flags): epoch 3
+    # again, since the NaN failed it on every rank.
     with torch.cuda.stream(s):
         slab.copy_(b_d)
         r3 = c.reconcile_device(stream=s)
     s.synchronize()
-    assert r3.epoch == 4 and np.array_equal(r3.amax.cpu().numpy(), b)
+    assert r3.epoch == 3 and np.array_equal(r3.amax.cpu().numpy(), b)
     ref.close()
     c.close()
 
@@ -379,6 +381,9 @@ def test_shutdown_while_a_trainer_is_stuck(start_daemon):
     for c in cs:
         c.register(qs)
     slabs = [c.device_slab() for c in cs]
+    for sl in slabs:
+        sl.fill_(0.5)
+    run_ranks(lambda r: cs[r].reconcile_device(), W)  # opens the doorbells
     assert all(c._dev.signals and c._door is not None for c in cs), "no signals or no doorbell"
     errs = [None] * W
 
@@ -597,23 +602,34 @@ def test_bad_device_input(start_daemon):
     with pytest.raises(errors.FailedPrecondition, match="GetLayout") as e:
         rec_raw(c0, device_id=b0.id, layout_id=L.id ^ 1)
     seen.append(e.value)
-    # A NaN in rank 0's slab: its slab stays out, rank 1's goes in.
+    # A NaN in rank 0's slab: the epoch fails on both ranks (rank 0 hears
+    # the cell and quantizer, rank 1 which rank), nothing is reconciled,
+    # and rank 1's slab is kept for the next epoch.
     b0.slab.fill_(2.0)
     b0.slab[9] = float("nan")  # cell 1 of "b"
     b1.slab.fill_(3.0)
+    before = c0.status("bad").jobs[0]
 
-    def rec(r):
+    def rec(r, send=True):
         try:
-            return (c0, c1)[r].reconcile_device()
+            return (c0, c1)[r].reconcile_device(send=send)
         except errors.AmaxdError as e:
             return e
     r0, r1 = run_ranks(rec, 2)
     assert isinstance(r0, errors.InvalidArgument), r0
     assert "device slab cell 9 (quantizer 'b', its value[1])" in r0.message, r0.message
-    seen.append(r0)
+    assert isinstance(r1, errors.InvalidArgument), r1
+    assert "the device slab of trainer rank 0" in r1.message, r1.message
+    seen += [r0, r1]
+    after = c0.status("bad").jobs[0]
+    assert after.reconciled_epochs == before.reconciled_epochs
+    # Next epoch: rank 0 sends 1.0, rank 1 nothing: its 3.0 of the failed
+    # epoch was kept.
+    b0.slab.fill_(1.0)
+    r0, r1 = run_ranks(lambda r: rec(r, send=(r == 0)), 2)
     torch.cuda.synchronize()
-    assert r1.amax.cpu().numpy().tolist() == [3.0] * 12  # only rank 1's data
-    # Next epoch: both fine.
+    assert r0.amax.cpu().numpy().tolist() == [3.0] * 12, r0
+    # And both fine after that.
     b0.slab.fill_(5.0)
     r0, r1 = run_ranks(lambda r: (c0, c1)[r].reconcile_device(), 2)
     torch.cuda.synchronize()
@@ -730,6 +746,55 @@ def test_two_daemons_nccl_same_bytes(tmp_path):
             cd.close()
             return bufs.bus_id
         print("two daemons over NCCL, same bytes; buffers on", run_ranks(rank, W))
+    finally:
+        for d in ds:
+            d.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_daemons_nccl_bad_slab_fails_everywhere(tmp_path):
+    """Two daemons over NCCL: a NaN in rank 0's device slab (daemon 0)
+    fails the epoch on rank 1 too (daemon 1), with INVALID_ARGUMENT naming
+    rank 0, instead of reconciling without the slab; the next epoch is
+    right on both."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+    from trainer_latency import start_daemons
+    ds = start_daemons(os.environ["AMAXD_BIN"], 2, str(tmp_path))
+    try:
+        W = 2
+        q = [amaxd.Quantizer("w", [16], amaxd.Recipe.fp8_current())]
+        cs, bs = [None] * W, [None] * W
+
+        def setup(r):
+            torch.cuda.set_device(r)
+            cs[r] = amaxd.Client("nan2", r, W, socket=ds[r].socket, timeout=60)
+            cs[r].join()
+            cs[r].register(q)
+            bs[r] = cs[r].open_device(r)
+        run_ranks(setup, W)
+
+        def rec(r):
+            torch.cuda.set_device(r)
+            try:
+                res = cs[r].reconcile_device()
+                torch.cuda.current_stream(r).synchronize()
+                return res.amax.cpu().numpy().tolist()
+            except errors.AmaxdError as e:
+                return e
+        bs[0].slab.fill_(2.0)
+        bs[0].slab[3] = float("inf")
+        bs[1].slab.fill_(3.0)
+        r0, r1 = run_ranks(rec, W)
+        print(f"NaN/inf slab over NCCL: rank 0 {type(r0).__name__}: {str(r0)[:160]}")
+        print(f"                        rank 1 {type(r1).__name__}: {str(r1)[:160]}")
+        assert isinstance(r0, errors.InvalidArgument) and "cell 3" in r0.message, r0
+        assert isinstance(r1, errors.AmaxdError), f"rank 1 got an answer: {r1}"
+        assert "trainer rank 0" in r1.message, r1.message
+        bs[0].slab.fill_(4.0)
+        r0, r1 = run_ranks(rec, W)
+        assert r0 == r1 == [4.0] * 16, (r0, r1)
+        for c in cs:
+            c.close()
     finally:
         for d in ds:
             d.stop()
