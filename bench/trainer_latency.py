@@ -39,6 +39,7 @@ Sizes: N (N per-tensor FP8 quantizers per rank), or N+pc (N per-tensor plus
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -215,6 +216,47 @@ def worker(rank, world, socks, port, args, q):
     dist.destroy_process_group()
 
 
+PROFILE_KINDS = (("engine", re.compile(r"profile: job (\S+), epoch \d+ \(reconciled\): (.*)")),
+                 ("nccl", re.compile(r"profile: nccl all-reduce of \d+ floats: (.*)")),
+                 ("finish", re.compile(r"profile: finish of \d+ cells / \d+ quantizers[^:]*: (.*)")),
+                 ("slabs", re.compile(r"profile: device slabs of \d+ trainer\(s\): (.*)")))
+
+
+def print_profile(log, res, warmup):
+    """Medians of the AMAXD_PROFILE lines of the device path's epochs
+    (job lat-SIZE-device) in one daemon's log: each engine line, and the
+    NCCL and finish lines of the same engine thread just before it."""
+    per_job, last = {}, {}
+    for line in log.splitlines():
+        for kind, rx in PROFILE_KINDS:
+            m = rx.search(line)
+            if not m:
+                continue
+            if kind != "engine":
+                last[kind] = m.group(1)
+                continue
+            job, text = m.group(1), m.group(2)
+            rows = per_job.setdefault(job, [])
+            rows.append({"engine": text, **last})
+            last = {}
+    print("daemon 0's profile of the device path (AMAXD_PROFILE=1), medians in us after the "
+          "warm-up:")
+    for r in res:
+        rows = per_job.get(f"lat-{r['size'].replace('+', '_')}-device", [])[warmup:]
+        if not rows:
+            print(f"{r['size']:>16} | no profile lines")
+            continue
+        for kind in ("engine", "slabs", "nccl", "finish"):
+            fields = {}
+            for row in rows:
+                for label, num in re.findall(r"([a-zA-Z][a-zA-Z0-9 -]*?)\s+(\d+)(?: us)?(?=[,;:(]|$| )",
+                                             re.sub(r"^(\d+) us in the engine:", r"total \1,",
+                                                    row.get(kind, ""))):
+                    fields.setdefault(label.strip(), []).append(int(num))
+            text = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in fields.items())
+            print(f"{r['size']:>16} | {kind:6} | {text}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--amaxd", required=True)
@@ -225,6 +267,10 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--one-daemon", action="store_true",
                     help="one amaxd (GPU 0) for all the trainers, instead of one per GPU")
+    ap.add_argument("--profile", action="store_true",
+                    help="daemons run with AMAXD_PROFILE=1: print the medians of daemon 0's "
+                         "profile lines (engine steps, NCCL all-reduce, finish) of the device "
+                         "path's epochs")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print where rank 0's device sync went (daemon's Status marks)")
     args = ap.parse_args()
@@ -234,6 +280,8 @@ def main():
     if torch.cuda.device_count() < W:
         sys.exit(f"{W} GPUs asked, {torch.cuda.device_count()} visible")
     tmp = tempfile.mkdtemp(prefix="amaxd-lat-")
+    if args.profile:
+        os.environ["AMAXD_PROFILE"] = "1"
     ds = start_daemons(args.amaxd, 1 if args.one_daemon else W, tmp)
     port = free_ports(1)[0]
     ctx = mp.get_context("spawn")
@@ -279,6 +327,8 @@ def main():
             if ph:
                 meds = [statistics.median(v[k] for v in ph) for k in range(len(names))]
                 print(f"{r['size']:>16} | " + " ".join(f"{m:17.0f}" for m in meds))
+    if args.profile:
+        print_profile(ds[0].log(), res, args.warmup)
     if args.out:
         with open(args.out, "a") as f:
             for r in res:
