@@ -1789,6 +1789,9 @@ static amx_status_t cuda_import(amx_state_t *st, uint64_t ncells, uint64_t nhist
     cudaStream_t s = c->se;
     int back = st->front ^ 1;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
+    /* The back outputs may be freed below: after any device answer still
+     * reading them (they were front until a failed epoch published). */
+    AMX_CHECK(wait_in(c, s, err));
     dfree(c->accum, s), dfree(c->prev, s), dfree(c->hist, s), dfree(c->prev_g, s);
     dfree(c->prev_gs, s);
     c->accum = c->prev = c->hist = c->prev_g = c->prev_gs = NULL;
@@ -1968,13 +1971,18 @@ static amx_status_t cuda_dev_answer(amx_state_t *st, amx_devbuf_t *d, const amx_
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int f = st->front;
-    AMX_CHECK(amx__cuda_dev_answer(d, c->o_amax[f], c->o_scale[f], c->o_inv[f], c->o_bytes[f],
-                                   gather, ngather, ncells, lay, tail, tail_bytes, done, c->sl,
-                                   err));
+    amx_status_t r =
+        amx__cuda_dev_answer(d, c->o_amax[f], c->o_scale[f], c->o_inv[f], c->o_bytes[f], gather,
+                             ngather, ncells, lay, tail, tail_bytes, done, c->sl, err);
     /* Not waited for here: the engine's next operations wait for it
-     * (wait_in), the loop's own are behind it on sl. */
-    CU(cudaEventRecord(c->answered, c->sl), "cudaEventRecord (device answers)");
-    c->answered_used = 1;
+     * (wait_in), the loop's own are behind it on sl. Also after a failure,
+     * which may have queued part of it. */
+    cudaError_t e = cudaEventRecord(c->answered, c->sl);
+    if (e == cudaSuccess)
+        c->answered_used = 1;
+    if (r != AMX_OK)
+        return r;
+    CU(e, "cudaEventRecord (device answers)");
     return AMX_OK;
 }
 

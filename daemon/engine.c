@@ -148,7 +148,7 @@ static void make_header(float *h, uint64_t epoch, uint64_t hash, uint64_t gen, u
 
 /* ---- communicator ---- */
 
-static amx_comm_t *detach_comm(amx_engine_t *e)
+void amx__engine_drop_comm(amx_engine_t *e)
 {
     pthread_mutex_lock(&e->mu);
     amx_comm_t *c = e->comm;
@@ -157,38 +157,10 @@ static amx_comm_t *detach_comm(amx_engine_t *e)
     if (gen != 0)
         e->last_gen = gen;
     pthread_mutex_unlock(&e->mu);
-    if (c != NULL)
+    if (c != NULL) {
         c->ops->abort(c);
-    return c;
-}
-
-static void destroy_dying(amx_engine_t *e)
-{
-    if (e->dying == NULL)
-        return;
-    uint64_t t0 = amx_now_us();
-    e->dying->ops->destroy(e->dying);
-    e->dying = NULL;
-    uint64_t dt = amx_now_us() - t0;
-    if (dt > 50000)
-        AMX_INFO("epoch", "job %s: destroying the failed epoch's communicator took %llu ms",
-                 e->job->name, (unsigned long long)(dt / 1000));
-}
-
-void amx__engine_drop_comm(amx_engine_t *e)
-{
-    amx_comm_t *c = detach_comm(e);
-    if (c != NULL)
         c->ops->destroy(c);
-}
-
-void amx__engine_drop_comm_later(amx_engine_t *e)
-{
-    amx_comm_t *c = detach_comm(e);
-    if (c == NULL)
-        return;
-    destroy_dying(e); /* never two */
-    e->dying = c;
+    }
 }
 
 /* ---- layout changes ---- */
@@ -856,9 +828,7 @@ out:
             else if (gen != 0 && !e->passed_on)
                 amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, 0, e->res.st, why,
                                     500);
-            /* Aborted now (a kernel waiting for a dead peer ends), freed
-             * after the trainers were answered. */
-            amx__engine_drop_comm_later(e);
+            amx__engine_drop_comm(e);
             e->need_sync = 1;
         }
         for (uint32_t i = 0; e->marked && i < e->w_cat->n; i++)
@@ -907,11 +877,9 @@ static void *engine_main(void *arg)
         e->have_work = 0;
         pthread_mutex_unlock(&e->mu);
         e->env.post(e->env.ud, e->job);
-        destroy_dying(e);
         pthread_mutex_lock(&e->mu);
     }
     pthread_mutex_unlock(&e->mu);
-    destroy_dying(e);
     amx__engine_drop_comm(e);
     return NULL;
 }

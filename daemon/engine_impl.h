@@ -54,10 +54,6 @@ struct amx_engine {
     uint32_t pend_from;
     char pend_why[768];
     amx_comm_t *comm;
-    /* Aborted after a failed epoch, destroyed once its trainers were
-     * answered (engine.c engine_main): freeing NCCL's communicators can
-     * take a while. Engine thread only. */
-    amx_comm_t *dying;
     _Atomic uint64_t comm_gen;
     uint64_t last_gen;  /* the generation of the last communicator held (engine thread) */
     int need_sync;      /* agree before the next collective */
@@ -114,9 +110,6 @@ amx_status_t amx__engine_change_layout(amx_engine_t *e, amx_catalog_t *to);
 
 /* Aborts and frees the communicator (takes the engine mutex). */
 void amx__engine_drop_comm(amx_engine_t *e);
-/* As amx__engine_drop_comm, but the destroy waits until the epoch's result
- * was handed back (e->dying). */
-void amx__engine_drop_comm_later(amx_engine_t *e);
 
 /* Marks the named quantizers of the working catalog for reset. */
 void amx__engine_mark_resets(amx_engine_t *e, char **names, size_t n);

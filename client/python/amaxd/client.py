@@ -459,8 +459,9 @@ class Client:
         try:
             return self._tracked(epoch, call)
         except InvalidArgument:
-            # A slab that failed the daemon's check: the epoch was reconciled
-            # without it, so the open epoch moved on.
+            # A slab that failed the daemon's check fails the epoch on every
+            # rank; learn the open epoch again all the same (an argument
+            # refused before the epoch began leaves it as it was).
             if epoch is None:
                 self._learn_epoch()
             raise
