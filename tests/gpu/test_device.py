@@ -283,6 +283,17 @@ def test_async_returns_while_the_kernel_runs(start_daemon):
     c.close()
 
 
+def call_without_ready_flag(c, slab, timeout):
+    """A stuck trainer: garbage that must never be merged in its slab,
+    then ReconcileDevice over the doorbell with a signal whose ready flag
+    nobody writes."""
+    slab.fill_(1e30)
+    torch.cuda.synchronize()
+    req = pb.ReconcileDeviceRequest(job=c.job, rank=c.rank, epoch=c.epoch,
+                                    layout_id=c.layout().id, device_id=c._dev.id, send=True)
+    c._door.call(req, timeout, c._dev.next_seq())
+
+
 def test_deadline_on_a_stuck_trainer(start_daemon):
     """A trainer whose stream never writes its ready flag (it sent the
     request through the doorbell with a signal, but the flag write never
@@ -328,14 +339,7 @@ def test_deadline_on_a_stuck_trainer(start_daemon):
                 slabs[0].copy_(torch.from_numpy(a[0]).cuda())
                 c.reconcile_device()
             else:
-                # Garbage that must never be merged, then the request with
-                # a signal whose flag nobody writes.
-                slabs[1].fill_(1e30)
-                torch.cuda.synchronize()
-                req = pb.ReconcileDeviceRequest(job="st", rank=1, epoch=c.epoch,
-                                                layout_id=c.layout().id, device_id=c._dev.id,
-                                                send=True)
-                c._door.call(req, 60, c._dev.next_seq())
+                call_without_ready_flag(c, slabs[1], 60)
         except errors.AmaxdError as e:
             return e
         return None
@@ -394,12 +398,7 @@ def test_shutdown_while_a_trainer_is_stuck(start_daemon):
                 slabs[0].fill_(1.0)
                 c.reconcile_device(timeout=120)
             else:
-                slabs[1].fill_(1e30)
-                torch.cuda.synchronize()
-                req = pb.ReconcileDeviceRequest(job="sd", rank=1, epoch=c.epoch,
-                                                layout_id=c.layout().id, device_id=c._dev.id,
-                                                send=True)
-                c._door.call(req, 120, c._dev.next_seq())
+                call_without_ready_flag(c, slabs[1], 120)
         except errors.AmaxdError as e:
             errs[r] = e
     import threading
@@ -441,15 +440,8 @@ def test_modelopt_sync_takes_the_device_path(start_daemon):
     import amaxd.modelopt as amo
     d = start_daemon(env=ENV)
     cfg, layout = "nvfp4_static", sorted(toy.LAYOUTS)[0]
-    ref, x = toy.full_model(), toy.batch()
-    captured = {}
-
-    def loop(m):
-        seen, remove = toy.capture_hooks(m)
-        m(x)
-        remove()
-        captured.update(seen)
-    quantize(ref, cfg, loop)
+    ref, captured = toy.calibrate_full(
+        lambda mm, loop: quantize(mm, cfg, loop))
     base = []
     for r in range(toy.W):
         m = toy.shard_model(toy.full_model(), layout, r)
@@ -461,9 +453,7 @@ def test_modelopt_sync_takes_the_device_path(start_daemon):
         job = f"mo-{path}"
 
         def rank(r):
-            tp, ep, tpr, epr = toy.coords(layout, r)
-            lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep,
-                             dp_rank=r // tp, dp_size=toy.W // tp)
+            lay = toy.amaxd_layout(layout, r)
             with d.client(job, r, toy.W) as c:
                 c.join()
                 res = amo.sync(c, models[r], lay, path=path, column=toy.COLUMN, row=toy.ROW,

@@ -45,16 +45,8 @@ SHARE = amo.supports_share()
 @functools.lru_cache(maxsize=None)
 def reference(cfg_name, router="gate"):
     """(the single-process calibrated model, what each of its linears saw)."""
-    model, x = toy.full_model(router), toy.batch()
-    captured = {}
-
-    def loop(m):
-        seen, remove = toy.capture_hooks(m)
-        m(x)
-        remove()
-        captured.update(seen)
-
-    quantize(model, cfg_name, loop)
+    model, captured = toy.calibrate_full(
+        lambda mm, loop: quantize(mm, cfg_name, loop), router)
     return model, captured
 
 
@@ -83,9 +75,7 @@ def run_layout(daemon, cfg_name, layout, weight_blocks=True, router="gate", **pl
     job = f"{cfg_name}-{layout}-{int(weight_blocks)}-{router}-{len(plan_kw)}".replace("_", "-")
 
     def rank(r):
-        tp, ep, tpr, epr = toy.coords(layout, r)
-        lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep,
-                         dp_rank=r // tp, dp_size=toy.W // tp)
+        lay = toy.amaxd_layout(layout, r)
         with daemon.client(job, r, toy.W) as c:
             c.join()
             entries = amo.plan(models[r], lay, column=toy.COLUMN, row=toy.ROW, moe_share=SHARE,
@@ -476,9 +466,7 @@ def test_sync_paths_write_the_same(daemon, cfg_name):
         job = f"paths-{cfg_name}-{path}".replace("_", "-")
 
         def rank(r):
-            tp, ep, tpr, epr = toy.coords(layout, r)
-            lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep,
-                             dp_rank=r // tp, dp_size=toy.W // tp)
+            lay = toy.amaxd_layout(layout, r)
             with daemon.client(job, r, toy.W) as c:
                 c.join()
                 res = amo.sync(c, models[r], lay, path=path, column=toy.COLUMN, row=toy.ROW,

@@ -256,9 +256,7 @@ def test_sync_histograms_equals_single_process(daemon, repaired, case, layout):
     _, _, method, kw = ADAPTER[case]
 
     def rank(r):
-        tp, ep, tpr, epr = toy.coords(layout, r)
-        lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep, dp_rank=r // tp,
-                         dp_size=toy.W // tp)
+        lay = toy.amaxd_layout(layout, r)
         m = _histogram_model(toy.shard_model(toy.full_model(), layout, r), case)
         with daemon.client(f"adapter-{case}-{layout}".replace("_", "-"), r, toy.W) as c:
             c.join()
@@ -295,24 +293,14 @@ def test_sync_mse_equals_single_process(daemon, cfg_name, layout):
     from common import CONFIGS
     cfg = copy.deepcopy(CONFIGS[cfg_name])
     cfg["algorithm"] = "mse"
-    ref, x = toy.full_model(), toy.batch()
-    captured = {}
-
-    def loop(m):
-        seen, remove = toy.capture_hooks(m)
-        m(x)
-        remove()
-        captured.update(seen)
-
-    mtq.quantize(ref, cfg, loop)
+    ref, captured = toy.calibrate_full(
+        lambda mm, loop: mtq.quantize(mm, cfg, loop))
     want = {n: q._amax.clone() for n, q in ref.named_modules()
             if n.endswith("weight_quantizer") and isinstance(q, mtq.nn.TensorQuantizer)
             and q.is_enabled}
 
     def rank(r):
-        tp, ep, tpr, epr = toy.coords(layout, r)
-        lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep, dp_rank=r // tp,
-                         dp_size=toy.W // tp)
+        lay = toy.amaxd_layout(layout, r)
         m = toy.shard_model(toy.full_model(), layout, r)
         mtq.quantize(m, copy.deepcopy(CONFIGS[cfg_name]),
                      lambda mm: toy.replay(mm, captured, layout, r))

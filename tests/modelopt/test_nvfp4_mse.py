@@ -96,25 +96,15 @@ def _static_weight_quantizers(m):
 def test_sync_nvfp4_mse_equals_single_process(daemon, cpu_kernel, layout):
     cfg = copy.deepcopy(CONFIGS["nvfp4_static"])
     cfg["algorithm"] = {"method": "mse", "fp8_scale_sweep": True}
-    ref, x = toy.full_model(), toy.batch()
-    captured = {}
-
-    def loop(m):
-        seen, remove = toy.capture_hooks(m)
-        m(x)
-        remove()
-        captured.update(seen)
-
-    mtq.quantize(ref, cfg, loop)
+    ref, captured = toy.calibrate_full(
+        lambda mm, loop: mtq.quantize(mm, cfg, loop))
     ref_q = _static_weight_quantizers(ref)
     assert ref_q
     want = {n: (q._amax.clone(), q.global_amax.clone(),
                 ref.get_submodule(n.rsplit(".", 1)[0]).weight.shape) for n, q in ref_q.items()}
 
     def rank(r):
-        tp, ep, tpr, epr = toy.coords(layout, r)
-        lay = amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep, dp_rank=r // tp,
-                         dp_size=toy.W // tp)
+        lay = toy.amaxd_layout(layout, r)
         m = toy.shard_model(toy.full_model(), layout, r)
         mtq.quantize(m, copy.deepcopy(CONFIGS["nvfp4_static"]),
                      lambda mm: toy.replay(mm, captured, layout, r))

@@ -259,3 +259,27 @@ def replay(model, captured, layout, rank):
             if name.rsplit(".", 1)[-1] in ROW:
                 x = x[..., _part(x.shape[-1], tpr, tp)]
             lin(x)
+
+
+def calibrate_full(quantize, router="gate"):
+    """(the single-process model calibrated by quantize(model, loop), where
+    loop(model) runs one batch; what each of its linears saw)."""
+    model, x = full_model(router), batch()
+    captured = {}
+
+    def loop(m):
+        seen, remove = capture_hooks(m)
+        m(x)
+        remove()
+        captured.update(seen)
+    quantize(model, loop)
+    return model, captured
+
+
+def amaxd_layout(layout, rank):
+    """amaxd.modelopt.Layout of `rank` under `layout` (TP x EP, DP over the
+    rest of W)."""
+    import amaxd.modelopt as amo
+    tp, ep, tpr, epr = coords(layout, rank)
+    return amo.Layout(tp_rank=tpr, tp_size=tp, ep_rank=epr, ep_size=ep, dp_rank=rank // tp,
+                      dp_size=W // tp)

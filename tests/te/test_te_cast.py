@@ -108,37 +108,48 @@ def expected(spec, vals, ranges):
                        pow2=spec.power_of_2, eps=spec.eps)
 
 
+def in_threads(fn, n, timeout):
+    """fn(r) for r in 0..n-1, one thread each; raises the first rank's
+    exception (with its rank) if any failed or hung."""
+    errors = []
+
+    def body(r):
+        try:
+            fn(r)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append((r, e))
+    ts = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    [t.start() for t in ts]
+    [t.join(timeout) for t in ts]
+    assert not any(t.is_alive() for t in ts), f"a rank hangs after {timeout} s"
+    assert not errors, errors
+
+
 def run_ranks(daemon, job, weights, ranges_of, dp, steps=1, device="cpu"):
     """Each rank: a client, a Caster built once, `steps` steps (step k's
     master values are vals * 2^-k, exactly); returns per rank per step
     {name: {field: numpy}}."""
-    errors, out = [], [None] * dp
+    out = [None] * dp
 
     def rank(r):
-        try:
-            with daemon.client(job, r, dp) as c:
-                c.join()
-                specs = [w[0] for w in weights]
-                starts = [ranges_of[w[0].name][r][0] for w in weights]
-                numels = [ranges_of[w[0].name][r][1] for w in weights]
-                cast = ate.Caster(c, specs, starts, numels)
-                res = []
-                for k in range(steps):
-                    masters = []
-                    for (spec, vals), s, n in zip(weights, starts, numels):
-                        v = (vals * np.float32(2.0 ** -k)).astype(np.float32)
-                        masters.append(torch.from_numpy(v[s:s + n]).to(device) if n else None)
-                    o = cast.step(masters)
-                    res.append({nm: {f: t.cpu().numpy().copy() for f, t in fields.items()}
-                                for nm, fields in o.items()})
-                out[r] = res
-        except Exception as e:  # noqa: BLE001 (reported below)
-            errors.append((r, e))
+        with daemon.client(job, r, dp) as c:
+            c.join()
+            specs = [w[0] for w in weights]
+            starts = [ranges_of[w[0].name][r][0] for w in weights]
+            numels = [ranges_of[w[0].name][r][1] for w in weights]
+            cast = ate.Caster(c, specs, starts, numels)
+            res = []
+            for k in range(steps):
+                masters = []
+                for (spec, vals), s, n in zip(weights, starts, numels):
+                    v = (vals * np.float32(2.0 ** -k)).astype(np.float32)
+                    masters.append(torch.from_numpy(v[s:s + n]).to(device) if n else None)
+                o = cast.step(masters)
+                res.append({nm: {f: t.cpu().numpy().copy() for f, t in fields.items()}
+                            for nm, fields in o.items()})
+            out[r] = res
 
-    ts = [threading.Thread(target=rank, args=(r,)) for r in range(dp)]
-    [t.start() for t in ts]
-    [t.join(300) for t in ts]
-    assert not errors, errors
+    in_threads(rank, dp, 300)
     return out
 
 
@@ -236,38 +247,32 @@ def test_thousands_of_steps(daemon):
     ranges_of = {s.name: [(0, s.rows * s.cols), (s.rows * s.cols, 0), (s.rows * s.cols, 0)]
                  if k == 0 else random_ranges(rng, s.rows * s.cols, dp)
                  for k, (s, _) in enumerate(weights)}
-    checked, errors, rss = [0] * dp, [], {}
+    checked, rss = [0] * dp, {}
     factors = [np.float32(2.0 ** -(k % 23)) for k in range(steps)]
 
     def rank(r):
-        try:
-            with daemon.client("te-long", r, dp) as c:
-                c.join()
-                specs = [w[0] for w in weights]
-                starts = [ranges_of[s.name][r][0] for s in specs]
-                numels = [ranges_of[s.name][r][1] for s in specs]
-                cast = ate.Caster(c, specs, starts, numels)
-                srcs = [torch.from_numpy(v[st:st + n].copy()) if n else None
-                        for (_, v), st, n in zip(weights, starts, numels)]
-                for k in range(steps):
-                    masters = [x * float(factors[k]) if x is not None else None for x in srcs]
-                    out = cast.step(masters)
-                    if r == 0 and k in (200, steps - 1):
-                        rss[k] = _rss_kib(daemon.proc.pid)
-                    if k % 500 == 0 or k == steps - 1:
-                        for spec, vals in weights:
-                            want = expected(spec, (vals * factors[k]).astype(np.float32),
-                                            ranges_of[spec.name])
-                            assert_same({f: t.cpu().numpy() for f, t in out[spec.name].items()},
-                                        want, f"rank {r} step {k} {spec.name}")
-                        checked[r] += 1
-        except Exception as e:  # noqa: BLE001 (reported below)
-            errors.append((r, e))
+        with daemon.client("te-long", r, dp) as c:
+            c.join()
+            specs = [w[0] for w in weights]
+            starts = [ranges_of[s.name][r][0] for s in specs]
+            numels = [ranges_of[s.name][r][1] for s in specs]
+            cast = ate.Caster(c, specs, starts, numels)
+            srcs = [torch.from_numpy(v[st:st + n].copy()) if n else None
+                    for (_, v), st, n in zip(weights, starts, numels)]
+            for k in range(steps):
+                masters = [x * float(factors[k]) if x is not None else None for x in srcs]
+                out = cast.step(masters)
+                if r == 0 and k in (200, steps - 1):
+                    rss[k] = _rss_kib(daemon.proc.pid)
+                if k % 500 == 0 or k == steps - 1:
+                    for spec, vals in weights:
+                        want = expected(spec, (vals * factors[k]).astype(np.float32),
+                                        ranges_of[spec.name])
+                        assert_same({f: t.cpu().numpy() for f, t in out[spec.name].items()},
+                                    want, f"rank {r} step {k} {spec.name}")
+                    checked[r] += 1
 
-    ts = [threading.Thread(target=rank, args=(r,)) for r in range(dp)]
-    [t.start() for t in ts]
-    [t.join(900) for t in ts]
-    assert not errors, errors
+    in_threads(rank, dp, 900)
     assert checked == [7] * dp, checked
     with daemon.client("te-long", 0, dp) as c:
         job = c.status("te-long").jobs[0]
@@ -332,26 +337,20 @@ def test_drop_in_writes_te_weights(daemon):
     dp = 3
     vals = [weight_values(rng, a * b, "normal") for a, b in shapes]
     ranges = [random_ranges(rng, a * b, dp) for a, b in shapes]
-    errors, ws = [], [None] * dp
+    ws = [None] * dp
 
     def rank(r):
-        try:
-            with daemon.client("te-dropin", r, dp) as c:
-                c.join()
-                mws = [fake_te_weight(q, s) for q, s in zip(quants, shapes)]
-                for _ in range(2):  # the second call reuses the first's registration
-                    masters = [torch.from_numpy(v[s:s + n]) if n else None
-                               for v, (s, n) in zip(vals, (rg[r] for rg in ranges))]
-                    ate.quantize_master_weights(mws, masters, [rg[r][0] for rg in ranges],
-                                                client=c, names=["a", "b", "c", "d"])
-                ws[r] = mws
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
+        with daemon.client("te-dropin", r, dp) as c:
+            c.join()
+            mws = [fake_te_weight(q, s) for q, s in zip(quants, shapes)]
+            for _ in range(2):  # the second call reuses the first's registration
+                masters = [torch.from_numpy(v[s:s + n]) if n else None
+                           for v, (s, n) in zip(vals, (rg[r] for rg in ranges))]
+                ate.quantize_master_weights(mws, masters, [rg[r][0] for rg in ranges],
+                                            client=c, names=["a", "b", "c", "d"])
+            ws[r] = mws
 
-    ts = [threading.Thread(target=rank, args=(r,)) for r in range(dp)]
-    [t.start() for t in ts]
-    [t.join(120) for t in ts]
-    assert not errors, errors
+    in_threads(rank, dp, 120)
     for i, (q, shape) in enumerate(zip(quants, shapes)):
         spec = ate.WeightSpec.from_te("x", fake_te_weight(q, shape))
         want = expected(spec, vals[i], ranges[i])
@@ -599,52 +598,46 @@ def test_device_path_code_on_cpu(daemon, monkeypatch):
     n0, n1 = s0.rows * s0.cols, s1.rows * s1.cols
     ranges_of[s0.name] = [(0, n0 // 2), (n0 // 2, n0 - n0 // 2), (0, 0)]
     ranges_of[s1.name] = [(0, n1), (0, 0), (0, 0)]
-    errors, got = [], [None] * dp
+    got = [None] * dp
 
     def rank(r):
-        try:
-            dc = EmulatedDeviceClient("te-devpath", r, dp, socket=daemon.socket, timeout=60)
-            pc = daemon.client("te-devpath-packed", r, dp)
-            with dc, pc:
-                dc.join()
-                pc.join()
-                specs = [w[0] for w in weights]
-                starts = [ranges_of[s.name][r][0] for s in specs]
-                numels = [ranges_of[s.name][r][1] for s in specs]
-                cd = ate.Caster(dc, specs, starts, numels, device="cpu", path="device")
-                cp = ate.Caster(pc, specs, starts, numels, path="auto")
-                assert cd.path == "device" and cd.path_reason == ""
-                assert cp.path is None  # built at its first step
-                res = []
-                for k in range(steps):
-                    masters = [torch.from_numpy((v * np.float32(2.0 ** -k))[s:s + n]) if n else None
-                               for (_, v), s, n in zip(weights, starts, numels)]
-                    od, op = cd.step(masters), cp.step(masters)
-                    # The real client on CPU: auto falls back, saying why.
-                    assert cp.path == "packed" and "DeviceUnavailable" in cp.path_reason, \
-                        cp.path_reason
-                    res.append(({nm: {f: t.numpy().copy() for f, t in fs.items()}
-                                 for nm, fs in od.items()},
-                                {nm: {f: t.numpy().copy() for f, t in fs.items()}
-                                 for nm, fs in op.items()}))
-                # The outputs are the device answer's memory, not copies.
-                ans = dc._dev.answer
-                lo = {k: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
-                      for k, t in ans.items()}
-                for nm, fs in od.items():
-                    for f, t in fs.items():
-                        if f != "rowwise_scale_inv" or cd.specs[[s.name for s in specs].index(
-                                nm)].kind != "nvfp4":
-                            assert any(a <= t.data_ptr() < b for a, b in lo.values()), (nm, f)
-                assert dc.opened == 1 and dc.device_calls == steps
-                got[r] = res
-        except Exception as e:  # noqa: BLE001 (reported below)
-            errors.append((r, e))
+        dc = EmulatedDeviceClient("te-devpath", r, dp, socket=daemon.socket, timeout=60)
+        pc = daemon.client("te-devpath-packed", r, dp)
+        with dc, pc:
+            dc.join()
+            pc.join()
+            specs = [w[0] for w in weights]
+            starts = [ranges_of[s.name][r][0] for s in specs]
+            numels = [ranges_of[s.name][r][1] for s in specs]
+            cd = ate.Caster(dc, specs, starts, numels, device="cpu", path="device")
+            cp = ate.Caster(pc, specs, starts, numels, path="auto")
+            assert cd.path == "device" and cd.path_reason == ""
+            assert cp.path is None  # built at its first step
+            res = []
+            for k in range(steps):
+                masters = [torch.from_numpy((v * np.float32(2.0 ** -k))[s:s + n]) if n else None
+                           for (_, v), s, n in zip(weights, starts, numels)]
+                od, op = cd.step(masters), cp.step(masters)
+                # The real client on CPU: auto falls back, saying why.
+                assert cp.path == "packed" and "DeviceUnavailable" in cp.path_reason, \
+                    cp.path_reason
+                res.append(({nm: {f: t.numpy().copy() for f, t in fs.items()}
+                             for nm, fs in od.items()},
+                            {nm: {f: t.numpy().copy() for f, t in fs.items()}
+                             for nm, fs in op.items()}))
+            # The outputs are the device answer's memory, not copies.
+            ans = dc._dev.answer
+            lo = {k: (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+                  for k, t in ans.items()}
+            for nm, fs in od.items():
+                for f, t in fs.items():
+                    if f != "rowwise_scale_inv" or cd.specs[[s.name for s in specs].index(
+                            nm)].kind != "nvfp4":
+                        assert any(a <= t.data_ptr() < b for a, b in lo.values()), (nm, f)
+            assert dc.opened == 1 and dc.device_calls == steps
+            got[r] = res
 
-    ts = [threading.Thread(target=rank, args=(r,)) for r in range(dp)]
-    [t.start() for t in ts]
-    [t.join(300) for t in ts]
-    assert not errors, errors
+    in_threads(rank, dp, 300)
     for spec, vals in weights:
         for k in range(steps):
             want = expected(spec, (vals * np.float32(2.0 ** -k)).astype(np.float32),
