@@ -44,6 +44,20 @@
 #define THREADS 256
 #define NO_BAD 0xffffffffffffffffull
 
+/* A host array kept on the device through pinned staging (upload()). */
+struct upl {
+    void *h, *d;
+    size_t cap, bytes; /* bytes: on the device now */
+    uint64_t key;      /* what they are (0: nothing known; upload again) */
+};
+
+static void upl_free(struct upl *u)
+{
+    cudaFreeHost(u->h);
+    cudaFree(u->d);
+    u->h = u->d = NULL;
+}
+
 struct amx_devbuf {
     int dev, state_dev;
     void *slab, *answer; /* on dev */
@@ -64,7 +78,8 @@ struct amx_devbuf {
     uint64_t *d_qoff, *h_qoff; /* the slab's quantizer offsets (answer's missing counts) */
     size_t cap_qoff, n_qoff;
     uint32_t *d_miss; /* state_dev, cap_qoff: the counts, copied into the answer (atomics
-                         stay local: peer atomics need NVLink) */
+                         stay local: peer atomics need NVLink) and zeroed by k_dev_tail */
+    int miss_dirty;   /* d_miss may hold counts: zero it before the next gather */
     /* The deadline on the trainer's ready flag (amx__cuda_dev_wait): each
      * merge has a token; the merge kernel skips the slab when *d_abort
      * holds its token, which a release writes before it writes the flag. */
@@ -72,9 +87,11 @@ struct amx_devbuf {
     uint32_t token;       /* the last merge's */
     amx_devsignal_t pend; /* the last merge's ready flag (pend_signal: by a flag) */
     int pend_signal, released;
-    uint32_t rank; /* the last merge's trainer rank */
-    void *h_tail;
-    size_t cap_tail;
+    uint32_t rank;                          /* the last merge's trainer rank */
+    uint64_t key_runs, key_gruns, key_qoff; /* the slab serials of the runs and offsets there */
+    /* The answer's globals (k_dev_tail): the maps, uploaded when the slab
+     * changes, and the previous globals, every answer. */
+    struct upl cidx, ssrc, send, prev;
 };
 
 typedef CUresult (*memop32_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
@@ -209,6 +226,52 @@ __global__ void k_dev_gather(uint8_t *ans, uint64_t o_a, uint64_t o_s, uint64_t 
     }
 }
 
+/* The answer's globals (state.h amx_devans_layout_t): per quantizer i of
+ * the slab, the front set's global amax, scale, scale_inv of its catalog
+ * index and the previous globals; per global slice s, the front set's.
+ * What results.c amx__slab_globals and amx__build_packed write on the
+ * host for the packed answer. */
+struct tail_args {
+    uint64_t g[9];
+    uint32_t nq, out_nq, prev_n;
+    uint64_t ns, out_ns;
+    const uint32_t *cidx;
+    const uint64_t *ssrc, *send;
+    const float *gamax, *gscale, *ginv, *samax, *sscale, *sinv;
+    const float *pga, *pgs;
+    const uint8_t *pok;
+    uint64_t missing; /* the answer's uint32 counts, from miss (then zeroed) */
+    uint32_t *miss;
+};
+
+__global__ void k_dev_tail(uint8_t *ans, struct tail_args a)
+{
+    uint64_t m = a.nq > a.ns ? a.nq : a.ns;
+    for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < m;
+         i += (uint64_t)gridDim.x * blockDim.x) {
+        if (i < a.nq) {
+            uint32_t ci = a.cidx[i];
+            int have = ci != 0xffffffffu && ci < a.out_nq;
+            ((float *)(ans + a.g[0]))[i] = have ? a.gamax[ci] : 0.0f;
+            ((float *)(ans + a.g[1]))[i] = have ? a.gscale[ci] : 1.0f;
+            ((float *)(ans + a.g[2]))[i] = have ? a.ginv[ci] : 1.0f;
+            int prev = ci < a.prev_n && a.pok[ci] != 0;
+            ((float *)(ans + a.g[6]))[i] = prev ? a.pga[ci] : 0.0f;
+            ((float *)(ans + a.g[7]))[i] = prev ? a.pgs[ci] : 0.0f;
+            ans[a.g[8] + i] = (uint8_t)prev;
+            ((uint32_t *)(ans + a.missing))[i] = a.miss[i];
+            a.miss[i] = 0;
+        }
+        if (i < a.ns) {
+            uint64_t g = a.ssrc[i];
+            int have = g != 0xffffffffffffffffull && a.send[i] <= a.out_ns;
+            ((float *)(ans + a.g[3]))[i] = have ? a.samax[g] : 0.0f;
+            ((float *)(ans + a.g[4]))[i] = have ? a.sscale[g] : 1.0f;
+            ((float *)(ans + a.g[5]))[i] = have ? a.sinv[g] : 1.0f;
+        }
+    }
+}
+
 static unsigned grid_for(uint64_t n)
 {
     uint64_t b = (n + THREADS - 1) / THREADS;
@@ -307,7 +370,10 @@ extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
     cudaFreeHost(d->h_qoff);
     cudaFree(d->d_miss);
     cudaFree(d->d_abort);
-    cudaFreeHost(d->h_tail);
+    upl_free(&d->cidx);
+    upl_free(&d->ssrc);
+    upl_free(&d->send);
+    upl_free(&d->prev);
     cudaSetDevice(d->dev);
     if (d->ds != NULL) {
         cudaStreamSynchronize(d->ds);
@@ -422,29 +488,33 @@ static amx_status_t grow_runs(amx_run_t **h, amx_run_t **d, size_t *cap, size_t 
 }
 
 /* The runs `runs[0, n)` on the device (*d), copied through the pinned
- * staging *h only when they differ from the ones there (*n_up of them):
- * a layout's runs stay the same from epoch to epoch. The last copy is
- * done (its epoch ended) before the staging is written again. */
+ * staging *h only when they are not the ones there: `key` (the slab's
+ * serial) is not *key_up, the key of the *n_up runs there. A layout's runs
+ * stay the same from epoch to epoch. The last copy is done (its epoch
+ * ended) before the staging is written again. */
 static amx_status_t upload_runs(amx_run_t **h, amx_run_t **d, size_t *cap, size_t *n_up,
-                                const amx_run_t *runs, size_t n, cudaStream_t s, amx_err_t *err)
+                                uint64_t *key_up, const amx_run_t *runs, size_t n, uint64_t key,
+                                cudaStream_t s, amx_err_t *err)
 {
     if (n > *cap)
         *n_up = 0;
     AMX_CHECK(grow_runs(h, d, cap, n, err));
-    if (n == 0 || (n == *n_up && memcmp(*h, runs, n * sizeof(amx_run_t)) == 0))
+    if (n == 0 || (n == *n_up && key != 0 && key == *key_up))
         return AMX_OK;
     *n_up = 0;
     memcpy(*h, runs, n * sizeof(amx_run_t));
     CU(cudaMemcpyAsync(*d, *h, n * sizeof(amx_run_t), cudaMemcpyHostToDevice, s),
        "cudaMemcpyAsync (runs)");
     *n_up = n;
+    *key_up = key;
     return AMX_OK;
 }
 
 /* The slab's quantizer offsets (n values) on the device (d->d_qoff),
- * copied through pinned staging only when they changed (as upload_runs). */
-static amx_status_t upload_qoff(amx_devbuf_t *d, const uint64_t *qoff, size_t n, cudaStream_t s,
-                                amx_err_t *err)
+ * copied through pinned staging only when the slab changed (as
+ * upload_runs). */
+static amx_status_t upload_qoff(amx_devbuf_t *d, const uint64_t *qoff, size_t n, uint64_t key,
+                                cudaStream_t s, amx_err_t *err)
 {
     if (n > d->cap_qoff) {
         cudaFreeHost(d->h_qoff);
@@ -459,28 +529,62 @@ static amx_status_t upload_qoff(amx_devbuf_t *d, const uint64_t *qoff, size_t n,
         CU(cudaMalloc((void **)&d->d_qoff, n * sizeof(uint64_t)), "cudaMalloc (offsets)");
         CU(cudaMalloc((void **)&d->d_miss, n * sizeof(uint32_t)), "cudaMalloc (counts)");
         d->cap_qoff = n;
+        d->miss_dirty = 1;
     }
-    if (n == 0 || (n == d->n_qoff && memcmp(d->h_qoff, qoff, n * sizeof(uint64_t)) == 0))
+    if (n == 0 || (n == d->n_qoff && key != 0 && key == d->key_qoff))
         return AMX_OK;
     d->n_qoff = 0;
     memcpy(d->h_qoff, qoff, n * sizeof(uint64_t));
     CU(cudaMemcpyAsync(d->d_qoff, d->h_qoff, n * sizeof(uint64_t), cudaMemcpyHostToDevice, s),
        "cudaMemcpyAsync (offsets)");
     d->n_qoff = n;
+    d->key_qoff = key;
+    return AMX_OK;
+}
+
+/* `bytes` of host memory `src` on the device (u->d), through u's pinned
+ * staging, unless the same key's are there already (key 0: always). The
+ * last copy out of the staging is done before it is written again (the
+ * caller waited for its answer). */
+static amx_status_t upload(struct upl *u, const void *src, size_t bytes, uint64_t key,
+                           cudaStream_t s, amx_err_t *err)
+{
+    if (bytes == 0)
+        return AMX_OK;
+    if (key != 0 && key == u->key && bytes == u->bytes)
+        return AMX_OK;
+    u->key = 0;
+    u->bytes = 0;
+    if (bytes > u->cap) {
+        cudaFreeHost(u->h);
+        cudaFree(u->d);
+        u->h = u->d = NULL;
+        u->cap = 0;
+        size_t c = bytes < 4096 ? 4096 : bytes + bytes / 4;
+        CU(cudaHostAlloc(&u->h, c, cudaHostAllocDefault), "cudaHostAlloc");
+        CU(cudaMalloc(&u->d, c), "cudaMalloc (answer maps)");
+        u->cap = c;
+    }
+    memcpy(u->h, src, bytes);
+    CU(cudaMemcpyAsync(u->d, u->h, bytes, cudaMemcpyHostToDevice, s), "cudaMemcpyAsync (maps)");
+    u->bytes = bytes;
+    u->key = key;
     return AMX_OK;
 }
 
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
-                                            size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                                            const amx_devsignal_t *ready, uint32_t rank,
-                                            cudaStream_t sd, cudaEvent_t in, amx_err_t *err)
+                                            size_t nruns, uint64_t key, uint64_t ncells,
+                                            uint64_t has_data_off, const amx_devsignal_t *ready,
+                                            uint32_t rank, cudaStream_t sd, cudaEvent_t in,
+                                            amx_err_t *err)
 {
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     /* The last merge's staging is free once its check came back (the
      * engine waited for it before the epoch could end). */
     if (d->merged_used)
         CU(cudaEventSynchronize(d->merged), "cudaEventSynchronize");
-    AMX_CHECK(upload_runs(&d->h_runs, &d->d_runs, &d->cap_runs, &d->n_runs, runs, nruns, sd, err));
+    AMX_CHECK(upload_runs(&d->h_runs, &d->d_runs, &d->cap_runs, &d->n_runs, &d->key_runs, runs,
+                          nruns, key, sd, err));
     CU(cudaMemsetAsync(d->d_bad, 0xff, sizeof(unsigned long long), sd), "cudaMemsetAsync");
     d->token = d->token + 1 ? d->token + 1 : 1; /* never 0, what d_abort starts with */
     d->released = 0;
@@ -694,50 +798,88 @@ extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cu
     }
 }
 
-extern "C" amx_status_t
-amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax, const float *o_scale, const float *o_inv,
-                     const uint8_t *o_bytes, const amx_run_t *gather, size_t ngather,
-                     uint64_t ncells, const amx_devans_layout_t *lay, const void *tail,
-                     size_t tail_bytes, const amx_devsignal_t *done, cudaStream_t s, amx_err_t *err)
+extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_src_t *src,
+                                             const amx_run_t *gather, size_t ngather,
+                                             uint64_t ncells, const amx_devans_layout_t *lay,
+                                             const amx_devsignal_t *done, cudaStream_t s,
+                                             amx_err_t *err)
 {
-    if (lay->tail + tail_bytes > d->answer_bytes || lay->block_scales + ncells > d->answer_bytes ||
+    uint64_t end = lay->g[8] + lay->nq;
+    if (lay->g[5] + 4 * lay->ns > end)
+        end = lay->g[5] + 4 * lay->ns;
+    if (end > d->answer_bytes || lay->block_scales + ncells > d->answer_bytes ||
         lay->missing + 4 * (uint64_t)lay->nq > d->answer_bytes)
         return amx_err_set(err, AMX_EINTERNAL, "device answer of %llu bytes too small",
                            (unsigned long long)d->answer_bytes);
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     /* The last answer's copies out of our pinned staging (runs, offsets,
-     * tail) are done before the host writes them again; long done by now. */
+     * maps) are done before the host writes them again; long done by now. */
     if (d->answered_used)
         CU(cudaEventSynchronize(d->answered), "cudaEventSynchronize (last answer)");
-    AMX_CHECK(
-        upload_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, &d->n_gruns, gather, ngather, s, err));
+    AMX_CHECK(upload_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, &d->n_gruns, &d->key_gruns,
+                          gather, ngather, lay->key, s, err));
     if (lay->nq > 0) {
-        AMX_CHECK(upload_qoff(d, lay->qoff, (size_t)lay->nq + 1, s, err));
-        CU(cudaMemsetAsync(d->d_miss, 0, lay->nq * sizeof(uint32_t), s), "cudaMemsetAsync");
+        AMX_CHECK(upload_qoff(d, lay->qoff, (size_t)lay->nq + 1, lay->key, s, err));
+        /* Zeroed by the last answer's k_dev_tail, unless it never ran. */
+        if (d->miss_dirty)
+            CU(cudaMemsetAsync(d->d_miss, 0, d->cap_qoff * sizeof(uint32_t), s), "cudaMemsetAsync");
+        d->miss_dirty = 1;
     }
     if (ncells > 0) {
         k_dev_gather<<<grid_for(ncells), THREADS, 0, s>>>(
             (uint8_t *)d->answer, lay->amax, lay->scale, lay->scale_inv, lay->block_scales, ncells,
-            o_amax, o_scale, o_inv, o_bytes, d->d_gruns, (uint32_t)ngather, d->d_miss, d->d_qoff,
-            lay->nq);
+            src->amax, src->scale, src->inv, src->bytes, d->d_gruns, (uint32_t)ngather, d->d_miss,
+            d->d_qoff, lay->nq);
         CU(cudaGetLastError(), "device answer launch");
     }
-    if (lay->nq > 0)
-        CU(cudaMemcpyAsync((uint8_t *)d->answer + lay->missing, d->d_miss,
-                           lay->nq * sizeof(uint32_t), cudaMemcpyDeviceToDevice, s),
-           "cudaMemcpyAsync (missing counts)");
-    if (tail_bytes > 0) {
-        if (tail_bytes > d->cap_tail) {
-            cudaFreeHost(d->h_tail);
-            d->h_tail = NULL;
-            d->cap_tail = 0;
-            CU(cudaHostAlloc(&d->h_tail, tail_bytes, cudaHostAllocDefault), "cudaHostAlloc");
-            d->cap_tail = tail_bytes;
+    if (lay->nq > 0 || lay->ns > 0) {
+        struct tail_args a;
+        memset(&a, 0, sizeof(a));
+        memcpy(a.g, lay->g, sizeof(a.g));
+        a.nq = lay->nq;
+        a.ns = lay->ns;
+        a.out_nq = src->out_nq;
+        a.out_ns = src->samax != NULL ? src->out_ns : 0;
+        a.gamax = src->gamax, a.gscale = src->gscale, a.ginv = src->ginv;
+        a.samax = src->samax, a.sscale = src->sscale, a.sinv = src->sinv;
+        if (a.out_nq == 0 || a.gamax == NULL)
+            a.out_nq = 0;
+        AMX_CHECK(upload(&d->cidx, lay->cidx, lay->nq * sizeof(uint32_t), lay->key, s, err));
+        AMX_CHECK(upload(&d->ssrc, lay->ssrc, lay->ns * sizeof(uint64_t), lay->key, s, err));
+        AMX_CHECK(upload(&d->send, lay->send, lay->ns * sizeof(uint64_t), lay->key, s, err));
+        a.cidx = (const uint32_t *)d->cidx.d;
+        a.ssrc = (const uint64_t *)d->ssrc.d;
+        a.send = (const uint64_t *)d->send.d;
+        if (lay->prev_n > 0 && lay->nq > 0) {
+            /* One copy: amax, scale (float32), then the has-previous bytes. */
+            size_t pn = lay->prev_n, bytes = 9 * pn;
+            if (bytes > d->prev.cap) {
+                cudaFreeHost(d->prev.h);
+                cudaFree(d->prev.d);
+                d->prev.h = d->prev.d = NULL;
+                d->prev.cap = 0;
+                size_t c = bytes + bytes / 4;
+                CU(cudaHostAlloc(&d->prev.h, c, cudaHostAllocDefault), "cudaHostAlloc");
+                CU(cudaMalloc(&d->prev.d, c), "cudaMalloc (previous globals)");
+                d->prev.cap = c;
+            }
+            uint8_t *h = (uint8_t *)d->prev.h;
+            memcpy(h, lay->prev_ga, 4 * pn);
+            memcpy(h + 4 * pn, lay->prev_gs, 4 * pn);
+            memcpy(h + 8 * pn, lay->prev_ok, pn);
+            CU(cudaMemcpyAsync(d->prev.d, h, bytes, cudaMemcpyHostToDevice, s),
+               "cudaMemcpyAsync (previous globals)");
+            a.pga = (const float *)d->prev.d;
+            a.pgs = a.pga + pn;
+            a.pok = (const uint8_t *)(a.pgs + pn);
+            a.prev_n = lay->prev_n;
         }
-        memcpy(d->h_tail, tail, tail_bytes);
-        CU(cudaMemcpyAsync((uint8_t *)d->answer + lay->tail, d->h_tail, tail_bytes,
-                           cudaMemcpyHostToDevice, s),
-           "cudaMemcpyAsync (globals)");
+        a.missing = lay->missing;
+        a.miss = d->d_miss;
+        uint64_t m = lay->nq > lay->ns ? lay->nq : lay->ns;
+        k_dev_tail<<<grid_for(m), THREADS, 0, s>>>((uint8_t *)d->answer, a);
+        CU(cudaGetLastError(), "device answer launch (globals)");
+        d->miss_dirty = 0;
     }
     CU(cudaEventRecord(d->answered, s), "cudaEventRecord");
     d->answered_used = 1;

@@ -32,9 +32,10 @@ extern "C" amx_status_t amx__cuda_dev_open(int state_dev, const char *device, ui
  * first data cell) on stream `sd`; `in` (on the state's device) is
  * recorded on sd after the merge. */
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
-                                            size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                                            const amx_devsignal_t *ready, uint32_t rank,
-                                            cudaStream_t sd, cudaEvent_t in, amx_err_t *err);
+                                            size_t nruns, uint64_t key, uint64_t ncells,
+                                            uint64_t has_data_off, const amx_devsignal_t *ready,
+                                            uint32_t rank, cudaStream_t sd, cudaEvent_t in,
+                                            amx_err_t *err);
 
 /* Engine thread. dev_wait of state.h over the `n` buffers `ds` merged at
  * the last flip, whose merges record `in` (state_dev's). */
@@ -47,13 +48,22 @@ extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d);
 
 /* Loop thread. dev_answer of state.h from the front outputs, on stream s,
  * not waited for (the caller orders its own later work after it). */
-extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const float *o_amax,
-                                             const float *o_scale, const float *o_inv,
-                                             const uint8_t *o_bytes, const amx_run_t *gather,
-                                             size_t ngather, uint64_t ncells,
-                                             const amx_devans_layout_t *lay, const void *tail,
-                                             size_t tail_bytes, const amx_devsignal_t *done,
-                                             cudaStream_t s, amx_err_t *err);
+/* The front output set a device answer reads (state_cuda.cu): per cell,
+ * per quantizer (out_nq, catalog order) and per global slice (out_ns). */
+typedef struct amx_devans_src {
+    const float *amax, *scale, *inv;
+    const uint8_t *bytes;
+    const float *gamax, *gscale, *ginv;
+    const float *samax, *sscale, *sinv;
+    uint32_t out_nq;
+    uint64_t out_ns;
+} amx_devans_src_t;
+
+extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_src_t *src,
+                                             const amx_run_t *gather, size_t ngather,
+                                             uint64_t ncells, const amx_devans_layout_t *lay,
+                                             const amx_devsignal_t *done, cudaStream_t s,
+                                             amx_err_t *err);
 
 /* Loop thread. dev_close of state.h. */
 extern "C" void amx__cuda_dev_close(amx_devbuf_t *d);

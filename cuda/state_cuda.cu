@@ -1926,8 +1926,9 @@ static amx_status_t cuda_dev_open(amx_state_t *st, const char *device, uint64_t 
 }
 
 static amx_status_t cuda_dev_merge(amx_state_t *st, amx_devbuf_t *d, const amx_run_t *runs,
-                                   size_t nruns, uint64_t ncells, uint64_t has_data_off,
-                                   const amx_devsignal_t *ready, uint32_t rank, amx_err_t *err)
+                                   size_t nruns, uint64_t key, uint64_t ncells,
+                                   uint64_t has_data_off, const amx_devsignal_t *ready,
+                                   uint32_t rank, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int fl = c->active ^ 1; /* just flipped: the in-flight buffer */
@@ -1941,8 +1942,8 @@ static amx_status_t cuda_dev_merge(amx_state_t *st, amx_devbuf_t *d, const amx_r
         c->merging = m;
         c->cap_merging = cap;
     }
-    AMX_CHECK(amx__cuda_dev_merge(d, c->pend[fl] + AMX_HDR_CELLS, runs, nruns, ncells, has_data_off,
-                                  ready, rank, c->sd, c->in, err));
+    AMX_CHECK(amx__cuda_dev_merge(d, c->pend[fl] + AMX_HDR_CELLS, runs, nruns, key, ncells,
+                                  has_data_off, ready, rank, c->sd, c->in, err));
     c->merging[c->nmerging++] = d;
     return AMX_OK;
 }
@@ -1966,14 +1967,14 @@ static int64_t cuda_dev_bad(amx_state_t *st, amx_devbuf_t *d)
 
 static amx_status_t cuda_dev_answer(amx_state_t *st, amx_devbuf_t *d, const amx_run_t *gather,
                                     size_t ngather, uint64_t ncells, const amx_devans_layout_t *lay,
-                                    const void *tail, size_t tail_bytes,
                                     const amx_devsignal_t *done, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int f = st->front;
-    amx_status_t r =
-        amx__cuda_dev_answer(d, c->o_amax[f], c->o_scale[f], c->o_inv[f], c->o_bytes[f], gather,
-                             ngather, ncells, lay, tail, tail_bytes, done, c->sl, err);
+    amx_devans_src_t src = {c->o_amax[f],   c->o_scale[f],  c->o_inv[f],   c->o_bytes[f],
+                            c->o_gamax[f],  c->o_gscale[f], c->o_ginv[f],  c->o_samax[f],
+                            c->o_sscale[f], c->o_sinv[f],   st->out_nq[f], st->out_ns[f]};
+    amx_status_t r = amx__cuda_dev_answer(d, &src, gather, ngather, ncells, lay, done, c->sl, err);
     /* Not waited for here: the engine's next operations wait for it
      * (wait_in), the loop's own are behind it on sl. Also after a failure,
      * which may have queued part of it. */

@@ -7,9 +7,9 @@
  * process, the rank, the job, the daemon).
  *
  * The state backend does the device work (state.h dev_*); this file
- * decides what goes where: sizes and offsets, the layout checks, the
- * per-quantizer and per-slice globals (host arrays of the state, copied
- * into the answer buffer after the per-cell arrays).
+ * decides what goes where: sizes and offsets, the layout checks, and the
+ * maps by which the device gathers the per-quantizer and per-slice globals
+ * into the answer buffer after the per-cell arrays.
  */
 #include "registry_impl.h"
 
@@ -37,15 +37,11 @@ struct amx_devrank {
     uint64_t has_off;
     uint64_t ready_off, done_off; /* the signals' flags: in the slab, in the answer */
     int signals;                  /* the GPU has the stream memory operations */
-    amx_devans_layout_t lay;
-    /* Answer offsets of the host-made arrays (the tail): g_amax, g_scale,
-     * g_inv (per quantizer), s_amax, s_scale, s_inv (per slice), then
-     * prev_amax, prev_scale (float32) and has_previous (a byte), per
-     * quantizer. */
-    uint64_t g_off[9];
-    uint64_t missing_off; /* uint32 per quantizer, written on the device */
-    uint8_t *tail;        /* host copy of the answer's [lay.tail, lay.tail + tail_bytes) */
-    size_t tail_bytes;
+    amx_devans_layout_t lay;      /* offsets fixed at OpenDevice; the maps set per answer */
+    /* Per global slice of the slab (lay.ns), for the slab of serial
+     * slices_key: the end of its quantizer's slices in the state. */
+    uint64_t *slice_end;
+    uint64_t slices_key;
     uint32_t pid;
     int pidfd; /* -1: none (pid 0, or no pidfd_open: kill(pid, 0)) */
     /* This epoch: a slab to merge (ReconcileDevice send), its has-data
@@ -88,7 +84,7 @@ void amx__dev_close_rank(amx_job_t *j, amx_lrank_t *r, const char *why)
         j->state->ops->dev_close(j->state, d->buf);
     if (d->pidfd >= 0)
         close(d->pidfd);
-    free(d->tail);
+    free(d->slice_end);
     free(d);
     r->dev = NULL;
 }
@@ -140,28 +136,20 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
     d->lay.amax = 0;
     d->lay.scale = align_up(4 * n);
     d->lay.scale_inv = align_up(d->lay.scale + 4 * n);
-    d->lay.tail = align_up(d->lay.scale_inv + 4 * n);
-    uint64_t at = d->lay.tail;
+    uint64_t at = align_up(d->lay.scale_inv + 4 * n);
     for (int k = 0; k < 9; k++) {
-        d->g_off[k] = align_up(at);
-        at = d->g_off[k] + (k == 8 ? 1 : 4) * (k < 3 || k > 5 ? nq : ns);
+        d->lay.g[k] = align_up(at);
+        at = d->lay.g[k] + (k == 8 ? 1 : 4) * (k < 3 || k > 5 ? nq : ns);
     }
-    d->tail_bytes = (size_t)(at - d->lay.tail);
     d->lay.block_scales = align_up(at);
-    d->missing_off = align_up(d->lay.block_scales + n);
-    d->done_off = align_up(d->missing_off + 4 * (uint64_t)nq);
+    d->lay.missing = align_up(d->lay.block_scales + n);
+    d->done_off = align_up(d->lay.missing + 4 * (uint64_t)nq);
     uint64_t answer_bytes = d->done_off + 4;
-    d->tail = calloc(1, d->tail_bytes ? d->tail_bytes : 1);
-    if (d->tail == NULL) {
-        free(d);
-        return amx_err_set(err, AMX_ENOMEM, "out of memory");
-    }
     if (req->pid != 0) {
         d->pid = req->pid;
 #ifdef SYS_pidfd_open
         d->pidfd = (int)syscall(SYS_pidfd_open, (pid_t)req->pid, 0);
         if (d->pidfd < 0 && errno == ESRCH) {
-            free(d->tail);
             free(d);
             return amx_err_set(err, AMX_EINVAL,
                                "OpenDevice: no process %u is visible to the daemon; give the "
@@ -176,7 +164,6 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
     if (st != AMX_OK) {
         if (d->pidfd >= 0)
             close(d->pidfd);
-        free(d->tail);
         free(d);
         if (st == AMX_EDEVICE)
             amx__note_fault(reg, st, err->msg);
@@ -198,16 +185,16 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
     out->scale = d->lay.scale;
     out->scale_inv = d->lay.scale_inv;
     out->block_scales = d->lay.block_scales;
-    out->g_amax = d->g_off[0];
-    out->g_scale = d->g_off[1];
-    out->g_inv = d->g_off[2];
-    out->s_amax = d->g_off[3];
-    out->s_scale = d->g_off[4];
-    out->s_inv = d->g_off[5];
-    out->prev_amax = d->g_off[6];
-    out->prev_scale = d->g_off[7];
-    out->has_prev = d->g_off[8];
-    out->missing = d->missing_off;
+    out->g_amax = d->lay.g[0];
+    out->g_scale = d->lay.g[1];
+    out->g_inv = d->lay.g[2];
+    out->s_amax = d->lay.g[3];
+    out->s_scale = d->lay.g[4];
+    out->s_inv = d->lay.g[5];
+    out->prev_amax = d->lay.g[6];
+    out->prev_scale = d->lay.g[7];
+    out->has_prev = d->lay.g[8];
+    out->missing = d->lay.missing;
     memcpy(out->slab_handle, info.slab, 64);
     memcpy(out->answer_handle, info.answer, 64);
     memcpy(out->ready_event, info.ready, 64);
@@ -301,7 +288,7 @@ void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j)
                              r->rank, sl->id, (unsigned long long)j->epoch, d->layout_id);
         amx_devsignal_t ready = {d->ready_off, d->seq, r->rank};
         if (rc == AMX_OK)
-            rc = st->ops->dev_merge(st, d->buf, sl->merge, sl->nmerge, d->ncells,
+            rc = st->ops->dev_merge(st, d->buf, sl->merge, sl->nmerge, sl->serial, d->ncells,
                                     d->has_data ? d->has_off : UINT64_MAX,
                                     d->seq != 0 ? &ready : NULL, r->rank, &e);
         if (rc != AMX_OK) {
@@ -330,23 +317,40 @@ static uint32_t slab_quantizer(const amx_slab_t *sl, uint64_t c)
     return lo;
 }
 
-/* The per-quantizer and per-slice globals and the previous-epoch globals
- * in layout order, as the packed answer has them (results.c
- * amx__build_packed). */
-static void fill_globals(amx_job_t *j, const amx_slab_t *sl, struct amx_devrank *d)
+/* The maps of the answer's globals (amx_devans_layout_t): the slab's
+ * catalog indices and global slices, the end of each slice's quantizer in
+ * the state's slice arrays (rebuilt with the slab), the previous globals.
+ * results.c amx__slab_globals and amx__build_packed make the same arrays
+ * on the host for the packed answer. */
+static amx_status_t set_maps(amx_job_t *j, const amx_slab_t *sl, struct amx_devrank *d,
+                             amx_err_t *err)
 {
-    float *g[8];
-    for (int k = 0; k < 8; k++)
-        g[k] = (float *)(void *)(d->tail + (d->g_off[k] - d->lay.tail));
-    uint8_t *has_prev = d->tail + (d->g_off[8] - d->lay.tail);
-    amx__slab_globals(j, sl, g[0], g[1], g[2], g[3], g[4], g[5]);
-    for (uint32_t i = 0; i < sl->n; i++) {
-        uint32_t ci = sl->cidx[i];
-        int prev = ci < j->prev_n && j->prev_ok[ci];
-        has_prev[i] = (uint8_t)prev;
-        g[6][i] = prev ? j->prev_ga[ci] : 0.0f;
-        g[7][i] = prev ? j->prev_gs[ci] : 0.0f;
+    uint64_t ns = sl->soff[sl->n];
+    if (ns > 0 && d->slices_key != sl->serial) {
+        uint64_t *e = realloc(d->slice_end, ns * sizeof(uint64_t));
+        if (e == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory");
+        d->slice_end = e;
+        for (uint32_t i = 0; i < sl->n; i++) {
+            const amx_lq_t *q = &j->lq[sl->lid[i]];
+            uint64_t end = q->gbase + amx_qspec_slices(q->spec);
+            for (uint64_t s = sl->soff[i]; s < sl->soff[i + 1]; s++)
+                e[s] = end;
+        }
+        d->slices_key = sl->serial;
     }
+    d->lay.key = sl->serial;
+    d->lay.qoff = sl->off;
+    d->lay.nq = sl->n;
+    d->lay.cidx = sl->cidx;
+    d->lay.ns = ns;
+    d->lay.ssrc = sl->sg;
+    d->lay.send = d->slice_end;
+    d->lay.prev_ga = j->prev_ga;
+    d->lay.prev_gs = j->prev_gs;
+    d->lay.prev_ok = j->prev_ok;
+    d->lay.prev_n = j->prev_n;
+    return AMX_OK;
 }
 
 amx_status_t amx__dev_bad_slab(amx_job_t *j, amx_lrank_t *r, uint64_t epoch, amx_err_t *err)
@@ -396,13 +400,10 @@ amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, 
                            ": fetch the layout again (GetLayout) and open new buffers; the "
                            "results are in GetScales",
                            (unsigned long long)epoch, j->name, r->rank, sl->id, d->layout_id);
-    fill_globals(j, sl, d);
-    d->lay.missing = d->missing_off;
-    d->lay.qoff = sl->off;
-    d->lay.nq = sl->n;
+    AMX_CHECK(set_maps(j, sl, d, err));
     amx_devsignal_t done = {d->done_off, d->seq, r->rank};
     amx_status_t rc = st->ops->dev_answer(st, d->buf, sl->gather, sl->ngather, d->ncells, &d->lay,
-                                          d->tail, d->tail_bytes, d->seq != 0 ? &done : NULL, err);
+                                          d->seq != 0 ? &done : NULL, err);
     if (rc == AMX_EDEVICE)
         return amx__note_fault(reg, rc, err->msg);
     return rc;

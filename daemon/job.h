@@ -45,6 +45,8 @@ typedef struct amx_lq {
 typedef struct amx_slab {
     uint64_t gen;     /* job->layout_gen it was built for */
     uint64_t id;      /* layout id: a hash of the content */
+    uint64_t serial;  /* unique to this build in the process (never 0): a key for caches of its
+                         runs and maps (the device buffers' uploads) */
     uint32_t n;       /* quantizers */
     uint32_t *lid;    /* n, layout order */
     uint64_t *off;    /* n + 1: first slab cell of each; off[n] = total */

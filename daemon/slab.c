@@ -219,6 +219,8 @@ amx_status_t amx__slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx_e
     sl->n = n;
     sl->gen = j->layout_gen;
     sl->id = fnv(h, &n, sizeof(n));
+    static uint64_t serials; /* loop thread only */
+    sl->serial = ++serials;
     free(e);
     amx__slab_free(r->slab);
     r->slab = sl;

@@ -185,14 +185,33 @@ typedef struct amx_devsignal {
     uint32_t seq;
     uint32_t rank; /* ready: the trainer rank whose slab it orders (messages) */
 } amx_devsignal_t;
-/* Byte offsets of the device answer's arrays (dev_answer). `missing`: a
- * uint32 per quantizer of the slab, the count of its cells without data
- * (amax -inf, or in no gather run), counted on the device; `qoff`: the
- * slab's nq + 1 quantizer offsets (cells), which say whose cell is whose. */
+/* What dev_answer writes where: byte offsets of the device answer's
+ * arrays, and the maps from the slab's quantizers and slices to the
+ * state's. `missing`: a uint32 per quantizer of the slab, the count of
+ * its cells without data (amax -inf, or in no gather run), counted on the
+ * device; `qoff`: the slab's nq + 1 quantizer offsets (cells), which say
+ * whose cell is whose. The globals are gathered on the device from the
+ * front output set: g[0..2] global amax, scale and scale_inv per
+ * quantizer (catalog index cidx[i], UINT32_MAX while not agreed: 0, 1,
+ * 1), g[3..5] the same per global slice (state slice ssrc[s] when
+ * send[s], the end of its quantizer's slices, lies within the front set;
+ * else 0, 1, 1), g[6..7] the previous epoch's global amax and scale
+ * (float32) and g[8] has_previous (a byte): prev_ga, prev_gs, prev_ok in
+ * catalog order, prev_n of them (host memory, copied each answer).
+ * `key`: the slab's serial; the gather runs, qoff, cidx, ssrc and send are
+ * uploaded only when it changed. */
 typedef struct amx_devans_layout {
-    uint64_t amax, scale, scale_inv, block_scales, tail, missing;
+    uint64_t key;
+    uint64_t amax, scale, scale_inv, block_scales, missing;
+    uint64_t g[9];
     const uint64_t *qoff;
     uint32_t nq;
+    const uint32_t *cidx;
+    uint64_t ns;
+    const uint64_t *ssrc, *send;
+    const float *prev_ga, *prev_gs;
+    const uint8_t *prev_ok;
+    uint32_t prev_n;
 } amx_devans_layout_t;
 
 typedef struct amx_state_ops {
@@ -331,9 +350,10 @@ typedef struct amx_state_ops {
      * its flag instead of the ready event. Never waits for the
      * trainer: the engine's stream waits for the merge (prepare, remap,
      * finish and unflip do). `rank`: the trainer rank of the slab (dev_wait's
-     * messages). */
+     * messages). `key`: the slab's serial; the runs are uploaded only when
+     * it changed. */
     amx_status_t (*dev_merge)(amx_state_t *st, struct amx_devbuf *d, const amx_run_t *runs,
-                              size_t nruns, uint64_t ncells, uint64_t has_data_off,
+                              size_t nruns, uint64_t key, uint64_t ncells, uint64_t has_data_off,
                               const amx_devsignal_t *ready, uint32_t rank, amx_err_t *err);
     /* Loop, after the epoch of the last dev_merge ended: the first slab
      * cell that failed its check (the slab was then not merged), or -1
@@ -344,14 +364,14 @@ typedef struct amx_state_ops {
      * `ncells` cells into the answer buffer in slab order: amax (no data:
      * 0), scale, scale_inv and the byte at the offsets of `lay`; cells of
      * no run read 0, 1, 1, 0; and per quantizer of the slab (lay->qoff) the
-     * count of its cells without data (-inf or no run) at lay->missing. Then copies `tail_bytes` of
-     * host memory `tail` to lay->tail and records the done event (with `done`: writes its flag
-     * instead). Returns once the daemon's side is queued and its own buffers may be reused; nothing
+     * count of its cells without data (-inf or no run) at lay->missing.
+     * Then the globals at lay->g (amx_devans_layout_t), and records the
+     * done event (with `done`: writes its flag instead). Returns once the
+     * daemon's side is queued and its own buffers may be reused; nothing
      * of it waits for the trainer. */
     amx_status_t (*dev_answer)(amx_state_t *st, struct amx_devbuf *d, const amx_run_t *gather,
                                size_t ngather, uint64_t ncells, const struct amx_devans_layout *lay,
-                               const void *tail, size_t tail_bytes, const amx_devsignal_t *done,
-                               amx_err_t *err);
+                               const amx_devsignal_t *done, amx_err_t *err);
     /* Loop. Waits for the buffers' queued work and frees them. */
     void (*dev_close)(amx_state_t *st, struct amx_devbuf *d);
 
