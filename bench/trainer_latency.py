@@ -18,8 +18,11 @@ the same way):
   devgrpc the same with ReconcileDevice over gRPC
   async   reconcile_device_async: the trainer's stream waits for the
           daemon's done flag on the GPU and the call returns at once; timed
-          until the stream is done, as the others ("host back": when the
-          call gave the host back)
+          until the stream is done and result() has the daemon's answer, as
+          the others ("host back": when the call gave the host back;
+          "ready": when the stream was done, before result(), i.e. when
+          kernels queued after the call could run: what a trainer that
+          collects result() later waits for)
 
 Each sync starts after a barrier of the trainers (W > 1); the printed
 number per path is the median over the syncs of the slowest rank's time;
@@ -156,12 +159,16 @@ def worker(rank, world, socks, port, args, q):
             slab_g.copy_(x)
             return clients["devgrpc"].reconcile_device(stream=s).scale
 
+        ready = []  # async: when the stream got past the done flag, after the path began
+
         def devasync():
-            slab_a.copy_(x)
             t0 = time.perf_counter()
+            slab_a.copy_(x)
+            t1 = time.perf_counter()
             p = clients["async"].reconcile_device_async(stream=s)
-            host_ret.append(time.perf_counter() - t0)
+            host_ret.append(time.perf_counter() - t1)
             s.synchronize()  # the results are in the answer buffer: the stream waited
+            ready.append(time.perf_counter() - t0)
             return p.result().scale
 
         paths = {"inproc": inproc, "grpc": packed(clients["grpc"]),
@@ -180,6 +187,8 @@ def worker(rank, world, socks, port, args, q):
                 t1 = time.perf_counter()
                 if it >= args.warmup:
                     times[p].append(t1 - t0)
+                    if p == "async":
+                        times.setdefault("ready", []).append(ready[-1])
                 if p == "device" and args.breakdown:
                     # Where the device sync's time went: the daemon's own
                     # marks of this epoch (Status, outside the timed part).
@@ -204,7 +213,7 @@ def worker(rank, world, socks, port, args, q):
         dist.all_gather_object(allt, times, group=gloo)
         if rank == 0:
             slow = {p: [max(allt[r][p][i] for r in range(world)) for i in range(args.iters)]
-                    for p in paths}
+                    for p in times}
             out.append({"size": size, "cells_per_rank": n, "world": world, "same_scales": same,
                         "times_s": slow, "device_phases_us_rank0": phases,
                         "async_host_return_s_rank0": host_ret[args.warmup:]})
@@ -219,7 +228,8 @@ def worker(rank, world, socks, port, args, q):
 PROFILE_KINDS = (("engine", re.compile(r"profile: job (\S+), epoch \d+ \(reconciled\): (.*)")),
                  ("nccl", re.compile(r"profile: nccl all-reduce of \d+ floats: (.*)")),
                  ("finish", re.compile(r"profile: finish of \d+ cells / \d+ quantizers[^:]*: (.*)")),
-                 ("slabs", re.compile(r"profile: device slabs of \d+ trainer\(s\): (.*)")))
+                 ("slabs", re.compile(r"profile: device slabs of \d+ trainer\(s\): (.*)")),
+                 ("answer", re.compile(r"profile: job (\S+), epoch \d+ answered: (.*)")))
 
 
 def print_profile(log, res, warmup):
@@ -231,6 +241,11 @@ def print_profile(log, res, warmup):
         for kind, rx in PROFILE_KINDS:
             m = rx.search(line)
             if not m:
+                continue
+            if kind == "answer":  # after its epoch's engine line, on the loop
+                rows = per_job.get(m.group(1))
+                if rows and "answer" not in rows[-1]:
+                    rows[-1]["answer"] = m.group(2)
                 continue
             if kind != "engine":
                 last[kind] = m.group(1)
@@ -246,11 +261,11 @@ def print_profile(log, res, warmup):
         if not rows:
             print(f"{r['size']:>16} | no profile lines")
             continue
-        for kind in ("engine", "slabs", "nccl", "finish"):
+        for kind in ("engine", "slabs", "nccl", "finish", "answer"):
             fields = {}
             for row in rows:
                 for label, num in re.findall(r"([a-zA-Z][a-zA-Z0-9 -]*?)\s+(\d+)(?: us)?(?=[,;:(]|$| )",
-                                             re.sub(r"^(\d+) us in the engine:", r"total \1,",
+                                             re.sub(r"^(\d+) us(?: in the engine:|,)", r"total \1,",
                                                     row.get(kind, ""))):
                     fields.setdefault(label.strip(), []).append(int(num))
             text = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in fields.items())
@@ -304,7 +319,7 @@ def main():
           f"every path")
     print(f"{'per rank':>16} {'cells':>9} | {'inproc ms':>9} | {'grpc ms':>8} {'x':>6} | "
           f"{'shm ms':>8} {'x':>6} | {'device ms':>9} {'x':>6} | {'dev/gRPC':>8} {'x':>6} | "
-          f"{'async':>8} {'x':>6} {'host back':>9} | same scales")
+          f"{'async':>8} {'x':>6} {'host back':>9} {'ready':>8} {'x':>6} | same scales")
     for r in res:
         med = {p: statistics.median(t) * 1e3 for p, t in r["times_s"].items()}
         b = med["inproc"]
@@ -312,8 +327,8 @@ def main():
               f"{med['grpc'] / b:6.1f} | {med['shm']:8.3f} {med['shm'] / b:6.1f} | "
               f"{med['device']:9.3f} {med['device'] / b:6.2f} | {med['devgrpc']:8.3f} "
               f"{med['devgrpc'] / b:6.2f} | {med['async']:8.3f} {med['async'] / b:6.2f} "
-              f"{statistics.median(r['async_host_return_s_rank0']) * 1e3:9.3f} | "
-              f"{r['same_scales']}")
+              f"{statistics.median(r['async_host_return_s_rank0']) * 1e3:9.3f} "
+              f"{med['ready']:8.3f} {med['ready'] / b:6.2f} | {r['same_scales']}")
         r["median_ms"] = med
     if args.breakdown:
         names = ["call>entered", "entered>started", "started>engine", "engine",

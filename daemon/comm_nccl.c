@@ -157,7 +157,10 @@ static void kill_comm(nccl_comm_t *c, const char *why)
     if (c->comm != NULL && !c->dead) {
         AMX_WARN("nccl", "aborting a communicator (rank %d of %d): %s", c->base.rank, c->base.size,
                  why);
+        uint64_t t0 = amx_now_us();
         abort_both(c);
+        AMX_INFO("nccl", "communicator (rank %d of %d) aborted in %llu us", c->base.rank,
+                 c->base.size, (unsigned long long)(amx_now_us() - t0));
     }
     if (!c->dead)
         snprintf(c->why, sizeof(c->why), "%s", why);
@@ -217,7 +220,12 @@ static int issue(nreq_t *r)
     /* ncclCommFinalize may wait for peers that are gone; a communicator
      * being destroyed has no work left, so abort frees it as well and
      * never waits. */
+    uint64_t t0 = amx_now_us();
+    int had = c->comm != NULL;
     abort_both(c);
+    if (had)
+        AMX_DEBUG("nccl", "communicator (rank %d of %d) freed in %llu us", c->base.rank,
+                  c->base.size, (unsigned long long)(amx_now_us() - t0));
     finish(r, AMX_OK, NULL);
     return 1;
 }

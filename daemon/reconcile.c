@@ -392,9 +392,11 @@ static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res)
 void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
 {
     amx_epoch_result_t *res = amx_engine_result(j->eng);
+    uint64_t t_in = amx_now_us();
     j->in_flight = 0;
     if (res->reconciled && !res->imported && !j->dropped && j->last_reconciled > 0)
         save_previous(j);
+    uint64_t t_prev = amx_now_us();
     j->last_started_us = j->flight_started_us;
     j->last_entered_us = j->flight_entered_us;
     j->last_engine_begin_us = res->begin_at_us;
@@ -480,6 +482,8 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
                   (unsigned long long)res->prepare_us, (unsigned long long)res->header_us,
                   (unsigned long long)res->finish_us);
         j->last_published_us = amx_now_us();
+        uint64_t dev_us = 0; /* AMAXD_PROFILE: the loop's time in device answers */
+        uint32_t ndev = 0;
         for (uint32_t i = 0; i < j->nlocal; i++) {
             amx_lrank_t *r = &j->lr[i];
             if (!r->in_reconcile)
@@ -500,9 +504,12 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             rep.next_epoch = j->epoch;
             amx_packed_t pk;
             amx_status_t st;
-            if (w->device_answer)
+            if (w->device_answer) {
+                uint64_t t = amx_now_us();
                 st = amx__dev_answer(reg, j, r, res->epoch, &e2);
-            else if (w->alloc_packed != NULL)
+                dev_us += amx_now_us() - t;
+                ndev++;
+            } else if (w->alloc_packed != NULL)
                 st = amx__build_packed(reg, j, r, w, &pk, &e2);
             else
                 st = amx__build_results(reg, j, r->rank, w->names, w->n_names, 0, 0, &rep.results,
@@ -517,6 +524,16 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             amx_arena_free(&a);
         }
         j->last_answered_us = amx_now_us();
+        if (ndev > 0 && amx_log_profiling())
+            AMX_INFO("profile",
+                     "job %s, epoch %llu answered: %llu us, device answers %llu us (%u rank(s)); "
+                     "the loop took the epoch %llu us after the engine ended it, previous "
+                     "globals %llu, install and publish %llu",
+                     j->name, (unsigned long long)res->epoch,
+                     (unsigned long long)(j->last_answered_us - j->last_published_us),
+                     (unsigned long long)dev_us, ndev, (unsigned long long)(t_in - res->end_at_us),
+                     (unsigned long long)(t_prev - t_in),
+                     (unsigned long long)(j->last_published_us - t_prev));
     } else {
         amx__note_fault(reg, res->st, res->msg);
         amx_err_t e2 = {0};
