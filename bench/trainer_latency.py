@@ -229,14 +229,15 @@ PROFILE_KINDS = (("engine", re.compile(r"profile: job (\S+), epoch \d+ \(reconci
                  ("nccl", re.compile(r"profile: nccl all-reduce of \d+ floats: (.*)")),
                  ("finish", re.compile(r"profile: finish of \d+ cells / \d+ quantizers[^:]*: (.*)")),
                  ("slabs", re.compile(r"profile: device slabs of \d+ trainer\(s\): (.*)")),
-                 ("answer", re.compile(r"profile: job (\S+), epoch \d+ answered: (.*)")))
+                 ("answer", re.compile(r"profile: job (\S+), epoch \d+ answered: (.*)")),
+                 ("devans", re.compile(r"profile: device answer of rank \d+: (.*)")))
 
 
 def print_profile(log, res, warmup):
     """Medians of the AMAXD_PROFILE lines of the device path's epochs
     (job lat-SIZE-device) in one daemon's log: each engine line, and the
     NCCL and finish lines of the same engine thread just before it."""
-    per_job, last = {}, {}
+    per_job, last, last_row = {}, {}, None
     for line in log.splitlines():
         for kind, rx in PROFILE_KINDS:
             m = rx.search(line)
@@ -247,12 +248,17 @@ def print_profile(log, res, warmup):
                 if rows and "answer" not in rows[-1]:
                     rows[-1]["answer"] = m.group(2)
                 continue
+            if kind == "devans":  # the loop's answer of the last epoch (no job named)
+                if last_row is not None and "devans" not in last_row:
+                    last_row["devans"] = m.group(1)
+                continue
             if kind != "engine":
                 last[kind] = m.group(1)
                 continue
             job, text = m.group(1), m.group(2)
             rows = per_job.setdefault(job, [])
-            rows.append({"engine": text, **last})
+            last_row = {"engine": text, **last}
+            rows.append(last_row)
             last = {}
     print("daemon 0's profile of the device path (AMAXD_PROFILE=1), medians in us after the "
           "warm-up:")
@@ -261,11 +267,11 @@ def print_profile(log, res, warmup):
         if not rows:
             print(f"{r['size']:>16} | no profile lines")
             continue
-        for kind in ("engine", "slabs", "nccl", "finish", "answer"):
+        for kind in ("engine", "slabs", "nccl", "finish", "answer", "devans"):
             fields = {}
             for row in rows:
                 for label, num in re.findall(r"([a-zA-Z][a-zA-Z0-9 -]*?)\s+(\d+)(?: us)?(?=[,;:(]|$| )",
-                                             re.sub(r"^(\d+) us(?: in the engine:|,)", r"total \1,",
+                                             re.sub(r"^(\d+) us(?: in the engine:|,|:)", r"total \1,",
                                                     row.get(kind, ""))):
                     fields.setdefault(label.strip(), []).append(int(num))
             text = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in fields.items())

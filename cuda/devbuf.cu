@@ -90,8 +90,8 @@ struct amx_devbuf {
     uint32_t rank;                          /* the last merge's trainer rank */
     uint64_t key_runs, key_gruns, key_qoff; /* the slab serials of the runs and offsets there */
     /* The answer's globals (k_dev_tail): the maps, uploaded when the slab
-     * changes, and the previous globals, every answer. */
-    struct upl cidx, ssrc, send, prev;
+     * changes. */
+    struct upl cidx, ssrc, send;
 };
 
 typedef CUresult (*memop32_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
@@ -373,7 +373,6 @@ extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
     upl_free(&d->cidx);
     upl_free(&d->ssrc);
     upl_free(&d->send);
-    upl_free(&d->prev);
     cudaSetDevice(d->dev);
     if (d->ds != NULL) {
         cudaStreamSynchronize(d->ds);
@@ -811,11 +810,15 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_s
         lay->missing + 4 * (uint64_t)lay->nq > d->answer_bytes)
         return amx_err_set(err, AMX_EINTERNAL, "device answer of %llu bytes too small",
                            (unsigned long long)d->answer_bytes);
+    int prof = amx_log_profiling();
+    uint64_t t0 = prof ? amx_now_us() : 0, t1 = 0, t2 = 0, t3 = 0;
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     /* The last answer's copies out of our pinned staging (runs, offsets,
      * maps) are done before the host writes them again; long done by now. */
     if (d->answered_used)
         CU(cudaEventSynchronize(d->answered), "cudaEventSynchronize (last answer)");
+    if (prof)
+        t1 = amx_now_us();
     AMX_CHECK(upload_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, &d->n_gruns, &d->key_gruns,
                           gather, ngather, lay->key, s, err));
     if (lay->nq > 0) {
@@ -825,6 +828,8 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_s
             CU(cudaMemsetAsync(d->d_miss, 0, d->cap_qoff * sizeof(uint32_t), s), "cudaMemsetAsync");
         d->miss_dirty = 1;
     }
+    if (prof)
+        t2 = amx_now_us();
     if (ncells > 0) {
         k_dev_gather<<<grid_for(ncells), THREADS, 0, s>>>(
             (uint8_t *)d->answer, lay->amax, lay->scale, lay->scale_inv, lay->block_scales, ncells,
@@ -850,30 +855,10 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_s
         a.cidx = (const uint32_t *)d->cidx.d;
         a.ssrc = (const uint64_t *)d->ssrc.d;
         a.send = (const uint64_t *)d->send.d;
-        if (lay->prev_n > 0 && lay->nq > 0) {
-            /* One copy: amax, scale (float32), then the has-previous bytes. */
-            size_t pn = lay->prev_n, bytes = 9 * pn;
-            if (bytes > d->prev.cap) {
-                cudaFreeHost(d->prev.h);
-                cudaFree(d->prev.d);
-                d->prev.h = d->prev.d = NULL;
-                d->prev.cap = 0;
-                size_t c = bytes + bytes / 4;
-                CU(cudaHostAlloc(&d->prev.h, c, cudaHostAllocDefault), "cudaHostAlloc");
-                CU(cudaMalloc(&d->prev.d, c), "cudaMalloc (previous globals)");
-                d->prev.cap = c;
-            }
-            uint8_t *h = (uint8_t *)d->prev.h;
-            memcpy(h, lay->prev_ga, 4 * pn);
-            memcpy(h + 4 * pn, lay->prev_gs, 4 * pn);
-            memcpy(h + 8 * pn, lay->prev_ok, pn);
-            CU(cudaMemcpyAsync(d->prev.d, h, bytes, cudaMemcpyHostToDevice, s),
-               "cudaMemcpyAsync (previous globals)");
-            a.pga = (const float *)d->prev.d;
-            a.pgs = a.pga + pn;
-            a.pok = (const uint8_t *)(a.pgs + pn);
-            a.prev_n = lay->prev_n;
-        }
+        a.pga = src->pga;
+        a.pgs = src->pgs;
+        a.pok = src->pok;
+        a.prev_n = src->pga != NULL ? src->prev_n : 0;
         a.missing = lay->missing;
         a.miss = d->d_miss;
         uint64_t m = lay->nq > lay->ns ? lay->nq : lay->ns;
@@ -881,6 +866,8 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_s
         CU(cudaGetLastError(), "device answer launch (globals)");
         d->miss_dirty = 0;
     }
+    if (prof)
+        t3 = amx_now_us();
     CU(cudaEventRecord(d->answered, s), "cudaEventRecord");
     d->answered_used = 1;
     CU(cudaSetDevice(d->dev), "cudaSetDevice");
@@ -895,5 +882,12 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_s
     /* Not waited for: the trainer's stream waits for the done flag or
      * event, the state's engine for its `answered` (state_cuda.cu), and
      * the staging for d->answered above. */
+    if (prof)
+        AMX_INFO("profile",
+                 "device answer of rank %u: %llu us: sync with the last %llu, uploads %llu, "
+                 "launches %llu, signal %llu",
+                 done != NULL ? done->rank : 0, (unsigned long long)(amx_now_us() - t0),
+                 (unsigned long long)(t1 - t0), (unsigned long long)(t2 - t1),
+                 (unsigned long long)(t3 - t2), (unsigned long long)(amx_now_us() - t3));
     return AMX_OK;
 }

@@ -57,6 +57,10 @@ typedef struct amx_devans_src {
     const float *samax, *sscale, *sinv;
     uint32_t out_nq;
     uint64_t out_ns;
+    /* The previous globals on the device (catalog order, prev_n each). */
+    const float *pga, *pgs;
+    const uint8_t *pok;
+    uint32_t prev_n;
 } amx_devans_src_t;
 
 extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_src_t *src,

@@ -141,6 +141,14 @@ typedef struct cuda_state {
      * the next epoch frees or moves what they read. */
     cudaEvent_t answered;
     int answered_used;
+    /* The job's previous globals on the device (dev_answer): amax, scale
+     * (float32), has-previous bytes, prev_n_up of each, uploaded on sl once
+     * per key through pinned staging. */
+    float *d_prev;
+    void *h_prev;
+    size_t cap_prev;
+    uint32_t prev_n_up;
+    uint64_t prev_key;
     /* The engine's pinned header (prepare). */
     float *e_hdr;
     /* CUDA graphs of finish's kernels and copies (finish_graph), keyed by
@@ -1871,7 +1879,7 @@ static void cuda_destroy(amx_state_t *st)
                    c->o_samax[1],  c->o_sscale[0], c->o_sscale[1], c->o_sinv[0],   c->o_sinv[1],
                    c->o_filled[0], c->o_filled[1], c->d_counts,    c->gdec,        c->sdec,
                    c->spend[0],    c->spend[1],    c->srecv,       c->saccum,      c->d_ovr,
-                   c->d_sstage};
+                   c->d_sstage,    c->d_prev};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         if (dev[i] != NULL)
             cudaFreeAsync(dev[i], c->se);
@@ -1885,6 +1893,7 @@ static void cuda_destroy(amx_state_t *st)
             cudaGraphExecDestroy(c->graphs[i].exec);
     cudaFreeHost(c->h_counts);
     cudaFreeHost(c->h_sstage);
+    cudaFreeHost(c->h_prev);
     for (size_t i = 0; i < c->nretired; i++)
         cudaFreeHost(c->retired[i]);
     free(c->retired);
@@ -1965,15 +1974,65 @@ static int64_t cuda_dev_bad(amx_state_t *st, amx_devbuf_t *d)
     return amx__cuda_dev_bad(d);
 }
 
+/* The job's previous globals (lay->prev_*) on the device for the device
+ * answers, copied once per lay->prev_key: every rank's answer of an epoch
+ * reads the same copy. */
+static amx_status_t prev_upload(cuda_state_t *c, const amx_devans_layout_t *lay,
+                                amx_devans_src_t *src, amx_err_t *err)
+{
+    size_t pn = lay->prev_n;
+    if (pn == 0 || lay->nq == 0)
+        return AMX_OK;
+    if (lay->prev_key == 0 || lay->prev_key != c->prev_key || pn != c->prev_n_up) {
+        CU(cudaSetDevice(c->device), "cudaSetDevice");
+        /* The last copy out of the staging is behind the last answer. */
+        if (c->answered_used)
+            CU(cudaEventSynchronize(c->answered), "cudaEventSynchronize (device answers)");
+        c->prev_key = 0;
+        c->prev_n_up = 0;
+        size_t bytes = 9 * pn;
+        if (bytes > c->cap_prev) {
+            cudaFreeHost(c->h_prev);
+            dfree(c->d_prev, c->sl);
+            c->h_prev = NULL;
+            c->d_prev = NULL;
+            c->cap_prev = 0;
+            size_t cap = bytes + bytes / 4;
+            CU(cudaHostAlloc(&c->h_prev, cap, cudaHostAllocDefault), "cudaHostAlloc");
+            AMX_CHECK(dalloc((void **)&c->d_prev, cap, c->sl, err));
+            c->cap_prev = cap;
+        }
+        uint8_t *h = (uint8_t *)c->h_prev;
+        memcpy(h, lay->prev_ga, 4 * pn);
+        memcpy(h + 4 * pn, lay->prev_gs, 4 * pn);
+        memcpy(h + 8 * pn, lay->prev_ok, pn);
+        CU(cudaMemcpyAsync(c->d_prev, h, 9 * pn, cudaMemcpyHostToDevice, c->sl),
+           "cudaMemcpyAsync (previous globals)");
+        c->prev_key = lay->prev_key;
+        c->prev_n_up = (uint32_t)pn;
+    }
+    src->pga = c->d_prev;
+    src->pgs = c->d_prev + pn;
+    src->pok = (const uint8_t *)(c->d_prev + 2 * pn);
+    src->prev_n = (uint32_t)pn;
+    return AMX_OK;
+}
+
 static amx_status_t cuda_dev_answer(amx_state_t *st, amx_devbuf_t *d, const amx_run_t *gather,
                                     size_t ngather, uint64_t ncells, const amx_devans_layout_t *lay,
                                     const amx_devsignal_t *done, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int f = st->front;
-    amx_devans_src_t src = {c->o_amax[f],   c->o_scale[f],  c->o_inv[f],   c->o_bytes[f],
-                            c->o_gamax[f],  c->o_gscale[f], c->o_ginv[f],  c->o_samax[f],
-                            c->o_sscale[f], c->o_sinv[f],   st->out_nq[f], st->out_ns[f]};
+    amx_devans_src_t src;
+    memset(&src, 0, sizeof(src));
+    src.amax = c->o_amax[f], src.scale = c->o_scale[f], src.inv = c->o_inv[f];
+    src.bytes = c->o_bytes[f];
+    src.gamax = c->o_gamax[f], src.gscale = c->o_gscale[f], src.ginv = c->o_ginv[f];
+    src.samax = c->o_samax[f], src.sscale = c->o_sscale[f], src.sinv = c->o_sinv[f];
+    src.out_nq = st->out_nq[f];
+    src.out_ns = st->out_ns[f];
+    AMX_CHECK(prev_upload(c, lay, &src, err));
     amx_status_t r = amx__cuda_dev_answer(d, &src, gather, ngather, ncells, lay, done, c->sl, err);
     /* Not waited for here: the engine's next operations wait for it
      * (wait_in), the loop's own are behind it on sl. Also after a failure,

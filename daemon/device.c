@@ -350,6 +350,7 @@ static amx_status_t set_maps(amx_job_t *j, const amx_slab_t *sl, struct amx_devr
     d->lay.prev_gs = j->prev_gs;
     d->lay.prev_ok = j->prev_ok;
     d->lay.prev_n = j->prev_n;
+    d->lay.prev_key = j->prev_serial;
     return AMX_OK;
 }
 

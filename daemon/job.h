@@ -170,6 +170,10 @@ typedef struct amx_job {
     uint8_t *prev_ok;
     uint32_t prev_n;
     size_t prev_cap;
+    /* Moves on whenever the prev_* arrays may have changed (every end of
+     * an epoch, a restore): the key of their copy on the device (the
+     * device answers'). */
+    uint64_t prev_serial;
     /* Per quantizer of cat (< pub_n): whether the front outputs hold a
      * global that an epoch published for it, rather than the placeholder
      * (0, 1) a layout change gives a quantizer new to it. NULL: all do. */

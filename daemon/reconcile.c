@@ -363,8 +363,13 @@ static void save_previous(amx_job_t *j)
         memcpy(j->prev_ga, st->g_amax[f], have * sizeof(float));
         memcpy(j->prev_gs, st->g_scale[f], have * sizeof(float));
     }
-    for (uint32_t i = 0; i < n; i++)
-        j->prev_ok[i] = i < have && amx_job_published(j, i);
+    if (j->pub_ok == NULL) { /* every global published: the usual case */
+        memset(j->prev_ok, 1, have);
+        memset(j->prev_ok + have, 0, n - have);
+    } else {
+        for (uint32_t i = 0; i < n; i++)
+            j->prev_ok[i] = i < have && amx_job_published(j, i);
+    }
     j->prev_n = n;
 }
 
@@ -394,6 +399,7 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
     amx_epoch_result_t *res = amx_engine_result(j->eng);
     uint64_t t_in = amx_now_us();
     j->in_flight = 0;
+    j->prev_serial++; /* what follows may change the previous globals */
     if (res->reconciled && !res->imported && !j->dropped && j->last_reconciled > 0)
         save_previous(j);
     uint64_t t_prev = amx_now_us();

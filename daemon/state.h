@@ -197,7 +197,8 @@ typedef struct amx_devsignal {
  * send[s], the end of its quantizer's slices, lies within the front set;
  * else 0, 1, 1), g[6..7] the previous epoch's global amax and scale
  * (float32) and g[8] has_previous (a byte): prev_ga, prev_gs, prev_ok in
- * catalog order, prev_n of them (host memory, copied each answer).
+ * catalog order, prev_n of them (host memory, copied to the device once
+ * per prev_key).
  * `key`: the slab's serial; the gather runs, qoff, cidx, ssrc and send are
  * uploaded only when it changed. */
 typedef struct amx_devans_layout {
@@ -212,6 +213,7 @@ typedef struct amx_devans_layout {
     const float *prev_ga, *prev_gs;
     const uint8_t *prev_ok;
     uint32_t prev_n;
+    uint64_t prev_key; /* changes whenever the prev_* arrays do (0: copy them every time) */
 } amx_devans_layout_t;
 
 typedef struct amx_state_ops {
