@@ -77,9 +77,10 @@ struct amx_devbuf {
     size_t cap_gruns, n_gruns;
     uint64_t *d_qoff, *h_qoff; /* the slab's quantizer offsets (answer's missing counts) */
     size_t cap_qoff, n_qoff;
-    uint32_t *d_miss; /* state_dev, cap_qoff: the counts, copied into the answer (atomics
-                         stay local: peer atomics need NVLink) and zeroed by k_dev_tail */
-    int miss_dirty;   /* d_miss may hold counts: zero it before the next gather */
+    uint32_t *d_miss;  /* state_dev, cap_qoff: the counts, copied into the answer (atomics
+                          stay local: peer atomics need NVLink) and zeroed by k_dev_tail */
+    int miss_dirty;    /* d_miss may hold counts: zero it before the next gather */
+    int answer_failed; /* the last answer failed part-way: its copies may still run */
     /* The deadline on the trainer's ready flag (amx__cuda_dev_wait): each
      * merge has a token; the merge kernel skips the slab when *d_abort
      * holds its token, which a release writes before it writes the flag. */
@@ -817,6 +818,11 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_s
      * maps) are done before the host writes them again; long done by now. */
     if (d->answered_used)
         CU(cudaEventSynchronize(d->answered), "cudaEventSynchronize (last answer)");
+    /* One that failed after queuing copies out of the staging recorded no
+     * `answered`: wait for its stream instead. */
+    if (d->answer_failed)
+        CU(cudaStreamSynchronize(s), "cudaStreamSynchronize (failed answer)");
+    d->answer_failed = 1;
     if (prof)
         t1 = amx_now_us();
     AMX_CHECK(upload_runs(&d->h_gruns, &d->d_gruns, &d->cap_gruns, &d->n_gruns, &d->key_gruns,
@@ -882,6 +888,7 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_s
     /* Not waited for: the trainer's stream waits for the done flag or
      * event, the state's engine for its `answered` (state_cuda.cu), and
      * the staging for d->answered above. */
+    d->answer_failed = 0;
     if (prof)
         AMX_INFO("profile",
                  "device answer of rank %u: %llu us: sync with the last %llu, uploads %llu, "

@@ -364,8 +364,10 @@ static void save_previous(amx_job_t *j)
         memcpy(j->prev_gs, st->g_scale[f], have * sizeof(float));
     }
     if (j->pub_ok == NULL) { /* every global published: the usual case */
-        memset(j->prev_ok, 1, have);
-        memset(j->prev_ok + have, 0, n - have);
+        if (n > 0) {
+            memset(j->prev_ok, 1, have);
+            memset(j->prev_ok + have, 0, n - have);
+        }
     } else {
         for (uint32_t i = 0; i < n; i++)
             j->prev_ok[i] = i < have && amx_job_published(j, i);
@@ -537,7 +539,8 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
                      "globals %llu, install and publish %llu",
                      j->name, (unsigned long long)res->epoch,
                      (unsigned long long)(j->last_answered_us - j->last_published_us),
-                     (unsigned long long)dev_us, ndev, (unsigned long long)(t_in - res->end_at_us),
+                     (unsigned long long)dev_us, ndev,
+                     (unsigned long long)(t_in > res->end_at_us ? t_in - res->end_at_us : 0),
                      (unsigned long long)(t_prev - t_in),
                      (unsigned long long)(j->last_published_us - t_prev));
     } else {

@@ -219,7 +219,7 @@ amx_status_t amx__slab_get(amx_job_t *j, amx_lrank_t *r, amx_slab_t **out, amx_e
     sl->n = n;
     sl->gen = j->layout_gen;
     sl->id = fnv(h, &n, sizeof(n));
-    static uint64_t serials; /* loop thread only */
+    static uint64_t serials; /* under the loop lock */
     sl->serial = ++serials;
     free(e);
     amx__slab_free(r->slab);
