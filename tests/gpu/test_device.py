@@ -4,7 +4,9 @@ as torch processes/threads on the same GPU.
 - the device path gives the same bytes as the packed path (3 ranks, FP8
   current/delayed, NVFP4 with scale groups and global slices, MXFP8, peer
   groups, cells without data; 3 epochs), the per-quantizer `missing`
-  counts, `has_previous` and the previous globals included;
+  counts, `has_previous` and the previous globals included; and again
+  after another rank's registration moved the catalog under unchanged
+  device buffers (the cached maps must follow);
 - the blocking ReconcileDevice needs no host sync from the trainer: a slab
   written behind a ~1 s kernel on the trainer's stream is merged (the
   daemon's stream waited on the trainer's ready event), the call returns
@@ -135,6 +137,68 @@ def test_device_same_bytes_as_packed(start_daemon):
     print("same bytes (packed, device over the doorbell, device over gRPC), ranks x quantizers:",
           run_ranks(rank, W))
     assert "device buffers" in d.log()
+
+
+def test_device_same_bytes_after_the_catalog_moved(start_daemon):
+    """The device answer keeps its maps (catalog index per quantizer,
+    global slices, runs) and the job's previous globals on the GPU and
+    uploads them again only when the slab is rebuilt (its serial) or the
+    previous globals moved (prev_serial). Here rank 1 registers a quantizer
+    whose name sorts first after two epochs: the catalog is rebuilt and the
+    indices of rank 0's quantizers move, while rank 0's layout id, and so
+    its device buffers, stay. Rank 0's device answer must still be the
+    packed answer of a twin job fed the same values, in every epoch."""
+    d = start_daemon(env=ENV)
+    W, epochs = 2, 5
+    base = [amaxd.Quantizer("m.w", [8], amaxd.Recipe.fp8_current()),
+            amaxd.Quantizer("n.x", [4], amaxd.Recipe.nvfp4()),
+            amaxd.Quantizer("o.y", [], amaxd.Recipe.fp8_current())]
+    extra = [amaxd.Quantizer("a.extra", [3], amaxd.Recipe.fp8_current())]
+    import threading
+    step = threading.Barrier(W)
+
+    def rank(r):
+        rng = np.random.default_rng(50 + r)
+        cp, cd = d.client("mv-pk", r, W), d.client("mv-dv", r, W)
+        for c in (cp, cd):
+            c.join()
+            c.register(base)
+        L0 = cd.layout()
+        slab = cd.device_slab() if r == 0 else None
+        compared = 0
+        for e in range(epochs):
+            if e == 2 and r == 1:
+                for c in (cp, cd):
+                    c.register(extra)
+            step.wait(60)
+            amax = {n: (rng.random(int(k), dtype=np.float32) * 10 + e).astype(np.float32)
+                    for n, k in zip(cp.layout(refresh=True).names, cp.layout().ncells)}
+            vals, _ = cp.layout().pack(amax)
+            cp.send_packed(vals)
+            if r == 1:
+                cd.layout(refresh=True)
+                cd.send_packed(vals)
+                rp, rg = cp.reconcile_packed(), cd.reconcile_packed()
+                assert rp.epoch == rg.epoch == e + 1
+                continue
+            rp = cp.reconcile_packed()  # the twin first, as rank 1 does
+            slab.copy_(torch.from_numpy(vals).cuda())
+            rd = cd.reconcile_device()
+            assert rd.epoch == rp.epoch == e + 1
+            torch.cuda.current_stream().synchronize()
+            for k in ARRAYS:
+                a = np.asarray(getattr(rp, k)).tobytes()
+                assert host(getattr(rd, k)) == a, (e, k)
+            compared += 1
+        if r == 0:
+            # The same device buffers all along (the layout id never moved).
+            assert cd.layout(refresh=True).id == L0.id
+        for c in (cp, cd):
+            c.close()
+        return compared
+    got = run_ranks(rank, W)
+    assert got[0] == epochs, got
+    print(f"device answer after the catalog moved: {got[0]} epochs, same bytes as packed")
 
 
 def long_kernel_setup(d):
