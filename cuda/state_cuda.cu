@@ -149,6 +149,9 @@ typedef struct cuda_state {
     size_t cap_prev;
     uint32_t prev_n_up;
     uint64_t prev_key;
+    /* prev_dev's has-previous bytes: cap_ones ones, on sl. */
+    uint8_t *d_ones;
+    size_t cap_ones;
     /* The engine's pinned header (prepare). */
     float *e_hdr;
     /* CUDA graphs of finish's kernels and copies (finish_graph), keyed by
@@ -1879,7 +1882,7 @@ static void cuda_destroy(amx_state_t *st)
                    c->o_samax[1],  c->o_sscale[0], c->o_sscale[1], c->o_sinv[0],   c->o_sinv[1],
                    c->o_filled[0], c->o_filled[1], c->d_counts,    c->gdec,        c->sdec,
                    c->spend[0],    c->spend[1],    c->srecv,       c->saccum,      c->d_ovr,
-                   c->d_sstage,    c->d_prev};
+                   c->d_sstage,    c->d_prev,      c->d_ones};
     for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
         if (dev[i] != NULL)
             cudaFreeAsync(dev[i], c->se);
@@ -1977,12 +1980,38 @@ static int64_t cuda_dev_bad(amx_state_t *st, amx_devbuf_t *d)
 /* The job's previous globals (lay->prev_*) on the device for the device
  * answers, copied once per lay->prev_key: every rank's answer of an epoch
  * reads the same copy. */
-static amx_status_t prev_upload(cuda_state_t *c, const amx_devans_layout_t *lay,
-                                amx_devans_src_t *src, amx_err_t *err)
+static amx_status_t prev_upload(const amx_state_t *st, cuda_state_t *c,
+                                const amx_devans_layout_t *lay, amx_devans_src_t *src,
+                                amx_err_t *err)
 {
     size_t pn = lay->prev_n;
     if (pn == 0 || lay->nq == 0)
         return AMX_OK;
+    int back = st->front ^ 1;
+    if (lay->prev_dev && st->out_nq[back] >= pn && c->o_gamax[back] != NULL) {
+        /* The set published before this epoch's, all of it (reconcile.c
+         * previous_on_device): read in place, behind the engine's finish;
+         * the next epoch's writes to it wait for the answers (wait_in). */
+        if (pn > c->cap_ones) {
+            CU(cudaSetDevice(c->device), "cudaSetDevice");
+            dfree(c->d_ones, c->sl);
+            c->d_ones = NULL;
+            c->cap_ones = 0;
+            size_t cap = pn + pn / 4;
+            AMX_CHECK(dalloc((void **)&c->d_ones, cap, c->sl, err));
+            CU(cudaMemsetAsync(c->d_ones, 1, cap, c->sl), "cudaMemsetAsync (has-previous)");
+            c->cap_ones = cap;
+        }
+        src->pga = c->o_gamax[back];
+        src->pgs = c->o_gscale[back];
+        src->pok = c->d_ones;
+        src->prev_n = (uint32_t)pn;
+        return AMX_OK;
+    }
+    if (lay->prev_dev)
+        return amx_err_set(err, AMX_EINTERNAL,
+                           "the previous globals are not on the device (%llu of %zu there)",
+                           (unsigned long long)st->out_nq[back], pn);
     if (lay->prev_key == 0 || lay->prev_key != c->prev_key || pn != c->prev_n_up) {
         CU(cudaSetDevice(c->device), "cudaSetDevice");
         /* The last copy out of the staging is behind the last answer. */
@@ -2032,7 +2061,7 @@ static amx_status_t cuda_dev_answer(amx_state_t *st, amx_devbuf_t *d, const amx_
     src.samax = c->o_samax[f], src.sscale = c->o_sscale[f], src.sinv = c->o_sinv[f];
     src.out_nq = st->out_nq[f];
     src.out_ns = st->out_ns[f];
-    AMX_CHECK(prev_upload(c, lay, &src, err));
+    AMX_CHECK(prev_upload(st, c, lay, &src, err));
     amx_status_t r = amx__cuda_dev_answer(d, &src, gather, ngather, ncells, lay, done, c->sl, err);
     /* Not waited for here: the engine's next operations wait for it
      * (wait_in), the loop's own are behind it on sl. Also after a failure,

@@ -351,6 +351,9 @@ static amx_status_t set_maps(amx_job_t *j, const amx_slab_t *sl, struct amx_devr
     d->lay.prev_ok = j->prev_ok;
     d->lay.prev_n = j->prev_n;
     d->lay.prev_key = j->prev_serial;
+    d->lay.prev_dev = j->prev_dev;
+    if (j->prev_dev)
+        d->lay.prev_n = j->cat->n;
     return AMX_OK;
 }
 

@@ -174,6 +174,16 @@ typedef struct amx_job {
      * an epoch, a restore): the key of their copy on the device (the
      * device answers'). */
     uint64_t prev_serial;
+    /* Whether the front output set is what the finish of the last
+     * reconciled epoch wrote (no import, restore, layout change or failed
+     * epoch since): then, once published over, it is the previous
+     * globals, on the device too (prev_dev). */
+    int front_finished;
+    /* The device answers of the epoch being answered read the previous
+     * globals from the device's output set behind the front (all
+     * published, catalog order): j->prev_* may lag until the answers are
+     * queued. */
+    int prev_dev;
     /* Per quantizer of cat (< pub_n): whether the front outputs hold a
      * global that an epoch published for it, rather than the placeholder
      * (0, 1) a layout change gives a quantizer new to it. NULL: all do. */

@@ -349,10 +349,11 @@ static int reserve_previous(amx_job_t *j, uint32_t n)
     return 0;
 }
 
-static void save_previous(amx_job_t *j)
+/* The previous globals (j->prev_*) from output set f, the front before
+ * this epoch's publish. */
+static void save_previous(amx_job_t *j, int f)
 {
     amx_state_t *st = j->state;
-    int f = st->front;
     uint32_t n = j->cat->n;
     if (reserve_previous(j, n) != 0) {
         j->prev_n = 0; /* out of memory: no previous values, nothing wrong */
@@ -396,14 +397,45 @@ static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res)
     j->prev_n = n;
 }
 
+/* Whether the previous globals of this epoch's answers can come from the
+ * device's output set behind the front once published (prev_dev): every
+ * rank in Reconcile waits for a device answer (or for nothing), the front
+ * set is the last finish's, of this catalog, and every global of it was
+ * published. Then the host copy (save_previous) waits for the answers. */
+static int previous_on_device(const amx_job_t *j, const amx_epoch_result_t *res)
+{
+    const amx_state_t *st = j->state;
+    int f = st->front, ndev = 0;
+    if (!j->front_finished || res->cat != NULL || j->pub_ok != NULL || j->cat == NULL ||
+        j->cat->n == 0 || st->g_amax[f] == NULL || st->out_nq[f] < j->cat->n ||
+        st->ops->dev_answer == NULL)
+        return 0;
+    for (uint32_t i = 0; i < j->nlocal; i++) {
+        const amx_lrank_t *r = &j->lr[i];
+        if (!r->in_reconcile || r->rec_w == NULL)
+            continue;
+        if (!r->rec_w->device_answer)
+            return 0;
+        ndev++;
+    }
+    return ndev > 0;
+}
+
 void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
 {
     amx_epoch_result_t *res = amx_engine_result(j->eng);
     uint64_t t_in = amx_now_us();
+    int f_prev = j->state->front;
     j->in_flight = 0;
     j->prev_serial++; /* what follows may change the previous globals */
-    if (res->reconciled && !res->imported && !j->dropped && j->last_reconciled > 0)
-        save_previous(j);
+    j->prev_dev = 0;
+    if (res->reconciled && !res->imported && !j->dropped && j->last_reconciled > 0) {
+        j->prev_dev = previous_on_device(j, res);
+        if (!j->prev_dev)
+            save_previous(j, f_prev);
+    }
+    /* Moves on below, after a reconciled epoch that changed nothing else. */
+    j->front_finished = 0;
     uint64_t t_prev = amx_now_us();
     j->last_started_us = j->flight_started_us;
     j->last_entered_us = j->flight_entered_us;
@@ -532,6 +564,12 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             amx_arena_free(&a);
         }
         j->last_answered_us = amx_now_us();
+        if (j->prev_dev) {
+            /* The answers read them on the device; the host's copy now. */
+            save_previous(j, f_prev);
+            j->prev_dev = 0;
+        }
+        j->front_finished = !res->imported && res->cat == NULL;
         if (ndev > 0 && amx_log_profiling())
             AMX_INFO("profile",
                      "job %s, epoch %llu answered: %llu us, device answers %llu us (%u rank(s)); "

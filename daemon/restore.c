@@ -267,6 +267,7 @@ static amx_status_t restore_job(amx_registry_t *reg, amx_snapshot_t *s, amx_err_
         memcpy(j->prev_gs, m->prev_gs, cat->n * sizeof(float));
     }
     j->prev_serial++;
+    j->front_finished = 0;
     j->last_reconciled = js->last_reconciled;
     j->epoch = js->last_reconciled + 1;
     j->epochs_ok = m->epochs_ok;

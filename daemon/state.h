@@ -198,7 +198,9 @@ typedef struct amx_devsignal {
  * else 0, 1, 1), g[6..7] the previous epoch's global amax and scale
  * (float32) and g[8] has_previous (a byte): prev_ga, prev_gs, prev_ok in
  * catalog order, prev_n of them (host memory, copied to the device once
- * per prev_key).
+ * per prev_key); or, with prev_dev, the global amax and scale of the
+ * device's output set behind the front (the one published before), every
+ * one of the prev_n previous (no host arrays, no copy).
  * `key`: the slab's serial; the gather runs, qoff, cidx, ssrc and send are
  * uploaded only when it changed. */
 typedef struct amx_devans_layout {
@@ -214,6 +216,7 @@ typedef struct amx_devans_layout {
     const uint8_t *prev_ok;
     uint32_t prev_n;
     uint64_t prev_key; /* changes whenever the prev_* arrays do (0: copy them every time) */
+    int prev_dev;
 } amx_devans_layout_t;
 
 typedef struct amx_state_ops {

@@ -139,7 +139,8 @@ def test_device_same_bytes_as_packed(start_daemon):
     assert "device buffers" in d.log()
 
 
-def test_device_same_bytes_after_the_catalog_moved(start_daemon):
+@pytest.mark.parametrize("rank1", ["packed", "device"])
+def test_device_same_bytes_after_the_catalog_moved(start_daemon, rank1):
     """The device answer keeps its maps (catalog index per quantizer,
     global slices, runs) and the job's previous globals on the GPU and
     uploads them again only when the slab is rebuilt (its serial) or the
@@ -147,7 +148,14 @@ def test_device_same_bytes_after_the_catalog_moved(start_daemon):
     whose name sorts first after two epochs: the catalog is rebuilt and the
     indices of rank 0's quantizers move, while rank 0's layout id, and so
     its device buffers, stay. Rank 0's device answer must still be the
-    packed answer of a twin job fed the same values, in every epoch."""
+    packed answer of a twin job fed the same values, in every epoch.
+
+    rank1="device": every rank of the job takes the device path, so the
+    answers read the previous globals straight from the device's output
+    set (reconcile.c previous_on_device) in the epochs that allow it (2
+    and 5), and from the host's copy in those that do not (1: none; 3: the
+    catalog moved; 4: the front set came from a layout change). Rank 1
+    opens new buffers for its new layout."""
     d = start_daemon(env=ENV)
     W, epochs = 2, 5
     base = [amaxd.Quantizer("m.w", [8], amaxd.Recipe.fp8_current()),
@@ -156,26 +164,34 @@ def test_device_same_bytes_after_the_catalog_moved(start_daemon):
     extra = [amaxd.Quantizer("a.extra", [3], amaxd.Recipe.fp8_current())]
     import threading
     step = threading.Barrier(W)
+    dev_job = "mv-dv" if rank1 == "packed" else "mv-dd"
 
     def rank(r):
         rng = np.random.default_rng(50 + r)
-        cp, cd = d.client("mv-pk", r, W), d.client("mv-dv", r, W)
+        cp, cd = d.client("mv-pk", r, W), d.client(dev_job, r, W)
         for c in (cp, cd):
             c.join()
             c.register(base)
         L0 = cd.layout()
-        slab = cd.device_slab() if r == 0 else None
-        compared = 0
+        on_dev = r == 0 or rank1 == "device"
+        slab = cd.device_slab() if on_dev else None
+        lid = L0.id
+        compared, prev_seen = 0, []
         for e in range(epochs):
             if e == 2 and r == 1:
                 for c in (cp, cd):
                     c.register(extra)
+            if on_dev and r == 1 and cd.layout(refresh=True).id != lid:
+                # Its new layout: new buffers.
+                lid = cd.layout().id
+                cd.close_device()
+                slab = cd.device_slab()
             step.wait(60)
             amax = {n: (rng.random(int(k), dtype=np.float32) * 10 + e).astype(np.float32)
                     for n, k in zip(cp.layout(refresh=True).names, cp.layout().ncells)}
             vals, _ = cp.layout().pack(amax)
             cp.send_packed(vals)
-            if r == 1:
+            if not on_dev:
                 cd.layout(refresh=True)
                 cd.send_packed(vals)
                 rp, rg = cp.reconcile_packed(), cd.reconcile_packed()
@@ -188,17 +204,22 @@ def test_device_same_bytes_after_the_catalog_moved(start_daemon):
             torch.cuda.current_stream().synchronize()
             for k in ARRAYS:
                 a = np.asarray(getattr(rp, k)).tobytes()
-                assert host(getattr(rd, k)) == a, (e, k)
+                assert host(getattr(rd, k)) == a, (r, e, k)
+            prev_seen.append(int(np.asarray(rp.has_previous).sum()))
             compared += 1
         if r == 0:
             # The same device buffers all along (the layout id never moved).
             assert cd.layout(refresh=True).id == L0.id
+        if on_dev:
+            # No previous globals in epoch 1, some in every later one.
+            assert prev_seen[0] == 0 and min(prev_seen[1:]) > 0, prev_seen
         for c in (cp, cd):
             c.close()
         return compared
     got = run_ranks(rank, W)
-    assert got[0] == epochs, got
-    print(f"device answer after the catalog moved: {got[0]} epochs, same bytes as packed")
+    assert got[0] == epochs and (rank1 == "packed" or got[1] == epochs), got
+    print(f"device answer after the catalog moved (rank 1 {rank1}): {got} epochs compared, "
+          "same bytes as packed")
 
 
 def long_kernel_setup(d):
