@@ -5,6 +5,7 @@
 #include <ini.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "version.h"
 
@@ -213,6 +214,9 @@ static void apply_typed(amx_config_t *cfg, int i, int64_t iv)
     case AMX_CFG_peer_tls_ca:
         cfg->peer_tls_ca = t;
         break;
+    case AMX_CFG_busy_poll:
+        cfg->busy_poll = t;
+        break;
     case AMX_CFG_collective:
         cfg->collective = t;
         break;
@@ -268,6 +272,14 @@ int amx_config_is_set(const amx_config_t *cfg, const char *name)
 {
     int i = find_entry(name);
     return i >= 0 && cfg->set[i];
+}
+
+int amx_config_busy_poll(const amx_config_t *cfg)
+{
+    const char *v = cfg->busy_poll != NULL ? cfg->busy_poll : "auto";
+    if (strcmp(v, "auto") == 0)
+        return sysconf(_SC_NPROCESSORS_ONLN) >= 8;
+    return strcmp(v, "on") == 0;
 }
 
 typedef struct ini_ctx {

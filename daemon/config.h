@@ -116,7 +116,11 @@ enum { AMX_CFG_IMMUTABLE = 1, AMX_CFG_SECRET = 2 };
     X(gloo_host, AMX_CFG_STR, "", 0, 0, NULL, AMX_CFG_IMMUTABLE,                                   \
       "address Gloo binds and advertises (empty: the host of peer_advertise)")                     \
     X(cuda_device, AMX_CFG_INT, "0", 0, 255, NULL, AMX_CFG_IMMUTABLE,                              \
-      "CUDA device of the cuda backend (and of NCCL)")
+      "CUDA device of the cuda backend (and of NCCL)")                                             \
+    X(busy_poll, AMX_CFG_ENUM, "auto", 0, 0, "auto|on|off", AMX_CFG_IMMUTABLE,                     \
+      "while an epoch is about to start or end, the engine and loop threads poll instead of "      \
+      "sleeping (at most 2 ms a time; saves a scheduler wake-up, tens of microseconds, per hop; "  \
+      "docs/OPERATING.md); auto = on with 8 or more CPUs online")
 
 enum {
 #define AMX__CFG_ENUM(name, type, def, min, max, values, flags, desc) AMX_CFG_##name,
@@ -140,7 +144,11 @@ typedef struct amx_config {
     int64_t cluster_size, cluster_rank, peer_port, cuda_device, coordinator_failover_ms;
     const char *coordinator, *peer_listen, *peer_advertise, *cluster_secret_file;
     const char *peer_tls_cert, *peer_tls_key, *peer_tls_ca, *collective, *gloo_host;
+    const char *busy_poll;
 } amx_config_t;
+
+/* Whether busy_poll is in effect (auto: 8 or more CPUs online). */
+int amx_config_busy_poll(const amx_config_t *cfg);
 
 /* Whether entry `name` was given explicitly (not its default). */
 int amx_config_is_set(const amx_config_t *cfg, const char *name);

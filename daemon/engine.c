@@ -735,6 +735,18 @@ static amx_status_t wait_device_slabs(amx_engine_t *e, uint64_t deadline)
     return AMX_OK;
 }
 
+/* How long the loop polls for the end of an epoch once the device slabs
+ * are in (env.expect): the rest of an epoch of ten million cells takes
+ * about a millisecond and a half on a GPU; a longer one ends with the
+ * usual wake-up. */
+#define EXPECT_END_US 2000
+
+static void expect_end(amx_engine_t *e)
+{
+    if (e->busy_poll && e->env.expect != NULL)
+        e->env.expect(e->env.ud, EXPECT_END_US);
+}
+
 static void run_epoch(amx_engine_t *e)
 {
     amx_job_t *j = e->job;
@@ -754,6 +766,7 @@ static void run_epoch(amx_engine_t *e)
     if (j->mship.npart <= 1) {
         if (wait_device_slabs(e, e->deadline) != AMX_OK)
             goto out;
+        expect_end(e);
         if (j->nprop > 0 && adopt_locally(e) != AMX_OK)
             goto out;
         if (finish(e, 1) != AMX_OK)
@@ -773,6 +786,7 @@ static void run_epoch(amx_engine_t *e)
     }
     if (wait_device_slabs(e, e->deadline) != AMX_OK)
         goto out;
+    expect_end(e);
     if (e->comm == NULL || e->need_sync) {
         if (amx__engine_agree(e) != AMX_OK)
             goto out;
@@ -862,15 +876,41 @@ out:
                                        e->res.header_us + e->res.finish_us + e->res.snapshot_us)));
 }
 
+/* How long the engine thread spins for an expected epoch (amx_engine_expect)
+ * before it sleeps again: the loop's flip of the epoch (the device slabs'
+ * merges queued) takes tens of microseconds; an epoch that does not come
+ * (start_epoch failed) costs this much of a core once. */
+#define EXPECT_SPIN_US 2000
+
+/* Under e->mu: an expected epoch, spun for outside the lock; returns with
+ * the lock held again. */
+static void spin_for_work(amx_engine_t *e)
+{
+    atomic_store(&e->expect, 0);
+    pthread_mutex_unlock(&e->mu);
+    uint64_t until = amx_now_us() + EXPECT_SPIN_US;
+    for (unsigned i = 0; !atomic_load(&e->work); i++) {
+        amx_cpu_relax();
+        if ((i & 255) == 0 && amx_now_us() >= until)
+            break;
+    }
+    pthread_mutex_lock(&e->mu);
+}
+
 static void *engine_main(void *arg)
 {
     amx_engine_t *e = arg;
     pthread_mutex_lock(&e->mu);
     for (;;) {
-        while (!e->have_work && !e->quit)
-            pthread_cond_wait(&e->cv, &e->mu);
+        while (!e->have_work && !e->quit) {
+            if (atomic_load(&e->expect))
+                spin_for_work(e);
+            else
+                pthread_cond_wait(&e->cv, &e->mu);
+        }
         if (e->quit)
             break;
+        atomic_store(&e->work, 0);
         pthread_mutex_unlock(&e->mu);
         run_epoch(e);
         pthread_mutex_lock(&e->mu);
@@ -898,6 +938,9 @@ amx_status_t amx_engine_create(amx_job_t *job, const amx_engine_env_t *env, amx_
     pthread_mutex_init(&e->blob_mu, NULL);
     pthread_cond_init(&e->cv, NULL);
     atomic_init(&e->abort_flag, 0);
+    atomic_init(&e->expect, 0);
+    e->busy_poll = env->cfg != NULL && amx_config_busy_poll(env->cfg);
+    atomic_init(&e->work, 0);
     atomic_init(&e->comm_gen, 0);
     if (pthread_create(&e->th, NULL, engine_main, e) != 0) {
         pthread_cond_destroy(&e->cv);
@@ -933,6 +976,16 @@ void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
     if (e->pend_epoch <= epoch)
         e->pend_epoch = 0;
     e->have_work = 1;
+    atomic_store(&e->work, 1);
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+}
+
+void amx_engine_expect(amx_engine_t *e)
+{
+    if (!e->busy_poll || atomic_exchange(&e->expect, 1))
+        return;
+    pthread_mutex_lock(&e->mu);
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }

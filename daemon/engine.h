@@ -33,6 +33,9 @@ typedef struct amx_engine_env {
     int cuda_device;
     /* Engine thread: the epoch of `job` has ended; wake the loop. */
     void (*post)(void *ud, amx_job_t *job);
+    /* Engine thread: post comes within `us` microseconds (finish begins);
+     * may be NULL. */
+    void (*expect)(void *ud, uint64_t us);
     void *ud;
 } amx_engine_env_t;
 
@@ -83,6 +86,11 @@ amx_status_t amx_engine_create(amx_job_t *job, const amx_engine_env_t *env, amx_
 /* Loop lock: runs one epoch of the job (job->in_flight must be set and
  * the pending buffers flipped) with a deadline (CLOCK_MONOTONIC ms). */
 void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms);
+
+/* Loop lock: amx_engine_start is about to be called (the loop flips the
+ * epoch first): the idle engine thread wakes now and spins for it instead
+ * of waking at the start (a wake-up is tens of microseconds). */
+void amx_engine_expect(amx_engine_t *e);
 
 /* Loop lock: the outcome, valid from env.post until the next start.
  * The loop may take the pointers it owns (cat, desc, pend_runs, rejected)

@@ -37,6 +37,11 @@ struct amx_engine {
     pthread_mutex_t mu; /* work hand-off, comm pointer, abort */
     pthread_cond_t cv;
     int have_work, quit;
+    /* amx_engine_expect: an epoch is about to be handed over; the thread
+     * wakes now and spins (EXPECT_SPIN_US at most) on `work` instead of
+     * sleeping, so that the hand-off costs no wake-up. */
+    atomic_int expect, work;
+    int busy_poll; /* config busy_poll: expect and expect_end spin */
     uint64_t epoch, deadline;
     uint64_t start_epoch; /* the epoch handed to amx_engine_start (under mu) */
     atomic_int abort_flag;

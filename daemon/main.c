@@ -179,6 +179,11 @@ static void free_cluster(amx_daemon_t *d)
     d->cluster = NULL;
 }
 
+static void expect_loop(void *ud, uint64_t us)
+{
+    amx_rpc_expect(ud, us);
+}
+
 /* The services and the transport that serves them. */
 static amx_status_t start_services(amx_daemon_t *d, double start, amx_err_t *err)
 {
@@ -360,6 +365,7 @@ int main(int argc, char **argv)
         return fail_start(&d, err.msg);
     }
     amx_peer_set_rpc(d.peer, d.rpc);
+    amx_registry_on_expect(d.reg, expect_loop, d.rpc);
     amx_rpc_set_metrics(d.rpc, d.metrics);
     start_doorbell(&d);
     uv_timer_init(&d.loop, &d.tick);

@@ -111,6 +111,7 @@ static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *er
         if (j->lr[i].rec_w != NULL && j->lr[i].rec_w->deadline_ms < deadline)
             deadline = j->lr[i].rec_w->deadline_ms;
     j->flight_entered_us = amx_now_us();
+    amx_engine_expect(j->eng);
     j->state->ops->flip(j->state);
     amx__dev_merge_epoch(reg, j);
     j->in_flight = 1;

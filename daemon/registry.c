@@ -48,6 +48,12 @@ void amx_registry_on_drop(amx_registry_t *reg, void (*fn)(void *ud, const char *
     reg->on_drop_ud = ud;
 }
 
+void amx_registry_on_expect(amx_registry_t *reg, void (*fn)(void *ud, uint64_t us), void *ud)
+{
+    reg->on_expect = fn;
+    reg->on_expect_ud = ud;
+}
+
 /* ---- waiters ---- */
 
 void amx__finish_waiter(amx_registry_t *reg, amx_waiter_t *w, amx_status_t st, const char *msg,
@@ -73,9 +79,24 @@ static void post_done(void *ud, amx_job_t *job)
     uv_async_send(&reg->done_async);
 }
 
+/* Engine thread: its epoch ends within `us`: the loop polls from now on
+ * (on_expect) and is woken to start (the done queue is empty yet: the
+ * wake-up drains nothing). */
+static void expect_done(void *ud, uint64_t us)
+{
+    amx_registry_t *reg = ud;
+    if (reg->on_expect == NULL)
+        return;
+    reg->on_expect(reg->on_expect_ud, us);
+    uv_async_send(&reg->done_async);
+}
+
 static void epoch_done_item(void *ud, void *item)
 {
-    amx__epoch_done(ud, *(amx_job_t **)item);
+    amx_registry_t *reg = ud;
+    if (reg->on_expect != NULL)
+        reg->on_expect(reg->on_expect_ud, 0); /* it came: the loop may sleep again */
+    amx__epoch_done(reg, *(amx_job_t **)item);
 }
 
 static void on_done_async(uv_async_t *h)
@@ -134,6 +155,7 @@ amx_status_t amx_registry_create(uv_loop_t *loop, const amx_config_t *cfg, const
     reg->env.gloo_host = cfg->gloo_host;
     reg->env.cuda_device = (int)cfg->cuda_device;
     reg->env.post = post_done;
+    reg->env.expect = expect_done;
     reg->env.ud = reg;
     /* The default memory budget: half of the memory the state lives in. */
     uint64_t mem = amx_state_memory(backend, (int)cfg->cuda_device);

@@ -95,6 +95,11 @@ amx_status_t amx_registry_layout(amx_registry_t *reg, const char *job, uint32_t 
  * a peer's drop), before it is gone. */
 void amx_registry_on_drop(amx_registry_t *reg, void (*fn)(void *ud, const char *job), void *ud);
 
+/* fn(ud, us) (any thread) is told when an engine's end of epoch is due
+ * within `us` microseconds (0: it came), so that the loop can wait for it
+ * without sleeping (rpc.h amx_rpc_expect). */
+void amx_registry_on_expect(amx_registry_t *reg, void (*fn)(void *ud, uint64_t us), void *ud);
+
 /* Merges a slab into the open epoch; atomic. A layout id that is not the
  * rank's current one is FAILED_PRECONDITION. req->values is normalized in
  * place. */

@@ -41,6 +41,8 @@ struct amx_registry {
     amx_job_t *zombies; /* dropped while in flight: freed when the engine returns */
     void (*on_drop)(void *ud, const char *job);
     void *on_drop_ud;
+    void (*on_expect)(void *ud, uint64_t us);
+    void *on_expect_ud;
     uint32_t njobs;
     uint32_t nwaiting;
     int shutting_down;

@@ -686,6 +686,32 @@ void amx_rpc_free(amx_rpc_t *rpc)
     shutdown_grpc();
 }
 
+/* While amx_rpc_expect's window lasts (and no timer is due, t ms): polls
+ * the loop's descriptor without sleeping, lock released, until something
+ * is there. 0: no window (sleep as usual). */
+static int spin(amx_rpc_t *rpc, struct pollfd *p, int t)
+{
+    uint64_t now = amx_now_us();
+    uint64_t until = __atomic_load_n(&rpc->spin_until, __ATOMIC_ACQUIRE);
+    if (until <= now)
+        return 0;
+    if (t >= 0 && now + (uint64_t)t * 1000 < until)
+        until = now + (uint64_t)t * 1000;
+    for (unsigned i = 1;; i++) {
+        if (queued_events(rpc) || poll(p, 1, 0) != 0)
+            return 1;
+        for (int k = 0; k < 16; k++)
+            amx_cpu_relax();
+        if ((i & 15) == 0 && amx_now_us() >= until)
+            return 1;
+    }
+}
+
+void amx_rpc_expect(amx_rpc_t *rpc, uint64_t us)
+{
+    __atomic_store_n(&rpc->spin_until, us ? amx_now_us() + us : 0, __ATOMIC_RELEASE);
+}
+
 int amx_rpc_run(amx_rpc_t *rpc)
 {
     uv_loop_t *loop = rpc->loop;
@@ -704,7 +730,7 @@ int amx_rpc_run(amx_rpc_t *rpc)
         pthread_mutex_unlock(&rpc->loop_mu);
         /* EINTR and spurious returns are harmless: uv_run looks again. An
          * event queued after the drain while the lock was held is ours. */
-        if (!queued_events(rpc))
+        if (!queued_events(rpc) && !spin(rpc, &p, t))
             (void)poll(&p, 1, t);
         __atomic_store_n(&rpc->loop_wants, 1, __ATOMIC_RELEASE);
         pthread_mutex_lock(&rpc->loop_mu);

@@ -134,6 +134,13 @@ void amx_rpc_stop(amx_rpc_t *rpc, uint64_t grace_ms, void (*on_stopped)(void *ud
  * held (uv_run's return value). Loop thread, after amx_rpc_start. */
 int amx_rpc_run(amx_rpc_t *rpc);
 
+/* Any thread: something will wake the loop within `us` microseconds (an
+ * epoch's end): until then the loop thread, once awake (the caller wakes
+ * it), polls its descriptor without sleeping, so that the wake-up costs no
+ * scheduler latency; 0 ends the window. The loop lock stays free
+ * meanwhile. */
+void amx_rpc_expect(amx_rpc_t *rpc, uint64_t us);
+
 /* Frees a stopped server and lets go of the loop lock. Loop thread. */
 void amx_rpc_free(amx_rpc_t *rpc);
 
