@@ -55,6 +55,13 @@ class Client:
         # ReconcileDevice through the daemon's doorbell socket when it has
         # one (docs/API.md "The doorbell"); AMAXD_DOORBELL=0 or False: gRPC.
         self.doorbell = os.environ.get("AMAXD_DOORBELL", "1") != "0"
+        # The blocking reconcile_device polls the doorbell for its answer
+        # this many seconds before it sleeps (no wake-up when the answer
+        # comes, as CUDA's own spin-waits): AMAXD_DOORBELL_SPIN_S, default
+        # 2 ms with 8 or more CPUs, else 0 (docs/API.md "The doorbell").
+        spin = os.environ.get("AMAXD_DOORBELL_SPIN_S")
+        self.doorbell_spin = (float(spin) if spin is not None
+                              else 0.002 if (os.cpu_count() or 1) >= 8 else 0.0)
         self._door: Any = None
         self._reader: Any = None  # amaxd.device.AsyncReader of the async variant
         self._pending: Any = None  # its last PendingDevice
@@ -350,7 +357,8 @@ class Client:
 
         def call() -> Any:
             if door is not None:
-                return door.call(req, self.timeout if timeout is None else timeout, seq)
+                return door.call(req, self.timeout if timeout is None else timeout, seq,
+                                 self.doorbell_spin)
             return self._unary("ReconcileDevice", req, pb.ReconcileDeviceResponse, timeout)
         r = self._device_answer(epoch, call)
         if seq:

@@ -34,6 +34,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import grpc
@@ -436,9 +437,21 @@ class Doorbell:
         except OSError as e:
             raise self._fail(e, "") from e
 
-    def recv(self, timeout: Optional[float]) -> Any:
+    def _poll(self, s: socket.socket, spin: float) -> Optional[bytes]:
+        """The answer if it comes within `spin` seconds, read without
+        sleeping (no scheduler wake-up when it comes); None after."""
+        end = time.perf_counter() + spin
+        while True:
+            try:
+                return s.recv(self.ANS.size + 4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() >= end:
+                    return None
+
+    def recv(self, timeout: Optional[float], spin: float = 0.0) -> Any:
         """The answer to the request sent: a ReconcileDeviceResponse, or
-        the AmaxdError of the daemon's status."""
+        the AmaxdError of the daemon's status. spin: poll for it this many
+        seconds (at most `timeout`) before sleeping."""
         from .errors import Unavailable, from_status
         from ._gen import amaxd_pb2 as pb
         s = self._s
@@ -446,11 +459,17 @@ class Doorbell:
             raise Unavailable(grpc.StatusCode.UNAVAILABLE,
                               f"the doorbell {self.path} is closed")
         try:
+            t0 = time.perf_counter()
             if timeout is not None:
-                ready, _, _ = select.select([s], [], [], timeout)
-                if not ready:
-                    raise socket.timeout()
-            data = s.recv(self.ANS.size + 4096)
+                spin = min(spin, timeout)
+            data = self._poll(s, spin) if spin > 0 else None
+            if data is None:
+                if timeout is not None:
+                    left = max(0.0, timeout - (time.perf_counter() - t0))
+                    ready, _, _ = select.select([s], [], [], left)
+                    if not ready:
+                        raise socket.timeout()
+                data = s.recv(self.ANS.size + 4096)
         except OSError as e:
             raise self._fail(e, str(timeout)) from e
         if len(data) < self.ANS.size:
@@ -468,9 +487,9 @@ class Doorbell:
         return pb.ReconcileDeviceResponse(epoch=epoch, next_epoch=next_epoch,
                                           layout_id=layout_id)
 
-    def call(self, req: Any, timeout: Optional[float], seq: int = 0) -> Any:
+    def call(self, req: Any, timeout: Optional[float], seq: int = 0, spin: float = 0.0) -> Any:
         self.send(req, seq)
-        return self.recv(timeout)
+        return self.recv(timeout, spin)
 
 
 class StreamNotReleased(AmaxdError):
