@@ -229,6 +229,7 @@ PROFILE_KINDS = (("engine", re.compile(r"profile: job (\S+), epoch \d+ \(reconci
                  ("nccl", re.compile(r"profile: nccl all-reduce of \d+ floats: (.*)")),
                  ("finish", re.compile(r"profile: finish of \d+ cells / \d+ quantizers[^:]*: (.*)")),
                  ("slabs", re.compile(r"profile: device slabs of \d+ trainer\(s\): (.*)")),
+                 ("merge", re.compile(r"profile: device merge of rank \d+, device us: (.*)")),
                  ("answer", re.compile(r"profile: job (\S+), epoch \d+ answered: (.*)")),
                  ("devans", re.compile(r"profile: device answer of rank \d+: (.*)")))
 
@@ -267,7 +268,7 @@ def print_profile(log, res, warmup):
         if not rows:
             print(f"{r['size']:>16} | no profile lines")
             continue
-        for kind in ("engine", "slabs", "nccl", "finish", "answer", "devans"):
+        for kind in ("engine", "slabs", "merge", "nccl", "finish", "answer", "devans"):
             fields = {}
             for row in rows:
                 for label, num in re.findall(r"([a-zA-Z][a-zA-Z0-9 -]*?)\s+(\d+)(?: us)?(?=[,;:(]|$| )",
@@ -323,6 +324,13 @@ def main():
     print(f"trainer_latency: {W} x {name}, {who}, {args.iters} syncs per path after "
           f"{args.warmup} warm-up, median of the slowest rank, stream synchronized at the end of "
           f"every path")
+    bp = os.environ.get("AMAXD_BUSY_POLL", "auto")
+    ncpu = os.cpu_count() or 1
+    spin = os.environ.get("AMAXD_DOORBELL_SPIN_S")
+    spin = float(spin) if spin is not None else 0.002 if ncpu >= 8 else 0.0
+    print(f"daemon busy_poll={bp} ({'on' if bp == 'on' or (bp == 'auto' and ncpu >= 8) else 'off'}"
+          f", {ncpu} CPUs), client doorbell spin {spin * 1e3:g} ms, AMAXD_PROFILE "
+          f"{'on' if args.profile else 'off'}")
     print(f"{'per rank':>16} {'cells':>9} | {'inproc ms':>9} | {'grpc ms':>8} {'x':>6} | "
           f"{'shm ms':>8} {'x':>6} | {'device ms':>9} {'x':>6} | {'dev/gRPC':>8} {'x':>6} | "
           f"{'async':>8} {'x':>6} {'host back':>9} {'ready':>8} {'x':>6} | same scales")

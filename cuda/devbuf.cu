@@ -69,11 +69,14 @@ struct amx_devbuf {
     cudaEvent_t answered; /* on state_dev: the answer is written */
     cudaEvent_t merged;   /* on state_dev: the last merge's check copied back */
     int merged_used;
-    int answered_used;                 /* `answered` was recorded (the last answer may still run) */
-    unsigned long long *d_bad, *h_bad; /* first bad cell of the last merge */
-    amx_run_t *d_runs, *h_runs;        /* merge runs (state_dev, pinned) */
-    size_t cap_runs, n_runs;           /* n_runs: the runs on the device now */
-    amx_run_t *d_gruns, *h_gruns;      /* answer runs */
+    int answered_used; /* `answered` was recorded (the last answer may still run) */
+    /* The first bad cell of a merge: d_bad[token & 1] (the other word is
+     * reset for the next merge by the merge kernel), copied by the merge
+     * kernel into h_bad (mapped pinned memory, hd_bad on the device). */
+    unsigned long long *d_bad, *h_bad, *hd_bad;
+    amx_run_t *d_runs, *h_runs;   /* merge runs (state_dev, pinned) */
+    size_t cap_runs, n_runs;      /* n_runs: the runs on the device now */
+    amx_run_t *d_gruns, *h_gruns; /* answer runs */
     size_t cap_gruns, n_gruns;
     uint64_t *d_qoff, *h_qoff; /* the slab's quantizer offsets (answer's missing counts) */
     size_t cap_qoff, n_qoff;
@@ -93,6 +96,12 @@ struct amx_devbuf {
     /* The answer's globals (k_dev_tail): the maps, uploaded when the slab
      * changes. */
     struct upl cidx, ssrc, send;
+    /* AMAXD_PROFILE: timed events of the last merge, read by dev_wait:
+     * the state's stream at the merge, the waiting stream before and
+     * after the ready flag, the state's stream after it, after the
+     * kernels (twice: the check's copy is the merge kernel's now). */
+    cudaEvent_t pt[6];
+    int pt_rec;
 };
 
 typedef CUresult (*memop32_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
@@ -162,10 +171,16 @@ __global__ void k_dev_check(const float *v, const uint8_t *has, uint64_t n, unsi
  * check found nothing. The merges of one epoch run one after another on
  * one stream, and a rank's runs never overlap: plain stores. */
 __global__ void k_dev_merge(float *pending, const float *v, const uint8_t *has, uint64_t n,
-                            const amx_run_t *runs, uint32_t nruns, const unsigned long long *bad,
-                            const volatile uint32_t *abort, uint32_t token)
+                            const amx_run_t *runs, uint32_t nruns, unsigned long long *bad,
+                            const volatile uint32_t *abort, uint32_t token,
+                            volatile unsigned long long *h_bad)
 {
-    if (*bad != NO_BAD || *abort == token) /* a bad value, or released at the deadline */
+    unsigned long long b = bad[token & 1]; /* final: k_dev_check ran before */
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        *h_bad = b;                    /* the host reads it after the merge's event */
+        bad[(token + 1) & 1] = NO_BAD; /* the next merge's word */
+    }
+    if (b != NO_BAD || *abort == token) /* a bad value, or released at the deadline */
         return;
     for (uint64_t i = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x; i < n;
          i += (uint64_t)gridDim.x * blockDim.x) {
@@ -361,6 +376,9 @@ extern "C" void amx__cuda_dev_close(amx_devbuf_t *d)
         cudaEventDestroy(d->merged);
     if (d->answered != NULL)
         cudaEventDestroy(d->answered);
+    for (int i = 0; i < 6; i++)
+        if (d->pt[i] != NULL)
+            cudaEventDestroy(d->pt[i]);
     cudaFree(d->d_bad);
     cudaFreeHost(d->h_bad);
     cudaFree(d->d_runs);
@@ -426,11 +444,13 @@ static amx_status_t open_buffers(amx_devbuf_t *d, amx_devbuf_info_t *info, amx_e
     }
     CU(cudaEventCreateWithFlags(&d->answered, cudaEventDisableTiming), "cudaEventCreate");
     CU(cudaEventCreateWithFlags(&d->merged, cudaEventDisableTiming), "cudaEventCreate");
-    CU(cudaMalloc(&d->d_bad, sizeof(unsigned long long)), "cudaMalloc");
+    CU(cudaMalloc(&d->d_bad, 2 * sizeof(unsigned long long)), "cudaMalloc");
+    CU(cudaMemset(d->d_bad, 0xff, 2 * sizeof(unsigned long long)), "cudaMemset");
     CU(cudaMalloc(&d->d_abort, sizeof(uint32_t)), "cudaMalloc");
     CU(cudaMemset(d->d_abort, 0, sizeof(uint32_t)), "cudaMemset");
-    CU(cudaHostAlloc(&d->h_bad, sizeof(unsigned long long), cudaHostAllocDefault), "cudaHostAlloc");
+    CU(cudaHostAlloc(&d->h_bad, sizeof(unsigned long long), cudaHostAllocMapped), "cudaHostAlloc");
     *d->h_bad = NO_BAD;
+    CU(cudaHostGetDevicePointer((void **)&d->hd_bad, d->h_bad, 0), "cudaHostGetDevicePointer");
     info->signals = memops_found();
     return AMX_OK;
 }
@@ -572,6 +592,32 @@ static amx_status_t upload(struct upl *u, const void *src, size_t bytes, uint64_
     return AMX_OK;
 }
 
+/* The profile's timed events of d (pt), made on first use: 0 when there. */
+static int prof_events(amx_devbuf_t *d)
+{
+    if (d->pt[0] != NULL)
+        return 0;
+    for (int i = 0; i < 6; i++) {
+        cudaSetDevice(i == 1 || i == 2 ? d->dev : d->state_dev);
+        if (cudaEventCreate(&d->pt[i]) != cudaSuccess) {
+            cudaGetLastError();
+            for (int k = 0; k < i; k++)
+                cudaEventDestroy(d->pt[k]);
+            memset(d->pt, 0, sizeof(d->pt));
+            cudaSetDevice(d->state_dev);
+            return -1;
+        }
+    }
+    cudaSetDevice(d->state_dev);
+    return 0;
+}
+
+#define PT(i, stream)                                                                              \
+    do {                                                                                           \
+        if (d->pt_rec)                                                                             \
+            cudaEventRecord(d->pt[i], stream);                                                     \
+    } while (0)
+
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
                                             size_t nruns, uint64_t key, uint64_t ncells,
                                             uint64_t has_data_off, const amx_devsignal_t *ready,
@@ -579,42 +625,57 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
                                             amx_err_t *err)
 {
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    d->pt_rec = amx_log_profiling() && prof_events(d) == 0;
     /* The last merge's staging is free once its check came back (the
      * engine waited for it before the epoch could end). */
     if (d->merged_used)
         CU(cudaEventSynchronize(d->merged), "cudaEventSynchronize");
     AMX_CHECK(upload_runs(&d->h_runs, &d->d_runs, &d->cap_runs, &d->n_runs, &d->key_runs, runs,
                           nruns, key, sd, err));
-    CU(cudaMemsetAsync(d->d_bad, 0xff, sizeof(unsigned long long), sd), "cudaMemsetAsync");
-    d->token = d->token + 1 ? d->token + 1 : 1; /* never 0, what d_abort starts with */
+    /* Never 0 (what d_abort starts with); odd and even in turn (d_bad). */
+    d->token = d->token + 1 ? d->token + 1 : 2;
+    *d->h_bad = NO_BAD; /* what an empty slab (no kernel) leaves */
     d->released = 0;
     d->rank = rank;
     d->pend_signal = ready != NULL && memops_found();
     if (ready != NULL)
         d->pend = *ready;
+    PT(0, sd);
     /* Behind the trainer's writes of the slab: its last record of `ready`
-     * (before it called ReconcileDevice), waited on by ds on its GPU. */
-    CU(cudaSetDevice(d->dev), "cudaSetDevice");
+     * (before it called ReconcileDevice), waited on on its GPU: by the
+     * state's stream itself when that is the same GPU, else by ds, which
+     * the state's stream then waits for. */
+    int same = d->dev == d->state_dev;
+    cudaStream_t ws = same ? sd : d->ds;
+    if (!same)
+        CU(cudaSetDevice(d->dev), "cudaSetDevice");
+    PT(1, ws);
     if (ready != NULL && memops_found())
-        CUD(p_wait32((CUstream)d->ds, (CUdeviceptr)((char *)d->slab + ready->flag_off), ready->seq,
+        CUD(p_wait32((CUstream)ws, (CUdeviceptr)((char *)d->slab + ready->flag_off), ready->seq,
                      CU_STREAM_WAIT_VALUE_GEQ),
             "cuStreamWaitValue32 (trainer's ready flag)");
     else
-        CU(cudaStreamWaitEvent(d->ds, d->ready, 0), "cudaStreamWaitEvent (trainer's ready event)");
-    CU(cudaEventRecord(d->seen, d->ds), "cudaEventRecord");
-    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
-    CU(cudaStreamWaitEvent(sd, d->seen, 0), "cudaStreamWaitEvent");
+        CU(cudaStreamWaitEvent(ws, d->ready, 0), "cudaStreamWaitEvent (trainer's ready event)");
+    PT(2, ws);
+    CU(cudaEventRecord(d->seen, ws), "cudaEventRecord");
+    if (!same) {
+        CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+        CU(cudaStreamWaitEvent(sd, d->seen, 0), "cudaStreamWaitEvent");
+    }
+    PT(3, sd);
     const float *v = (const float *)d->slab;
     const uint8_t *has =
         has_data_off == UINT64_MAX ? NULL : (const uint8_t *)d->slab + has_data_off;
     if (ncells > 0) {
-        k_dev_check<<<grid_for(ncells), THREADS, 0, sd>>>(v, has, ncells, d->d_bad);
-        k_dev_merge<<<grid_for(ncells), THREADS, 0, sd>>>(
-            pending, v, has, ncells, d->d_runs, (uint32_t)nruns, d->d_bad, d->d_abort, d->token);
+        k_dev_check<<<grid_for(ncells), THREADS, 0, sd>>>(v, has, ncells,
+                                                          d->d_bad + (d->token & 1));
+        k_dev_merge<<<grid_for(ncells), THREADS, 0, sd>>>(pending, v, has, ncells, d->d_runs,
+                                                          (uint32_t)nruns, d->d_bad, d->d_abort,
+                                                          d->token, d->hd_bad);
         CU(cudaGetLastError(), "device slab merge launch");
     }
-    CU(cudaMemcpyAsync(d->h_bad, d->d_bad, sizeof(unsigned long long), cudaMemcpyDeviceToHost, sd),
-       "cudaMemcpyAsync (check)");
+    PT(4, sd);
+    PT(5, sd);
     CU(cudaEventRecord(d->merged, sd), "cudaEventRecord");
     d->merged_used = 1;
     CU(cudaEventRecord(in, sd), "cudaEventRecord");
@@ -698,6 +759,29 @@ static amx_status_t check_merged(amx_devbuf_t *const *ds, size_t n, amx_err_t *e
                        ds[first]->rank, (unsigned long long)*ds[first]->h_bad, more);
 }
 
+/* AMAXD_PROFILE: the device's times of d's last merge (pt), in us; -1
+ * where the driver cannot tell (events of two devices). */
+static void log_merge_times(amx_devbuf_t *d)
+{
+    if (!d->pt_rec)
+        return;
+    static const int from[] = {0, 1, 2, 3, 4}, to[] = {5, 2, 3, 4, 5};
+    long us[5];
+    for (int i = 0; i < 5; i++) {
+        float ms = -0.001f;
+        cudaSetDevice(from[i] == 1 || from[i] == 2 ? d->dev : d->state_dev);
+        if (cudaEventElapsedTime(&ms, d->pt[from[i]], d->pt[to[i]]) != cudaSuccess) {
+            cudaGetLastError();
+            ms = -0.001f;
+        }
+        us[i] = (long)(ms * 1000.0f + (ms >= 0 ? 0.5f : -0.5f));
+    }
+    AMX_INFO("profile",
+             "device merge of rank %u, device us: total %ld, the ready flag's wait %ld, to the "
+             "state's stream %ld, check and merge %ld, the rest %ld",
+             d->rank, us[0], us[1], us[2], us[3], us[4]);
+}
+
 extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaEvent_t in,
                                            int state_dev, uint64_t deadline_ms,
                                            int (*aborted)(void *ud), void *ud, amx_err_t *err)
@@ -716,11 +800,15 @@ extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cu
         }
         cudaError_t e = cudaEventQuery(in);
         if (e == cudaSuccess) {
-            if (prof)
+            if (prof) {
                 AMX_INFO("profile",
                          "device slabs of %zu trainer(s): their flags passed %llu us into the "
                          "engine's wait, the merges ended at %llu us",
                          n, (unsigned long long)t_seen, (unsigned long long)(amx_now_us() - t0));
+                for (size_t i = 0; i < n; i++)
+                    log_merge_times(ds[i]);
+                cudaSetDevice(state_dev);
+            }
             return check_merged(ds, n, err);
         }
         if (e != cudaErrorNotReady)
@@ -874,17 +962,29 @@ extern "C" amx_status_t amx__cuda_dev_answer(amx_devbuf_t *d, const amx_devans_s
     }
     if (prof)
         t3 = amx_now_us();
-    CU(cudaEventRecord(d->answered, s), "cudaEventRecord");
-    d->answered_used = 1;
-    CU(cudaSetDevice(d->dev), "cudaSetDevice");
-    CU(cudaStreamWaitEvent(d->ds, d->answered, 0), "cudaStreamWaitEvent");
+    /* The done flag or event behind the answer: written by s itself when
+     * the buffers are on the state's GPU (`answered` after it, so that
+     * dev_close waits for the write), else by ds after `answered`. */
+    int same = d->dev == d->state_dev;
+    cudaStream_t ss = same ? s : d->ds;
+    if (!same) {
+        CU(cudaEventRecord(d->answered, s), "cudaEventRecord");
+        d->answered_used = 1;
+        CU(cudaSetDevice(d->dev), "cudaSetDevice");
+        CU(cudaStreamWaitEvent(d->ds, d->answered, 0), "cudaStreamWaitEvent");
+    }
     if (done != NULL && memops_found())
-        CUD(p_write32((CUstream)d->ds, (CUdeviceptr)((char *)d->answer + done->flag_off), done->seq,
+        CUD(p_write32((CUstream)ss, (CUdeviceptr)((char *)d->answer + done->flag_off), done->seq,
                       0),
             "cuStreamWriteValue32 (done flag)");
     else
-        CU(cudaEventRecord(d->done, d->ds), "cudaEventRecord (done event)");
-    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+        CU(cudaEventRecord(d->done, ss), "cudaEventRecord (done event)");
+    if (same) {
+        CU(cudaEventRecord(d->answered, s), "cudaEventRecord");
+        d->answered_used = 1;
+    } else {
+        CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    }
     /* Not waited for: the trainer's stream waits for the done flag or
      * event, the state's engine for its `answered` (state_cuda.cu), and
      * the staging for d->answered above. */
