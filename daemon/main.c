@@ -366,6 +366,9 @@ int main(int argc, char **argv)
     }
     amx_peer_set_rpc(d.peer, d.rpc);
     amx_registry_on_expect(d.reg, expect_loop, d.rpc);
+    if (amx_config_busy_poll(&d.cfg))
+        AMX_INFO("main", "busy polling around epochs (busy_poll=%s, %ld CPUs online)",
+                 d.cfg.busy_poll, sysconf(_SC_NPROCESSORS_ONLN));
     amx_rpc_set_metrics(d.rpc, d.metrics);
     start_doorbell(&d);
     uv_timer_init(&d.loop, &d.tick);

@@ -113,3 +113,61 @@ def test_doorbell_client_errors(daemon, tmp_path):
     gone = Doorbell(str(tmp_path / "none.door"))
     with pytest.raises(errors.Unavailable, match="failed"):
         gone.call(req, 1)
+
+
+def test_doorbell_client_spin(tmp_path):
+    """Doorbell.recv(spin=): the answer is read while polling, or after
+    the poll gave up and the read slept; the call's timeout bounds the
+    poll; a daemon that hangs up during the poll is UNAVAILABLE. A
+    listener stands in for the daemon (what it answers is checked)."""
+    import threading
+    import time
+    path = str(tmp_path / "d.door")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    srv.listen(4)
+    plan = []  # per request: seconds to wait before answering, or None: hang up
+
+    def serve():
+        conn, _ = srv.accept()
+        for delay in plan:
+            data = conn.recv(4096)
+            assert struct.unpack_from("<I", data)[0] == MAGIC
+            if delay is None:
+                conn.close()
+                return
+            time.sleep(delay)
+            conn.send(ANS.pack(MAGIC, 0, 7, 8, 9, 0, 0))
+        conn.close()
+    plan[:] = [0.05, 0.2, 0.0]
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    d = Doorbell(path)
+    req = pb.ReconcileDeviceRequest(job="j", rank=0, layout_id=1, device_id=2, send=True)
+    r = d.call(req, 10, 1, spin=1.0)  # answered while polling
+    assert (r.epoch, r.next_epoch, r.layout_id) == (7, 8, 9)
+    r = d.call(req, 10, 2, spin=0.01)  # answered after the poll gave up
+    assert (r.epoch, r.next_epoch, r.layout_id) == (7, 8, 9)
+    r = d.call(req, 10, 3)  # no poll at all
+    assert r.epoch == 7
+    t.join(10)
+    d.close()
+    # The timeout bounds the poll: no answer within 0.2 s of a 5 s spin.
+    plan[:] = [3.0]
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    d = Doorbell(path)
+    t0 = time.perf_counter()
+    with pytest.raises(errors.DeadlineExceeded):
+        d.call(req, 0.2, 1, spin=5.0)
+    assert time.perf_counter() - t0 < 2.5, "the poll outlived the call's timeout"
+    t.join(10)
+    # A daemon that hangs up while the client polls.
+    plan[:] = [None]
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    d = Doorbell(path)
+    with pytest.raises(errors.Unavailable, match="closed or answered 0 bytes"):
+        d.call(req, 10, 1, spin=1.0)
+    t.join(10)
+    srv.close()

@@ -40,6 +40,16 @@ START_TEST(bounds_and_types)
     ck_assert_int_eq(c.socket_mode, 0600);
     ck_assert_int_eq(amx_config_set(&c, "socket_mode", "999", &err), AMX_EINVAL);
     ck_assert_int_eq(amx_config_set(&c, "no_such_thing", "1", &err), AMX_EINVAL);
+    /* busy_poll: auto follows the CPUs online, on and off are what they say. */
+    ck_assert_str_eq(c.busy_poll, "auto");
+    ck_assert_int_eq(amx_config_busy_poll(&c), sysconf(_SC_NPROCESSORS_ONLN) >= 8);
+    amx_err_clear(&err);
+    ck_assert_int_eq(amx_config_set(&c, "busy_poll", "sometimes", &err), AMX_EINVAL);
+    ck_assert_msg(strstr(err.msg, "auto|on|off") != NULL, "%s", err.msg);
+    ck_assert_int_eq(amx_config_set(&c, "busy-poll", "on", &err), AMX_OK);
+    ck_assert_int_eq(amx_config_busy_poll(&c), 1);
+    ck_assert_int_eq(amx_config_set(&c, "busy_poll", "off", &err), AMX_OK);
+    ck_assert_int_eq(amx_config_busy_poll(&c), 0);
     amx_config_free(&c);
 }
 END_TEST
