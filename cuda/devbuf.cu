@@ -12,10 +12,12 @@
  * kernels, and the trainer never synchronizes from the host.
  *
  * Interprocess events are only waited on and recorded on a stream of
- * their own GPU (`ds`, one per buffers); plain events carry the order
- * between ds and the state's streams when the GPUs differ (a stream of
- * GPU 0 waiting on an interprocess event of GPU 1 crashed the daemon on
- * 2 x H100).
+ * their own GPU: the trainer's `ready` by `ds` (one per buffers, so that
+ * `seen` tells each trainer's lateness apart), `done` by ds when the GPUs
+ * differ, else by the state's answer stream itself; plain events carry
+ * the order between ds and the state's streams (a stream of GPU 0
+ * waiting on an interprocess event of GPU 1 crashed the daemon on 2 x
+ * H100).
  *
  * A slab on another GPU than the state's is read, and the answer written,
  * through peer access (one daemon for all GPUs of a node).
@@ -23,10 +25,9 @@
  * Signals (the doorbell's requests with a sequence number): a uint32 flag
  * in each buffer replaces the events. The trainer writes the slab's flag
  * on its stream (cuStreamWriteValue32), ds waits for it
- * (cuStreamWaitValue32, cyclic >=); ds writes the answer's flag, the
- * trainer's stream waits for it. The driver's functions are found through
- * the runtime (cudaGetDriverEntryPointByVersion), so the daemon does not
- * link libcuda.
+ * (cuStreamWaitValue32, cyclic >=); the stream that records `done` writes
+ * the answer's flag instead, the trainer's stream waits for it. The driver's functions are found
+ * through the runtime (cudaGetDriverEntryPointByVersion), so the daemon does not link libcuda.
  */
 #include <cuda.h> /* types of the stream memory operations (found at run time) */
 #include <cuda_runtime.h>
@@ -64,7 +65,8 @@ struct amx_devbuf {
     uint64_t slab_bytes, answer_bytes;
     cudaStream_t ds;      /* on dev: waits on `ready`, records `done` */
     cudaEvent_t ready;    /* on dev, interprocess, recorded by the trainer */
-    cudaEvent_t done;     /* on dev, interprocess, recorded by the daemon on ds */
+    cudaEvent_t done;     /* on dev, interprocess, recorded by the daemon (ds, or its answer
+                             stream on the same GPU) */
     cudaEvent_t seen;     /* on dev: ds got past `ready` */
     cudaEvent_t answered; /* on state_dev: the answer is written */
     cudaEvent_t merged;   /* on state_dev: the last merge's check copied back */
@@ -74,6 +76,7 @@ struct amx_devbuf {
      * reset for the next merge by the merge kernel), copied by the merge
      * kernel into h_bad (mapped pinned memory, hd_bad on the device). */
     unsigned long long *d_bad, *h_bad, *hd_bad;
+    int bad_dirty;                /* a merge was set up and not launched: reset d_bad first */
     amx_run_t *d_runs, *h_runs;   /* merge runs (state_dev, pinned) */
     size_t cap_runs, n_runs;      /* n_runs: the runs on the device now */
     amx_run_t *d_gruns, *h_gruns; /* answer runs */
@@ -419,6 +422,7 @@ static amx_status_t open_buffers(amx_devbuf_t *d, amx_devbuf_info_t *info, amx_e
        "cudaMalloc (device answer)");
     CU(cudaMemset(d->slab, 0, d->slab_bytes ? d->slab_bytes : 16), "cudaMemset (slab)");
     CU(cudaMemset(d->answer, 0, d->answer_bytes ? d->answer_bytes : 16), "cudaMemset (answer)");
+    CU(cudaStreamSynchronize(0), "cudaStreamSynchronize (buffers' first values)");
     CU(cudaEventCreateWithFlags(&d->ready, ev), "cudaEventCreate (ready)");
     CU(cudaEventCreateWithFlags(&d->done, ev), "cudaEventCreate (done)");
     CU(cudaEventCreateWithFlags(&d->seen, cudaEventDisableTiming), "cudaEventCreate");
@@ -448,6 +452,9 @@ static amx_status_t open_buffers(amx_devbuf_t *d, amx_devbuf_info_t *info, amx_e
     CU(cudaMemset(d->d_bad, 0xff, 2 * sizeof(unsigned long long)), "cudaMemset");
     CU(cudaMalloc(&d->d_abort, sizeof(uint32_t)), "cudaMalloc");
     CU(cudaMemset(d->d_abort, 0, sizeof(uint32_t)), "cudaMemset");
+    /* cudaMemset runs on the legacy stream, which the non-blocking sd is
+     * not ordered after: done before the first merge. */
+    CU(cudaStreamSynchronize(0), "cudaStreamSynchronize (buffers' first values)");
     CU(cudaHostAlloc(&d->h_bad, sizeof(unsigned long long), cudaHostAllocMapped), "cudaHostAlloc");
     *d->h_bad = NO_BAD;
     CU(cudaHostGetDevicePointer((void **)&d->hd_bad, d->h_bad, 0), "cudaHostGetDevicePointer");
@@ -632,6 +639,11 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
         CU(cudaEventSynchronize(d->merged), "cudaEventSynchronize");
     AMX_CHECK(upload_runs(&d->h_runs, &d->d_runs, &d->cap_runs, &d->n_runs, &d->key_runs, runs,
                           nruns, key, sd, err));
+    /* A merge set up but never launched left the word of this one
+     * unreset (k_dev_merge resets the next one): reset both. */
+    if (d->bad_dirty)
+        CU(cudaMemsetAsync(d->d_bad, 0xff, 2 * sizeof(unsigned long long), sd), "cudaMemsetAsync");
+    d->bad_dirty = 1;
     /* Never 0 (what d_abort starts with); odd and even in turn (d_bad). */
     d->token = d->token + 1 ? d->token + 1 : 2;
     *d->h_bad = NO_BAD; /* what an empty slab (no kernel) leaves */
@@ -642,26 +654,22 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
         d->pend = *ready;
     PT(0, sd);
     /* Behind the trainer's writes of the slab: its last record of `ready`
-     * (before it called ReconcileDevice), waited on on its GPU: by the
-     * state's stream itself when that is the same GPU, else by ds, which
-     * the state's stream then waits for. */
-    int same = d->dev == d->state_dev;
-    cudaStream_t ws = same ? sd : d->ds;
-    if (!same)
-        CU(cudaSetDevice(d->dev), "cudaSetDevice");
-    PT(1, ws);
+     * (before it called ReconcileDevice), waited on by ds on its GPU (its
+     * own stream, also on the state's GPU: `seen` must tell this
+     * trainer's flag from the merges queued before it on sd, dev_wait's
+     * stuck()). */
+    CU(cudaSetDevice(d->dev), "cudaSetDevice");
+    PT(1, d->ds);
     if (ready != NULL && memops_found())
-        CUD(p_wait32((CUstream)ws, (CUdeviceptr)((char *)d->slab + ready->flag_off), ready->seq,
+        CUD(p_wait32((CUstream)d->ds, (CUdeviceptr)((char *)d->slab + ready->flag_off), ready->seq,
                      CU_STREAM_WAIT_VALUE_GEQ),
             "cuStreamWaitValue32 (trainer's ready flag)");
     else
-        CU(cudaStreamWaitEvent(ws, d->ready, 0), "cudaStreamWaitEvent (trainer's ready event)");
-    PT(2, ws);
-    CU(cudaEventRecord(d->seen, ws), "cudaEventRecord");
-    if (!same) {
-        CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
-        CU(cudaStreamWaitEvent(sd, d->seen, 0), "cudaStreamWaitEvent");
-    }
+        CU(cudaStreamWaitEvent(d->ds, d->ready, 0), "cudaStreamWaitEvent (trainer's ready event)");
+    PT(2, d->ds);
+    CU(cudaEventRecord(d->seen, d->ds), "cudaEventRecord");
+    CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
+    CU(cudaStreamWaitEvent(sd, d->seen, 0), "cudaStreamWaitEvent");
     PT(3, sd);
     const float *v = (const float *)d->slab;
     const uint8_t *has =
@@ -674,6 +682,7 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
                                                           d->token, d->hd_bad);
         CU(cudaGetLastError(), "device slab merge launch");
     }
+    d->bad_dirty = 0;
     PT(4, sd);
     PT(5, sd);
     CU(cudaEventRecord(d->merged, sd), "cudaEventRecord");

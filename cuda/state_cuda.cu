@@ -48,6 +48,7 @@ struct fin_args {
     uint8_t *o_bytes, *o_filled;
     unsigned long long *d_counts, *h_counts;
     float *g_amax, *g_scale, *g_inv, *s_amax, *s_scale, *s_inv; /* pinned host results */
+    int uva; /* the pinned results are written by a kernel (k_copy_out), not copied */
 };
 
 struct fin_graph {
@@ -58,6 +59,7 @@ struct fin_graph {
 
 typedef struct cuda_state {
     int device;
+    int uva; /* unified addressing: kernels write pinned host memory directly */
     cudaStream_t sl, se;
     float *pend[2]; /* AMX_HDR_CELLS + pend_n[k] */
     uint64_t pend_n[2];
@@ -152,7 +154,7 @@ typedef struct cuda_state {
     /* prev_dev's has-previous bytes: cap_ones ones, on sl. */
     uint8_t *d_ones;
     size_t cap_ones;
-    /* The engine's pinned header (prepare). */
+    /* The reduced header's pinned host copy (header_copy). */
     float *e_hdr;
     /* CUDA graphs of finish's kernels and copies (finish_graph), keyed by
      * everything they were captured with. */
@@ -429,6 +431,45 @@ __global__ void k_quantizer_max(const amx_qdesc_t *qs, uint32_t nq, const float 
         }
         if (qs[qi].scale_group >= 0 && g != AMX_NEG_INF)
             atomic_max_nonneg(&scale_max[qs[qi].scale_group], g);
+    }
+}
+
+struct hdr_args {
+    float v[AMX_HDR_CELLS];
+};
+
+/* finish_launch under unified addressing: the per-quantizer and per-slice
+ * globals (n[k] floats of src[k] into the pinned host dst[k]) and the two
+ * cell counts, in one launch. */
+struct out_args {
+    const float *src[6];
+    float *dst[6];
+    uint64_t n[6];
+    const unsigned long long *dc;
+    unsigned long long *hc;
+};
+
+__global__ void k_copy_out(struct out_args a)
+{
+    uint64_t t = blockIdx.x * (uint64_t)blockDim.x + threadIdx.x;
+    uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    if (t == 0) {
+        a.hc[0] = a.dc[0];
+        a.hc[1] = a.dc[1];
+    }
+    for (int k = 0; k < 6; k++)
+        for (uint64_t i = t; i < a.n[k]; i += stride)
+            a.dst[k][i] = a.src[k][i];
+}
+
+/* cuda_prepare: the header into the in-flight buffer, the receive header
+ * zeroed. */
+__global__ void k_header(float *send, float *recv, struct hdr_args h)
+{
+    unsigned i = threadIdx.x;
+    if (i < AMX_HDR_CELLS) {
+        send[i] = h.v[i];
+        recv[i] = 0.0f;
     }
 }
 
@@ -1279,22 +1320,27 @@ static amx_status_t cuda_prepare(amx_state_t *st, const float *hdr, uint64_t nce
         AMX_CHECK(dalloc((void **)&c->recv, (AMX_HDR_CELLS + ncells) * sizeof(float), c->se, err));
         c->recv_n = ncells;
     }
-    /* From pinned memory, not waited for: the collective is queued on the
-     * same stream, and the next prepare comes after it completed. */
-    if (c->e_hdr == NULL)
+    if (c->e_hdr == NULL) /* the reduced header's way out (header_copy) */
         CU(cudaHostAlloc((void **)&c->e_hdr, AMX_HDR_CELLS * sizeof(float), cudaHostAllocDefault),
            "cudaHostAlloc (header)");
-    memcpy(c->e_hdr, hdr, AMX_HDR_CELLS * sizeof(float));
-    CU(cudaMemcpyAsync(c->pend[fl], c->e_hdr, AMX_HDR_CELLS * sizeof(float), cudaMemcpyHostToDevice,
-                       c->se),
-       "cudaMemcpyAsync (header)");
-    /* A receive header nothing wrote fails the engine's check. */
-    CU(cudaMemsetAsync(c->recv, 0, AMX_HDR_CELLS * sizeof(float), c->se),
-       "cudaMemsetAsync (receive header)");
+    /* One launch writes the header, by value, into the in-flight buffer
+     * and zeroes the receive header (one that nothing wrote fails the
+     * engine's check); not waited for: the collective follows on se. */
+    struct hdr_args h;
+    memcpy(h.v, hdr, sizeof(h.v));
+    k_header<<<1, AMX_HDR_CELLS, 0, c->se>>>(c->pend[fl], c->recv, h);
+    CU(cudaGetLastError(), "header kernel launch");
     *send = c->pend[fl];
     *recv = c->recv;
     *stream = (void *)c->se;
     return AMX_OK;
+}
+
+static float *cuda_header_copy(amx_state_t *st, const float **dev)
+{
+    cuda_state_t *c = (cuda_state_t *)st->impl;
+    *dev = c->recv;
+    return c->e_hdr;
 }
 
 static amx_status_t cuda_read_header(amx_state_t *st, float *hdr, amx_err_t *err)
@@ -1476,6 +1522,33 @@ static amx_status_t finish_launch(const struct fin_args *a, cudaStream_t s, cuda
                                           a->o_filled, a->d_counts, s, err));
         AT(P_SCALES);
         size_t gbytes = (size_t)nq * 4;
+        if (a->uva) {
+            /* One kernel instead of up to seven copies (each a graph node
+             * of a few microseconds): the pinned host results are mapped
+             * under unified addressing. */
+            struct out_args o;
+            memset(&o, 0, sizeof(o));
+            const float *src[6] = {a->o_gamax, a->o_gscale, a->o_ginv,
+                                   a->o_samax, a->o_sscale, a->o_sinv};
+            float *dst[6] = {a->g_amax, a->g_scale, a->g_inv, a->s_amax, a->s_scale, a->s_inv};
+            for (int k = 0; k < 6; k++) {
+                o.src[k] = src[k];
+                o.dst[k] = dst[k];
+                o.n[k] = k < 3 ? nq : a->nsl;
+            }
+            o.dc = a->d_counts;
+            o.hc = a->h_counts;
+            uint64_t m = nq > a->nsl ? nq : a->nsl;
+            unsigned nb = blocks_for(m);
+            if (nb > 1024)
+                nb = 1024;
+            k_copy_out<<<nb, THREADS, 0, s>>>(o);
+            CU(cudaGetLastError(), "copy-out kernel launch");
+            AT(P_D2H);
+            if (a->clear == NULL)
+                AMX_CHECK(fill_f(a->pend, a->pend_n, -INFINITY, s, err));
+            return AMX_OK;
+        }
         CU(cudaMemcpyAsync(a->h_counts, a->d_counts, 2 * sizeof(unsigned long long),
                            cudaMemcpyDeviceToHost, s),
            "cudaMemcpyAsync (cell counts)");
@@ -1688,6 +1761,7 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
     a.s_amax = st->s_amax[back];
     a.s_scale = st->s_scale[back];
     a.s_inv = st->s_inv[back];
+    a.uva = c->uva;
     int graphed = 0;
     AMX_CHECK(finish_graph(c, &a, s, prof ? ev : NULL, &graphed, err));
     MARK(P_CLEAR);
@@ -2131,6 +2205,7 @@ static const amx_state_ops_t cuda_ops = {
     cuda_dev_close,
     cuda_stat_hist,
     cuda_dev_wait,
+    cuda_header_copy,
 };
 
 extern "C" uint64_t amx__state_cuda_memory(int device)
@@ -2170,6 +2245,14 @@ extern "C" amx_status_t amx__state_cuda_create(int device, amx_state_t **out, am
     c->device = device;
     pthread_mutex_init(&c->retired_mu, NULL);
     e = cudaSetDevice(device);
+    /* Under unified addressing cudaHostAlloc's memory is mapped at the
+     * same address on the device (the CUDA programming guide, "Unified
+     * Virtual Address Space"): finish writes the host results with a
+     * kernel. AMAXD_FINISH_COPY_KERNEL=0: copies instead. */
+    const char *ck = getenv("AMAXD_FINISH_COPY_KERNEL");
+    if (e == cudaSuccess && (ck == NULL || strcmp(ck, "0") != 0) &&
+        cudaDeviceGetAttribute(&c->uva, cudaDevAttrUnifiedAddressing, device) != cudaSuccess)
+        c->uva = 0;
     if (e == cudaSuccess)
         e = cudaStreamCreateWithFlags(&c->sl, cudaStreamNonBlocking);
     if (e == cudaSuccess)

@@ -78,6 +78,12 @@ typedef struct amx_comm_ops {
      */
     amx_status_t (*allreduce_sum_f64)(amx_comm_t *c, const double *send, double *recv, size_t n,
                                       void *stream, uint64_t deadline_ms, amx_err_t *err);
+    /* Optional (device backends): the next allreduce_max also copies
+     * `bytes` of device memory `src` (part of its recv) into pinned host
+     * memory `dst`, queued behind the collective on its stream; the copy is
+     * done when allreduce_max returns AMX_OK (the caller then needs no
+     * copy and sync of its own). */
+    void (*tail)(amx_comm_t *c, void *dst, const void *src, size_t bytes);
 } amx_comm_ops_t;
 
 struct amx_comm {

@@ -36,7 +36,7 @@ static void local_destroy(amx_comm_t *c)
 }
 
 static const amx_comm_ops_t local_ops = {
-    "local", local_allreduce_max, local_abort, local_destroy, NULL, local_allreduce_sum_f64};
+    "local", local_allreduce_max, local_abort, local_destroy, NULL, local_allreduce_sum_f64, NULL};
 
 amx_status_t amx__comm_local_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
 {

@@ -55,6 +55,10 @@ typedef struct nccl_comm {
     void *abort_ud;
     int dead; /* aborted or failed: every later request fails */
     char why[256];
+    /* nccl_tail: the next all-reduce's copy out (engine thread) */
+    void *tail_dst;
+    const void *tail_src;
+    size_t tail_bytes;
 } nccl_comm_t;
 
 typedef struct nreq {
@@ -69,6 +73,9 @@ typedef struct nreq {
     size_t n;
     int sum_f64;
     cudaStream_t stream;
+    void *tail_dst; /* nccl_tail's copy, queued before ev */
+    const void *tail_src;
+    size_t tail_bytes;
     cudaEvent_t ev;
     int launched;
     int phase; /* R_INIT: 0 init, 1 split */
@@ -292,7 +299,25 @@ static int poll_one(nreq_t *r)
         }
         if (r->launched) {
             if (r->launched == 1) {
-                cudaEventRecord(r->ev, r->stream);
+                if (r->tail_bytes > 0 &&
+                    cudaMemcpyAsync(r->tail_dst, r->tail_src, r->tail_bytes, cudaMemcpyDeviceToHost,
+                                    r->stream) != cudaSuccess) {
+                    const char *m = cudaGetErrorString(cudaGetLastError());
+                    kill_comm(c, m);
+                    finish(r, AMX_EDEVICE, "CUDA: copying the all-reduce's header out: %s", m);
+                    return 1;
+                }
+                cudaError_t er = cudaEventRecord(r->ev, r->stream);
+                if (er != cudaSuccess) {
+                    /* A query of an event never recorded says done: the
+                     * collective and the header's copy would be taken for
+                     * complete. */
+                    const char *m = cudaGetErrorString(er);
+                    cudaGetLastError();
+                    kill_comm(c, m);
+                    finish(r, AMX_EDEVICE, "CUDA: recording the all-reduce's end: %s", m);
+                    return 1;
+                }
                 r->launched = 2;
             }
             cudaError_t q = cudaEventQuery(r->ev);
@@ -470,6 +495,12 @@ static amx_status_t nccl_allreduce(amx_comm_t *base, const void *send, void *rec
     r.sum_f64 = sum_f64;
     r.stream = (cudaStream_t)stream;
     r.deadline = deadline_ms;
+    if (!sum_f64) { /* nccl_tail's copy goes with the next MAX */
+        r.tail_dst = c->tail_dst;
+        r.tail_src = c->tail_src;
+        r.tail_bytes = c->tail_bytes;
+        c->tail_bytes = 0;
+    }
     r.t_submit = amx_now_us();
     amx_status_t st = submit(&r, err);
     if (amx_log_profiling())
@@ -530,8 +561,16 @@ static void nccl_soon(amx_comm_t *base)
     pthread_mutex_unlock(&G.mu);
 }
 
-static const amx_comm_ops_t nccl_ops = {"nccl",       nccl_allreduce_max, nccl_abort,
-                                        nccl_destroy, nccl_soon,          nccl_allreduce_sum_f64};
+static void nccl_tail(amx_comm_t *base, void *dst, const void *src, size_t bytes)
+{
+    nccl_comm_t *c = (nccl_comm_t *)base;
+    c->tail_dst = dst;
+    c->tail_src = src;
+    c->tail_bytes = bytes;
+}
+
+static const amx_comm_ops_t nccl_ops = {"nccl",    nccl_allreduce_max,     nccl_abort, nccl_destroy,
+                                        nccl_soon, nccl_allreduce_sum_f64, nccl_tail};
 
 amx_status_t amx__comm_nccl_create(const amx_comm_params_t *p, amx_comm_t **out, amx_err_t *err)
 {

@@ -492,6 +492,14 @@ static amx_status_t collective(amx_engine_t *e, int *flag)
     amx_status_t st = j->state->ops->prepare(j->state, hdr, cells, &send, &recv, &stream, &err);
     if (st != AMX_OK)
         return amx__engine_fail(e, st, "job '%s': %s", j->name, err.msg);
+    /* The reduced header comes out with the collective where it can. */
+    float *hcopy = NULL;
+    const float *hsrc = NULL;
+    if (e->comm->ops->tail != NULL && j->state->ops->header_copy != NULL) {
+        hcopy = j->state->ops->header_copy(j->state, &hsrc);
+        if (hcopy != NULL)
+            e->comm->ops->tail(e->comm, hcopy, hsrc, AMX_HDR_CELLS * sizeof(float));
+    }
     uint64_t t0 = amx_now_us();
     e->res.prepare_us += t0 - tp;
     st = e->comm->ops->allreduce_max(e->comm, send, recv, AMX_HDR_CELLS + cells, stream,
@@ -509,7 +517,10 @@ static amx_status_t collective(amx_engine_t *e, int *flag)
                                 (unsigned long long)cells, j->mship.npart, err.msg);
     }
     float rh[AMX_HDR_CELLS];
-    st = j->state->ops->read_header(j->state, rh, &err);
+    if (hcopy != NULL)
+        memcpy(rh, hcopy, sizeof(rh));
+    else
+        st = j->state->ops->read_header(j->state, rh, &err);
     if (st != AMX_OK)
         return amx__engine_fail(e, st, "job '%s': %s", j->name, err.msg);
     e->res.header_us += amx_now_us() - t1;
@@ -743,8 +754,10 @@ static amx_status_t wait_device_slabs(amx_engine_t *e, uint64_t deadline)
 
 static void expect_end(amx_engine_t *e)
 {
-    if (e->busy_poll && e->env.expect != NULL)
+    if (e->busy_poll && e->env.expect != NULL) {
         e->env.expect(e->env.ud, EXPECT_END_US);
+        e->res.expected_end = 1;
+    }
 }
 
 static void run_epoch(amx_engine_t *e)
@@ -781,7 +794,12 @@ static void run_epoch(amx_engine_t *e)
         e->deadline -= spare < 1500 ? spare : 1500;
     }
     if (atomic_load(&e->abort_flag)) {
-        amx__engine_fail_aborted(e, "the epoch");
+        /* Aborted before it began here: the device slabs' merges still
+         * end first (the wait sees the abort at once and releases those
+         * whose trainers are late), or the loop's unflip would wait for
+         * them. */
+        if (wait_device_slabs(e, e->deadline) == AMX_OK)
+            amx__engine_fail_aborted(e, "the epoch");
         goto out;
     }
     if (wait_device_slabs(e, e->deadline) != AMX_OK)
@@ -911,6 +929,7 @@ static void *engine_main(void *arg)
         if (e->quit)
             break;
         atomic_store(&e->work, 0);
+        atomic_store(&e->expect, 0); /* taken without spinning: no spin after it */
         pthread_mutex_unlock(&e->mu);
         run_epoch(e);
         pthread_mutex_lock(&e->mu);

@@ -65,7 +65,8 @@ typedef struct amx_epoch_result {
      * (a daemon restarted): the loop installs it. */
     amx_membership_t members;
     int members_changed;
-    int publish; /* the back outputs hold results to publish even on failure */
+    int publish;      /* the back outputs hold results to publish even on failure */
+    int expected_end; /* env.expect was called for this epoch's end */
     int resets_applied;
     uint32_t collectives;
     uint64_t total_us, collective_us, finish_us, prepare_us, header_us;

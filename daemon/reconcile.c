@@ -427,6 +427,7 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
     amx_epoch_result_t *res = amx_engine_result(j->eng);
     uint64_t t_in = amx_now_us();
     int f_prev = j->state->front;
+    int installed = res->cat != NULL; /* amx__install_catalog clears res->cat */
     j->in_flight = 0;
     j->prev_serial++; /* what follows may change the previous globals */
     j->prev_dev = 0;
@@ -570,7 +571,7 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             save_previous(j, f_prev);
             j->prev_dev = 0;
         }
-        j->front_finished = !res->imported && res->cat == NULL;
+        j->front_finished = !res->imported && !installed;
         if (ndev > 0 && amx_log_profiling())
             AMX_INFO("profile",
                      "job %s, epoch %llu answered: %llu us, device answers %llu us (%u rank(s)); "

@@ -81,7 +81,7 @@ static void post_done(void *ud, amx_job_t *job)
 
 /* Engine thread: its epoch ends within `us`: the loop polls from now on
  * (on_expect) and is woken to start (the done queue is empty yet: the
- * wake-up drains nothing). */
+ * wake-up drains nothing). Its end, in epoch_done_item, says it came. */
 static void expect_done(void *ud, uint64_t us)
 {
     amx_registry_t *reg = ud;
@@ -94,9 +94,10 @@ static void expect_done(void *ud, uint64_t us)
 static void epoch_done_item(void *ud, void *item)
 {
     amx_registry_t *reg = ud;
-    if (reg->on_expect != NULL)
-        reg->on_expect(reg->on_expect_ud, 0); /* it came: the loop may sleep again */
-    amx__epoch_done(reg, *(amx_job_t **)item);
+    amx_job_t *j = *(amx_job_t **)item;
+    if (reg->on_expect != NULL && amx_engine_result(j->eng)->expected_end)
+        reg->on_expect(reg->on_expect_ud, 0); /* it came: one end fewer to poll for */
+    amx__epoch_done(reg, j);
 }
 
 static void on_done_async(uv_async_t *h)

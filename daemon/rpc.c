@@ -709,7 +709,17 @@ static int spin(amx_rpc_t *rpc, struct pollfd *p, int t)
 
 void amx_rpc_expect(amx_rpc_t *rpc, uint64_t us)
 {
-    __atomic_store_n(&rpc->spin_until, us ? amx_now_us() + us : 0, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&rpc->mu);
+    if (us > 0) {
+        /* Polls until the last expected end, or its window closes. */
+        rpc->expecting++;
+        uint64_t until = amx_now_us() + us;
+        if (until > __atomic_load_n(&rpc->spin_until, __ATOMIC_RELAXED))
+            __atomic_store_n(&rpc->spin_until, until, __ATOMIC_RELEASE);
+    } else if (rpc->expecting > 0 && --rpc->expecting == 0) {
+        __atomic_store_n(&rpc->spin_until, 0, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&rpc->mu);
 }
 
 int amx_rpc_run(amx_rpc_t *rpc)

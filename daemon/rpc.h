@@ -137,8 +137,9 @@ int amx_rpc_run(amx_rpc_t *rpc);
 /* Any thread: something will wake the loop within `us` microseconds (an
  * epoch's end): until then the loop thread, once awake (the caller wakes
  * it), polls its descriptor without sleeping, so that the wake-up costs no
- * scheduler latency; 0 ends the window. The loop lock stays free
- * meanwhile. */
+ * scheduler latency. 0: one announced end came (the window closes when
+ * every one did, or when the latest window passed). The loop lock stays
+ * free meanwhile. */
 void amx_rpc_expect(amx_rpc_t *rpc, uint64_t us);
 
 /* Frees a stopped server and lets go of the loop lock. Loop thread. */

@@ -97,6 +97,7 @@ struct amx_rpc {
     int cq_shut;             /* the queue has ended; under mu */
     int loop_wants;          /* the loop thread waits for loop_mu (atomic) */
     uint64_t spin_until;     /* amx_rpc_expect: CLOCK_MONOTONIC us to poll until (atomic) */
+    uint32_t expecting;      /* amx_rpc_expect: ends announced and not come yet (under mu) */
     amx_swapq_t events;      /* event_t, from the CQ threads to the loop lock's holder */
     amx_call_t *calls;       /* live calls */
     uint32_t ncalls;

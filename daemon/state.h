@@ -408,6 +408,11 @@ typedef struct amx_state_ops {
      * every rank, not go on without that slab. */
     amx_status_t (*dev_wait)(amx_state_t *st, uint64_t deadline_ms, int (*aborted)(void *ud),
                              void *ud, amx_err_t *err);
+    /* Engine, optional; after prepare. Pinned host memory for the reduced
+     * header and, in *dev, where it is on the device (recv): a collective
+     * that can copy it out behind itself (amx_comm_ops_t.tail) saves the
+     * copy and sync of read_header. */
+    float *(*header_copy)(amx_state_t *st, const float **dev);
 } amx_state_ops_t;
 
 struct amx_state {
