@@ -894,7 +894,7 @@ void gloo_destroy(amx_comm_t *base) noexcept
     delete self(base);
 }
 
-const amx_comm_ops_t gloo_ops = {"gloo",  gloo_allreduce_max,    gloo_abort, gloo_destroy,
+const amx_comm_ops_t gloo_ops = {"gloo",  gloo_allreduce_max,     gloo_abort, gloo_destroy,
                                  nullptr, gloo_allreduce_sum_f64, nullptr};
 
 } // namespace

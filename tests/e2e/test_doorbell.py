@@ -171,3 +171,17 @@ def test_doorbell_client_spin(tmp_path):
         d.call(req, 10, 1, spin=1.0)
     t.join(10)
     srv.close()
+
+
+def test_doorbell_spin_setting(daemon, monkeypatch):
+    """AMAXD_DOORBELL_SPIN_S: seconds from 0 to 10; anything else is a
+    ValueError naming the variable when the client is made."""
+    monkeypatch.setenv("AMAXD_DOORBELL_SPIN_S", "0.0005")
+    assert daemon.client("sp", 0, 1).doorbell_spin == 0.0005
+    for bad in ("fast", "-1", "nan", "1e9"):
+        monkeypatch.setenv("AMAXD_DOORBELL_SPIN_S", bad)
+        with pytest.raises(ValueError, match="AMAXD_DOORBELL_SPIN_S"):
+            daemon.client("sp", 0, 1)
+    monkeypatch.delenv("AMAXD_DOORBELL_SPIN_S")
+    want = 0.002 if (os.cpu_count() or 1) >= 8 else 0.0
+    assert daemon.client("sp", 0, 1).doorbell_spin == want

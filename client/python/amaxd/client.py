@@ -30,6 +30,21 @@ from .types import (_conv, amax_update as _update, peer_mode_value as _peer_mode
 from .wire import spec_bytes as _spec_bytes, varint as _varint  # noqa: F401
 
 
+def _doorbell_spin(text: Optional[str]) -> float:
+    """Seconds the blocking device call polls the doorbell: AMAXD_DOORBELL_SPIN_S,
+    else 2 ms with 8 or more CPUs (0 with fewer)."""
+    if text is None:
+        return 0.002 if (os.cpu_count() or 1) >= 8 else 0.0
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (0.0 <= v <= 10.0):
+        raise ValueError(f"AMAXD_DOORBELL_SPIN_S={text!r}: give seconds from 0 to 10 "
+                         "(how long reconcile_device polls the doorbell before it sleeps)")
+    return v
+
+
 class Client:
     """A connection of one rank of one job to its node's daemon.
 
@@ -59,9 +74,7 @@ class Client:
         # this many seconds before it sleeps (no wake-up when the answer
         # comes, as CUDA's own spin-waits): AMAXD_DOORBELL_SPIN_S, default
         # 2 ms with 8 or more CPUs, else 0 (docs/API.md "The doorbell").
-        spin = os.environ.get("AMAXD_DOORBELL_SPIN_S")
-        self.doorbell_spin = (float(spin) if spin is not None
-                              else 0.002 if (os.cpu_count() or 1) >= 8 else 0.0)
+        self.doorbell_spin = _doorbell_spin(os.environ.get("AMAXD_DOORBELL_SPIN_S"))
         self._door: Any = None
         self._reader: Any = None  # amaxd.device.AsyncReader of the async variant
         self._pending: Any = None  # its last PendingDevice

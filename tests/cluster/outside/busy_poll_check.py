@@ -287,6 +287,20 @@ def free_port():
     return p
 
 
+def cluster_flags(root, busy, reconcile_ms):
+    """(ports, flags every daemon of a two-daemon Gloo cluster on loopback
+    shares): a fresh secret file, the coordinator's port first."""
+    secret = os.path.join(root, "secret")
+    with open(secret, "wb") as f:
+        f.write(os.urandom(24).hex().encode())
+    os.chmod(secret, 0o600)
+    pa, pb = free_port(), free_port()
+    common = [f"--busy-poll={busy}", "--cluster-size=2", f"--coordinator=127.0.0.1:{pa}",
+              f"--cluster-secret-file={secret}", "--gloo-host=127.0.0.1", "--collective=gloo",
+              f"--reconcile-timeout-ms={reconcile_ms}", "--join-timeout-ms=10000"]
+    return (pa, pb), common
+
+
 class Daemon:
     def __init__(self, root, name, args, env=None):
         self.dir = os.path.join(root, name)

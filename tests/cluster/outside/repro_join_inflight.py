@@ -8,12 +8,7 @@ import busy_poll_check as C
 busy = sys.argv[1] if len(sys.argv) > 1 else "on"
 root = tempfile.mkdtemp(dir=tempfile.gettempdir(), prefix=f"joininflight-{busy}-")
 try:
-    secret = os.path.join(root, "secret")
-    open(secret, "wb").write(os.urandom(24).hex().encode()); os.chmod(secret, 0o600)
-    pa, pb = C.free_port(), C.free_port()
-    common = [f"--busy-poll={busy}", "--cluster-size=2", f"--coordinator=127.0.0.1:{pa}",
-              f"--cluster-secret-file={secret}", "--gloo-host=127.0.0.1", "--collective=gloo",
-              "--reconcile-timeout-ms=6000", "--join-timeout-ms=10000"]
+    (pa, pb), common = C.cluster_flags(root, busy, 6000)
     A = C.Daemon(root, "A", common + ["--cluster-rank=0", f"--peer-listen=127.0.0.1:{pa}", f"--peer-advertise=127.0.0.1:{pa}"]).start()
     B = C.Daemon(root, "B", common + ["--cluster-rank=1", f"--peer-listen=127.0.0.1:{pb}", f"--peer-advertise=127.0.0.1:{pb}"]).start()
     run = C.JobRun(root, "j", 4, [A.sock, A.sock, B.sock, B.sock])

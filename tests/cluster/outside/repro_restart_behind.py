@@ -2,18 +2,13 @@
 epoch's collective, before A has written its snapshot / answered its ranks.
 Counts the trials where A's trainers re-join at an older open epoch than
 B's, and what the next epoch then contains."""
-import os, sys, time, random, signal, tempfile
+import os, sys, time, random, tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import busy_poll_check as C
 
 def trial_series(root, busy, ntrials):
     W = 4
-    secret = os.path.join(root, "secret")
-    open(secret, "wb").write(os.urandom(24).hex().encode()); os.chmod(secret, 0o600)
-    pa, pb = C.free_port(), C.free_port()
-    common = [f"--busy-poll={busy}", "--cluster-size=2", f"--coordinator=127.0.0.1:{pa}",
-              f"--cluster-secret-file={secret}", "--gloo-host=127.0.0.1", "--collective=gloo",
-              "--reconcile-timeout-ms=4000", "--join-timeout-ms=10000"]
+    (pa, pb), common = C.cluster_flags(root, busy, 4000)
     A = C.Daemon(root, "A", common + ["--cluster-rank=0", f"--peer-listen=127.0.0.1:{pa}",
                  f"--peer-advertise=127.0.0.1:{pa}", f"--state-dir={root}/A/state"]).start()
     B = C.Daemon(root, "B", common + ["--cluster-rank=1", f"--peer-listen=127.0.0.1:{pb}",
