@@ -940,20 +940,20 @@ static void cuda_flip(amx_state_t *st)
     st->pend_cells = c->pend_n[c->active];
 }
 
-static amx_status_t cuda_unflip(amx_state_t *st, amx_err_t *err)
+static amx_status_t cuda_unflip(amx_state_t *st, int keep, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     int fl = c->active ^ 1;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
     AMX_CHECK(wait_in(c, c->sl, err));
     uint64_t n = c->pend_n[fl] < c->pend_n[c->active] ? c->pend_n[fl] : c->pend_n[c->active];
-    if (n > 0)
+    if (keep && n > 0)
         k_max_into<<<blocks_for(n), THREADS, 0, c->sl>>>(c->pend[c->active] + AMX_HDR_CELLS,
                                                          c->pend[fl] + AMX_HDR_CELLS, n);
     CU(cudaGetLastError(), "unflip kernel launch");
     AMX_CHECK(fill_f(c->pend[fl] + AMX_HDR_CELLS, c->pend_n[fl], -INFINITY, c->sl, err));
     uint64_t ns = c->spend_n[fl] < c->spend_n[c->active] ? c->spend_n[fl] : c->spend_n[c->active];
-    if (ns > 0 && c->spend[fl] != NULL && c->spend[c->active] != NULL)
+    if (keep && ns > 0 && c->spend[fl] != NULL && c->spend[c->active] != NULL)
         k_add_into<<<blocks_for(ns), THREADS, 0, c->sl>>>(c->spend[c->active], c->spend[fl], ns);
     CU(cudaGetLastError(), "unflip kernel launch");
     if (c->spend[fl] != NULL && c->spend_n[fl] > 0)

@@ -849,7 +849,13 @@ out:
             if (gen == 0)
                 gen = e->last_gen;
             const char *why = e->aborted_here ? e->peer_why : e->res.msg;
-            if (!e->passed_on && failed_here(e->res.st))
+            if (e->res.stale)
+                /* Its peers attempt the epoch after the donor's (this
+                 * daemon's e->epoch since the catch-up), not the one this
+                 * daemon started. */
+                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, 0, e->epoch, e->res.st,
+                                    why, 500);
+            else if (!e->passed_on && failed_here(e->res.st))
                 /* A failure of this daemon's own: every participant of this
                  * epoch hears it, whatever communicator it is using or
                  * making (it may be agreeing on a new generation this

@@ -55,6 +55,12 @@ typedef struct amx_epoch_result {
     size_t nrejected;
     /* The state was imported from a donor: the job's counters become these. */
     int imported;
+    /* With imported: this daemon was behind after epochs of its own (a
+     * restored snapshot, an epoch its peers completed), so its ranks'
+     * contributions were for an epoch the cluster had reconciled: the
+     * attempt failed, the loop drops them (unflip without keep) and answers
+     * those ranks FAILED_PRECONDITION. */
+    int stale;
     uint64_t last_reconciled;
     /* With imported: the donor's published global amax and scale (its
      * epoch last_reconciled), per quantizer of prev_cat (owned), which the

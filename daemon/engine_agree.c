@@ -547,6 +547,15 @@ static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
     int behind = 0;
     for (size_t i = 0; i < sr.nbehind; i++)
         behind |= sr.behind[i] == id->rank;
+    /* A daemon behind that had reconciled (or restored) epochs of its own:
+     * its ranks sent for the epoch after its last, which the cluster has
+     * already reconciled (their answers were lost with a crash or a
+     * failure at the last moment). Merged into the epoch after the donor's
+     * they would be stale data in every rank's answer; they are dropped
+     * below and the attempt fails. Only a daemon that never had the job
+     * (its disk lost, no state_dir) cannot tell: its ranks registered
+     * again and send for the job's next epoch. */
+    uint64_t own_last = e->last_reconciled, stale_epoch = e->epoch;
     /* 1. The donor serves its state before it changes anything. */
     if (sr.nbehind > 0 && sr.donor == id->rank && publish_state(e, sr.seq) != AMX_OK)
         goto out;
@@ -611,7 +620,23 @@ static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
         amx__engine_fail(e, AMX_EPRECOND, "%s", sr.conflict);
         goto out;
     }
-    /* 6. The communicator. */
+    /* 6. Contributions for an epoch the cluster had reconciled. */
+    if (behind && own_last > 0) {
+        e->res.stale = 1;
+        amx__engine_fail(
+            e, AMX_EABORTED,
+            "job '%s': daemon %u was behind (its last epoch %llu) and caught up with daemon %u "
+            "at epoch %llu; its ranks' contributions were for epoch %llu, which the cluster had "
+            "already reconciled, so they were dropped and this attempt at epoch %llu is aborted "
+            "on every daemon: the ranks of daemon %u read epoch %llu's results with GetScales "
+            "and send for epoch %llu, the others call Reconcile again",
+            j->name, id->rank, (unsigned long long)own_last, sr.donor,
+            (unsigned long long)e->last_reconciled, (unsigned long long)stale_epoch,
+            (unsigned long long)e->epoch, id->rank, (unsigned long long)e->last_reconciled,
+            (unsigned long long)e->epoch);
+        goto out;
+    }
+    /* 7. The communicator. */
     if (sr.new_comm || e->comm == NULL || atomic_load(&e->comm_gen) != sr.comm_gen)
         if (make_comm(e, &sr) != AMX_OK)
             goto out;

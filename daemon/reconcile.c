@@ -586,7 +586,7 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
     } else {
         amx__note_fault(reg, res->st, res->msg);
         amx_err_t e2 = {0};
-        if (j->state->ops->unflip(j->state, &e2) != AMX_OK)
+        if (j->state->ops->unflip(j->state, !res->stale, &e2) != AMX_OK)
             AMX_ERROR("registry", "job %s: %s", j->name, e2.msg);
         if (res->publish)
             j->state->ops->publish(j->state);
@@ -607,9 +607,12 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             int bad =
                 w != NULL && w->device_answer && amx__dev_bad_slab(j, r, res->epoch, &e2) != AMX_OK;
             amx__dev_epoch_end(r);
+            /* Contributions for an epoch the cluster had reconciled: that
+             * epoch is closed for this rank (FAILED_PRECONDITION, as for an
+             * update that came too late), not aborted. */
+            amx_status_t code = bad ? AMX_EINVAL : res->stale ? AMX_EPRECOND : res->st;
             if (w != NULL)
-                amx__finish_waiter(reg, w, bad ? AMX_EINVAL : res->st, bad ? e2.msg : res->msg,
-                                   NULL);
+                amx__finish_waiter(reg, w, code, bad ? e2.msg : res->msg, NULL);
         }
     }
     amx__run_deferred(reg, j);

@@ -232,9 +232,11 @@ typedef struct amx_state_ops {
                           size_t nruns, int overlap, amx_err_t *err);
     /* Loop. The active buffer becomes the in-flight one. */
     void (*flip)(amx_state_t *st);
-    /* Loop, after a failed epoch: the in-flight contributions are max-merged
-     * back into the active buffer, and the in-flight buffer is cleared. */
-    amx_status_t (*unflip)(amx_state_t *st, amx_err_t *err);
+    /* Loop, after a failed epoch: with `keep`, the in-flight contributions
+     * are max-merged back into the active buffer (the next attempt takes
+     * them); without, they are dropped (they were for an epoch the cluster
+     * had already reconciled). The in-flight buffer is cleared. */
+    amx_status_t (*unflip)(amx_state_t *st, int keep, amx_err_t *err);
     /* Loop, after an epoch whose engine changed the layout: moves the active
      * buffer's cells (lc->pend) to the new layout of lc->ncells cells. */
     amx_status_t (*remap_active)(amx_state_t *st, const amx_layout_change_t *lc, amx_err_t *err);

@@ -194,17 +194,18 @@ static void host_flip(amx_state_t *st)
     st->pend_cells = h->pend_n[h->active];
 }
 
-static amx_status_t host_unflip(amx_state_t *st, amx_err_t *err)
+static amx_status_t host_unflip(amx_state_t *st, int keep, amx_err_t *err)
 {
     host_state_t *h = st->impl;
     int fl = h->active ^ 1;
     float *a = h->pend[h->active] + AMX_HDR_CELLS, *f = h->pend[fl] + AMX_HDR_CELLS;
     uint64_t n = h->pend_n[fl] < h->pend_n[h->active] ? h->pend_n[fl] : h->pend_n[h->active];
     (void)err;
-    max_into(a, f, n);
+    if (keep)
+        max_into(a, f, n);
     fill(f, h->pend_n[fl], -INFINITY);
     uint64_t ns = h->spend_n[fl] < h->spend_n[h->active] ? h->spend_n[fl] : h->spend_n[h->active];
-    for (uint64_t i = 0; i < ns; i++)
+    for (uint64_t i = 0; keep && i < ns; i++)
         h->spend[h->active][i] += h->spend[fl][i];
     if (h->spend[fl] != NULL)
         memset(h->spend[fl], 0, h->spend_n[fl] * sizeof(double));

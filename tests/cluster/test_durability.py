@@ -6,6 +6,7 @@ older than its peers', catches up from a daemon further ahead."""
 import os
 
 import numpy as np
+import pytest
 
 import amaxd
 from conftest import max_daemons
@@ -154,5 +155,96 @@ def test_one_daemon_restarted_from_its_snapshot(make_cluster):
         assert cls[r].join().rejoined
     got, _ = epochs(cls, 4, 4)
     assert got == want, c.logs()
+    for cl in cls:
+        cl.close()
+
+
+def result_bytes(res):
+    return {k: (v.amax.tobytes(), v.scale.tobytes(), v.scale_inv.tobytes(),
+                v.block_scales.tobytes(), np.float32(v.global_scale).tobytes())
+            for k, v in res.items()}
+
+
+@pytest.mark.parametrize("who", ["member", "coordinator"])
+def test_daemon_restored_behind_its_peers_drops_stale_contributions(make_cluster, who):
+    """A daemon killed after an epoch's collective but before its snapshot
+    of it restarts one epoch behind its peers; its trainers re-join at that
+    epoch and send its values again. Those values were already reduced: the
+    catch-up must not carry them into the next epoch (every rank would get
+    it with stale data). Its ranks get FAILED_PRECONDITION naming the
+    epoch, read the reconciled one with GetScales (the bytes the others
+    got), and the next epoch equals an uninterrupted run's."""
+    n = max_daemons(2)
+    if n < 2:
+        pytest.skip("needs two daemons")
+    _, ref, want4 = calibrated(make_cluster, n, 4)
+    want5, _ = epochs(ref, 5, 5)
+    for cl in ref:
+        cl.close()
+    c, cls, _ = calibrated(make_cluster, n, 3, state=True)
+    d = 0 if who == "coordinator" else n - 1
+    snap = os.path.join(c.state_dir(d), "dur.amxs")
+    with open(snap, "rb") as f:
+        epoch3 = f.read()
+    got4, _ = epochs(cls, 4, 4)
+    assert got4 == want4, c.logs()
+    # As if killed after epoch 4's collective and before its snapshot.
+    c.kill(d)
+    with open(snap, "wb") as f:
+        f.write(epoch3)
+    c.start(d)
+    mine = [r for r in range(WORLD) if daemon_of(r, n) == d]
+    for r in mine:
+        cls[r].close()
+        cls[r] = amaxd.Client("dur", r, WORLD, socket=c.socket(d), timeout=30)
+
+    def restarted(r):
+        cl = cls[r]
+        j = cl.join()
+        assert j.rejoined and j.epoch == 4, j
+        cl.send(values(r, 4))
+        # (No pytest.raises in a thread: its failure is not an Exception.)
+        try:
+            stale = cl.reconcile()
+        except amaxd.errors.FailedPrecondition as e:
+            why = str(e)
+        else:
+            raise AssertionError(f"rank {r}: epoch 4 sent again was answered: "
+                                 f"{sorted(stale)}")
+        assert cl.epoch == 5, cl.epoch  # the client learned the open epoch
+        readable = result_bytes(cl.get_scales())
+        cl.send(values(r, 5))
+        return why, readable, result_bytes(cl.reconcile())
+
+    def other(r):
+        cl = cls[r]
+        cl.send(values(r, 5))
+        errs = []
+        for _ in range(10):
+            try:
+                return errs, result_bytes(cl.reconcile())
+            except (amaxd.errors.Aborted, amaxd.errors.Unavailable,
+                    amaxd.errors.DeadlineExceeded) as e:
+                errs.append(e)
+        raise AssertionError(f"rank {r}: {errs}")
+
+    out, errs = run_threads({r: (lambda r=r: restarted(r) if r in mine else other(r))
+                             for r in range(WORLD)}, timeout=120)
+    assert not errs, (errs, c.logs())
+    for r in mine:
+        why, readable, got5 = out[r]
+        assert "epoch 4, which the cluster had already reconciled" in why, why
+        assert readable == want4[r], c.logs()
+        assert got5 == want5[r], c.logs()
+    for r in range(WORLD):
+        if r in mine:
+            continue
+        seen, got5 = out[r]
+        assert got5 == want5[r], c.logs()
+        if who == "member":
+            # The coordinator's ranks hear why their attempt was aborted.
+            assert any(isinstance(e, amaxd.errors.Aborted) and "was behind" in str(e)
+                       for e in seen), seen
+    assert "caught up with daemon" in c[d].log(), c.logs()
     for cl in cls:
         cl.close()

@@ -266,7 +266,7 @@ START_TEST(device_fault_fails_the_epoch)
                              "(AMAXD_TEST_DEVICE_FAULT is set; a test aid)");
     /* The loop gives the contributions back to the active buffer. */
     amx_err_t err = {0};
-    ck_assert_int_eq(job.state->ops->unflip(job.state, &err), AMX_OK);
+    ck_assert_int_eq(job.state->ops->unflip(job.state, 1, &err), AMX_OK);
 }
 END_TEST
 

@@ -225,7 +225,7 @@ START_TEST(merge_flip_and_unflip)
     ck_assert_int_eq(st->ops->merge(st, w, 6, &all, 1, 0, &err), AMX_OK);
     /* A failed epoch: the in-flight contributions go back, max-merged,
      * and the in-flight buffer is cleared. */
-    ck_assert_int_eq(st->ops->unflip(st, &err), AMX_OK);
+    ck_assert_int_eq(st->ops->unflip(st, 1, &err), AMX_OK);
     st->ops->flip(st);
     f = in_flight(st, 6);
     static const float back[6] = {9, 5, 2, 0, 0, 4};
@@ -236,6 +236,23 @@ START_TEST(merge_flip_and_unflip)
     f = in_flight(st, 6);
     for (int i = 0; i < 6; i++)
         ck_assert_msg(f[i] == -INFINITY, "cell %d of the cleared buffer: %g", i, (double)f[i]);
+    /* A failed epoch whose contributions were for an epoch the cluster had
+     * already reconciled: they are dropped, what arrived since stays. */
+    float x[6] = {20, 20, 20, 20, 20, 20};
+    ck_assert_int_eq(st->ops->merge(st, x, 6, &all, 1, 0, &err), AMX_OK);
+    st->ops->flip(st);
+    float y[6] = {1, 2, 3, 4, 5, 6};
+    ck_assert_int_eq(st->ops->merge(st, y, 6, &all, 1, 0, &err), AMX_OK);
+    ck_assert_int_eq(st->ops->unflip(st, 0, &err), AMX_OK);
+    st->ops->flip(st);
+    f = in_flight(st, 6);
+    for (int i = 0; i < 6; i++)
+        ck_assert_msg(f[i] == y[i], "cell %d after a dropping unflip: %g, expected %g", i,
+                      (double)f[i], (double)y[i]);
+    st->ops->flip(st);
+    f = in_flight(st, 6);
+    for (int i = 0; i < 6; i++)
+        ck_assert_msg(f[i] == -INFINITY, "cell %d of the dropped buffer: %g", i, (double)f[i]);
     /* Never shrinks. */
     ck_assert_int_eq(st->ops->reserve_pending(st, 2, &err), AMX_OK);
     ck_assert_uint_eq(st->pend_cells, 6);
