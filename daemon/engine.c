@@ -44,6 +44,8 @@ static void res_clear(amx_epoch_result_t *r)
     amx_membership_free(&r->members);
     free(r->prev_ga);
     free(r->prev_gs);
+    free(r->pprev_ga);
+    free(r->pprev_gs);
     free(r->desc);
     free(r->pend_runs);
     for (size_t i = 0; i < r->nrejected; i++)

@@ -67,6 +67,11 @@ typedef struct amx_epoch_result {
      * loop keeps as the previous epoch's once this one is published. */
     amx_catalog_t *prev_cat;
     float *prev_ga, *prev_gs;
+    /* ... and the donor's previous globals (of epoch last_reconciled - 1,
+     * NaN: none; NULL from a donor of an older format), per quantizer of
+     * prev_cat: what its answers of last_reconciled carried as previous,
+     * and what GetScales here answers while no epoch after it completed. */
+    float *pprev_ga, *pprev_gs;
     /* The coordinator's membership, when it is not the one the job holds
      * (a daemon restarted): the loop installs it. */
     amx_membership_t members;

@@ -43,14 +43,28 @@ static amx_status_t publish_state(amx_engine_t *e, uint64_t seq)
     if (g_ok == NULL)
         return amx__engine_fail(e, AMX_ENOMEM, "out of memory serving the state of job '%s'",
                                 j->name);
+    /* The previous globals its answers of that epoch carried (the loop's
+     * copy, which changes only between epochs): a daemon behind answers
+     * them too. */
+    float *pga = malloc((e->w_cat->n ? e->w_cat->n : 1) * sizeof(float));
+    float *pgs = malloc((e->w_cat->n ? e->w_cat->n : 1) * sizeof(float));
     for (uint32_t i = 0; i < e->w_cat->n; i++) {
         int64_t k =
             e->w_cat == j->cat ? (int64_t)i : amx_catalog_find(j->cat, e->w_cat->q[i]->name);
         g_ok[i] = k >= 0 && amx_job_published(j, (uint32_t)k);
+        int had = k >= 0 && (uint64_t)k < j->prev_n && j->prev_ok[k];
+        if (pga != NULL && pgs != NULL) {
+            pga[i] = had ? j->prev_ga[k] : NAN;
+            pgs[i] = had ? j->prev_gs[k] : NAN;
+        }
     }
-    amx_status_t st = amx_jobstate_export_marked(j->name, e->last_reconciled, e->w_cat, e->w_desc,
-                                                 j->state, 0, g_ok, &blob, &len, &err);
+    int with_prev = pga != NULL && pgs != NULL; /* out of memory: none, as before format 5 */
+    amx_status_t st = amx_jobstate_export_prev(j->name, e->last_reconciled, e->w_cat, e->w_desc,
+                                               j->state, 0, g_ok, with_prev ? pga : NULL,
+                                               with_prev ? pgs : NULL, &blob, &len, &err);
     free(g_ok);
+    free(pga);
+    free(pgs);
     if (st != AMX_OK)
         return amx__engine_fail(e, st,
                                 "job '%s': preparing the state for daemons that are behind: %s",
@@ -74,9 +88,15 @@ static amx_status_t stash_previous(amx_engine_t *e, const amx_jobstate_t *js)
     uint32_t n = js->cat->n;
     amx_qspec_t **copy = calloc(n ? n : 1, sizeof(*copy));
     float *ga = malloc((n ? n : 1) * sizeof(float)), *gs = malloc((n ? n : 1) * sizeof(float));
+    float *pga = NULL, *pgs = NULL;
+    if (js->pprev_ga != NULL) {
+        pga = malloc((n ? n : 1) * sizeof(float));
+        pgs = malloc((n ? n : 1) * sizeof(float));
+    }
     amx_catalog_t *c = NULL;
     amx_err_t err = {0};
-    int ok = copy != NULL && ga != NULL && gs != NULL;
+    int ok = copy != NULL && ga != NULL && gs != NULL &&
+             (js->pprev_ga == NULL || (pga != NULL && pgs != NULL));
     for (uint32_t i = 0; ok && i < n; i++)
         ok = (copy[i] = amx_qspec_dup(js->cat->q[i])) != NULL;
     if (ok)
@@ -87,6 +107,8 @@ static amx_status_t stash_previous(amx_engine_t *e, const amx_jobstate_t *js)
         free(copy);
         free(ga);
         free(gs);
+        free(pga);
+        free(pgs);
         return AMX_ENOMEM;
     }
     free(copy);
@@ -94,13 +116,21 @@ static amx_status_t stash_previous(amx_engine_t *e, const amx_jobstate_t *js)
         int64_t k = amx_catalog_find(c, js->cat->q[i]->name);
         ga[k] = js->a.g_amax[i];
         gs[k] = js->a.g_scale[i];
+        if (pga != NULL) {
+            memcpy(&pga[k], &js->pprev_ga[i], sizeof(float)); /* unaligned-safe */
+            memcpy(&pgs[k], &js->pprev_gs[i], sizeof(float));
+        }
     }
     amx_catalog_free(e->res.prev_cat);
     free(e->res.prev_ga);
     free(e->res.prev_gs);
+    free(e->res.pprev_ga);
+    free(e->res.pprev_gs);
     e->res.prev_cat = c;
     e->res.prev_ga = ga;
     e->res.prev_gs = gs;
+    e->res.pprev_ga = pga;
+    e->res.pprev_gs = pgs;
     return AMX_OK;
 }
 

@@ -58,6 +58,16 @@ amx_status_t amx_jobstate_export_marked(const char *job, uint64_t last_reconcile
                                         amx_state_t *st, int back, const uint8_t *g_ok, void **blob,
                                         size_t *len, amx_err_t *err)
 {
+    return amx_jobstate_export_prev(job, last_reconciled, cat, desc, st, back, g_ok, NULL, NULL,
+                                    blob, len, err);
+}
+
+amx_status_t amx_jobstate_export_prev(const char *job, uint64_t last_reconciled,
+                                      const amx_catalog_t *cat, const amx_qdesc_t *desc,
+                                      amx_state_t *st, int back, const uint8_t *g_ok,
+                                      const float *pprev_ga, const float *pprev_gs, void **blob,
+                                      size_t *len, amx_err_t *err)
+{
     amx_wbuf_t w = {0};
     amx_put32(&w, MAGIC);
     amx_put32(&w, AMX_JOBSTATE_VERSION);
@@ -111,6 +121,7 @@ amx_status_t amx_jobstate_export_marked(const char *job, uint64_t last_reconcile
            o_ss = reserve(&w, ns * 4), o_si = reserve(&w, ns * 4);
     size_t o_st = reserve(&w, nst * 8), o_sb = reserve(&w, nsc * 4),
            o_sq = reserve(&w, nst > 0 ? nq * sizeof(amx_stat_result_t) : 0);
+    size_t o_ppa = reserve(&w, nq * 4), o_pps = reserve(&w, nq * 4);
     amx_put_align8(&w);
     size_t body = w.len;
     amx_put64(&w, 0); /* checksum, below */
@@ -148,6 +159,11 @@ amx_status_t amx_jobstate_export_marked(const char *job, uint64_t last_reconcile
     for (uint32_t i = 0; g_ok != NULL && i < cat->n; i++)
         if (!g_ok[i])
             a.g_amax[i] = a.g_scale[i] = a.g_inv[i] = NAN;
+    for (uint32_t i = 0; i < cat->n; i++) {
+        float ga = pprev_ga != NULL ? pprev_ga[i] : NAN, gs = pprev_gs != NULL ? pprev_gs[i] : NAN;
+        memcpy(w.p + o_ppa + 4 * (size_t)i, &ga, 4);
+        memcpy(w.p + o_pps + 4 * (size_t)i, &gs, 4);
+    }
     uint64_t sum = amx_checksum64(w.p, body);
     memcpy(w.p + body, &sum, 8);
     *blob = w.p;
@@ -197,9 +213,10 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
     if (amx_get32(&r) != MAGIC)
         return amx_err_set(err, AMX_EINVAL, "not a job state (bad magic)");
     uint32_t ver = amx_get32(&r);
-    if (ver != AMX_JOBSTATE_VERSION && ver != 3)
-        return amx_err_set(err, AMX_EINVAL, "job state format %u is not the supported %u (or 3)",
-                           ver, AMX_JOBSTATE_VERSION);
+    if (ver < 3 || ver > AMX_JOBSTATE_VERSION)
+        return amx_err_set(err, AMX_EINVAL,
+                           "job state format %u is not one of the supported 3 to %u", ver,
+                           AMX_JOBSTATE_VERSION);
     char name[AMX_MAX_JOB_NAME + 1], qname[AMX_MAX_NAME + 1], pg[AMX_MAX_NAME + 1],
         sg[AMX_MAX_NAME + 1];
     amx_qspec_t **specs = NULL;
@@ -336,6 +353,10 @@ amx_status_t amx_jobstate_parse(const void *blob, size_t len, amx_jobstate_t *ou
         out->a.sq =
             nst > 0 ? (amx_stat_result_t *)get_array(&r, (uint64_t)n * sizeof(amx_stat_result_t))
                     : NULL;
+    }
+    if (ver >= 5) {
+        out->pprev_ga = (const float *)get_array(&r, (uint64_t)n * 4);
+        out->pprev_gs = (const float *)get_array(&r, (uint64_t)n * 4);
     }
     r.off += (8 - r.off % 8) % 8;
     if (r.bad || r.off != r.len)

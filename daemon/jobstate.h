@@ -24,9 +24,9 @@
  * per-slice arrays (previous delayed global scales; global amax, scale and
  * inverse of the published results). 4: each spec its calibrator, and the
  * state the statistics of calibrators beyond max (accumulated sums,
- * bases, published stat results). Version 3 is still read (no
- * calibrators). */
-#define AMX_JOBSTATE_VERSION 4
+ * bases, published stat results). 5: the previous epoch's globals
+ * (pprev_*). Versions 3 and 4 are still read. */
+#define AMX_JOBSTATE_VERSION 5 /* 5: the globals of the epoch before the last (below) */
 
 typedef struct amx_jobstate {
     char *job;
@@ -34,6 +34,10 @@ typedef struct amx_jobstate {
     amx_catalog_t *cat;   /* owned */
     uint32_t *hist_head;  /* per catalog index, owned */
     amx_state_arrays_t a; /* point into the parsed blob (kept alive by the caller) */
+    /* Format 5: per quantizer, the global amax and scale of the epoch
+     * before last_reconciled as the exporter's answers carried them
+     * (previous_global_*; NaN: none). NULL in older formats. */
+    const float *pprev_ga, *pprev_gs;
 } amx_jobstate_t;
 
 /*
@@ -53,6 +57,14 @@ amx_status_t amx_jobstate_export_marked(const char *job, uint64_t last_reconcile
                                         const amx_catalog_t *cat, const amx_qdesc_t *desc,
                                         amx_state_t *st, int back, const uint8_t *g_ok, void **blob,
                                         size_t *len, amx_err_t *err);
+
+/* The same, with the previous epoch's globals (per quantizer of cat; NULL:
+ * none, written as NaN). */
+amx_status_t amx_jobstate_export_prev(const char *job, uint64_t last_reconciled,
+                                      const amx_catalog_t *cat, const amx_qdesc_t *desc,
+                                      amx_state_t *st, int back, const uint8_t *g_ok,
+                                      const float *pprev_ga, const float *pprev_gs, void **blob,
+                                      size_t *len, amx_err_t *err);
 
 /* Parses and checks a blob; on AMX_OK `out` owns a catalog and borrows
  * arrays from `blob`, which must stay alive and 8-byte aligned. */

@@ -380,20 +380,26 @@ static void save_previous(amx_job_t *j, int f)
 /* After an epoch that continued a donor's state: the previous epoch's
  * globals are the donor's published ones (the front holds this daemon's
  * own, from before it fell behind), in the installed catalog's order. */
-static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res)
+/* The previous globals from the donor's (ga/gs per quantizer of
+ * res->prev_cat; NaN: none): its last epoch's, for the answers of the epoch
+ * after it (res->prev_*), or, after an attempt that failed once it caught
+ * up, those its answers of that last epoch carried (res->pprev_*, NULL
+ * from a donor of an older format: none). */
+static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res, const float *ga,
+                                const float *gs)
 {
     uint32_t n = j->cat->n;
     j->prev_n = 0;
-    if (res->prev_cat == NULL || n == 0)
+    if (res->prev_cat == NULL || ga == NULL || gs == NULL || n == 0)
         return;
     if (reserve_previous(j, n) != 0)
         return; /* out of memory: no previous values, nothing wrong */
     for (uint32_t i = 0; i < n; i++) {
         int64_t k = amx_catalog_find(res->prev_cat, j->cat->q[i]->name);
         /* NaN: the donor had no published global for it either. */
-        j->prev_ok[i] = k >= 0 && !isnan(res->prev_ga[k]);
-        j->prev_ga[i] = j->prev_ok[i] ? res->prev_ga[k] : 0.0f;
-        j->prev_gs[i] = j->prev_ok[i] ? res->prev_gs[k] : 0.0f;
+        j->prev_ok[i] = k >= 0 && !isnan(ga[k]);
+        j->prev_ga[i] = j->prev_ok[i] ? ga[k] : 0.0f;
+        j->prev_gs[i] = j->prev_ok[i] ? gs[k] : 0.0f;
     }
     j->prev_n = n;
 }
@@ -464,7 +470,12 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
         j->last_reconciled = res->last_reconciled;
         j->epoch = res->last_reconciled + 1;
         if (res->reconciled && !j->dropped)
-            previous_from_donor(j, res);
+            previous_from_donor(j, res, res->prev_ga, res->prev_gs);
+        if (!res->reconciled && !j->dropped && j->cat != NULL)
+            /* The front is the donor's last epoch now (GetScales answers
+             * it), with the previous globals the donor's answers of it
+             * carried. */
+            previous_from_donor(j, res, res->pprev_ga, res->pprev_gs);
         if (!res->reconciled && !j->dropped && j->cat != NULL && res->prev_cat != NULL) {
             /* The front holds the donor's globals now (published with the
              * imported state): those it had published itself. */

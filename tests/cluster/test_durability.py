@@ -48,6 +48,14 @@ def clients_for(c, n):
             for r in range(WORLD)]
 
 
+def result_bytes(res):
+    """Every field of every result, previous epoch's globals included."""
+    return {k: (v.amax.tobytes(), v.scale.tobytes(), v.scale_inv.tobytes(),
+                v.block_scales.tobytes(), np.float32(v.global_scale).tobytes(),
+                repr((v.previous_global_amax, v.previous_global_scale)))
+            for k, v in res.items()}
+
+
 def epochs(clients, first, last, join=False, register=False):
     """Runs epochs first..last on every rank; returns each rank's results of
     the last one as bytes."""
@@ -61,9 +69,7 @@ def epochs(clients, first, last, join=False, register=False):
         for e in range(first, last + 1):
             cl.send(values(r, e))
             res = cl.reconcile()
-        return rejoined, {k: (v.amax.tobytes(), v.scale.tobytes(), v.scale_inv.tobytes(),
-                              v.block_scales.tobytes(), np.float32(v.global_scale).tobytes())
-                          for k, v in res.items()}
+        return rejoined, result_bytes(res)
     out, errs = run_threads({r: (lambda r=r: rank(r)) for r in range(WORLD)})
     assert not errs, errs
     return {r: out[r][1] for r in range(WORLD)}, {r: out[r][0] for r in range(WORLD)}
@@ -157,12 +163,6 @@ def test_one_daemon_restarted_from_its_snapshot(make_cluster):
     assert got == want, c.logs()
     for cl in cls:
         cl.close()
-
-
-def result_bytes(res):
-    return {k: (v.amax.tobytes(), v.scale.tobytes(), v.scale_inv.tobytes(),
-                v.block_scales.tobytes(), np.float32(v.global_scale).tobytes())
-            for k, v in res.items()}
 
 
 @pytest.mark.parametrize("who", ["member", "coordinator"])

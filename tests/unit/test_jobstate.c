@@ -198,11 +198,11 @@ START_TEST(sealed_but_wrong)
     ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_EINVAL);
     ck_assert_str_eq(err.msg, "not a job state (bad magic)");
     w[0] = magic;
-    w[1] = 2; /* format 4 reads 3 too (issue 23); 2 is refused */
+    w[1] = 2; /* format 5 reads 3 and 4 too (issue 23); 2 is refused */
     reseal(blob, len);
     amx_err_clear(&err);
     ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_EINVAL);
-    ck_assert_str_eq(err.msg, "job state format 2 is not the supported 4 (or 3)");
+    ck_assert_str_eq(err.msg, "job state format 2 is not one of the supported 3 to 5");
     w[1] = ver;
     reseal(blob, len);
     ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_OK);
@@ -250,6 +250,53 @@ START_TEST(sealed_but_wrong)
 }
 END_TEST
 
+/* Format 5 carries the globals of the epoch before the last (what a daemon
+ * that catches up answers as previous_global_*: issue 21's session, a
+ * restarted daemon's GetScales); format 4 (without) still reads. */
+START_TEST(previous_globals_round_trip)
+{
+    amx_err_t err = {0};
+    amx_qspec_t *q[2] = {unit_spec("a", 2, NULL), unit_spec("b", 0, NULL)};
+    amx_catalog_t *cat;
+    ck_assert_int_eq(amx_catalog_build(q, 2, &cat, &err), AMX_OK);
+    amx_qdesc_t d[2];
+    amx_state_t *st = state_for(cat, d);
+    float v[3] = {1, 2, 3};
+    epoch(st, cat, d, v, 1);
+    float pga[2] = {5.0f, NAN}, pgs[2] = {89.6f, NAN};
+    void *blob;
+    size_t len;
+    ck_assert_int_eq(
+        amx_jobstate_export_prev("j", 2, cat, d, st, 0, NULL, pga, pgs, &blob, &len, &err), AMX_OK);
+    amx_jobstate_t js;
+    ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_OK);
+    ck_assert_ptr_nonnull(js.pprev_ga);
+    ck_assert(js.pprev_ga[0] == 5.0f && js.pprev_gs[0] == 89.6f);
+    ck_assert(isnan(js.pprev_ga[1]) && isnan(js.pprev_gs[1]));
+    amx_jobstate_free(&js);
+    free(blob);
+    /* Without them: NaN, none. */
+    ck_assert_int_eq(amx_jobstate_export("j", 2, cat, d, st, 0, &blob, &len, &err), AMX_OK);
+    ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_OK);
+    ck_assert(isnan(js.pprev_ga[0]) && isnan(js.pprev_gs[1]));
+    amx_jobstate_free(&js);
+    /* A format 4 blob: the same bytes without the two trailing arrays
+     * (8-byte aligned each: 8 bytes for two quantizers). */
+    uint32_t *w = blob;
+    w[1] = 4;
+    size_t len4 = len - 16;
+    reseal(blob, len4);
+    ck_assert_int_eq(amx_jobstate_parse(blob, len4, &js, &err), AMX_OK);
+    ck_assert_ptr_null(js.pprev_ga);
+    ck_assert_ptr_null(js.pprev_gs);
+    ck_assert_uint_eq(js.last_reconciled, 2);
+    amx_jobstate_free(&js);
+    free(blob);
+    amx_state_destroy(st);
+    amx_catalog_free(cat);
+}
+END_TEST
+
 START_TEST(checksum_sees_length_and_every_bit)
 {
     unsigned char z[64] = {0};
@@ -276,6 +323,7 @@ int main(void)
     tcase_add_test(tc, history_ring_and_head_round_trip);
     tcase_add_test(tc, export_front_or_back);
     tcase_add_test(tc, sealed_but_wrong);
+    tcase_add_test(tc, previous_globals_round_trip);
     tcase_add_test(tc, checksum_sees_length_and_every_bit);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
