@@ -577,14 +577,16 @@ static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
     int behind = 0;
     for (size_t i = 0; i < sr.nbehind; i++)
         behind |= sr.behind[i] == id->rank;
-    /* A daemon behind that had reconciled (or restored) epochs of its own:
-     * its ranks sent for the epoch after its last, which the cluster has
-     * already reconciled (their answers were lost with a crash or a
-     * failure at the last moment). Merged into the epoch after the donor's
-     * they would be stale data in every rank's answer; they are dropped
-     * below and the attempt fails. Only a daemon that never had the job
-     * (its disk lost, no state_dir) cannot tell: its ranks registered
-     * again and send for the job's next epoch. */
+    /* A daemon behind: its ranks sent for the epoch after its own last,
+     * which is not the cluster's open epoch. After epochs of its own (a
+     * restored snapshot, an epoch its peers completed) that epoch is one
+     * the cluster already reconciled (their answers were lost with a crash
+     * or a failure at the last moment); without any (it restarted without
+     * the job: no state_dir, its disk lost) its numbers start over at 1.
+     * Carried into the epoch after the donor's, those values would be
+     * another epoch's data in every rank's answer, or an answer labelled
+     * with an epoch they never asked for: they are dropped below and the
+     * attempt fails, so that its ranks send again for the open epoch. */
     uint64_t own_last = e->last_reconciled, stale_epoch = e->epoch;
     /* 1. The donor serves its state before it changes anything. */
     if (sr.nbehind > 0 && sr.donor == id->rank && publish_state(e, sr.seq) != AMX_OK)
@@ -650,8 +652,25 @@ static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
         amx__engine_fail(e, AMX_EPRECOND, "%s", sr.conflict);
         goto out;
     }
-    /* 6. Contributions for an epoch the cluster had reconciled. */
-    if (behind && own_last > 0) {
+    /* 6. Contributions for an epoch the cluster had reconciled, or for
+     * an epoch numbered by a daemon that lost the job. */
+    if (behind && own_last == 0) {
+        e->res.stale = 1;
+        amx__engine_fail(
+            e, AMX_EABORTED,
+            "job '%s': daemon %u had no state of the job (it restarted without its snapshot) "
+            "and caught up with daemon %u at epoch %llu; its ranks' contributions were for "
+            "its own epoch %llu, not the cluster's open epoch %llu, so they were dropped and "
+            "this attempt at epoch %llu is aborted on every daemon: the ranks of daemon %u "
+            "send for epoch %llu (epoch %llu's results: GetScales), the others call Reconcile "
+            "again",
+            j->name, id->rank, sr.donor, (unsigned long long)e->last_reconciled,
+            (unsigned long long)stale_epoch, (unsigned long long)e->epoch,
+            (unsigned long long)e->epoch, id->rank, (unsigned long long)e->epoch,
+            (unsigned long long)e->last_reconciled);
+        goto out;
+    }
+    if (behind) {
         e->res.stale = 1;
         amx__engine_fail(
             e, AMX_EABORTED,

@@ -28,6 +28,27 @@ def run_threads(fns, timeout=60):
     return out, errs
 
 
+def reconcile_as_trainer(cl, resend=None, tries=8):
+    """Reconcile as a trainer does after a fault (docs/API.md "Decisions on
+    edge cases"): ABORTED, UNAVAILABLE (another daemon's attempt failed;
+    contributions kept): call Reconcile again; FAILED_PRECONDITION (this
+    rank's epoch was closed: its daemon restarted behind its peers; the
+    client learned the open epoch): send again (`resend`, a {name: amax}
+    dict) and Reconcile. Returns (results, the errors it went through)."""
+    seen = []
+    for _ in range(tries):
+        try:
+            return cl.reconcile(), seen
+        except (amaxd.errors.Aborted, amaxd.errors.Unavailable) as e:
+            seen.append(e)
+        except amaxd.errors.FailedPrecondition as e:
+            seen.append(e)
+            if resend is None:
+                raise
+            cl.send(resend)
+    raise AssertionError(f"no answer after {tries} attempts: {seen}")
+
+
 def Q(name, shape=(), peer="", **kw):
     return amaxd.Quantizer(name, list(shape), amaxd.Recipe.fp8_current(), peer_group=peer, **kw)
 

@@ -69,8 +69,12 @@ def _phases(sockets, job, restart, register_again):
                 try:  # the epoch that brings a restarted daemon up to date
                     r1 = c.reconcile(epoch=0)
                     break
-                except (amaxd.errors.Unavailable, amaxd.errors.Aborted):
-                    if attempt == 2:
+                except (amaxd.errors.Unavailable, amaxd.errors.Aborted,
+                        amaxd.errors.FailedPrecondition) as e:
+                    # (FAILED_PRECONDITION: the ranks of a daemon that lost
+                    # the job, whose first attempt is refused.)
+                    if attempt == 2 or (isinstance(e, amaxd.errors.FailedPrecondition) and
+                                        "had no state of the job" not in e.message):
                         raise
             s = {"act.pct": amaxd.Stat(calib.histogram(act, r1["act.pct"].stat_basis,
                                                        W.HIST["act.pct"]),

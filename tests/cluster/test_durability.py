@@ -10,7 +10,7 @@ import pytest
 
 import amaxd
 from conftest import max_daemons
-from test_basic import run_threads
+from test_basic import reconcile_as_trainer, run_threads
 
 WORLD = 4
 REC_DELAYED = amaxd.Recipe.fp8_delayed(history_len=3)
@@ -56,9 +56,10 @@ def result_bytes(res):
             for k, v in res.items()}
 
 
-def epochs(clients, first, last, join=False, register=False):
+def epochs(clients, first, last, join=False, register=False, as_trainer=False):
     """Runs epochs first..last on every rank; returns each rank's results of
-    the last one as bytes."""
+    the last one as bytes. as_trainer: each Reconcile goes through what a
+    trainer does after a fault (test_basic.reconcile_as_trainer)."""
     def rank(r):
         cl = clients[r]
         rejoined = None
@@ -68,7 +69,7 @@ def epochs(clients, first, last, join=False, register=False):
             cl.register(quantizers(r))
         for e in range(first, last + 1):
             cl.send(values(r, e))
-            res = cl.reconcile()
+            res = reconcile_as_trainer(cl, values(r, e))[0] if as_trainer else cl.reconcile()
         return rejoined, result_bytes(res)
     out, errs = run_threads({r: (lambda r=r: rank(r)) for r in range(WORLD)})
     assert not errs, errs
@@ -135,12 +136,15 @@ def test_daemon_without_snapshot_catches_up(make_cluster):
     for cl in cls:
         cl.close()
     # The last daemon's disk is gone: it starts empty, its trainers register
-    # again, and it takes the state from a daemon that restored epoch 4.
+    # again, and it takes the state from a daemon that restored epoch 4. Its
+    # trainers' first Reconcile was for its own epoch 1: refused, naming
+    # epoch 5; they send again for it.
     restart_all(c, n, drop=[n - 1])
     cls = clients_for(c, n)
-    got, _ = epochs(cls, 5, 5, join=True, register=True)
+    got, _ = epochs(cls, 5, 5, join=True, register=True, as_trainer=True)
     assert got == want, c.logs()
     assert "caught up with daemon" in c[n - 1].log(), c.logs()
+    assert "had no state of the job" in c[n - 1].log(), c.logs()
     for cl in cls:
         cl.close()
 

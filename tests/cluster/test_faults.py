@@ -15,7 +15,7 @@ import pytest
 
 import amaxd
 from conftest import COLLECTIVE, max_daemons
-from test_basic import Q, run_threads
+from test_basic import Q, reconcile_as_trainer, run_threads
 
 TIMEOUT_MS = 4000
 
@@ -60,17 +60,27 @@ def test_daemon_killed_during_epoch_then_restarted(make_cluster):
         assert isinstance(e, (amaxd.errors.Unavailable, amaxd.errors.DeadlineExceeded)), e
         assert f"daemon {last}" in e.message, e.message
     assert elapsed < TIMEOUT_MS / 1000 + 0.5, f"errors came after {elapsed:.1f} s"
-    # The daemon restarts (empty); its trainer re-joins and carries on.
+    # The daemon restarts (empty); its trainer re-joins and registers again.
+    # Its daemon numbers epochs from 1 again: that first attempt is refused
+    # (FAILED_PRECONDITION naming the open epoch, never an answer labelled
+    # with another epoch), the trainer sends again for the open epoch, and
+    # the others call Reconcile again.
     c.start(last)
     clients[last].close()
     clients[last] = amaxd.Client("k", last, n, socket=c.socket(last), timeout=30)
 
     def again(r):
         if r == last:
-            assert clients[last].join().rejoined
+            # Its daemon kept nothing of the rank: register again.
+            assert not clients[last].join().rejoined
             clients[last].register(qs)
             clients[last].send(vals(last, 3))
-        return clients[r].reconcile()
+            got, seen = reconcile_as_trainer(clients[last], resend=vals(last, 3))
+            assert any(isinstance(e, amaxd.errors.FailedPrecondition) and
+                       "had no state of the job" in e.message for e in seen), seen
+            assert clients[last].epoch == 4, clients[last].epoch
+            return got
+        return reconcile_as_trainer(clients[r])[0]
     out, errs = run_threads({r: (lambda r=r: again(r)) for r in range(n)})
     assert not errs, f"{errs}\n{c.logs()}"
     w = np.max([vals(r, e)["w"] for r in range(n) for e in (1, 2, 3)], axis=0)
