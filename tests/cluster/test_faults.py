@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import amaxd
-from conftest import COLLECTIVE, max_daemons
+from conftest import max_daemons
 from test_basic import Q, reconcile_as_trainer, run_threads
 
 TIMEOUT_MS = 4000
