@@ -777,6 +777,7 @@ static void run_epoch(amx_engine_t *e)
     e->synced = 0;
     e->passed_on = 0;
     e->aborted_here = 0;
+    e->stale_here = 0;
     uint64_t full_deadline = e->deadline;
     if (j->mship.npart <= 1) {
         if (wait_device_slabs(e, e->deadline) != AMX_OK)
@@ -851,20 +852,18 @@ out:
             if (gen == 0)
                 gen = e->last_gen;
             const char *why = e->aborted_here ? e->peer_why : e->res.msg;
-            if (e->res.stale)
-                /* Its peers attempt the epoch after the donor's (this
-                 * daemon's e->epoch since the catch-up), not the one this
-                 * daemon started. */
-                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, 0, e->epoch, e->res.st,
-                                    why, 500);
-            else if (!e->passed_on && failed_here(e->res.st))
+            /* After a catch-up its peers attempt the epoch after the
+             * donor's (this daemon's e->epoch since), not the one this
+             * daemon started. */
+            uint64_t ep = e->res.imported ? e->epoch : e->start_epoch;
+            if (!e->passed_on && (e->stale_here || failed_here(e->res.st)))
                 /* A failure of this daemon's own: every participant of this
                  * epoch hears it, whatever communicator it is using or
                  * making (it may be agreeing on a new generation this
                  * daemon never got), instead of waiting for this daemon
                  * and then blaming its ranks. */
-                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, 0, e->start_epoch,
-                                    e->res.st, why, 500);
+                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, 0, ep, e->res.st, why,
+                                    500);
             else if (gen != 0 && !e->passed_on)
                 amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, 0, e->res.st, why,
                                     500);
@@ -880,11 +879,17 @@ out:
     free(e->imp_desc);
     e->imp_cat = NULL;
     e->imp_desc = NULL;
-    pthread_mutex_lock(&e->blob_mu);
-    free(e->blob);
-    e->blob = NULL;
-    e->blob_len = 0;
-    pthread_mutex_unlock(&e->blob_mu);
+    /* The state served to daemons behind goes once an epoch completed. An
+     * attempt that failed keeps it: the others fail the same agreement
+     * (a catalog conflict) while a daemon behind may still be fetching it;
+     * the next publish replaces it. */
+    if (e->res.reconciled) {
+        pthread_mutex_lock(&e->blob_mu);
+        free(e->blob);
+        e->blob = NULL;
+        e->blob_len = 0;
+        pthread_mutex_unlock(&e->blob_mu);
+    }
     e->res.end_at_us = amx_now_us();
     e->res.total_us = e->res.end_at_us - t0;
     if (amx_log_profiling())
@@ -988,6 +993,7 @@ void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
     pthread_mutex_lock(&e->mu);
     e->epoch = epoch;
     e->start_epoch = epoch;
+    e->relabeled = 0;
     e->deadline = deadline_ms;
     atomic_store(&e->abort_flag, 0);
     e->abort_why[0] = '\0';
@@ -1027,6 +1033,10 @@ void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint64_t epoch, uint32_t fr
 {
     pthread_mutex_lock(&e->mu);
     uint64_t cur = atomic_load(&e->comm_gen);
+    if (gen == 0 && epoch != 0 && e->relabeled != 0 && epoch == e->relabeled) {
+        /* The epoch this attempt became when it caught up: about it. */
+        epoch = e->start_epoch;
+    }
     if (gen == 0 && epoch != 0 && epoch > e->start_epoch) {
         /* An epoch not started here yet: kept for when it starts. */
         e->pend_epoch = epoch;

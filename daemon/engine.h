@@ -61,6 +61,7 @@ typedef struct amx_epoch_result {
      * attempt failed, the loop drops them (unflip without keep) and answers
      * those ranks FAILED_PRECONDITION. */
     int stale;
+    char stale_why[768]; /* with stale: the sentence those ranks hear */
     uint64_t last_reconciled;
     /* With imported: the donor's published global amax and scale (its
      * epoch last_reconciled), per quantizer of prev_cat (owned), which the

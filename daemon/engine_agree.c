@@ -591,9 +591,46 @@ static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
     /* 1. The donor serves its state before it changes anything. */
     if (sr.nbehind > 0 && sr.donor == id->rank && publish_state(e, sr.seq) != AMX_OK)
         goto out;
-    /* 2. Those behind catch up. */
+    /* 2. Those behind catch up. From here on its ranks' contributions are
+     * dropped whatever else fails (res.stale, below). */
     if (behind && catch_up(e, &sr) != AMX_OK)
         goto out;
+    if (behind) {
+        e->res.stale = 1;
+        if (own_last == 0)
+            snprintf(e->res.stale_why, sizeof(e->res.stale_why),
+                     "job '%s': daemon %u had reconciled no epoch of the job (it restarted "
+                     "without its snapshot, or failed the job's first epoch, which its peers "
+                     "completed) and caught up with daemon %u at epoch %llu; its ranks' "
+                     "contributions were for its own epoch %llu, not the cluster's open epoch "
+                     "%llu, so they were dropped and this attempt at epoch %llu is aborted on "
+                     "every daemon: the ranks of daemon %u send for epoch %llu (epoch %llu's "
+                     "results: GetScales), the others call Reconcile again",
+                     j->name, id->rank, sr.donor, (unsigned long long)e->last_reconciled,
+                     (unsigned long long)stale_epoch, (unsigned long long)e->epoch,
+                     (unsigned long long)e->epoch, id->rank, (unsigned long long)e->epoch,
+                     (unsigned long long)e->last_reconciled);
+        else
+            snprintf(e->res.stale_why, sizeof(e->res.stale_why),
+                     "job '%s': daemon %u was behind (its last epoch %llu) and caught up with "
+                     "daemon %u at epoch %llu; its ranks' contributions were for epoch %llu, "
+                     "which the cluster had already reconciled, so they were dropped and this "
+                     "attempt at epoch %llu is aborted on every daemon: the ranks of daemon %u "
+                     "read epoch %llu's results with GetScales and send for epoch %llu, the "
+                     "others call Reconcile again",
+                     j->name, id->rank, (unsigned long long)own_last, sr.donor,
+                     (unsigned long long)e->last_reconciled, (unsigned long long)stale_epoch,
+                     (unsigned long long)e->epoch, id->rank, (unsigned long long)e->last_reconciled,
+                     (unsigned long long)e->epoch);
+        /* The peers attempt e->epoch: an abort of it (another daemon
+         * behind failing the same attempt) is about this attempt now, and
+         * one kept for it as not started here yet is too. */
+        pthread_mutex_lock(&e->mu);
+        e->relabeled = e->epoch;
+        if (e->pend_epoch == e->epoch)
+            e->pend_epoch = 0;
+        pthread_mutex_unlock(&e->mu);
+    }
     /* 3. The catalog. */
     amx_catalog_t *target = NULL;
     if (sr.catalog_included) {
@@ -653,36 +690,10 @@ static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
         goto out;
     }
     /* 6. Contributions for an epoch the cluster had reconciled, or for
-     * an epoch numbered by a daemon that lost the job. */
-    if (behind && own_last == 0) {
-        e->res.stale = 1;
-        amx__engine_fail(
-            e, AMX_EABORTED,
-            "job '%s': daemon %u had no state of the job (it restarted without its snapshot) "
-            "and caught up with daemon %u at epoch %llu; its ranks' contributions were for "
-            "its own epoch %llu, not the cluster's open epoch %llu, so they were dropped and "
-            "this attempt at epoch %llu is aborted on every daemon: the ranks of daemon %u "
-            "send for epoch %llu (epoch %llu's results: GetScales), the others call Reconcile "
-            "again",
-            j->name, id->rank, sr.donor, (unsigned long long)e->last_reconciled,
-            (unsigned long long)stale_epoch, (unsigned long long)e->epoch,
-            (unsigned long long)e->epoch, id->rank, (unsigned long long)e->epoch,
-            (unsigned long long)e->last_reconciled);
-        goto out;
-    }
+     * an epoch numbered by a daemon that lost the job (stale_why). */
     if (behind) {
-        e->res.stale = 1;
-        amx__engine_fail(
-            e, AMX_EABORTED,
-            "job '%s': daemon %u was behind (its last epoch %llu) and caught up with daemon %u "
-            "at epoch %llu; its ranks' contributions were for epoch %llu, which the cluster had "
-            "already reconciled, so they were dropped and this attempt at epoch %llu is aborted "
-            "on every daemon: the ranks of daemon %u read epoch %llu's results with GetScales "
-            "and send for epoch %llu, the others call Reconcile again",
-            j->name, id->rank, (unsigned long long)own_last, sr.donor,
-            (unsigned long long)e->last_reconciled, (unsigned long long)stale_epoch,
-            (unsigned long long)e->epoch, id->rank, (unsigned long long)e->last_reconciled,
-            (unsigned long long)e->epoch);
+        e->stale_here = 1;
+        amx__engine_fail(e, AMX_EABORTED, "%s", e->res.stale_why);
         goto out;
     }
     /* 7. The communicator. */

@@ -44,6 +44,10 @@ struct amx_engine {
     int busy_poll; /* config busy_poll: expect and expect_end spin */
     uint64_t epoch, deadline;
     uint64_t start_epoch; /* the epoch handed to amx_engine_start (under mu) */
+    /* The epoch this attempt became when it caught up (the peers' number
+     * for it; 0: none; under mu), and whether it then failed for it. */
+    uint64_t relabeled;
+    int stale_here;
     atomic_int abort_flag;
     amx_status_t abort_code; /* with abort_flag: the status to fail with (under mu) */
     uint32_t abort_from;     /* the daemon that aborted it (AMX_ENGINE_LOCAL: this one) */

@@ -380,10 +380,11 @@ static void on_join_answer(void *ud, amx_status_t st, const char *msg, const amx
     r = amx__local_rank(j, rank);
     r->joined = 1;
     r->restored = 0;
-    /* rejoined: this daemon kept the rank's state (its placements: no new
-     * Register). The coordinator knowing the rank is not enough: a daemon
-     * that restarted without the job has nothing of it. */
-    complete_join(reg, j, w, was_restored || (m->rejoined && r->npls > 0));
+    /* rejoined: this daemon kept the rank (restored it from its snapshot;
+     * a rank it kept live was answered at once by amx_registry_join). The
+     * coordinator knowing the rank is not enough: a daemon that restarted
+     * without the job has nothing of it. */
+    complete_join(reg, j, w, was_restored);
 }
 
 amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, amx_waiter_t *w,

@@ -618,12 +618,20 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             int bad =
                 w != NULL && w->device_answer && amx__dev_bad_slab(j, r, res->epoch, &e2) != AMX_OK;
             amx__dev_epoch_end(r);
-            /* Contributions for an epoch the cluster had reconciled: that
-             * epoch is closed for this rank (FAILED_PRECONDITION, as for an
-             * update that came too late), not aborted. */
+            /* Contributions for an epoch the cluster had reconciled (or
+             * numbered by a daemon that lost the job): that epoch is closed
+             * for this rank (FAILED_PRECONDITION, as for an update that
+             * came too late), not aborted; when something else failed the
+             * attempt first, the rank hears both. */
             amx_status_t code = bad ? AMX_EINVAL : res->stale ? AMX_EPRECOND : res->st;
+            const char *msg = bad ? e2.msg : res->msg;
+            char both[sizeof(res->msg) + sizeof(res->stale_why) + 16];
+            if (!bad && res->stale && strcmp(res->msg, res->stale_why) != 0) {
+                snprintf(both, sizeof(both), "%s; and: %s", res->msg, res->stale_why);
+                msg = both;
+            }
             if (w != NULL)
-                amx__finish_waiter(reg, w, code, bad ? e2.msg : res->msg, NULL);
+                amx__finish_waiter(reg, w, code, msg, NULL);
         }
     }
     amx__run_deferred(reg, j);

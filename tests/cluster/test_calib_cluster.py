@@ -74,7 +74,7 @@ def _phases(sockets, job, restart, register_again):
                     # (FAILED_PRECONDITION: the ranks of a daemon that lost
                     # the job, whose first attempt is refused.)
                     if attempt == 2 or (isinstance(e, amaxd.errors.FailedPrecondition) and
-                                        "had no state of the job" not in e.message):
+                                        "had reconciled no epoch of the job" not in e.message):
                         raise
             s = {"act.pct": amaxd.Stat(calib.histogram(act, r1["act.pct"].stat_basis,
                                                        W.HIST["act.pct"]),

@@ -147,7 +147,7 @@ def recover(c, cls, epoch):
         if isinstance(e, amaxd.errors.FailedPrecondition):
             # Its restarted daemon's own epoch number, refused (never an
             # answer for another epoch), and only for its own rank.
-            assert "had no state of the job" in e.message or "already reconciled" in e.message, e
+            assert "had reconciled no epoch of the job" in e.message or "already reconciled" in e.message, e
     return took, errors
 
 

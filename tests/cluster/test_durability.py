@@ -144,7 +144,7 @@ def test_daemon_without_snapshot_catches_up(make_cluster):
     got, _ = epochs(cls, 5, 5, join=True, register=True, as_trainer=True)
     assert got == want, c.logs()
     assert "caught up with daemon" in c[n - 1].log(), c.logs()
-    assert "had no state of the job" in c[n - 1].log(), c.logs()
+    assert "had reconciled no epoch of the job" in c[n - 1].log(), c.logs()
     for cl in cls:
         cl.close()
 
@@ -252,5 +252,108 @@ def test_daemon_restored_behind_its_peers_drops_stale_contributions(make_cluster
             assert any(isinstance(e, amaxd.errors.Aborted) and "was behind" in str(e)
                        for e in seen), seen
     assert "caught up with daemon" in c[d].log(), c.logs()
+    for cl in cls:
+        cl.close()
+
+
+def restored_behind(make_cluster, n, behind):
+    """A cluster of n daemons calibrated to epoch 4, whose daemons `behind`
+    were killed after epoch 4 and restarted from their snapshots of epoch 3;
+    its clients (those of the restarted daemons new) and the ranks they host."""
+    c, cls, _ = calibrated(make_cluster, n, 3, "--reconcile-timeout-ms=6000", state=True)
+    old = {}
+    for d in behind:
+        with open(os.path.join(c.state_dir(d), "dur.amxs"), "rb") as f:
+            old[d] = f.read()
+    epochs(cls, 4, 4)
+    for d in behind:
+        c.kill(d)
+        with open(os.path.join(c.state_dir(d), "dur.amxs"), "wb") as f:
+            f.write(old[d])
+        c.start(d)
+    mine = [r for r in range(WORLD) if daemon_of(r, n) in behind]
+    for r in mine:
+        cls[r].close()
+        cls[r] = amaxd.Client("dur", r, WORLD, socket=c.socket(daemon_of(r, n)), timeout=30)
+    return c, cls, mine
+
+
+def test_conflict_in_the_catch_up_still_drops_stale_contributions(make_cluster):
+    """Found by review: when the agreement that brings a restored daemon up
+    to date fails for another reason first (here a catalog conflict), its
+    ranks' contributions for the epoch the cluster had reconciled were kept
+    and carried into the next epoch (every rank's epoch 5 amax became the
+    7777 they had sent). They are dropped whatever fails the attempt, and
+    its ranks hear both causes."""
+    n = max_daemons(2)
+    if n < 2:
+        pytest.skip("needs two daemons")
+    _, ref, _ = calibrated(make_cluster, n, 4)
+    want5, _ = epochs(ref, 5, 5)
+    for cl in ref:
+        cl.close()
+    c, cls, mine = restored_behind(make_cluster, n, [n - 1])
+    z = lambda shape: [amaxd.Quantizer("z", shape, amaxd.Recipe.fp8_current())]
+
+    def rank(r):
+        cl = cls[r]
+        if r in mine:
+            cl.join()
+            cl.register(z([2]))  # another shape than the other daemon's: a conflict
+            cl.send({k: np.full(np.shape(v), 7777, np.float32) for k, v in values(r, 4).items()})
+            got, seen = reconcile_as_trainer(cl, values(r, 5))
+        else:
+            cl.register(z([3]))
+            cl.send(values(r, 5))
+            got, seen = reconcile_as_trainer(cl, values(r, 5))
+        return [str(e) for e in seen], got, cl.epoch
+
+    out, errs = run_threads({r: (lambda r=r: rank(r)) for r in range(WORLD)}, timeout=120)
+    assert not errs, (errs, c.logs())
+    for r in mine:
+        seen, _, epoch = out[r]
+        # Never answered for the reconciled epoch 4: the answer is epoch 5's.
+        assert epoch == 6, (epoch, seen)
+        assert any("'z'" in m and "which the cluster had already reconciled" in m
+                   for m in seen), seen
+    for r in range(WORLD):
+        assert result_bytes(out[r][1]) == want5[r], (r, out[r][0], c.logs())
+    for cl in cls:
+        cl.close()
+
+
+def test_two_daemons_restored_behind_at_once(make_cluster):
+    """Both daemons behind fail the same attempt and abort it everywhere;
+    each one's Abort must not also fail the other's next attempt. Their
+    ranks are refused once (FAILED_PRECONDITION), send again, and epoch 5
+    is an uninterrupted run's."""
+    n = max_daemons(4)
+    if n < 4:
+        pytest.skip("needs four daemons")
+    _, ref, _ = calibrated(make_cluster, n, 4)
+    want5, _ = epochs(ref, 5, 5)
+    for cl in ref:
+        cl.close()
+    c, cls, mine = restored_behind(make_cluster, n, [2, 3])
+
+    def rank(r):
+        cl = cls[r]
+        if r in mine:
+            cl.join()
+            cl.send(values(r, 4))
+        else:
+            cl.send(values(r, 5))
+        got, seen = reconcile_as_trainer(cl, values(r, 5))
+        return [type(e).__name__ for e in seen], result_bytes(got)
+
+    out, errs = run_threads({r: (lambda r=r: rank(r)) for r in range(WORLD)}, timeout=120)
+    assert not errs, (errs, c.logs())
+    print("errors on the way:", {r: out[r][0] for r in range(WORLD)})
+    for r in range(WORLD):
+        assert out[r][1] == want5[r], (r, c.logs())
+    for r in mine:
+        assert out[r][0][0] == "FailedPrecondition", out[r][0]
+        assert out[r][0].count("FailedPrecondition") == 1, out[r][0]
+        assert "Aborted" not in out[r][0], out[r][0]
     for cl in cls:
         cl.close()

@@ -392,7 +392,7 @@ def test_a_failed_epoch_that_agreed_leaves_no_false_previous(make_cluster):
             except amaxd.errors.FailedPrecondition as e:
                 # Daemon 3 restarted without the job: its own epoch number
                 # is refused, naming the open one; send again for it.
-                if not resend or "had no state of the job" not in e.message:
+                if not resend or "had reconciled no epoch of the job" not in e.message:
                     raise
                 cls[r].send(values(r, 4, extras(r, 4)))
         return cls[r].reconcile()

@@ -77,7 +77,7 @@ def test_daemon_killed_during_epoch_then_restarted(make_cluster):
             clients[last].send(vals(last, 3))
             got, seen = reconcile_as_trainer(clients[last], resend=vals(last, 3))
             assert any(isinstance(e, amaxd.errors.FailedPrecondition) and
-                       "had no state of the job" in e.message for e in seen), seen
+                       "had reconciled no epoch of the job" in e.message for e in seen), seen
             assert clients[last].epoch == 4, clients[last].epoch
             return got
         return reconcile_as_trainer(clients[r])[0]
