@@ -169,6 +169,41 @@ def test_one_daemon_restarted_from_its_snapshot(make_cluster):
         cl.close()
 
 
+def reference_4_5(make_cluster, n):
+    """An uninterrupted run's results of epochs 4 and 5."""
+    _, ref, want4 = calibrated(make_cluster, n, 4)
+    want5, _ = epochs(ref, 5, 5)
+    for cl in ref:
+        cl.close()
+    return want4, want5
+
+
+def restored_behind(make_cluster, n, behind):
+    """A cluster of n daemons calibrated to epoch 4, whose daemons `behind`
+    were killed after epoch 4's collective and restarted from their
+    snapshots of epoch 3 (as if killed before writing epoch 4's); its
+    clients (those of the restarted daemons new), the ranks those host and
+    every rank's epoch 4 results. Over NCCL a daemon stuck in a collective
+    with a dead coordinator notices only at the epoch's deadline
+    (docs/CLUSTER.md): it is kept short."""
+    c, cls, _ = calibrated(make_cluster, n, 3, "--reconcile-timeout-ms=6000", state=True)
+    old = {}
+    for d in behind:
+        with open(os.path.join(c.state_dir(d), "dur.amxs"), "rb") as f:
+            old[d] = f.read()
+    got4, _ = epochs(cls, 4, 4)
+    for d in behind:
+        c.kill(d)
+        with open(os.path.join(c.state_dir(d), "dur.amxs"), "wb") as f:
+            f.write(old[d])
+        c.start(d)
+    mine = [r for r in range(WORLD) if daemon_of(r, n) in behind]
+    for r in mine:
+        cls[r].close()
+        cls[r] = amaxd.Client("dur", r, WORLD, socket=c.socket(daemon_of(r, n)), timeout=30)
+    return c, cls, mine, got4
+
+
 @pytest.mark.parametrize("who", ["member", "coordinator"])
 def test_daemon_restored_behind_its_peers_drops_stale_contributions(make_cluster, who):
     """A daemon killed after an epoch's collective but before its snapshot
@@ -181,28 +216,10 @@ def test_daemon_restored_behind_its_peers_drops_stale_contributions(make_cluster
     n = max_daemons(2)
     if n < 2:
         pytest.skip("needs two daemons")
-    _, ref, want4 = calibrated(make_cluster, n, 4)
-    want5, _ = epochs(ref, 5, 5)
-    for cl in ref:
-        cl.close()
-    # Over NCCL a daemon stuck in a collective with the dead coordinator
-    # notices only at the epoch's deadline (docs/CLUSTER.md): keep it short.
-    c, cls, _ = calibrated(make_cluster, n, 3, "--reconcile-timeout-ms=6000", state=True)
+    want4, want5 = reference_4_5(make_cluster, n)
     d = 0 if who == "coordinator" else n - 1
-    snap = os.path.join(c.state_dir(d), "dur.amxs")
-    with open(snap, "rb") as f:
-        epoch3 = f.read()
-    got4, _ = epochs(cls, 4, 4)
+    c, cls, mine, got4 = restored_behind(make_cluster, n, [d])
     assert got4 == want4, c.logs()
-    # As if killed after epoch 4's collective and before its snapshot.
-    c.kill(d)
-    with open(snap, "wb") as f:
-        f.write(epoch3)
-    c.start(d)
-    mine = [r for r in range(WORLD) if daemon_of(r, n) == d]
-    for r in mine:
-        cls[r].close()
-        cls[r] = amaxd.Client("dur", r, WORLD, socket=c.socket(d), timeout=30)
 
     def restarted(r):
         cl = cls[r]
@@ -256,28 +273,6 @@ def test_daemon_restored_behind_its_peers_drops_stale_contributions(make_cluster
         cl.close()
 
 
-def restored_behind(make_cluster, n, behind):
-    """A cluster of n daemons calibrated to epoch 4, whose daemons `behind`
-    were killed after epoch 4 and restarted from their snapshots of epoch 3;
-    its clients (those of the restarted daemons new) and the ranks they host."""
-    c, cls, _ = calibrated(make_cluster, n, 3, "--reconcile-timeout-ms=6000", state=True)
-    old = {}
-    for d in behind:
-        with open(os.path.join(c.state_dir(d), "dur.amxs"), "rb") as f:
-            old[d] = f.read()
-    epochs(cls, 4, 4)
-    for d in behind:
-        c.kill(d)
-        with open(os.path.join(c.state_dir(d), "dur.amxs"), "wb") as f:
-            f.write(old[d])
-        c.start(d)
-    mine = [r for r in range(WORLD) if daemon_of(r, n) in behind]
-    for r in mine:
-        cls[r].close()
-        cls[r] = amaxd.Client("dur", r, WORLD, socket=c.socket(daemon_of(r, n)), timeout=30)
-    return c, cls, mine
-
-
 def test_conflict_in_the_catch_up_still_drops_stale_contributions(make_cluster):
     """Found by review: when the agreement that brings a restored daemon up
     to date fails for another reason first (here a catalog conflict), its
@@ -288,11 +283,8 @@ def test_conflict_in_the_catch_up_still_drops_stale_contributions(make_cluster):
     n = max_daemons(2)
     if n < 2:
         pytest.skip("needs two daemons")
-    _, ref, _ = calibrated(make_cluster, n, 4)
-    want5, _ = epochs(ref, 5, 5)
-    for cl in ref:
-        cl.close()
-    c, cls, mine = restored_behind(make_cluster, n, [n - 1])
+    _, want5 = reference_4_5(make_cluster, n)
+    c, cls, mine, _ = restored_behind(make_cluster, n, [n - 1])
     z = lambda shape: [amaxd.Quantizer("z", shape, amaxd.Recipe.fp8_current())]
 
     def rank(r):
@@ -330,11 +322,8 @@ def test_two_daemons_restored_behind_at_once(make_cluster):
     n = max_daemons(4)
     if n < 4:
         pytest.skip("needs four daemons")
-    _, ref, _ = calibrated(make_cluster, n, 4)
-    want5, _ = epochs(ref, 5, 5)
-    for cl in ref:
-        cl.close()
-    c, cls, mine = restored_behind(make_cluster, n, [2, 3])
+    _, want5 = reference_4_5(make_cluster, n)
+    c, cls, mine, _ = restored_behind(make_cluster, n, [2, 3])
 
     def rank(r):
         cl = cls[r]
