@@ -41,7 +41,8 @@ typedef struct amx_membership {
     uint32_t world;
     uint32_t npart;
     amx_part_t *part;
-    int rejoined; /* the rank had joined before (a restarted trainer or daemon) */
+    int rejoined; /* the coordinator knew the rank before (a trainer's Join answer
+                   * says instead whether its own daemon kept it: job.c) */
     uint64_t coord_inc;
 } amx_membership_t;
 

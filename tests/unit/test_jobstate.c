@@ -203,6 +203,11 @@ START_TEST(sealed_but_wrong)
     amx_err_clear(&err);
     ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_EINVAL);
     ck_assert_str_eq(err.msg, "job state format 2 is not one of the supported 3 to 5");
+    w[1] = 6; /* a newer daemon's: refused, not read in part */
+    reseal(blob, len);
+    amx_err_clear(&err);
+    ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_EINVAL);
+    ck_assert_str_eq(err.msg, "job state format 6 is not one of the supported 3 to 5");
     w[1] = ver;
     reseal(blob, len);
     ck_assert_int_eq(amx_jobstate_parse(blob, len, &js, &err), AMX_OK);
