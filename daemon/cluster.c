@@ -9,14 +9,17 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -284,6 +287,55 @@ amx_status_t amx_cluster_resolve(const amx_config_t *cfg, const char *(*env)(con
                            "cluster's shared secret (the same on every daemon)",
                            size);
     return AMX_OK;
+}
+
+/* One non-blocking connect: 1 refused, 0 connected, -1 anything else. */
+static int connect_refused(const struct addrinfo *a, int timeout_ms)
+{
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0)
+        return -1;
+    int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+    int e = rc == 0 ? 0 : errno;
+    if (e == EINPROGRESS) {
+        struct pollfd pf = {.fd = fd, .events = POLLOUT};
+        int n;
+        do
+            n = poll(&pf, 1, timeout_ms);
+        while (n < 0 && errno == EINTR);
+        socklen_t sl = sizeof(e);
+        if (n <= 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &sl) != 0)
+            e = ETIMEDOUT;
+    }
+    close(fd);
+    return e == 0 ? 0 : e == ECONNREFUSED ? 1 : -1;
+}
+
+int amx_cluster_addr_refuses(const char *hostport, uint64_t timeout_ms)
+{
+    char host[200];
+    uint32_t port = 0;
+    if (hostport == NULL || split_hostport(hostport, host, sizeof(host), &port) != 0 ||
+        host[0] == '\0')
+        return 0;
+    size_t hl = strlen(host);
+    if (hl >= 2 && host[0] == '[' && host[hl - 1] == ']') {
+        memmove(host, host + 1, hl - 2);
+        host[hl - 2] = '\0';
+    }
+    char serv[16];
+    snprintf(serv, sizeof(serv), "%u", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+    struct addrinfo *res = NULL;
+    if (getaddrinfo(host, serv, &hints, &res) != 0 || res == NULL)
+        return 0;
+    int ms = timeout_ms > 60000 ? 60000 : (int)timeout_ms;
+    int refused = 1;
+    for (const struct addrinfo *a = res; a != NULL && refused; a = a->ai_next)
+        if (connect_refused(a, ms) != 1)
+            refused = 0;
+    freeaddrinfo(res);
+    return refused;
 }
 
 amx_status_t amx_cluster_load_secret(const char *path, uint8_t *buf, size_t cap, size_t *len,

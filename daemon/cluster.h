@@ -58,6 +58,15 @@ void amx_auth_token(const uint8_t *secret, size_t slen, const char *method, long
 int amx_auth_check(const uint8_t *secret, size_t slen, const char *method, long long now,
                    const char *token, size_t tlen, const char **why);
 
+/* Whether nothing listens at peer address HOST:PORT ("[v6]:PORT" too): 1
+ * when a TCP connect to every address it resolves to was refused
+ * (ECONNREFUSED: the host is up and the port closed, as when the daemon
+ * there died or stopped), 0 when one connected, or took longer than
+ * `timeout_ms`, or the name did not resolve: those say nothing of the
+ * process. Blocks up to `timeout_ms` per address (and for the name's
+ * resolution). */
+int amx_cluster_addr_refuses(const char *hostport, uint64_t timeout_ms);
+
 typedef struct amx_cluster amx_cluster_t;
 
 /* The identity plus, in a cluster of several daemons, the secret and the

@@ -106,7 +106,18 @@ typedef struct amx_comm_params {
      * peer that will never join). Called from another thread. */
     int (*aborted)(void *ud);
     void *abort_ud;
+    /* Optional (nccl, which does not notice a dead peer: its collectives
+     * wait for the deadline): called on the calling thread about every
+     * AMX_COMM_WATCH_MS while the create, or any later all-reduce, has
+     * waited that long; it may block for a ping round. Non-zero: a
+     * participant is gone (`why`, a sentence naming it); the operation is
+     * aborted and fails with EUNAVAIL and that sentence. Kept for the
+     * communicator's life: `watch_ud` must outlive it. */
+    int (*watch)(void *ud, char *why, size_t len);
+    void *watch_ud;
 } amx_comm_params_t;
+
+#define AMX_COMM_WATCH_MS 400
 
 /* Creates a communicator of backend `name` ("local", "gloo", "nccl").
  * EUNAVAIL when the backend is not compiled in. Blocks until every

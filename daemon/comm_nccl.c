@@ -55,6 +55,10 @@ typedef struct nccl_comm {
     void *abort_ud;
     int dead; /* aborted or failed: every later request fails */
     char why[256];
+    /* params.watch: asked while an init or all-reduce waits (submit) */
+    int (*watch)(void *ud, char *why, size_t len);
+    void *watch_ud;
+    char gone[512]; /* what the watch said (engine thread) */
     /* nccl_tail: the next all-reduce's copy out (engine thread) */
     void *tail_dst;
     const void *tail_src;
@@ -469,11 +473,44 @@ static amx_status_t submit(nreq_t *r, amx_err_t *err)
             poll_pause();
         pthread_mutex_lock(&G.mu);
     }
-    while (!r->done)
-        pthread_cond_wait(&G.done_cv, &G.mu);
+    /* A watch (params.watch) is asked every AMX_COMM_WATCH_MS while the
+     * request waits: a peer that died never ends NCCL's collective, which
+     * would otherwise wait for the deadline. */
+    nccl_comm_t *wc = (r->kind == R_INIT || r->kind == R_ALLREDUCE) ? r->c : NULL;
+    uint64_t next_watch = amx_now_ms() + AMX_COMM_WATCH_MS;
+    while (!r->done) {
+        if (wc == NULL || wc->watch == NULL || wc->gone[0] != '\0') {
+            pthread_cond_wait(&G.done_cv, &G.mu);
+            continue;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100L * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&G.done_cv, &G.mu, &ts);
+        if (r->done || amx_now_ms() < next_watch)
+            continue;
+        pthread_mutex_unlock(&G.mu);
+        char why[512] = "";
+        int gone = wc->watch(wc->watch_ud, why, sizeof(why));
+        next_watch = amx_now_ms() + AMX_COMM_WATCH_MS;
+        pthread_mutex_lock(&G.mu);
+        if (gone && !r->done) {
+            snprintf(wc->gone, sizeof(wc->gone), "%s", why[0] ? why : "a participant is gone");
+            AMX_WARN("nccl", "%s: aborting the communicator (rank %d of %d)", wc->gone,
+                     wc->base.rank, wc->base.size);
+            atomic_store(&wc->abort_req, 1);
+            pthread_cond_signal(&G.cv);
+        }
+    }
     pthread_mutex_unlock(&G.mu);
     if (r->ev != NULL)
         cudaEventDestroy(r->ev);
+    if (wc != NULL && wc->gone[0] != '\0' && r->st != AMX_OK)
+        return amx_err_set(err, AMX_EUNAVAIL, "%s", wc->gone);
     if (r->st != AMX_OK)
         return amx_err_set(err, r->st, "%s", r->msg);
     return AMX_OK;
@@ -584,6 +621,8 @@ amx_status_t amx__comm_nccl_create(const amx_comm_params_t *p, amx_comm_t **out,
     c->device = p->cuda_device;
     c->aborted = p->aborted;
     c->abort_ud = p->abort_ud;
+    c->watch = p->watch;
+    c->watch_ud = p->watch_ud;
     atomic_init(&c->abort_req, 0);
     nreq_t r;
     memset(&r, 0, sizeof(r));

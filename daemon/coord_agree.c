@@ -461,10 +461,10 @@ static void complete_sync(amx_coord_t *co, cjob_t *j)
     j->seq++;
     AMX_INFO("coord",
              "job %s: agreement %llu: %u quantizers (%zu new%s), epoch %llu, %zu "
-             "behind, communicator generation %llu%s",
+             "behind, communicator generation %llu%s, coordinator incarnation %016llx",
              j->name, (unsigned long long)j->seq, master->view.n, nadd, nconf ? ", conflicts" : "",
              (unsigned long long)target, nbehind, (unsigned long long)j->comm_gen,
-             new_comm ? " (new)" : "");
+             new_comm ? " (new)" : "", (unsigned long long)co->incarnation);
     amx_coord_sync_ans_t ans = {
         .seq = j->seq,
         .catalog_hash = master->view.hash,

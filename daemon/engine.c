@@ -834,6 +834,13 @@ static void run_epoch(amx_engine_t *e)
     e->res.reconciled = 1;
 out:
     e->deadline = full_deadline;
+    pthread_mutex_lock(&e->mu);
+    if (e->agreed_seq != 0) {
+        e->ended_seq = e->agreed_seq;
+        e->ended_inc = e->agreed_inc;
+    }
+    uint64_t agreed_seq = e->agreed_seq, agreed_inc = e->agreed_inc;
+    pthread_mutex_unlock(&e->mu);
     if (e->res.reconciled) {
         e->res.st = AMX_OK;
         e->res.epoch = e->epoch;
@@ -862,11 +869,11 @@ out:
                  * making (it may be agreeing on a new generation this
                  * daemon never got), instead of waiting for this daemon
                  * and then blaming its ranks. */
-                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, 0, ep, e->res.st, why,
-                                    500);
+                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, 0, ep, agreed_seq,
+                                    agreed_inc, e->res.st, why, 500);
             else if (gen != 0 && !e->passed_on)
-                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, 0, e->res.st, why,
-                                    500);
+                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, 0, 0, 0, e->res.st,
+                                    why, 500);
             amx__engine_drop_comm(e);
             e->need_sync = 1;
         }
@@ -994,6 +1001,8 @@ void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
     e->epoch = epoch;
     e->start_epoch = epoch;
     e->relabeled = 0;
+    e->agreed_seq = 0;
+    e->agreed_inc = 0;
     e->deadline = deadline_ms;
     atomic_store(&e->abort_flag, 0);
     e->abort_why[0] = '\0';
@@ -1028,11 +1037,24 @@ amx_epoch_result_t *amx_engine_result(amx_engine_t *e)
     return &e->res;
 }
 
-void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint64_t epoch, uint32_t from,
-                      amx_status_t code, const char *why)
+void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint64_t epoch, uint64_t agreement,
+                      uint64_t coord_inc, uint32_t from, amx_status_t code, const char *why)
 {
     pthread_mutex_lock(&e->mu);
     uint64_t cur = atomic_load(&e->comm_gen);
+    if (gen == 0 && agreement != 0 &&
+        ((coord_inc == e->ended_inc && agreement <= e->ended_seq) ||
+         (coord_inc == e->agreed_inc && agreement < e->agreed_seq))) {
+        /* About an attempt that has already ended here (it failed here
+         * too, or the agreement was followed by a later one): the Abort
+         * came late, and this attempt is another. */
+        AMX_INFO("engine",
+                 "job %s: the abort of epoch %llu from daemon %u is about agreement %llu, an "
+                 "attempt that has ended here: ignored",
+                 e->job->name, (unsigned long long)epoch, from, (unsigned long long)agreement);
+        pthread_mutex_unlock(&e->mu);
+        return;
+    }
     if (gen == 0 && epoch != 0 && e->relabeled != 0 && epoch == e->relabeled) {
         /* The epoch this attempt became when it caught up: about it. */
         epoch = e->start_epoch;
@@ -1076,6 +1098,7 @@ void amx_engine_destroy(amx_engine_t *e)
     if (e->started)
         pthread_join(e->th, NULL);
     res_clear(&e->res);
+    amx_membership_free(&e->watch_m);
     free(e->blob);
     amx__engine_stat_free(e);
     pthread_cond_destroy(&e->cv);

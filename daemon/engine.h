@@ -112,13 +112,15 @@ amx_epoch_result_t *amx_engine_result(amx_engine_t *e);
 
 /* Any thread: abort the epoch in flight (when it uses communicator `gen`,
  * or, when gen is 0, when it is `epoch` as started, or any when epoch is 0
- * too) and drop the communicator; the next epoch agrees again. `from` is the cluster rank of the
- * daemon that asked (AMX_ENGINE_LOCAL: this one). The epoch fails with ABORTED and `why`, or, when
- * another daemon passes on its failure, with that `code` and its sentence `why` ("failed on daemon
- * N: ..."). */
+ * too; with an `agreement` of coordinator `coord_inc`, not when an attempt
+ * of that agreement has already ended here or this attempt agreed a later
+ * one: a late Abort) and drop the communicator; the next epoch agrees again. `from` is the cluster
+ * rank of the daemon that asked (AMX_ENGINE_LOCAL: this one). The epoch fails with ABORTED and
+ * `why`, or, when another daemon passes on its failure, with that `code` and its sentence `why`
+ * ("failed on daemon N: ..."). */
 #define AMX_ENGINE_LOCAL UINT32_MAX /* an abort of this daemon's own */
-void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint64_t epoch, uint32_t from,
-                      amx_status_t code, const char *why);
+void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint64_t epoch, uint64_t agreement,
+                      uint64_t coord_inc, uint32_t from, amx_status_t code, const char *why);
 
 /* Loop lock, nothing in flight: stops the thread, frees everything. */
 void amx_engine_destroy(amx_engine_t *e);

@@ -238,6 +238,15 @@ static int engine_aborted(void *ud)
     return atomic_load(&e->abort_flag) != 0;
 }
 
+/* The communicator's watch (comm.h): whether a participant died or
+ * restarted while a collective of this job waits for it. */
+static int engine_watch(void *ud, char *why, size_t len)
+{
+    amx_engine_t *e = ud;
+    return amx_peer_call_alive(e->env.peer, &e->watch_m, e->watch_me, AMX_COMM_WATCH_MS / 2, why,
+                               len);
+}
+
 static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
 {
     amx_job_t *j = e->job;
@@ -247,6 +256,9 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
     if (me < 0)
         return amx__engine_fail(e, AMX_EINTERNAL,
                                 "job '%s': this daemon is not among the participants", j->name);
+    amx_membership_free(&e->watch_m);
+    int watch = amx_membership_copy(&sr->members, &e->watch_m) == AMX_OK;
+    e->watch_me = me;
     char prefix[256];
     snprintf(prefix, sizeof(prefix), "comm/%s/%016" PRIx64 "/%" PRIu64 "/", j->name, sr->coord_inc,
              sr->comm_gen);
@@ -262,6 +274,8 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
         .deadline_ms = e->deadline,
         .aborted = engine_aborted,
         .abort_ud = e,
+        .watch = watch ? engine_watch : NULL,
+        .watch_ud = e,
     };
     amx_err_t err = {0};
     amx_comm_t *c = NULL;
@@ -574,6 +588,10 @@ static amx_status_t after_sync(amx_engine_t *e, amx_sync_result_t *srp)
     amx_err_t err = {0};
     e->synced = 1;
     e->coord_inc = sr.coord_inc;
+    pthread_mutex_lock(&e->mu);
+    e->agreed_seq = sr.seq;
+    e->agreed_inc = sr.coord_inc;
+    pthread_mutex_unlock(&e->mu);
     int behind = 0;
     for (size_t i = 0; i < sr.nbehind; i++)
         behind |= sr.behind[i] == id->rank;

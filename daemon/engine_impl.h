@@ -48,6 +48,10 @@ struct amx_engine {
      * for it; 0: none; under mu), and whether it then failed for it. */
     uint64_t relabeled;
     int stale_here;
+    /* The agreement this attempt took part in (0: none yet) and the last
+     * one an attempt that ended here took part in, with their coordinator
+     * incarnations: what tells a late Abort (under mu). */
+    uint64_t agreed_seq, agreed_inc, ended_seq, ended_inc;
     atomic_int abort_flag;
     amx_status_t abort_code; /* with abort_flag: the status to fail with (under mu) */
     uint32_t abort_from;     /* the daemon that aborted it (AMX_ENGINE_LOCAL: this one) */
@@ -63,6 +67,10 @@ struct amx_engine {
     uint32_t pend_from;
     char pend_why[768];
     amx_comm_t *comm;
+    /* The participants the communicator was made with (sr.members) and
+     * this daemon's index: what its watch pings (engine thread). */
+    amx_membership_t watch_m;
+    int watch_me;
     _Atomic uint64_t comm_gen;
     uint64_t last_gen;  /* the generation of the last communicator held (engine thread) */
     int need_sync;      /* agree before the next collective */

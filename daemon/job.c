@@ -185,7 +185,8 @@ static void job_remove(amx_registry_t *reg, amx_job_t *j)
         j->next = reg->zombies;
         reg->zombies = j;
         if (j->in_flight && j->eng != NULL)
-            amx_engine_abort(j->eng, 0, 0, AMX_ENGINE_LOCAL, AMX_EABORTED, "the job was dropped");
+            amx_engine_abort(j->eng, 0, 0, 0, 0, AMX_ENGINE_LOCAL, AMX_EABORTED,
+                             "the job was dropped");
         return;
     }
     amx__job_free(j);

@@ -1203,13 +1203,15 @@ void amx_peer_call_progress(amx_peer_t *p, const amx_membership_t *m, int me, co
 }
 
 void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const char *job,
-                         uint64_t gen, uint64_t epoch, amx_status_t code, const char *reason,
-                         uint64_t timeout_ms)
+                         uint64_t gen, uint64_t epoch, uint64_t agreement, uint64_t coord_inc,
+                         amx_status_t code, const char *reason, uint64_t timeout_ms)
 {
     Amaxd__Peer__V1__AbortRequest q = AMAXD__PEER__V1__ABORT_REQUEST__INIT;
     q.job = (char *)job;
     q.comm_generation = gen;
     q.epoch = gen == 0 ? epoch : 0;
+    q.agreement = gen == 0 ? agreement : 0;
+    q.coordinator_incarnation = gen == 0 ? coord_inc : 0;
     q.from = p->id.rank;
     q.code = (uint32_t)amx_status_grpc(code);
     char r[760];
@@ -1219,6 +1221,66 @@ void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const
     multi_t *v = call_all(p, m, me, SVC "Abort", &q.base, timeout_ms, &n);
     if (v != NULL)
         free_all(v, n);
+}
+
+int amx_peer_call_alive(amx_peer_t *p, const amx_membership_t *m, int me, uint64_t timeout_ms,
+                        char *why, size_t len)
+{
+    /* The ring neighbours only (both, or the one there is): whoever finds a
+     * participant gone fails its epoch, and that failure aborts everyone's
+     * (engine.c), so a cluster of N pings 2N times per round, not N^2. */
+    uint32_t n = m->npart;
+    if (n < 2 || me < 0 || (uint32_t)me >= n)
+        return 0;
+    amx_part_t parts[2];
+    uint32_t np = 0;
+    parts[np++] = m->part[((uint32_t)me + 1) % n];
+    if (n > 2)
+        parts[np++] = m->part[((uint32_t)me + n - 1) % n];
+    amx_membership_t sub = {.world = m->world, .npart = np, .part = parts};
+    Amaxd__Peer__V1__PingRequest q = AMAXD__PEER__V1__PING_REQUEST__INIT;
+    q.from = p->id.rank;
+    q.incarnation = p->id.incarnation;
+    size_t nv = 0;
+    multi_t *v = call_all(p, &sub, -1, SVC "Ping", &q.base, timeout_ms, &nv);
+    int gone = 0;
+    for (size_t i = 0; v != NULL && i < nv && !gone; i++) {
+        if (!v[i].started || !v[i].b.done)
+            continue;
+        char msg[200];
+        uint8_t *out = NULL;
+        size_t olen = 0;
+        uint64_t inc = 0;
+        amx_status_t st = bcall_result(&v[i].b, &out, &olen, msg, sizeof(msg));
+        if (st == AMX_OK) {
+            Amaxd__Peer__V1__PingResponse *r =
+                amaxd__peer__v1__ping_response__unpack(NULL, olen, out);
+            inc = r != NULL ? r->incarnation : 0;
+            if (r != NULL)
+                amaxd__peer__v1__ping_response__free_unpacked(r, NULL);
+        }
+        free(out);
+        /* UNAVAILABLE alone is no proof: a shared channel that saw the peer
+         * down fails calls at once for its reconnect backoff, even after the
+         * peer is back. A refused TCP connect is (the port is closed). */
+        if (st == AMX_EUNAVAIL && amx_cluster_addr_refuses(parts[i].addr, timeout_ms)) {
+            snprintf(why, len,
+                     "daemon %u (%s) is gone: nothing listens at its peer service while the "
+                     "collective waited (connection refused)",
+                     parts[i].daemon, parts[i].addr);
+            gone = 1;
+        } else if (st == AMX_OK && inc != 0 && parts[i].incarnation != 0 &&
+                   inc != parts[i].incarnation) {
+            snprintf(why, len,
+                     "daemon %u (%s) restarted while the collective waited (incarnation %016" PRIx64
+                     ", the communicator was made with %016" PRIx64 ")",
+                     parts[i].daemon, parts[i].addr, inc, parts[i].incarnation);
+            gone = 1;
+        }
+    }
+    if (v != NULL)
+        free_all(v, nv);
+    return gone;
 }
 
 /* ======================= the watcher: who coordinates ======================= */

@@ -148,11 +148,23 @@ amx_status_t amx_peer_call_fetch(amx_peer_t *p, const char *addr, const char *jo
 void amx_peer_call_progress(amx_peer_t *p, const amx_membership_t *m, int me, const char *job,
                             uint64_t epoch, uint64_t timeout_ms, char *buf, size_t len);
 
+/* Pings the ring neighbours of index `me` among the participants of `m`
+ * (parallel, within `timeout_ms`): 1 when one is gone, with a sentence
+ * naming it in `why`:
+ * its peer service refused the call (UNAVAILABLE: the process is dead or
+ * stopping), or it answered with another incarnation than `m` holds (it
+ * restarted). A daemon that does not answer in time (stopped, overloaded,
+ * unreachable) is not taken for gone: the collective's deadline covers it. */
+int amx_peer_call_alive(amx_peer_t *p, const amx_membership_t *m, int me, uint64_t timeout_ms,
+                        char *why, size_t len);
+
 /* Tells the participants of `m` but index `me` that communicator `gen` of
- * `job` (gen 0: epoch `epoch`, before a communicator) failed with `code`
- * and `reason` (parallel, best effort, each within `timeout_ms`). */
+ * `job` (gen 0: the attempt of epoch `epoch` that took part in agreement
+ * `agreement` of coordinator `coord_inc`, 0 and 0 before it agreed)
+ * failed with `code` and `reason` (parallel, best effort, each within
+ * `timeout_ms`). */
 void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const char *job,
-                         uint64_t gen, uint64_t epoch, amx_status_t code, const char *reason,
-                         uint64_t timeout_ms);
+                         uint64_t gen, uint64_t epoch, uint64_t agreement, uint64_t coord_inc,
+                         amx_status_t code, const char *reason, uint64_t timeout_ms);
 
 #endif

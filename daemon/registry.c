@@ -183,7 +183,7 @@ void amx_registry_shutdown(amx_registry_t *reg, const char *why)
              id->advertise[0] ? id->advertise : "this host");
     for (amx_job_t *j = reg->jobs; j != NULL; j = j->next) {
         if (j->in_flight && j->eng != NULL)
-            amx_engine_abort(j->eng, 0, 0, AMX_ENGINE_LOCAL, AMX_EABORTED, stop);
+            amx_engine_abort(j->eng, 0, 0, 0, 0, AMX_ENGINE_LOCAL, AMX_EABORTED, stop);
         amx__fail_all_waiters(reg, j, AMX_EUNAVAIL, why);
     }
 }
@@ -499,7 +499,8 @@ amx_status_t amx_registry_progress(amx_registry_t *reg, const char *job, uint64_
 }
 
 void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen, uint64_t epoch,
-                             uint32_t from, amx_status_t code, const char *reason)
+                             uint64_t agreement, uint64_t coord_inc, uint32_t from,
+                             amx_status_t code, const char *reason)
 {
     amx_job_t *j = amx__find_job(reg, job);
     amx_err_t err = {0};
@@ -511,14 +512,15 @@ void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen,
     if (j == NULL || j->eng == NULL)
         return;
     if (gen == 0 && epoch != 0)
-        AMX_INFO("registry", "job %s: daemon %u reports that epoch %llu failed (%s)", job, from,
-                 (unsigned long long)epoch, reason);
+        AMX_INFO("registry",
+                 "job %s: daemon %u reports that epoch %llu (agreement %llu) failed (%s)", job,
+                 from, (unsigned long long)epoch, (unsigned long long)agreement, reason);
     else
         AMX_INFO("registry",
                  "job %s: daemon %u reports that communicator generation %llu failed "
                  "(%s)",
                  job, from, (unsigned long long)gen, reason);
-    amx_engine_abort(j->eng, gen, epoch, from, code, reason);
+    amx_engine_abort(j->eng, gen, epoch, agreement, coord_inc, from, code, reason);
 }
 
 void amx_registry_peer_drop(amx_registry_t *reg, const char *job, uint32_t from)

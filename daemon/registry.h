@@ -161,12 +161,14 @@ amx_status_t amx_registry_progress(amx_registry_t *reg, const char *job, uint64_
                                    amx_err_t *err);
 
 /* A peer says the job's communicator `gen` failed with `code` (or the job
- * changed membership: AMX_EABORTED; or, gen 0 with an epoch, that epoch
- * failed on the peer before it held a communicator): abort what is in
- * flight, failing it with that status and the peer's sentence, and agree
- * again at the next epoch. */
+ * changed membership: AMX_EABORTED; or, gen 0 with an epoch, that epoch's
+ * attempt of `agreement` under coordinator `coord_inc` (0 and 0: before
+ * it agreed) failed on the peer): abort what is in flight, failing it
+ * with that status and the peer's sentence, and agree again at the next
+ * epoch (amx_engine_abort). */
 void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen, uint64_t epoch,
-                             uint32_t from, amx_status_t code, const char *reason);
+                             uint64_t agreement, uint64_t coord_inc, uint32_t from,
+                             amx_status_t code, const char *reason);
 
 /* The coordinator dropped the job (Reset(drop_job) on some daemon). */
 void amx_registry_peer_drop(amx_registry_t *reg, const char *job, uint32_t from);

@@ -521,8 +521,9 @@ static void h_abort(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
     if (!authed(svc, c))
         return;
     const Amaxd__Peer__V1__AbortRequest *q = (const void *)m;
-    amx_registry_peer_abort(svc->reg, q->job, q->comm_generation, q->epoch, q->from,
-                            amx_status_from_grpc((int)q->code), q->reason);
+    amx_registry_peer_abort(svc->reg, q->job, q->comm_generation, q->epoch, q->agreement,
+                            q->coordinator_incarnation, q->from, amx_status_from_grpc((int)q->code),
+                            q->reason);
     Amaxd__Peer__V1__AbortResponse r = AMAXD__PEER__V1__ABORT_RESPONSE__INIT;
     amx__call_reply(c, AMX_OK, NULL, &r.base);
 }
@@ -618,5 +619,5 @@ void amx__service_on_restart(void *ud, const char *job, const amx_membership_t *
     amx_peer_abort_all(svc->peer, m, job, gen, restarted, reason);
     for (uint32_t i = 0; i < m->npart; i++)
         if (m->part[i].daemon == me)
-            amx_registry_peer_abort(svc->reg, job, gen, 0, me, AMX_EABORTED, reason);
+            amx_registry_peer_abort(svc->reg, job, gen, 0, 0, 0, me, AMX_EABORTED, reason);
 }

@@ -1,7 +1,8 @@
 /*
  * test_cluster.c - this daemon's identity in its cluster (config, Slurm
  * and torchrun variables), the cluster secret and the authentication
- * tokens made from it. No sockets, no threads. The catalog, job state,
+ * tokens made from it, whether a peer address refuses connections (local
+ * sockets only). No threads. The catalog, job state,
  * host finish and coordinator tests that were here moved to their
  * modules' files (test_catalog.c, test_jobstate.c, test_state_host.c,
  * test_coord.c).
@@ -9,7 +10,10 @@
 #include <check.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -405,6 +409,51 @@ START_TEST(cluster_tokens_between_daemons)
 }
 END_TEST
 
+/* ---- a peer that is gone: its port refuses connections ---- */
+
+/* A listening IPv4 socket on 127.0.0.1, its port in *port. */
+static int listen_local(unsigned *port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ck_assert_int_ge(fd, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    ck_assert_int_eq(bind(fd, (struct sockaddr *)&a, sizeof(a)), 0);
+    ck_assert_int_eq(listen(fd, 4), 0);
+    socklen_t sl = sizeof(a);
+    ck_assert_int_eq(getsockname(fd, (struct sockaddr *)&a, &sl), 0);
+    *port = ntohs(a.sin_port);
+    return fd;
+}
+
+START_TEST(addr_refuses)
+{
+    unsigned port = 0;
+    int fd = listen_local(&port);
+    char addr[64];
+    snprintf(addr, sizeof(addr), "127.0.0.1:%u", port);
+    /* Listening (the backlog accepts even when nobody calls accept): not gone. */
+    ck_assert_int_eq(amx_cluster_addr_refuses(addr, 200), 0);
+    ck_assert_int_eq(amx_cluster_addr_refuses(addr, 200), 0);
+    /* "localhost" may resolve to ::1 too, which refuses: one address that
+     * connects is enough. */
+    snprintf(addr, sizeof(addr), "localhost:%u", port);
+    ck_assert_int_eq(amx_cluster_addr_refuses(addr, 200), 0);
+    /* The process is gone: the port is closed, every address refuses. */
+    close(fd);
+    snprintf(addr, sizeof(addr), "127.0.0.1:%u", port);
+    ck_assert_int_eq(amx_cluster_addr_refuses(addr, 200), 1);
+    snprintf(addr, sizeof(addr), "localhost:%u", port);
+    ck_assert_int_eq(amx_cluster_addr_refuses(addr, 200), 1);
+    /* What says nothing of the process is never taken for gone: a name
+     * that does not resolve, an address that is not HOST:PORT. */
+    ck_assert_int_eq(amx_cluster_addr_refuses("no-such-host.invalid:7421", 200), 0);
+    ck_assert_int_eq(amx_cluster_addr_refuses("127.0.0.1", 200), 0);
+    ck_assert_int_eq(amx_cluster_addr_refuses("127.0.0.1:0", 200), 0);
+    ck_assert_int_eq(amx_cluster_addr_refuses(":7421", 200), 0);
+    ck_assert_int_eq(amx_cluster_addr_refuses(NULL, 200), 0);
+}
+END_TEST
+
 int main(void)
 {
     amx_log_level = AMX_LOG_ERROR;
@@ -417,6 +466,7 @@ int main(void)
     tcase_add_test(tc, auth_tokens);
     tcase_add_test(tc, secret_file_rules);
     tcase_add_test(tc, cluster_tokens_between_daemons);
+    tcase_add_test(tc, addr_refuses);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -150,7 +150,7 @@ START_TEST(epochs_of_one_participant)
     ck_assert_float_eq(amax[2], 1.0f);
     ck_assert_float_eq(job.state->g_amax[job.state->front][0], 4.0f);
     /* An abort while idle changes nothing for a job of one daemon. */
-    amx_engine_abort(job.eng, 0, 0, AMX_ENGINE_LOCAL, AMX_EABORTED, "test");
+    amx_engine_abort(job.eng, 0, 0, 0, 0, AMX_ENGINE_LOCAL, AMX_EABORTED, "test");
     float e3[3] = {0, 0, 9};
     unit_job_send(&job, e3, 3);
     r = run_epoch(&job);
