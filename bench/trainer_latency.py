@@ -64,7 +64,9 @@ def free_ports(n):
     return ports
 
 
-def start_daemons(amaxd_bin, n, tmp):
+def start_daemons(amaxd_bin, n, tmp, extra=None):
+    """n daemons, one per GPU (NCCL between them when n > 1); extra(i):
+    more flags for daemon i (they come last, so they win)."""
     os.environ["AMAXD_BIN"] = os.path.abspath(amaxd_bin)
     from amaxd_proc import Daemon
     ports = free_ports(n)
@@ -83,6 +85,7 @@ def start_daemons(amaxd_bin, n, tmp):
                       f"--coordinator=127.0.0.1:{ports[0]}", f"--peer-listen=127.0.0.1:{ports[i]}",
                       f"--peer-advertise=127.0.0.1:{ports[i]}", f"--cluster-secret-file={secret}",
                       "--collective=nccl"]
+        flags += list(extra(i)) if extra else []
         ds.append(Daemon(d, *flags, socket=os.path.join(d, "s.sock")))
     return ds
 

@@ -29,6 +29,7 @@ Run by tests/gpu/device.sh (needs torch with CUDA and CuPy or
 cuda-bindings; AMAXD_BIN the CUDA build).
 """
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -868,6 +869,98 @@ def test_two_daemons_nccl_bad_slab_fails_everywhere(tmp_path):
         bs[0].slab.fill_(4.0)
         r0, r1 = run_ranks(rec, W)
         assert r0 == r1 == [4.0] * 16, (r0, r1)
+        for c in cs:
+            c.close()
+    finally:
+        for d in ds:
+            d.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_device_slab_of_a_daemon_restored_behind(tmp_path):
+    """Two daemons over NCCL with state_dir; daemon 1 is killed after epoch
+    4 and restarted from its snapshot of epoch 3 (as if killed before
+    writing epoch 4's). Its trainer re-joins at epoch 4 and writes epoch
+    4's value again (7777, larger than anything else) into a fresh device
+    slab. That slab is merged on the GPU before the agreement finds the
+    daemon behind: the merge must be dropped (the CUDA unflip without
+    keep), the rank refused with FAILED_PRECONDITION, and epoch 5 must be
+    max(50, 51) on both ranks, never 7777 (docs/CLUSTER.md, the
+    restored-behind row; tests/cluster/test_durability.py covers the
+    packed path)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+    from trainer_latency import start_daemons
+    from amaxd_proc import Daemon
+    W = 2
+    sd = [str(tmp_path / f"state{i}") for i in range(W)]
+    ds = start_daemons(os.environ["AMAXD_BIN"], W, str(tmp_path),
+                       extra=lambda i: [f"--state-dir={sd[i]}", "--reconcile-timeout-ms=20000"])
+    try:
+        q = [amaxd.Quantizer("w", [16], amaxd.Recipe.fp8_current())]
+        cs, bs = [None] * W, [None] * W
+
+        def setup(r):
+            torch.cuda.set_device(r)
+            cs[r] = amaxd.Client("db", r, W, socket=ds[r].socket, timeout=60)
+            cs[r].join()
+            cs[r].register(q)
+            bs[r] = cs[r].open_device(r)
+        run_ranks(setup, W)
+
+        def epoch(r, value):
+            torch.cuda.set_device(r)
+            bs[r].slab.fill_(value)
+            res = cs[r].reconcile_device()
+            torch.cuda.current_stream(r).synchronize()
+            return res.amax.cpu().numpy().tolist()
+        for e in (1, 2, 3):
+            got = run_ranks(lambda r: epoch(r, 10.0 * e + r), W)
+            assert got == [[10.0 * e + 1] * 16] * W, (e, got)
+        snap = os.path.join(sd[1], "db.amxs")
+        with open(snap, "rb") as f:
+            epoch3 = f.read()
+        got = run_ranks(lambda r: epoch(r, 40.0 + r), W)
+        assert got == [[41.0] * 16] * W, got
+        ds[1].stop(signal.SIGKILL)
+        with open(snap, "wb") as f:
+            f.write(epoch3)
+        ds[1] = Daemon(ds[1].dir, *ds[1].args[3:], socket=ds[1].socket)
+
+        def restarted():
+            torch.cuda.set_device(1)
+            cs[1].close()
+            cs[1] = amaxd.Client("db", 1, W, socket=ds[1].socket, timeout=60)
+            j = cs[1].join()
+            assert j.rejoined and j.epoch == 4, j
+            bs[1] = cs[1].open_device(1)
+            bs[1].slab.fill_(7777.0)  # epoch 4's value, sent again: already reduced
+            try:
+                cs[1].reconcile_device()
+                torch.cuda.current_stream(1).synchronize()
+            except errors.FailedPrecondition as e:
+                why = e.message
+            else:
+                raise AssertionError("epoch 4 sent again through the slab was answered")
+            assert cs[1].epoch == 5, cs[1].epoch
+            readable = cs[1].get_scales()["w"].amax.tolist()
+            return why, readable, epoch(1, 51.0)
+
+        def other():
+            torch.cuda.set_device(0)
+            seen = []
+            for _ in range(10):
+                try:
+                    return seen, epoch(0, 50.0)
+                except (errors.Aborted, errors.Unavailable, errors.DeadlineExceeded) as e:
+                    seen.append(type(e).__name__)
+            raise AssertionError(f"rank 0 never reconciled epoch 5: {seen}")
+        (seen, got0), (why, readable, got1) = run_ranks(
+            lambda r: other() if r == 0 else restarted(), W)
+        print(f"restored behind, device slabs: rank 1 refused ({why[:120]}...), rank 0 saw "
+              f"{seen}; epoch 5 amax {got0[0]} / {got1[0]}")
+        assert "epoch 4, which the cluster had already reconciled" in why, why
+        assert readable == [41.0] * 16, readable
+        assert got0 == got1 == [51.0] * 16, (got0, got1, ds[0].log()[-3000:], ds[1].log()[-3000:])
         for c in cs:
             c.close()
     finally:
