@@ -275,7 +275,9 @@ static void complete_join(amx_registry_t *reg, amx_job_t *j, amx_waiter_t *w, in
     amx_reply_t rep;
     memset(&rep, 0, sizeof(rep));
     rep.world = j->world;
-    rep.epoch = j->epoch;
+    /* The epoch SendAmax adds to: while one is in flight (every local rank
+     * entered Reconcile; a trainer restarted meanwhile), the next. */
+    rep.epoch = j->in_flight ? j->epoch + 1 : j->epoch;
     rep.rejoined = rejoined;
     amx__finish_waiter(reg, w, AMX_OK, NULL, &rep);
 }

@@ -478,3 +478,49 @@ def test_late_abort_of_an_ended_attempt_is_ignored(make_cluster):
         assert res[r]["x"].amax[()] == 12.0, res[r]["x"].amax
     for x in cl:
         x.close()
+
+
+def test_trainer_restarted_while_its_epoch_is_in_flight(make_cluster):
+    """Rank 0's daemon has its epoch 2 in flight (its only rank entered
+    Reconcile; it waits for daemon 1's rank) when rank 0's trainer
+    restarts. The new trainer's Join must name the epoch SendAmax adds to,
+    epoch 3 (it named epoch 2, whose SendAmax was then refused naming 3:
+    tests/cluster/outside/repro_join_inflight.py); epoch 2 goes on with
+    what the old trainer sent, GetScales reads it, and epoch 3 holds the
+    new trainer's values."""
+    c = make_cluster(2, "--reconcile-timeout-ms=20000")
+    old = [amaxd.Client("jf", r, 2, socket=c.socket(r), timeout=60) for r in range(2)]
+    out, errs = run_threads({r: (lambda r=r: (old[r].join(), old[r].register([Q("x")]),
+                                              old[r].send({"x": float(r)}),
+                                              old[r].reconcile())[-1]) for r in range(2)})
+    assert not errs, errs
+    res = {}
+
+    def waiting():
+        old[0].send({"x": 22.0})
+        try:
+            res[0] = old[0].reconcile()
+        except amaxd.AmaxdError as e:
+            res[0] = e
+    t = threading.Thread(target=waiting)
+    t.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "epoch 2 handed to its engine" not in c[0].log():
+        time.sleep(0.05)
+    fresh = amaxd.Client("jf", 0, 2, socket=c.socket(0), timeout=60)
+    j = fresh.join()
+    assert j.rejoined and j.epoch == 3, j
+    fresh.send({"x": 32.0})  # epoch 3, as Join said: accepted
+    old[1].send({"x": 21.0})
+    got1 = old[1].reconcile()  # epoch 2 ends
+    assert got1["x"].amax[()] == 22.0, got1["x"].amax  # the old trainer's value counted
+    t.join(30)
+    assert not isinstance(res[0], Exception) and res[0]["x"].amax[()] == 22.0, res
+    assert fresh.get_scales()["x"].amax[()] == 22.0
+    old[1].send({"x": 31.0})
+    out, errs = run_threads({0: fresh.reconcile, 1: old[1].reconcile})
+    assert not errs, (errs, c.logs())
+    assert out[0]["x"].amax[()] == out[1]["x"].amax[()] == 32.0, (out, c.logs())
+    fresh.close()
+    for x in old:
+        x.close()
