@@ -290,12 +290,12 @@ amx_status_t amx_cluster_resolve(const amx_config_t *cfg, const char *(*env)(con
 }
 
 /* One non-blocking connect: 1 refused, 0 connected, -1 anything else. */
-static int connect_refused(const struct addrinfo *a, int timeout_ms)
+static int connect_refused(const struct sockaddr *sa, socklen_t len, int timeout_ms)
 {
-    int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    int fd = socket(sa->sa_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return -1;
-    int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+    int rc = connect(fd, sa, len);
     int e = rc == 0 ? 0 : errno;
     if (e == EINPROGRESS) {
         struct pollfd pf = {.fd = fd, .events = POLLOUT};
@@ -311,13 +311,14 @@ static int connect_refused(const struct addrinfo *a, int timeout_ms)
     return e == 0 ? 0 : e == ECONNREFUSED ? 1 : -1;
 }
 
-int amx_cluster_addr_refuses(const char *hostport, uint64_t timeout_ms)
+int amx_cluster_addr_resolve(const char *hostport, amx_netaddrs_t *out)
 {
+    out->n = 0;
     char host[200];
     uint32_t port = 0;
     if (hostport == NULL || split_hostport(hostport, host, sizeof(host), &port) != 0 ||
         host[0] == '\0')
-        return 0;
+        return -1;
     size_t hl = strlen(host);
     if (hl >= 2 && host[0] == '[' && host[hl - 1] == ']') {
         memmove(host, host + 1, hl - 2);
@@ -328,14 +329,32 @@ int amx_cluster_addr_refuses(const char *hostport, uint64_t timeout_ms)
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
     struct addrinfo *res = NULL;
     if (getaddrinfo(host, serv, &hints, &res) != 0 || res == NULL)
-        return 0;
-    int ms = timeout_ms > 60000 ? 60000 : (int)timeout_ms;
-    int refused = 1;
-    for (const struct addrinfo *a = res; a != NULL && refused; a = a->ai_next)
-        if (connect_refused(a, ms) != 1)
-            refused = 0;
+        return -1;
+    for (const struct addrinfo *a = res; a != NULL && out->n < 4; a = a->ai_next) {
+        if (a->ai_addrlen > sizeof(out->a[0]))
+            continue;
+        memcpy(&out->a[out->n], a->ai_addr, a->ai_addrlen);
+        out->len[out->n++] = a->ai_addrlen;
+    }
     freeaddrinfo(res);
-    return refused;
+    return out->n > 0 ? 0 : -1;
+}
+
+int amx_cluster_addrs_refuse(const amx_netaddrs_t *a, uint64_t timeout_ms)
+{
+    int ms = timeout_ms > 60000 ? 60000 : (int)timeout_ms;
+    if (a->n == 0)
+        return 0;
+    for (int i = 0; i < a->n; i++)
+        if (connect_refused((const struct sockaddr *)&a->a[i], a->len[i], ms) != 1)
+            return 0;
+    return 1;
+}
+
+int amx_cluster_addr_refuses(const char *hostport, uint64_t timeout_ms)
+{
+    amx_netaddrs_t a;
+    return amx_cluster_addr_resolve(hostport, &a) == 0 && amx_cluster_addrs_refuse(&a, timeout_ms);
 }
 
 amx_status_t amx_cluster_load_secret(const char *path, uint8_t *buf, size_t cap, size_t *len,

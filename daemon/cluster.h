@@ -12,6 +12,7 @@
 #include <grpc/grpc_security.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/socket.h>
 
 #include "config.h"
 #include "status.h"
@@ -58,13 +59,27 @@ void amx_auth_token(const uint8_t *secret, size_t slen, const char *method, long
 int amx_auth_check(const uint8_t *secret, size_t slen, const char *method, long long now,
                    const char *token, size_t tlen, const char **why);
 
-/* Whether nothing listens at peer address HOST:PORT ("[v6]:PORT" too): 1
- * when a TCP connect to every address it resolves to was refused
- * (ECONNREFUSED: the host is up and the port closed, as when the daemon
- * there died or stopped), 0 when one connected, or took longer than
- * `timeout_ms`, or the name did not resolve: those say nothing of the
- * process. Blocks up to `timeout_ms` per address (and for the name's
- * resolution). */
+/* The addresses a peer address HOST:PORT ("[v6]:PORT" too) resolves to
+ * (at most 4): resolved once, probed later without a name lookup. */
+typedef struct amx_netaddrs {
+    int n;
+    struct sockaddr_storage a[4];
+    socklen_t len[4];
+} amx_netaddrs_t;
+
+/* Resolves `hostport` (getaddrinfo: blocks for as long as the name
+ * lookup takes). 0, or -1 when it is not HOST:PORT or does not resolve
+ * (out->n = 0). */
+int amx_cluster_addr_resolve(const char *hostport, amx_netaddrs_t *out);
+
+/* Whether nothing listens there: 1 when a TCP connect to every address
+ * was refused (ECONNREFUSED: the host is up and the port closed, as when
+ * the daemon there died or stopped), 0 when one connected or took longer
+ * than `timeout_ms` (at most one such wait: the first address that does
+ * not refuse ends the probe), or there are none. No name lookup. */
+int amx_cluster_addrs_refuse(const amx_netaddrs_t *a, uint64_t timeout_ms);
+
+/* Both at once (tests, tools): resolve, then probe. */
 int amx_cluster_addr_refuses(const char *hostport, uint64_t timeout_ms);
 
 typedef struct amx_cluster amx_cluster_t;

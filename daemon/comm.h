@@ -109,7 +109,8 @@ typedef struct amx_comm_params {
     /* Optional (nccl, which does not notice a dead peer: its collectives
      * wait for the deadline): called on the calling thread about every
      * AMX_COMM_WATCH_MS while the create, or any later all-reduce, has
-     * waited that long; it may block for a ping round. Non-zero: a
+     * waited that long; it may block for a ping round and a TCP connect
+     * (AMX_COMM_WATCH_MS / 2 each at most; no name lookup). Non-zero: a
      * participant is gone (`why`, a sentence naming it); the operation is
      * aborted and fails with EUNAVAIL and that sentence. Kept for the
      * communicator's life: `watch_ud` must outlive it. */

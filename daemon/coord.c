@@ -84,6 +84,9 @@ cjob_t *amx__coord_job_new(amx_coord_t *co, const char *name, uint32_t world)
     }
     j->world = world;
     j->mship_dirty = 1;
+    /* Agreement numbers never repeat within this coordinator process, also
+     * for a job dropped and made again: a late Abort names one (engine.c). */
+    j->seq = co->stats.rounds;
     /* Version 0: the empty catalog (a daemon that has none gets it all). */
     j->master.view.hash = amx_catalog_hash(NULL, 0);
     if (amx_grow(&j->ver, &j->cap_ver, 1, sizeof(cver_t), 8, 0) == 0)

@@ -778,6 +778,7 @@ static void run_epoch(amx_engine_t *e)
     e->passed_on = 0;
     e->aborted_here = 0;
     e->stale_here = 0;
+    e->watch_gone = 0;
     uint64_t full_deadline = e->deadline;
     if (j->mship.npart <= 1) {
         if (wait_device_slabs(e, e->deadline) != AMX_OK)
@@ -835,9 +836,9 @@ static void run_epoch(amx_engine_t *e)
 out:
     e->deadline = full_deadline;
     pthread_mutex_lock(&e->mu);
-    if (e->agreed_seq != 0) {
-        e->ended_seq = e->agreed_seq;
-        e->ended_inc = e->agreed_inc;
+    if (!e->res.reconciled && e->agreed_seq != 0) {
+        e->failed_seq = e->agreed_seq;
+        e->failed_inc = e->agreed_inc;
     }
     uint64_t agreed_seq = e->agreed_seq, agreed_inc = e->agreed_inc;
     pthread_mutex_unlock(&e->mu);
@@ -863,13 +864,16 @@ out:
              * donor's (this daemon's e->epoch since), not the one this
              * daemon started. */
             uint64_t ep = e->res.imported ? e->epoch : e->start_epoch;
-            if (!e->passed_on && (e->stale_here || failed_here(e->res.st)))
-                /* A failure of this daemon's own: every participant of this
-                 * epoch hears it, whatever communicator it is using or
-                 * making (it may be agreeing on a new generation this
-                 * daemon never got), instead of waiting for this daemon
-                 * and then blaming its ranks. */
-                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, 0, ep, agreed_seq,
+            if (!e->passed_on && (e->stale_here || e->watch_gone || failed_here(e->res.st)))
+                /* A failure of this daemon's own (or a participant its
+                 * watch found gone): every participant of this epoch hears
+                 * it, whatever communicator it is using or making (it may
+                 * be agreeing on a new generation this daemon never got),
+                 * instead of waiting for this daemon and then blaming its
+                 * ranks; and one still on this daemon's communicator (it
+                 * completed the same collective and went on to its next
+                 * epoch) drops it. */
+                amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, ep, agreed_seq,
                                     agreed_inc, e->res.st, why, 500);
             else if (gen != 0 && !e->passed_on)
                 amx_peer_call_abort(e->env.peer, &j->mship, j->me, j->name, gen, 0, 0, 0, e->res.st,
@@ -994,6 +998,18 @@ amx_status_t amx_engine_create(amx_job_t *job, const amx_engine_env_t *env, amx_
     return AMX_OK;
 }
 
+/* Whether an Abort about agreement `seq` of coordinator `inc` came late:
+ * an attempt of that round (or of an earlier one) failed here already, or
+ * this attempt agreed another round (one agreement per attempt). Under mu. */
+static int abort_is_late(const amx_engine_t *e, uint64_t seq, uint64_t inc)
+{
+    if (seq == 0)
+        return 0;
+    if (e->failed_seq != 0 && inc == e->failed_inc && seq <= e->failed_seq)
+        return 1;
+    return e->agreed_seq != 0 && (inc != e->agreed_inc || seq < e->agreed_seq);
+}
+
 void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
 {
     res_clear(&e->res);
@@ -1008,7 +1024,8 @@ void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
     e->abort_why[0] = '\0';
     e->abort_code = AMX_OK;
     e->abort_from = AMX_ENGINE_LOCAL;
-    if (e->pend_epoch == epoch && amx_now_ms() - e->pend_at_ms <= PEND_ABORT_MS) {
+    if (e->pend_epoch == epoch && amx_now_ms() - e->pend_at_ms <= PEND_ABORT_MS &&
+        !abort_is_late(e, e->pend_seq, e->pend_inc)) {
         /* A peer failed this epoch before it started here. */
         atomic_store(&e->abort_flag, 1);
         snprintf(e->abort_why, sizeof(e->abort_why), "%s", e->pend_why);
@@ -1042,36 +1059,39 @@ void amx_engine_abort(amx_engine_t *e, uint64_t gen, uint64_t epoch, uint64_t ag
 {
     pthread_mutex_lock(&e->mu);
     uint64_t cur = atomic_load(&e->comm_gen);
-    if (gen == 0 && agreement != 0 &&
-        ((coord_inc == e->ended_inc && agreement <= e->ended_seq) ||
-         (coord_inc == e->agreed_inc && agreement < e->agreed_seq))) {
-        /* About an attempt that has already ended here (it failed here
-         * too, or the agreement was followed by a later one): the Abort
-         * came late, and this attempt is another. */
-        AMX_INFO("engine",
-                 "job %s: the abort of epoch %llu from daemon %u is about agreement %llu, an "
-                 "attempt that has ended here: ignored",
-                 e->job->name, (unsigned long long)epoch, from, (unsigned long long)agreement);
-        pthread_mutex_unlock(&e->mu);
-        return;
+    /* About the communicator in use here (the sender dropped it): whatever
+     * the epoch, what runs on it would wait for the sender. */
+    int on_comm = gen != 0 && gen == cur;
+    if (!on_comm && epoch != 0) {
+        if (abort_is_late(e, agreement, coord_inc)) {
+            AMX_INFO("engine",
+                     "job %s: the abort of epoch %llu from daemon %u is about agreement %llu, "
+                     "an attempt that has ended here: ignored",
+                     e->job->name, (unsigned long long)epoch, from, (unsigned long long)agreement);
+            pthread_mutex_unlock(&e->mu);
+            return;
+        }
+        if (e->relabeled != 0 && epoch == e->relabeled) {
+            /* The epoch this attempt became when it caught up: about it. */
+            epoch = e->start_epoch;
+        }
+        if (epoch > e->start_epoch) {
+            /* An epoch not started here yet: kept for when it starts. */
+            e->pend_epoch = epoch;
+            e->pend_seq = agreement;
+            e->pend_inc = coord_inc;
+            e->pend_at_ms = amx_now_ms();
+            e->pend_code = code;
+            e->pend_from = from;
+            snprintf(e->pend_why, sizeof(e->pend_why), "%s", why);
+            pthread_mutex_unlock(&e->mu);
+            return;
+        }
     }
-    if (gen == 0 && epoch != 0 && e->relabeled != 0 && epoch == e->relabeled) {
-        /* The epoch this attempt became when it caught up: about it. */
-        epoch = e->start_epoch;
-    }
-    if (gen == 0 && epoch != 0 && epoch > e->start_epoch) {
-        /* An epoch not started here yet: kept for when it starts. */
-        e->pend_epoch = epoch;
-        e->pend_at_ms = amx_now_ms();
-        e->pend_code = code;
-        e->pend_from = from;
-        snprintf(e->pend_why, sizeof(e->pend_why), "%s", why);
-        pthread_mutex_unlock(&e->mu);
-        return;
-    }
-    if ((gen != 0 && gen != cur) || (gen == 0 && epoch != 0 && epoch != e->start_epoch)) {
-        /* About a communicator this daemon no longer uses: an attempt
-         * that is already agreeing again must not be disturbed. */
+    if (!on_comm && (gen != 0 || epoch != 0) && (epoch == 0 || epoch != e->start_epoch)) {
+        /* About a communicator this daemon no longer uses, or another
+         * epoch: an attempt that is already agreeing again must not be
+         * disturbed. (gen 0 and epoch 0: a local abort of whatever runs.) */
         pthread_mutex_unlock(&e->mu);
         return;
     }
@@ -1098,7 +1118,6 @@ void amx_engine_destroy(amx_engine_t *e)
     if (e->started)
         pthread_join(e->th, NULL);
     res_clear(&e->res);
-    amx_membership_free(&e->watch_m);
     free(e->blob);
     amx__engine_stat_free(e);
     pthread_cond_destroy(&e->cv);

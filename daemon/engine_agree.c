@@ -243,8 +243,10 @@ static int engine_aborted(void *ud)
 static int engine_watch(void *ud, char *why, size_t len)
 {
     amx_engine_t *e = ud;
-    return amx_peer_call_alive(e->env.peer, &e->watch_m, e->watch_me, AMX_COMM_WATCH_MS / 2, why,
-                               len);
+    int gone = amx_peer_call_alive(e->env.peer, &e->watch, AMX_COMM_WATCH_MS / 2, why, len);
+    if (gone)
+        e->watch_gone = 1; /* the failure is told to every participant (engine.c) */
+    return gone;
 }
 
 static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
@@ -256,9 +258,7 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
     if (me < 0)
         return amx__engine_fail(e, AMX_EINTERNAL,
                                 "job '%s': this daemon is not among the participants", j->name);
-    amx_membership_free(&e->watch_m);
-    int watch = amx_membership_copy(&sr->members, &e->watch_m) == AMX_OK;
-    e->watch_me = me;
+    amx_peer_watch_init(&e->watch, &sr->members, me);
     char prefix[256];
     snprintf(prefix, sizeof(prefix), "comm/%s/%016" PRIx64 "/%" PRIu64 "/", j->name, sr->coord_inc,
              sr->comm_gen);
@@ -274,7 +274,7 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
         .deadline_ms = e->deadline,
         .aborted = engine_aborted,
         .abort_ud = e,
-        .watch = watch ? engine_watch : NULL,
+        .watch = e->watch.n > 0 ? engine_watch : NULL,
         .watch_ud = e,
     };
     amx_err_t err = {0};

@@ -49,9 +49,16 @@ struct amx_engine {
     uint64_t relabeled;
     int stale_here;
     /* The agreement this attempt took part in (0: none yet) and the last
-     * one an attempt that ended here took part in, with their coordinator
-     * incarnations: what tells a late Abort (under mu). */
-    uint64_t agreed_seq, agreed_inc, ended_seq, ended_inc;
+     * one an attempt that failed here took part in, with their coordinator
+     * incarnations: what tells a late Abort (under mu). An attempt that
+     * succeeded here is not counted: a peer that failed after the same
+     * collective (its finish) dropped that round's communicator, and its
+     * Abort must reach this daemon. */
+    uint64_t agreed_seq, agreed_inc, failed_seq, failed_inc;
+    /* With pend_epoch: the agreement of the peer's attempt (0: none). */
+    uint64_t pend_seq, pend_inc;
+    /* The communicator's watch found a participant gone (engine thread). */
+    int watch_gone;
     atomic_int abort_flag;
     amx_status_t abort_code; /* with abort_flag: the status to fail with (under mu) */
     uint32_t abort_from;     /* the daemon that aborted it (AMX_ENGINE_LOCAL: this one) */
@@ -67,10 +74,9 @@ struct amx_engine {
     uint32_t pend_from;
     char pend_why[768];
     amx_comm_t *comm;
-    /* The participants the communicator was made with (sr.members) and
-     * this daemon's index: what its watch pings (engine thread). */
-    amx_membership_t watch_m;
-    int watch_me;
+    /* What the communicator's watch pings: this daemon's ring neighbours
+     * among the participants it was made with (engine thread). */
+    amx_peer_watch_t watch;
     _Atomic uint64_t comm_gen;
     uint64_t last_gen;  /* the generation of the last communicator held (engine thread) */
     int need_sync;      /* agree before the next collective */

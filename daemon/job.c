@@ -96,6 +96,8 @@ static void fail_deferred(amx_registry_t *reg, amx_job_t *j, amx_status_t st, co
         amx_deferred_t *d = j->defer_head;
         j->defer_head = d->next;
         amx__finish_waiter(reg, d->w, st, why, NULL);
+        if (d->kind == WAIT_RECONCILE_NEXT)
+            free((void *)d->req);
         free(d);
     }
     j->defer_tail = &j->defer_head;
@@ -599,6 +601,21 @@ void amx__run_deferred(amx_registry_t *reg, amx_job_t *j)
         memset(&rep, 0, sizeof(rep));
         amx_err_t err = {0};
         int deferred = 0;
+        if (kind == WAIT_RECONCILE_NEXT) {
+            /* The epoch it waited for has ended: it enters the next one as
+             * any Reconcile (which may start it, ending this loop). */
+            j->defer_head = d->next;
+            if (j->defer_head == NULL)
+                j->defer_tail = &j->defer_head;
+            free(d);
+            w->job = NULL;
+            reg->nwaiting--;
+            amx_status_t st = amx_registry_reconcile(reg, req, w, amx_now_ms(), &err);
+            free((void *)req);
+            if (st != AMX_OK)
+                amx__finish_waiter(reg, w, st, err.msg, NULL);
+            continue;
+        }
         amx_status_t st = kind == WAIT_REGISTER
                               ? amx__do_register(reg, j, req, &rep, &deferred, &err)
                               : do_reset(reg, j, req, &rep, &err);

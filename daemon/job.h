@@ -100,9 +100,9 @@ typedef struct amx_lrank {
 
 /* A request that waits until the epoch in flight has ended. */
 typedef struct amx_deferred {
-    int kind; /* DEFER_REGISTER, DEFER_RESET */
+    int kind; /* WAIT_REGISTER, WAIT_RESET, WAIT_RECONCILE_NEXT */
     amx_waiter_t *w;
-    const void *req;
+    const void *req; /* WAIT_RECONCILE_NEXT: a copy, freed with this */
     struct amx_deferred *next;
 } amx_deferred_t;
 

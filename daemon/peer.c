@@ -1209,9 +1209,9 @@ void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const
     Amaxd__Peer__V1__AbortRequest q = AMAXD__PEER__V1__ABORT_REQUEST__INIT;
     q.job = (char *)job;
     q.comm_generation = gen;
-    q.epoch = gen == 0 ? epoch : 0;
-    q.agreement = gen == 0 ? agreement : 0;
-    q.coordinator_incarnation = gen == 0 ? coord_inc : 0;
+    q.epoch = epoch;
+    q.agreement = epoch != 0 ? agreement : 0;
+    q.coordinator_incarnation = epoch != 0 ? coord_inc : 0;
     q.from = p->id.rank;
     q.code = (uint32_t)amx_status_grpc(code);
     char r[760];
@@ -1223,21 +1223,35 @@ void amx_peer_call_abort(amx_peer_t *p, const amx_membership_t *m, int me, const
         free_all(v, n);
 }
 
-int amx_peer_call_alive(amx_peer_t *p, const amx_membership_t *m, int me, uint64_t timeout_ms,
-                        char *why, size_t len)
+void amx_peer_watch_init(amx_peer_watch_t *w, const amx_membership_t *m, int me)
 {
-    /* The ring neighbours only (both, or the one there is): whoever finds a
-     * participant gone fails its epoch, and that failure aborts everyone's
-     * (engine.c), so a cluster of N pings 2N times per round, not N^2. */
+    /* The ring neighbours only: whoever finds a participant gone fails its
+     * epoch and tells every participant (engine.c), so a cluster of N pings
+     * 2N times per round, not N^2. */
+    memset(w, 0, sizeof(*w));
     uint32_t n = m->npart;
     if (n < 2 || me < 0 || (uint32_t)me >= n)
+        return;
+    uint32_t idx[2] = {((uint32_t)me + 1) % n, ((uint32_t)me + n - 1) % n};
+    for (uint32_t k = 0; k < (n > 2 ? 2u : 1u); k++) {
+        const amx_part_t *q = &m->part[idx[k]];
+        amx_part_t *d = &w->part[w->n];
+        d->daemon = q->daemon;
+        d->incarnation = q->incarnation;
+        snprintf(d->addr, sizeof(d->addr), "%s", q->addr);
+        amx_cluster_addr_resolve(q->addr, &w->addr[w->n]); /* n = 0: never taken for gone */
+        w->n++;
+    }
+}
+
+int amx_peer_call_alive(amx_peer_t *p, const amx_peer_watch_t *w, uint64_t timeout_ms, char *why,
+                        size_t len)
+{
+    if (w->n == 0)
         return 0;
     amx_part_t parts[2];
-    uint32_t np = 0;
-    parts[np++] = m->part[((uint32_t)me + 1) % n];
-    if (n > 2)
-        parts[np++] = m->part[((uint32_t)me + n - 1) % n];
-    amx_membership_t sub = {.world = m->world, .npart = np, .part = parts};
+    memcpy(parts, w->part, sizeof(parts));
+    amx_membership_t sub = {.npart = w->n, .part = parts};
     Amaxd__Peer__V1__PingRequest q = AMAXD__PEER__V1__PING_REQUEST__INIT;
     q.from = p->id.rank;
     q.incarnation = p->id.incarnation;
@@ -1263,7 +1277,7 @@ int amx_peer_call_alive(amx_peer_t *p, const amx_membership_t *m, int me, uint64
         /* UNAVAILABLE alone is no proof: a shared channel that saw the peer
          * down fails calls at once for its reconnect backoff, even after the
          * peer is back. A refused TCP connect is (the port is closed). */
-        if (st == AMX_EUNAVAIL && amx_cluster_addr_refuses(parts[i].addr, timeout_ms)) {
+        if (st == AMX_EUNAVAIL && amx_cluster_addrs_refuse(&w->addr[i], timeout_ms)) {
             snprintf(why, len,
                      "daemon %u (%s) is gone: nothing listens at its peer service while the "
                      "collective waited (connection refused)",

@@ -148,15 +148,29 @@ amx_status_t amx_peer_call_fetch(amx_peer_t *p, const char *addr, const char *jo
 void amx_peer_call_progress(amx_peer_t *p, const amx_membership_t *m, int me, const char *job,
                             uint64_t epoch, uint64_t timeout_ms, char *buf, size_t len);
 
-/* Pings the ring neighbours of index `me` among the participants of `m`
- * (parallel, within `timeout_ms`): 1 when one is gone, with a sentence
- * naming it in `why`:
- * its peer service refused the call (UNAVAILABLE: the process is dead or
- * stopping), or it answered with another incarnation than `m` holds (it
- * restarted). A daemon that does not answer in time (stopped, overloaded,
- * unreachable) is not taken for gone: the collective's deadline covers it. */
-int amx_peer_call_alive(amx_peer_t *p, const amx_membership_t *m, int me, uint64_t timeout_ms,
-                        char *why, size_t len);
+/* What a communicator's watch pings: the ring neighbours of one
+ * participant (both, or the one there is), their peer addresses resolved
+ * once (amx_peer_watch_init, when the communicator is made). */
+typedef struct amx_peer_watch {
+    uint32_t n;
+    amx_part_t part[2]; /* daemon, incarnation, addr (ranks not kept) */
+    amx_netaddrs_t addr[2];
+} amx_peer_watch_t;
+
+/* The neighbours of index `me` among the participants of `m`, resolved
+ * (blocks for their name lookups). */
+void amx_peer_watch_init(amx_peer_watch_t *w, const amx_membership_t *m, int me);
+
+/* Pings them (parallel, within `timeout_ms`): 1 when one is gone, with a
+ * sentence naming it in `why`: its ping failed UNAVAILABLE and a TCP
+ * connect to its resolved peer address was refused (the process is dead
+ * or stopping; UNAVAILABLE alone is no proof, a channel in its reconnect
+ * backoff fails calls at once), or it answered with another incarnation
+ * than the communicator was made with (it restarted). A daemon that does
+ * not answer in time (stopped, overloaded, unreachable) is not taken for
+ * gone: the collective's deadline covers it. No name lookup. */
+int amx_peer_call_alive(amx_peer_t *p, const amx_peer_watch_t *w, uint64_t timeout_ms, char *why,
+                        size_t len);
 
 /* Tells the participants of `m` but index `me` that communicator `gen` of
  * `job` (gen 0: the attempt of epoch `epoch` that took part in agreement

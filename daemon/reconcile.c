@@ -171,6 +171,30 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
         reg->nwaiting++;
         return AMX_OK;
     }
+    if (j->in_flight && r->in_reconcile && r->rec_w == NULL && req->epoch == j->epoch + 1) {
+        /* Its earlier call entered the epoch in flight and went away (a
+         * trainer that restarted: Join named the next epoch, which its
+         * SendAmax went to). The epoch in flight goes on with what that
+         * call's rank sent; this call waits until it has ended, then
+         * enters the next one. */
+        amx_reconcile_req_t *copy = malloc(sizeof(*copy));
+        if (copy == NULL)
+            return amx_err_set(err, AMX_ENOMEM, "out of memory");
+        *copy = *req;
+        if (amx__defer(j, WAIT_RECONCILE_NEXT, w, copy, err) != AMX_OK) {
+            free(copy);
+            return err->code;
+        }
+        w->job = j;
+        w->rank = req->rank;
+        w->kind = WAIT_RECONCILE_NEXT;
+        reg->nwaiting++;
+        AMX_INFO("registry",
+                 "job %s: rank %u's Reconcile of epoch %llu waits until epoch %llu, which its "
+                 "earlier call entered, has ended",
+                 j->name, req->rank, (unsigned long long)req->epoch, (unsigned long long)j->epoch);
+        return AMX_OK;
+    }
     if (r->in_reconcile || j->in_flight)
         return amx_err_set(err, AMX_EPRECOND,
                            "rank %u of job '%s' is already waiting in Reconcile for epoch %llu on "

@@ -289,13 +289,15 @@ void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w)
         return;
     w->job = NULL;
     reg->nwaiting--;
-    if (w->kind == WAIT_REGISTER || w->kind == WAIT_RESET) {
+    if (w->kind == WAIT_REGISTER || w->kind == WAIT_RESET || w->kind == WAIT_RECONCILE_NEXT) {
         for (amx_deferred_t **p = &j->defer_head; *p != NULL; p = &(*p)->next) {
             if ((*p)->w == w) {
                 amx_deferred_t *d = *p;
                 *p = d->next;
                 if (j->defer_tail == &d->next)
                     j->defer_tail = p;
+                if (d->kind == WAIT_RECONCILE_NEXT)
+                    free((void *)d->req);
                 free(d);
                 break;
             }
@@ -506,12 +508,12 @@ void amx_registry_peer_abort(amx_registry_t *reg, const char *job, uint64_t gen,
     amx_err_t err = {0};
     /* An epoch abort may come before this daemon ran any epoch of the
      * job: its engine keeps it for the epoch's start. */
-    if (j != NULL && j->eng == NULL && gen == 0 && epoch != 0 &&
+    if (j != NULL && j->eng == NULL && epoch != 0 &&
         amx_engine_create(j, &reg->env, &j->eng, &err) != AMX_OK)
         AMX_WARN("registry", "job %s: %s", job, err.msg);
     if (j == NULL || j->eng == NULL)
         return;
-    if (gen == 0 && epoch != 0)
+    if (epoch != 0)
         AMX_INFO("registry",
                  "job %s: daemon %u reports that epoch %llu (agreement %llu) failed (%s)", job,
                  from, (unsigned long long)epoch, (unsigned long long)agreement, reason);

@@ -29,7 +29,15 @@
 #include "registry.h"
 #include "swapq.h"
 
-enum { WAIT_JOIN = 1, WAIT_RECONCILE = 2, WAIT_REGISTER = 3, WAIT_RESET = 4 };
+/* WAIT_RECONCILE_NEXT: a Reconcile of the epoch after the one in flight,
+ * deferred until that one has ended (reconcile.c). */
+enum {
+    WAIT_JOIN = 1,
+    WAIT_RECONCILE = 2,
+    WAIT_REGISTER = 3,
+    WAIT_RESET = 4,
+    WAIT_RECONCILE_NEXT = 5
+};
 
 struct amx_registry {
     uv_loop_t *loop;

@@ -451,6 +451,36 @@ START_TEST(addr_refuses)
     ck_assert_int_eq(amx_cluster_addr_refuses("127.0.0.1:0", 200), 0);
     ck_assert_int_eq(amx_cluster_addr_refuses(":7421", 200), 0);
     ck_assert_int_eq(amx_cluster_addr_refuses(NULL, 200), 0);
+    /* An address that neither connects nor refuses in time (no route, or
+     * a filter that drops): not gone, after one wait at most. */
+    ck_assert_int_eq(amx_cluster_addr_refuses("10.255.255.1:9", 200), 0);
+    /* Resolved once, probed later without a lookup. */
+    amx_netaddrs_t a;
+    ck_assert_int_eq(amx_cluster_addr_resolve("127.0.0.1:9", &a), 0);
+    ck_assert_int_eq(a.n, 1);
+    ck_assert_int_eq(amx_cluster_addr_resolve("no-such-host.invalid:9", &a), -1);
+    ck_assert_int_eq(a.n, 0);
+    ck_assert_int_eq(amx_cluster_addrs_refuse(&a, 200), 0); /* nothing resolved: never gone */
+}
+END_TEST
+
+/* The bracketed IPv6 form, where the host has IPv6 loopback. */
+START_TEST(addr_refuses_v6)
+{
+    int fd = socket(AF_INET6, SOCK_STREAM, 0);
+    struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof(a)) != 0 || listen(fd, 4) != 0) {
+        if (fd >= 0)
+            close(fd);
+        return; /* no IPv6 loopback here */
+    }
+    socklen_t sl = sizeof(a);
+    ck_assert_int_eq(getsockname(fd, (struct sockaddr *)&a, &sl), 0);
+    char addr[64];
+    snprintf(addr, sizeof(addr), "[::1]:%u", ntohs(a.sin6_port));
+    ck_assert_int_eq(amx_cluster_addr_refuses(addr, 200), 0);
+    close(fd);
+    ck_assert_int_eq(amx_cluster_addr_refuses(addr, 200), 1);
 }
 END_TEST
 
@@ -467,6 +497,7 @@ int main(void)
     tcase_add_test(tc, secret_file_rules);
     tcase_add_test(tc, cluster_tokens_between_daemons);
     tcase_add_test(tc, addr_refuses);
+    tcase_add_test(tc, addr_refuses_v6);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

@@ -167,11 +167,12 @@ class Client:
             raise
 
     def _learn_epoch(self) -> None:
-        """The job's open epoch, from Status (after a refusal)."""
+        """The epoch to send for, from Status (after a refusal): the open
+        one, or while it is being reconciled the next (as Join says)."""
         try:
             jobs = self.status(self.job).jobs
             if jobs:
-                self.epoch = jobs[0].epoch
+                self.epoch = jobs[0].epoch + (1 if jobs[0].in_flight else 0)
         except AmaxdError:
             pass
 
