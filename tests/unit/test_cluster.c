@@ -451,9 +451,10 @@ START_TEST(addr_refuses)
     ck_assert_int_eq(amx_cluster_addr_refuses("127.0.0.1:0", 200), 0);
     ck_assert_int_eq(amx_cluster_addr_refuses(":7421", 200), 0);
     ck_assert_int_eq(amx_cluster_addr_refuses(NULL, 200), 0);
-    /* An address that neither connects nor refuses in time (no route, or
-     * a filter that drops): not gone, after one wait at most. */
-    ck_assert_int_eq(amx_cluster_addr_refuses("10.255.255.1:9", 200), 0);
+    /* (An address with no route is not tested: a host whose firewall
+     * rejects outgoing connections answers ECONNREFUSED for it, as the GPU
+     * hosts did: docs/CLUSTER.md lists that among what can make a live
+     * daemon look gone.) */
     /* Resolved once, probed later without a lookup. */
     amx_netaddrs_t a;
     ck_assert_int_eq(amx_cluster_addr_resolve("127.0.0.1:9", &a), 0);
