@@ -374,6 +374,13 @@ def _peer_token(secret, method):
     return f"{now}:{mac}"
 
 
+def _wait_log(daemon, text, count=1, limit=10.0):
+    """Until `text` is in the daemon's log `count` times (or `limit` s)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline and daemon.log().count(text) < count:
+        time.sleep(0.05)
+
+
 def test_abort_from_a_peer_passes_on_its_cause(make_cluster):
     """A daemon whose collective waits is told by another (peer Abort) that
     the epoch failed with DEADLINE_EXCEEDED because daemon 2 did not come:
@@ -398,9 +405,7 @@ def test_abort_from_a_peer_passes_on_its_cause(make_cluster):
                 res[1] = e
         t = threading.Thread(target=waiting)
         t.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and "epoch 2 handed to its engine" not in c[1].log():
-            time.sleep(0.05)
+        _wait_log(c[1], "epoch 2 handed to its engine")
         time.sleep(0.3)
         reason = ("job 'pa', epoch 2: the nccl all-reduce of 1 cells across 3 daemons timed out; "
                   f"daemon 2 (127.0.0.1:{c.ports[2]}) did not answer")
@@ -471,9 +476,7 @@ def test_late_abort_of_a_failed_attempt_is_ignored(make_cluster):
     # failed round's Abort comes.
     t = threading.Thread(target=waiting, args=(0,))
     t.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and c[0].log().count("epoch 2 handed to its engine") < 2:
-        time.sleep(0.05)
+    _wait_log(c[0], "epoch 2 handed to its engine", 2)
     time.sleep(0.3)
     reason = "job 'la', epoch 2: a late account of the attempt that failed"
     _send_abort(c, 0, _abort_request("la", 0, 1, reason, 10, epoch=2, agreement=failed,
@@ -497,9 +500,7 @@ def test_late_abort_of_a_failed_attempt_is_ignored(make_cluster):
         cl[r].send({"x": 20.0 + r})
     t = threading.Thread(target=waiting, args=(0,))
     t.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and "epoch 3 handed to its engine" not in c[0].log():
-        time.sleep(0.05)
+    _wait_log(c[0], "epoch 3 handed to its engine")
     time.sleep(0.3)
     reason = "job 'la', epoch 2: daemon 1's finish failed after the collective"
     _send_abort(c, 0, _abort_request("la", gen, 1, reason, 10, epoch=2, agreement=ok,
@@ -539,9 +540,7 @@ def test_trainer_restarted_while_its_epoch_is_in_flight(make_cluster):
     old[0].send({"x": 22.0})
     t_old = threading.Thread(target=call, args=("old", old[0].reconcile))
     t_old.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and "epoch 2 handed to its engine" not in c[0].log():
-        time.sleep(0.05)
+    _wait_log(c[0], "epoch 2 handed to its engine")
     old[0].close()  # the trainer dies: its Reconcile call goes away
     t_old.join(10)
     fresh = amaxd.Client("jf", 0, 2, socket=c.socket(0), timeout=60)
@@ -552,9 +551,7 @@ def test_trainer_restarted_while_its_epoch_is_in_flight(make_cluster):
     fresh.send({"x": 32.0})  # epoch 3, as Join said: accepted
     t_new = threading.Thread(target=call, args=("new", fresh.reconcile))
     t_new.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and "waits until epoch 2" not in c[0].log():
-        time.sleep(0.05)
+    _wait_log(c[0], "waits until epoch 2")
     assert t_new.is_alive(), res.get("new")
     old[1].send({"x": 21.0})
     got1 = old[1].reconcile()  # epoch 2 ends

@@ -827,6 +827,23 @@ def test_two_daemons_nccl_same_bytes(tmp_path):
             d.stop()
 
 
+def open_device_ranks(ds, job):
+    """Rank r of `job` on GPU r through daemon ds[r], one quantizer "w" of
+    16 cells: joined, registered, its device buffers open. (clients, buffers)"""
+    W = len(ds)
+    q = [amaxd.Quantizer("w", [16], amaxd.Recipe.fp8_current())]
+    cs, bs = [None] * W, [None] * W
+
+    def setup(r):
+        torch.cuda.set_device(r)
+        cs[r] = amaxd.Client(job, r, W, socket=ds[r].socket, timeout=60)
+        cs[r].join()
+        cs[r].register(q)
+        bs[r] = cs[r].open_device(r)
+    run_ranks(setup, W)
+    return cs, bs
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_daemons_nccl_bad_slab_fails_everywhere(tmp_path):
     """Two daemons over NCCL: a NaN in rank 0's device slab (daemon 0)
@@ -838,16 +855,7 @@ def test_two_daemons_nccl_bad_slab_fails_everywhere(tmp_path):
     ds = start_daemons(os.environ["AMAXD_BIN"], 2, str(tmp_path))
     try:
         W = 2
-        q = [amaxd.Quantizer("w", [16], amaxd.Recipe.fp8_current())]
-        cs, bs = [None] * W, [None] * W
-
-        def setup(r):
-            torch.cuda.set_device(r)
-            cs[r] = amaxd.Client("nan2", r, W, socket=ds[r].socket, timeout=60)
-            cs[r].join()
-            cs[r].register(q)
-            bs[r] = cs[r].open_device(r)
-        run_ranks(setup, W)
+        cs, bs = open_device_ranks(ds, "nan2")
 
         def rec(r):
             torch.cuda.set_device(r)
@@ -896,16 +904,7 @@ def test_device_slab_of_a_daemon_restored_behind(tmp_path):
     ds = start_daemons(os.environ["AMAXD_BIN"], W, str(tmp_path),
                        extra=lambda i: [f"--state-dir={sd[i]}", "--reconcile-timeout-ms=20000"])
     try:
-        q = [amaxd.Quantizer("w", [16], amaxd.Recipe.fp8_current())]
-        cs, bs = [None] * W, [None] * W
-
-        def setup(r):
-            torch.cuda.set_device(r)
-            cs[r] = amaxd.Client("db", r, W, socket=ds[r].socket, timeout=60)
-            cs[r].join()
-            cs[r].register(q)
-            bs[r] = cs[r].open_device(r)
-        run_ranks(setup, W)
+        cs, bs = open_device_ranks(ds, "db")
 
         def epoch(r, value):
             torch.cuda.set_device(r)
