@@ -277,8 +277,8 @@ static void complete_join(amx_registry_t *reg, amx_job_t *j, amx_waiter_t *w, in
     amx_reply_t rep;
     memset(&rep, 0, sizeof(rep));
     rep.world = j->world;
-    /* The epoch SendAmax adds to: while one is in flight (every local rank
-     * entered Reconcile; a trainer restarted meanwhile), the next. */
+    /* The epoch SendAmax adds to (a Join of a rank in the epoch in flight
+     * waits until it has ended: amx_registry_join). */
     rep.epoch = j->in_flight ? j->epoch + 1 : j->epoch;
     rep.rejoined = rejoined;
     amx__finish_waiter(reg, w, AMX_OK, NULL, &rep);
@@ -424,8 +424,26 @@ amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, a
     }
     if (j != NULL && j->ready && r != NULL && r->join_w == NULL) {
         j->last_active_ms = now_ms;
-        AMX_INFO("registry", "job %s: rank %u re-joined; state kept", j->name, req->rank);
         r->joined = 1;
+        if (j->in_flight && r->in_reconcile) {
+            /* Its earlier call is in the epoch in flight (a trainer that
+             * restarted while its daemon waits for others): answered when
+             * that epoch has ended, with the epoch then open (the next one,
+             * or the same after a failure). Answered now, the trainer would
+             * send for the next epoch, and a failure of this one would
+             * carry those values into its retry. */
+            AMX_CHECK(amx__defer(j, WAIT_JOIN_NEXT, w, NULL, err));
+            w->job = j;
+            w->rank = req->rank;
+            w->kind = WAIT_JOIN_NEXT;
+            reg->nwaiting++;
+            AMX_INFO("registry",
+                     "job %s: rank %u re-joined while epoch %llu, which its earlier call entered, "
+                     "is in flight: answered when it has ended",
+                     j->name, req->rank, (unsigned long long)j->epoch);
+            return AMX_OK;
+        }
+        AMX_INFO("registry", "job %s: rank %u re-joined; state kept", j->name, req->rank);
         w->job = NULL;
         complete_join(reg, j, w, 1);
         return AMX_OK;
@@ -601,6 +619,16 @@ void amx__run_deferred(amx_registry_t *reg, amx_job_t *j)
         memset(&rep, 0, sizeof(rep));
         amx_err_t err = {0};
         int deferred = 0;
+        if (kind == WAIT_JOIN_NEXT) {
+            j->defer_head = d->next;
+            if (j->defer_head == NULL)
+                j->defer_tail = &j->defer_head;
+            free(d);
+            AMX_INFO("registry", "job %s: rank %u re-joined; state kept (epoch %llu open)", j->name,
+                     w->rank, (unsigned long long)j->epoch);
+            complete_join(reg, j, w, 1);
+            continue;
+        }
         if (kind == WAIT_RECONCILE_NEXT) {
             /* The epoch it waited for has ended: it enters the next one as
              * any Reconcile (which may start it, ending this loop). */

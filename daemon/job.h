@@ -100,7 +100,7 @@ typedef struct amx_lrank {
 
 /* A request that waits until the epoch in flight has ended. */
 typedef struct amx_deferred {
-    int kind; /* WAIT_REGISTER, WAIT_RESET, WAIT_RECONCILE_NEXT */
+    int kind; /* WAIT_REGISTER, WAIT_RESET, WAIT_RECONCILE_NEXT, WAIT_JOIN_NEXT */
     amx_waiter_t *w;
     const void *req; /* WAIT_RECONCILE_NEXT: a copy, freed with this */
     struct amx_deferred *next;

@@ -289,7 +289,8 @@ void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w)
         return;
     w->job = NULL;
     reg->nwaiting--;
-    if (w->kind == WAIT_REGISTER || w->kind == WAIT_RESET || w->kind == WAIT_RECONCILE_NEXT) {
+    if (w->kind == WAIT_REGISTER || w->kind == WAIT_RESET || w->kind == WAIT_RECONCILE_NEXT ||
+        w->kind == WAIT_JOIN_NEXT) {
         for (amx_deferred_t **p = &j->defer_head; *p != NULL; p = &(*p)->next) {
             if ((*p)->w == w) {
                 amx_deferred_t *d = *p;

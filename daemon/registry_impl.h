@@ -30,13 +30,15 @@
 #include "swapq.h"
 
 /* WAIT_RECONCILE_NEXT: a Reconcile of the epoch after the one in flight,
- * deferred until that one has ended (reconcile.c). */
+ * deferred until that one has ended (reconcile.c); WAIT_JOIN_NEXT: a Join
+ * of a rank that is in the epoch in flight, the same (job.c). */
 enum {
     WAIT_JOIN = 1,
     WAIT_RECONCILE = 2,
     WAIT_REGISTER = 3,
     WAIT_RESET = 4,
-    WAIT_RECONCILE_NEXT = 5
+    WAIT_RECONCILE_NEXT = 5,
+    WAIT_JOIN_NEXT = 6
 };
 
 struct amx_registry {

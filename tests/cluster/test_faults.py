@@ -515,53 +515,94 @@ def test_late_abort_of_a_failed_attempt_is_ignored(make_cluster):
         x.close()
 
 
-def test_trainer_restarted_while_its_epoch_is_in_flight(make_cluster):
-    """Rank 0's daemon has its epoch 2 in flight (its only rank entered
-    Reconcile; it waits for daemon 1's rank) when rank 0's trainer dies and
-    a new one starts. The new trainer's Join must name the epoch SendAmax
-    adds to, epoch 3 (it named epoch 2, whose SendAmax was then refused
-    naming 3: tests/cluster/outside/repro_join_inflight.py); its
-    Reconcile(3) waits until epoch 2 has ended (which goes on with what the
-    old trainer sent; GetScales reads it), then enters epoch 3, which holds
-    the new trainer's values. Its client learns epoch 3 from Status too."""
-    c = make_cluster(2, "--reconcile-timeout-ms=20000")
+def _restart_in_flight(make_cluster, timeout_ms):
+    """Two daemons, one rank each, job "jf" calibrated to epoch 1; rank 0
+    sent 22 for epoch 2 and waits in Reconcile (daemon 0's epoch 2 in
+    flight, waiting for daemon 1's rank) when its trainer dies. Returns the
+    cluster, rank 1's client, and the new trainer's client and the result
+    of its Join (a dict, filled by a thread once Join returns)."""
+    c = make_cluster(2, f"--reconcile-timeout-ms={timeout_ms}")
     old = [amaxd.Client("jf", r, 2, socket=c.socket(r), timeout=60) for r in range(2)]
     out, errs = run_threads({r: (lambda r=r: (old[r].join(), old[r].register([Q("x")]),
                                               old[r].send({"x": float(r)}),
                                               old[r].reconcile())[-1]) for r in range(2)})
     assert not errs, errs
-    res = {}
-
-    def call(key, fn):
-        try:
-            res[key] = fn()
-        except BaseException as e:  # noqa: BLE001 - checked below
-            res[key] = e
     old[0].send({"x": 22.0})
-    t_old = threading.Thread(target=call, args=("old", old[0].reconcile))
+    t_old = threading.Thread(target=lambda: pytest_safe(old[0].reconcile))
     t_old.start()
     _wait_log(c[0], "epoch 2 handed to its engine")
     old[0].close()  # the trainer dies: its Reconcile call goes away
     t_old.join(10)
     fresh = amaxd.Client("jf", 0, 2, socket=c.socket(0), timeout=60)
-    j = fresh.join()
-    assert j.rejoined and j.epoch == 3, j
-    fresh._learn_epoch()
-    assert fresh.epoch == 3, fresh.epoch  # Status says so too
-    fresh.send({"x": 32.0})  # epoch 3, as Join said: accepted
-    t_new = threading.Thread(target=call, args=("new", fresh.reconcile))
-    t_new.start()
-    _wait_log(c[0], "waits until epoch 2")
-    assert t_new.is_alive(), res.get("new")
-    old[1].send({"x": 21.0})
-    got1 = old[1].reconcile()  # epoch 2 ends
+    joined = {}
+    t_join = threading.Thread(target=lambda: joined.update(j=pytest_safe(fresh.join)))
+    t_join.start()
+    _wait_log(c[0], "re-joined while epoch 2, which its earlier call entered, is in flight")
+    time.sleep(0.2)
+    assert t_join.is_alive(), joined  # Join waits for the epoch in flight
+    return c, old[1], fresh, joined, t_join
+
+
+def pytest_safe(fn):
+    """fn(), or the exception it raised (for threads: no BaseException escapes)."""
+    try:
+        return fn()
+    except BaseException as e:  # noqa: BLE001 - the caller checks
+        return e
+
+
+def test_trainer_restarted_while_its_epoch_is_in_flight(make_cluster):
+    """Rank 0's daemon has its epoch 2 in flight (its only rank entered
+    Reconcile; it waits for daemon 1's rank) when rank 0's trainer dies and
+    a new one starts. The new trainer's Join waits until epoch 2 has ended
+    (which goes on with what the old trainer sent), then names epoch 3, the
+    open one; GetScales reads epoch 2, and epoch 3 holds the new trainer's
+    values. (Join used to name epoch 2 at once and SendAmax(2) was then
+    refused: tests/cluster/outside/repro_join_inflight.py. Naming epoch 3 at
+    once let the new trainer send for it while epoch 2 could still fail, and
+    a failure carried those values into epoch 2's retry: the outside check
+    chaos.py, scenarios rejoin-inflight/.../late.)"""
+    c, rank1, fresh, joined, t_join = _restart_in_flight(make_cluster, 20000)
+    rank1.send({"x": 21.0})
+    got1 = rank1.reconcile()  # epoch 2 ends
     assert got1["x"].amax[()] == 22.0, got1["x"].amax  # the old trainer's value counted
-    old[1].send({"x": 31.0})
-    got1 = old[1].reconcile()  # epoch 3, with the new trainer's call
-    t_new.join(30)
-    new = res["new"]
-    assert not isinstance(new, BaseException), (new, c.logs())
-    assert new["x"].amax[()] == got1["x"].amax[()] == 32.0, (new, got1, c.logs())
-    assert fresh.epoch == 4 and old[1].epoch == 4
+    t_join.join(10)
+    j = joined["j"]
+    assert not isinstance(j, BaseException) and j.rejoined and j.epoch == 3, j
+    assert fresh.get_scales()["x"].amax[()] == 22.0
+    fresh.send({"x": 32.0})
+    rank1.send({"x": 31.0})
+    out, errs = run_threads({0: fresh.reconcile, 1: rank1.reconcile})
+    assert not errs, (errs, c.logs())
+    assert out[0]["x"].amax[()] == out[1]["x"].amax[()] == 32.0, (out, c.logs())
+    assert fresh.epoch == 4 and rank1.epoch == 4
     fresh.close()
-    old[1].close()
+    rank1.close()
+
+
+def test_trainer_restarted_while_its_epoch_fails(make_cluster):
+    """As above, but epoch 2 then fails (daemon 1's rank does not come
+    within the deadline): the new trainer's Join names epoch 2, still open,
+    and what it sends goes there; epoch 2's retry holds the old trainer's 22
+    and the new 23 (max 23), never a value meant for epoch 3."""
+    c, rank1, fresh, joined, t_join = _restart_in_flight(make_cluster, 1500)
+    t_join.join(15)
+    j = joined["j"]
+    assert not isinstance(j, BaseException) and j.rejoined and j.epoch == 2, (j, c.logs())
+    fresh.send({"x": 23.0})
+    rank1.send({"x": 21.0})
+
+    def again(cl):
+        for _ in range(5):
+            try:
+                return cl.reconcile()
+            except (amaxd.errors.Aborted, amaxd.errors.DeadlineExceeded,
+                    amaxd.errors.Unavailable):
+                pass
+        return cl.reconcile()
+    out, errs = run_threads({0: lambda: again(fresh), 1: lambda: again(rank1)})
+    assert not errs, (errs, c.logs())
+    assert out[0]["x"].amax[()] == out[1]["x"].amax[()] == 23.0, (out, c.logs())
+    assert fresh.epoch == 3
+    fresh.close()
+    rank1.close()
