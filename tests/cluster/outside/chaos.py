@@ -17,8 +17,15 @@ Model
 * Every call must return within its documented deadline (+ slack); every
   rank must reach the last epoch; no daemon may crash.
 
+* rejoin-inflight/...: a trainer killed -9 inside Reconcile while its
+  daemon's epoch is in flight, re-joined by a new trainer (docs/API.md,
+  the Join row "a rank calls Join again after the job is ready"); the
+  Join itself must say rejoined=true and the epoch after the flight
+  (check_inflight), every answer is checked as above.
+
 Run:  .venv/bin/python tests/cluster/outside/chaos.py [scenario-regex ...]  (from the repository)
-      (--list to list scenarios, --trials N to repeat random scenarios)
+      (--list to list scenarios, --trials N to add random scenarios,
+      --repeat N to run the selection N times)
 """
 import argparse
 import json
@@ -135,7 +142,9 @@ def trainer_main(cfg_path, rank):
     sock = cfg["sockets"][str(rank)]
     ctl = cfg["ctl"]
     policy = cfg.get("policy", "follow")
-    out = open(os.path.join(cfg["out"], f"trainer.{rank}.jsonl"), "a", buffering=1)
+    out_path = os.path.join(cfg["out"], f"trainer.{rank}.jsonl")
+    restarted = os.path.exists(out_path) and os.path.getsize(out_path) > 0  # an earlier trainer of this rank
+    out = open(out_path, "a", buffering=1)
     pace = cfg.get("pace", 0.02)
 
     def log(**kw):
@@ -152,7 +161,7 @@ def trainer_main(cfg_path, rank):
                 want = open(hf).read().strip()
             except FileNotFoundError:
                 return
-            if want != tag:
+            if want != tag and want != f"{phase} *":   # "<phase> *": any epoch
                 return
             af = os.path.join(ctl, f"at.{rank}")
             with open(af + ".tmp", "w") as f:
@@ -180,7 +189,8 @@ def trainer_main(cfg_path, rank):
             if dur > limit:
                 log(ev="slow", call=name, dur=dur, limit=limit)
 
-    rlimit = RECONCILE_TIMEOUT_MS / 1000 + HANG_SLACK + cfg.get("extra_slack", 0)
+    rt_s = cfg.get("reconcile_timeout_ms", RECONCILE_TIMEOUT_MS) / 1000
+    rlimit = rt_s + HANG_SLACK + cfg.get("extra_slack", 0)
     jlimit = JOIN_TIMEOUT_MS / 1000 + HANG_SLACK + cfg.get("extra_slack", 0)
 
     def getscales(why):
@@ -189,6 +199,15 @@ def trainer_main(cfg_path, rank):
         log(ev="answer", src="getscales", why=why, epoch=r.epoch, req_epoch=None,
             res={q.name: res_dict(q) for q in r.results})
         return r.epoch
+
+    def getscales_checked(why):
+        # an extra read (checked like every answer); errors of the documented kinds are logged only
+        try:
+            getscales(why)
+        except E.AmaxdError as err:
+            log(ev="error", call="GetScales", code=err.code.name, msg=err.message, epoch=e)
+
+    rejoin_reads = cfg.get("getscales_on_rejoin", False) and restarted
 
     def open_epoch():
         jobs = c.status(job).jobs
@@ -208,6 +227,8 @@ def trainer_main(cfg_path, rank):
                 t0 = time.time()
                 r = timed("Join", lambda: c.join(), jlimit)
                 log(ev="join", epoch=r.epoch, rejoined=r.rejoined, dur=time.time() - t0)
+                if rejoin_reads and r.rejoined:
+                    getscales_checked("rejoin")
                 if not r.rejoined:
                     call = "Register"
                     rr = c.register(qs)
@@ -240,6 +261,10 @@ def trainer_main(cfg_path, rank):
             timed("SendAmax", lambda: c.send(vals, epoch=e), rlimit)
             log(ev="sent", epoch=e, step=sent_for)
             hold("reconcile", e)
+            if rejoin_reads:
+                # docs: the epoch in flight at the re-join is read with GetScales once it has ended
+                getscales_checked("rejoin_before_reconcile")
+                rejoin_reads = False
             call = "Reconcile"
             t0 = time.time()
             req = pb.ReconcileRequest(job=job, rank=rank, epoch=e)
@@ -329,8 +354,10 @@ def free_port():
 
 
 class Cluster:
-    def __init__(self, root, n, state=(True,), extra=(), candidates=1, asan=False, extra_per=None):
+    def __init__(self, root, n, state=(True,), extra=(), candidates=1, asan=False, extra_per=None,
+                 reconcile_timeout_ms=RECONCILE_TIMEOUT_MS):
         self.root, self.n = root, n
+        self.reconcile_timeout_ms = reconcile_timeout_ms
         self.state = [state[i] if i < len(state) else state[-1] for i in range(n)]
         self.ports = [free_port() for _ in range(n)]
         self.secret = os.path.join(root, "secret")
@@ -359,7 +386,7 @@ class Cluster:
                 f"--peer_advertise=127.0.0.1:{self.ports[i]}",
                 f"--cluster_secret_file={self.secret}", "--gloo_host=127.0.0.1",
                 "--backend=host", "--shm_dir=", "--log_level=info",
-                f"--reconcile_timeout_ms={RECONCILE_TIMEOUT_MS}",
+                f"--reconcile_timeout_ms={self.reconcile_timeout_ms}",
                 f"--join_timeout_ms={JOIN_TIMEOUT_MS}"]
         if self.candidates > 1:
             args.append("--coordinator_failover_ms=1000")
@@ -448,7 +475,8 @@ class Run:
     """One job on one cluster with trainer processes."""
 
     def __init__(self, name, n_daemons, placement, state=(True,), epochs=EPOCHS, policy="follow",
-                 candidates=1, asan=False, pace=0.02, extra_slack=0.0, extra_per=None):
+                 candidates=1, asan=False, pace=0.02, extra_slack=0.0, extra_per=None,
+                 reconcile_timeout_ms=RECONCILE_TIMEOUT_MS, cfg_extra=None):
         self.name = name
         self.root = tempfile.mkdtemp(prefix=f"amx-{name[:20]}-", dir="/tmp")
         self.ctl = os.path.join(self.root, "ctl")
@@ -458,11 +486,13 @@ class Run:
         self.W = len(placement)
         self.placement = placement            # rank -> daemon
         self.cluster = Cluster(self.root, n_daemons, state, candidates=candidates, asan=asan,
-                               extra_per=extra_per)
+                               extra_per=extra_per, reconcile_timeout_ms=reconcile_timeout_ms)
         self.job = "chaos-job"
         self.cfg = {"W": self.W, "job": self.job, "epochs": epochs, "ctl": self.ctl,
                     "out": self.out, "policy": policy, "pace": pace, "extra_slack": extra_slack,
-                    "sockets": {str(r): self.cluster.sock(d) for r, d in enumerate(placement)}}
+                    "sockets": {str(r): self.cluster.sock(d) for r, d in enumerate(placement)},
+                    "reconcile_timeout_ms": reconcile_timeout_ms}
+        self.cfg.update(cfg_extra or {})
         self.cfg_path = os.path.join(self.root, "cfg.json")
         json.dump(self.cfg, open(self.cfg_path, "w"))
         self.trainers = {}
@@ -502,8 +532,9 @@ class Run:
         t_end = time.time() + timeout
         while time.time() < t_end:
             try:
-                if open(af).read().strip() == f"{phase} {e}":
-                    return True
+                at = open(af).read().strip()
+                if at == f"{phase} {e}" or (e == "*" and at.startswith(f"{phase} ")):
+                    return at
             except FileNotFoundError:
                 pass
             time.sleep(0.01)
@@ -628,28 +659,40 @@ def diff_res(got, want):
     return diffs
 
 
-def sent_model(evs):
+def sent_model(evs, rejoin_drops=False):
     """{"r:K": steps} for answers K whose contributions (from the trainer's
-    sends since its previous answer) were not exactly step K's."""
+    sends since its previous answer) were not exactly step K's.
+    rejoin_drops: a rejoined Join naming epoch J ends the sends of the
+    killed trainer for epochs below J (they went into an epoch that was in
+    flight, the docs' rule), so they are not counted into J."""
     since, out = {}, {}
+    sent_ep = {}
     for ev in evs:
         r = ev["rank"]
-        if ev["ev"] == "sent":
+        if ev["ev"] == "join" and rejoin_drops and ev.get("rejoined"):
+            keep = {st for (ep, st) in sent_ep.get(r, set()) if ep >= ev["epoch"]}
+            since[r] = keep
+            sent_ep[r] = {(ep, st) for (ep, st) in sent_ep.get(r, set()) if ep >= ev["epoch"]}
+        elif ev["ev"] == "sent":
             since.setdefault(r, set()).add(ev["step"])
+            sent_ep.setdefault(r, set()).add((ev["epoch"], ev["step"]))
         elif ev["ev"] == "answer":
             if ev["src"] == "reconcile":
                 st = since.get(r, set())
                 if st and st != {ev["epoch"]}:
                     out[f"{r}:{ev['epoch']}"] = sorted(st)
+            if rejoin_drops and ev["src"] == "getscales" and ev.get("why", "").startswith("rejoin"):
+                continue   # the restarted trainer's extra reads end nothing it sent
             since[r] = set()
+            sent_ep[r] = set()
     return out
 
 
-def analyse(run, exp, allow_incomplete=False, note="", limitation=False):
+def analyse(run, exp, allow_incomplete=False, note="", limitation=False, rejoin_drops=False):
     """Returns (fails, limits, info) lists of strings."""
     fails, limits, info = [], [], []
     evs = run.events()
-    subst = sent_model(evs)
+    subst = sent_model(evs, rejoin_drops)
     alt = None
     per_rank_max = {r: 0 for r in range(run.W)}
     answers = 0
@@ -801,6 +844,136 @@ def f_kill_trainer(r, phase, e=3, down=0.2):
     return f
 
 
+def daemon_status(run, d, rank):
+    """Status of the job on daemon d (an extra client; Status needs no Join)."""
+    import amaxd
+    c = amaxd.Client(run.job, rank, run.W, socket=run.cluster.sock(d), timeout=5.0)
+    try:
+        jobs = c.status(run.job).jobs
+        return jobs[0] if jobs else None
+    finally:
+        c.close()
+
+
+def f_kill_trainer_inflight(r, when, delay, e=3):
+    """Kill -9 rank r's trainer while it waits inside Reconcile(e) and its
+    daemon's epoch e is in flight: every local rank of that daemon entered
+    Reconcile, one rank `h` of another daemon is held before its Reconcile(e).
+    A new trainer for r starts (Join, the epoch Join names, SendAmax,
+    Reconcile: docs/API.md, "a rank calls Join again after the job is ready").
+    h is released
+      before-join    `delay` s before the new trainer's Join,
+      after-send     `delay` s before its Reconcile (it has sent),
+      in-reconcile   `delay` s after its Reconcile started,
+      late           past the flight's deadline (reconcile_timeout_ms after
+                     the daemon's ranks entered): the flight fails.
+    Sets run.notes (checked by check_inflight)."""
+    def f(run):
+        d = run.placement[r]
+        h = [x for x in range(run.W) if run.placement[x] != d][0]
+        run.notes = {"r": r, "h": h, "d": d, "e": e, "when": when}
+        run.hold(h, "reconcile", e)
+        run.wait_at(h, "reconcile", e)
+        # every other rank sent for e and entered Reconcile(e)
+        others = [x for x in range(run.W) if x != h]
+        t_end = time.time() + 30
+        while time.time() < t_end:
+            sent = {ev["rank"] for ev in run.events() if ev["ev"] == "sent" and ev["epoch"] == e}
+            if all(x in sent for x in others):
+                break
+            time.sleep(0.02)
+        time.sleep(0.5)
+        t_in = time.time()
+        st = daemon_status(run, d, r)
+        run.notes["before_kill"] = (st.epoch, st.in_flight, st.ranks_in_reconcile) if st else None
+        run.kill_trainer(r)
+        time.sleep(0.2)
+        st = daemon_status(run, d, r)
+        run.notes["after_kill"] = (st.epoch, st.in_flight, st.ranks_in_reconcile) if st else None
+        if when == "before-join":
+            run.hold(r, "join", None)
+            run.start_trainer(r)
+            run.wait_at(r, "join", None)
+            run.release(h)
+            time.sleep(delay)
+            run.release(r)
+        elif when in ("after-send", "in-reconcile"):
+            run.hold(r, "reconcile", "*")
+            run.start_trainer(r)
+            try:
+                # a build whose Join waits for the flight to end (docs changed on 2026-11-27)
+                # never gets there while h is held: then h is released while Join waits
+                run.notes["new_at"] = run.wait_at(r, "reconcile", "*", timeout=3.0)
+            except RuntimeError:
+                run.notes["new_at"] = "join still waiting 3 s after the start: h released"
+                run.release(h)
+                run.notes["new_at_after"] = run.wait_at(r, "reconcile", "*")
+            if when == "after-send":
+                run.release(h)
+                time.sleep(delay)
+                run.release(r)
+            else:
+                run.release(r)
+                time.sleep(delay)
+                run.release(h)
+        elif when == "late":
+            run.hold(r, "reconcile", "*")
+            run.start_trainer(r)
+            run.notes["new_at"] = run.wait_at(r, "reconcile", "*")
+            run.release(r)
+            # the flight's deadline: the earliest reconcile_timeout_ms of its ranks
+            time.sleep(max(0.0, t_in - 0.5 + run.cluster.reconcile_timeout_ms / 1000 + delay - time.time()))
+            st = daemon_status(run, d, r)
+            run.notes["at_release"] = (st.epoch, st.in_flight, st.ranks_in_reconcile) if st else None
+            run.release(h)
+        else:
+            raise ValueError(when)
+    return f
+
+
+def check_inflight(run):
+    """The docs' promises about the re-join itself (the answers are checked by analyse)."""
+    n = getattr(run, "notes", None)
+    if not n:
+        return ["fault script set no notes"]
+    fails = []
+    r, e = n["r"], n["e"]
+    bk = n.get("before_kill")
+    if not bk or bk[0] != e or not bk[1]:
+        fails.append(f"SETUP: daemon {n['d']}'s epoch {e} was not in flight at the kill "
+                     f"(Status epoch, in_flight, ranks_in_reconcile = {bk})")
+    evs = [ev for ev in run.events() if ev["rank"] == r]
+    pids = []
+    for ev in evs:
+        if ev["ev"] == "start":
+            pids.append(ev["pid"])
+    if len(pids) < 2:
+        return fails + ["SETUP: no second trainer started"]
+    new = [ev for ev in evs if ev["pid"] == pids[-1]]
+    joins = [ev for ev in new if ev["ev"] == "join"]
+    if not joins:
+        fails.append(f"new trainer of rank {r} logged no Join")
+    else:
+        j = joins[0]
+        # docs: rejoined = true and the epoch SendAmax adds to: e + 1 while e is in flight
+        # (API.md before 2026-11-27's change) or once e has ended; the docs as changed on
+        # 2026-11-27 (Join waits for the flight to end) also allow e once the flight failed
+        ok_epochs = (e, e + 1) if n["when"] == "late" else (e + 1,)
+        n["new_join"] = (j["rejoined"], j["epoch"], round(j["dur"], 2))
+        if not j["rejoined"] or j["epoch"] not in ok_epochs:
+            fails.append(f"JOIN: new trainer of rank {r} got rejoined={j['rejoined']} epoch={j['epoch']}, "
+                         f"docs: rejoined=true epoch in {ok_epochs}")
+    first = [ev for ev in new if ev["ev"] == "answer" and ev["src"] == "reconcile"]
+    errs = [f"{ev['call']}:{ev['code']}" for ev in new if ev["ev"] == "error"]
+    n["new_first_answer"] = (first[0]["req_epoch"], first[0]["epoch"]) if first else None
+    n["new_errors"] = errs
+    n["new_reads"] = [(ev["why"], ev["epoch"]) for ev in new if ev["ev"] == "answer" and ev["src"] == "getscales"]
+    if n["when"] != "late" and errs:
+        # the flight ended normally: nothing in the docs makes the new trainer see an error
+        fails.append(f"new trainer of rank {r} got errors {errs} (the flight was not failed)")
+    return fails
+
+
 def f_kill_at_epoch_end(d, e, delay):
     """Hold the last rank before Reconcile of epoch e; release it and kill
     daemon d `delay` s later (around the collective / snapshot / answers)."""
@@ -944,6 +1117,23 @@ def scenarios():
     return S
 
 
+def rejoin_inflight_scenarios():
+    """A trainer killed inside Reconcile while its daemon's epoch is in flight;
+    its restart re-joins (docs/API.md Join row). 2 daemons, P2: rank 1 is on
+    the member daemon 1, rank 0 on the coordinator's daemon 0."""
+    S = []
+    for st_name, st in (("state", (True,)), ("nostate", (False,))):
+        for r, rn in ((1, "member"), (0, "coord")):
+            for when, delay in (("before-join", 0.0), ("before-join", 0.3), ("after-send", 0.0),
+                                ("after-send", 0.3), ("in-reconcile", 0.3), ("late", 0.5)):
+                nm = f"rejoin-inflight/{st_name}/kill-trainer-{rn}/{when}" + \
+                    (f"+{delay}" if when != "late" else "")
+                S.append((nm, 2, P2, st, f_kill_trainer_inflight(r, when, delay),
+                          {"rt_ms": 8000, "rejoin_drops": True, "check": check_inflight,
+                           "cfg": {"getscales_on_rejoin": True}}))
+    return S
+
+
 def random_scenarios(trials, seed0=1000):
     S = []
     for t in range(trials):
@@ -961,7 +1151,8 @@ def run_scenario(name, nd, placement, state, fault, opts, keep_failed=True, asan
     ep = opts.get("epochs", EPOCHS)
     exp = control(nd, placement, ep)
     run = Run(name.replace("/", "_"), nd, placement, state=state, policy=opts.get("policy", "follow"),
-              asan=asan, extra_per=opts.get("extra_per"), epochs=ep, pace=opts.get("pace", 0.02))
+              asan=asan, extra_per=opts.get("extra_per"), epochs=ep, pace=opts.get("pace", 0.02),
+              reconcile_timeout_ms=opts.get("rt_ms", RECONCILE_TIMEOUT_MS), cfg_extra=opts.get("cfg"))
     t0 = time.time()
     fault_err = None
     try:
@@ -975,7 +1166,10 @@ def run_scenario(name, nd, placement, state, fault, opts, keep_failed=True, asan
         run.wait_trainers(timeout=80)
     finally:
         dcodes = run.cluster.shutdown()
-    fails, limits, info = analyse(run, exp, limitation=opts.get("limitation", False))
+    fails, limits, info = analyse(run, exp, limitation=opts.get("limitation", False),
+                                  rejoin_drops=opts.get("rejoin_drops", False))
+    if opts.get("check"):
+        fails += opts["check"](run)
     if fault_err:
         fails.append(f"fault script did not complete: {fault_err}")
     for i, (how, code) in dcodes.items():
@@ -987,6 +1181,8 @@ def run_scenario(name, nd, placement, state, fault, opts, keep_failed=True, asan
     if not fails and limits:
         status = "LIMITATION"
     print(f"{status} {name} ({dur:.1f}s) {' '.join(info)}", flush=True)
+    if getattr(run, "notes", None):
+        print(f"    notes: {run.notes}", flush=True)
     for f_ in fails[:12]:
         print(f"    - {f_}", flush=True)
     for f_ in limits[:6]:
@@ -1016,7 +1212,7 @@ def main():
     a = ap.parse_args()
     global KEEP
     KEEP = a.keep
-    S = scenarios() + random_scenarios(a.trials)
+    S = scenarios() + rejoin_inflight_scenarios() + random_scenarios(a.trials)
     if a.patterns:
         S = [s for s in S if any(re.search(p, s[0]) for p in a.patterns)]
     if a.list:
