@@ -380,7 +380,8 @@ out:
     return st;
 }
 
-amx_status_t amx__defer(amx_job_t *j, int kind, amx_waiter_t *w, const void *req, amx_err_t *err)
+amx_status_t amx__defer(amx_registry_t *reg, amx_job_t *j, int kind, amx_waiter_t *w,
+                        const void *req, amx_err_t *err)
 {
     amx_deferred_t *d = calloc(1, sizeof(*d));
     if (d == NULL)
@@ -390,6 +391,9 @@ amx_status_t amx__defer(amx_job_t *j, int kind, amx_waiter_t *w, const void *req
     d->req = req;
     *j->defer_tail = d;
     j->defer_tail = &d->next;
+    w->job = j;
+    w->kind = kind;
+    reg->nwaiting++;
     return AMX_OK;
 }
 
@@ -406,11 +410,7 @@ amx_status_t amx_registry_register(amx_registry_t *reg, const amx_register_req_t
     if (!j->in_flight && !j->growing)
         AMX_CHECK(amx__do_register(reg, j, req, &rep, &deferred, err));
     if (j->in_flight || j->growing) {
-        AMX_CHECK(amx__defer(j, WAIT_REGISTER, w, req, err));
-        w->job = j;
-        w->kind = WAIT_REGISTER;
-        reg->nwaiting++;
-        return AMX_OK;
+        return amx__defer(reg, j, WAIT_REGISTER, w, req, err);
     }
     w->job = NULL;
     w->done(w, AMX_OK, NULL, &rep);

@@ -432,11 +432,8 @@ amx_status_t amx_registry_join(amx_registry_t *reg, const amx_join_req_t *req, a
              * or the same after a failure). Answered now, the trainer would
              * send for the next epoch, and a failure of this one would
              * carry those values into its retry. */
-            AMX_CHECK(amx__defer(j, WAIT_JOIN_NEXT, w, NULL, err));
-            w->job = j;
             w->rank = req->rank;
-            w->kind = WAIT_JOIN_NEXT;
-            reg->nwaiting++;
+            AMX_CHECK(amx__defer(reg, j, WAIT_JOIN_NEXT, w, NULL, err));
             AMX_INFO("registry",
                      "job %s: rank %u re-joined while epoch %llu, which its earlier call entered, "
                      "is in flight: answered when it has ended",
@@ -596,16 +593,22 @@ amx_status_t amx_registry_reset(amx_registry_t *reg, const amx_reset_req_t *req,
                                    "was reset)",
                                    req->names[i], j->name);
         }
-        AMX_CHECK(amx__defer(j, WAIT_RESET, w, req, err));
-        w->job = j;
-        w->kind = WAIT_RESET;
-        reg->nwaiting++;
-        return AMX_OK;
+        return amx__defer(reg, j, WAIT_RESET, w, req, err);
     }
     AMX_CHECK(do_reset(reg, j, req, &rep, err));
     w->job = NULL;
     w->done(w, AMX_OK, NULL, &rep);
     return AMX_OK;
+}
+
+/* Unlinks and frees the first deferred request (not its req). */
+static void pop_deferred(amx_job_t *j)
+{
+    amx_deferred_t *d = j->defer_head;
+    j->defer_head = d->next;
+    if (j->defer_head == NULL)
+        j->defer_tail = &j->defer_head;
+    free(d);
 }
 
 void amx__run_deferred(amx_registry_t *reg, amx_job_t *j)
@@ -619,23 +622,17 @@ void amx__run_deferred(amx_registry_t *reg, amx_job_t *j)
         memset(&rep, 0, sizeof(rep));
         amx_err_t err = {0};
         int deferred = 0;
-        if (kind == WAIT_JOIN_NEXT) {
-            j->defer_head = d->next;
-            if (j->defer_head == NULL)
-                j->defer_tail = &j->defer_head;
-            free(d);
-            AMX_INFO("registry", "job %s: rank %u re-joined; state kept (epoch %llu open)", j->name,
-                     w->rank, (unsigned long long)j->epoch);
-            complete_join(reg, j, w, 1);
-            continue;
-        }
-        if (kind == WAIT_RECONCILE_NEXT) {
-            /* The epoch it waited for has ended: it enters the next one as
-             * any Reconcile (which may start it, ending this loop). */
-            j->defer_head = d->next;
-            if (j->defer_head == NULL)
-                j->defer_tail = &j->defer_head;
-            free(d);
+        if (kind == WAIT_JOIN_NEXT || kind == WAIT_RECONCILE_NEXT) {
+            /* The epoch it waited for has ended. */
+            pop_deferred(j);
+            if (kind == WAIT_JOIN_NEXT) {
+                AMX_INFO("registry", "job %s: rank %u re-joined; state kept (epoch %llu open)",
+                         j->name, w->rank, (unsigned long long)j->epoch);
+                complete_join(reg, j, w, 1);
+                continue;
+            }
+            /* It enters the open epoch as any Reconcile (which may start
+             * it, ending this loop). */
             w->job = NULL;
             reg->nwaiting--;
             amx_status_t st = amx_registry_reconcile(reg, req, w, amx_now_ms(), &err);
@@ -649,10 +646,7 @@ void amx__run_deferred(amx_registry_t *reg, amx_job_t *j)
                               : do_reset(reg, j, req, &rep, &err);
         if (st == AMX_OK && deferred)
             return; /* it waits, first in line, for the growth it started */
-        j->defer_head = d->next;
-        if (j->defer_head == NULL)
-            j->defer_tail = &j->defer_head;
-        free(d);
+        pop_deferred(j);
         if (st != AMX_OK)
             AMX_WARN("rpc", "%s rejected (%s): %s", kind == WAIT_REGISTER ? "Register" : "Reset",
                      amx_strerror(st), err.msg);

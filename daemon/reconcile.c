@@ -173,22 +173,20 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
     }
     if (j->in_flight && r->in_reconcile && r->rec_w == NULL && req->epoch == j->epoch + 1) {
         /* Its earlier call entered the epoch in flight and went away (a
-         * trainer that restarted: Join named the next epoch, which its
-         * SendAmax went to). The epoch in flight goes on with what that
-         * call's rank sent; this call waits until it has ended, then
-         * enters the next one. */
+         * trainer that restarted and called Reconcile of the next epoch
+         * without Join, which would have waited too). The epoch in flight
+         * goes on with what that call's rank sent; this call waits until
+         * it has ended, then enters the next one (or is refused, naming
+         * the open epoch, if that one failed). */
         amx_reconcile_req_t *copy = malloc(sizeof(*copy));
         if (copy == NULL)
             return amx_err_set(err, AMX_ENOMEM, "out of memory");
         *copy = *req;
-        if (amx__defer(j, WAIT_RECONCILE_NEXT, w, copy, err) != AMX_OK) {
+        w->rank = req->rank;
+        if (amx__defer(reg, j, WAIT_RECONCILE_NEXT, w, copy, err) != AMX_OK) {
             free(copy);
             return err->code;
         }
-        w->job = j;
-        w->rank = req->rank;
-        w->kind = WAIT_RECONCILE_NEXT;
-        reg->nwaiting++;
         AMX_INFO("registry",
                  "job %s: rank %u's Reconcile of epoch %llu waits until epoch %llu, which its "
                  "earlier call entered, has ended",

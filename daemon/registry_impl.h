@@ -149,8 +149,12 @@ uint64_t amx__reg_budget(const amx_registry_t *reg);
  */
 amx_status_t amx__do_register(amx_registry_t *reg, amx_job_t *j, const amx_register_req_t *req,
                               amx_reply_t *rep, int *deferred, amx_err_t *err);
-/* Queues a Register or Reset until the job's epoch in flight has ended. */
-amx_status_t amx__defer(amx_job_t *j, int kind, amx_waiter_t *w, const void *req, amx_err_t *err);
+/* Queues waiter `w` (a Register, a Reset, or a Join or Reconcile of a
+ * rank in the epoch in flight: `kind`) with its request until the job's
+ * epoch in flight has ended; it waits (w->job, w->kind, reg->nwaiting).
+ * amx__run_deferred takes it up. */
+amx_status_t amx__defer(amx_registry_t *reg, amx_job_t *j, int kind, amx_waiter_t *w,
+                        const void *req, amx_err_t *err);
 /* Refuses an update or Reconcile for an epoch other than the open one (`what` names the call). */
 amx_status_t amx__check_epoch(const amx_job_t *j, uint64_t open, uint64_t want, uint32_t rank,
                               const char *what, amx_err_t *err);

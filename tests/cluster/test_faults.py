@@ -563,12 +563,27 @@ def test_trainer_restarted_while_its_epoch_is_in_flight(make_cluster):
     a failure carried those values into epoch 2's retry: the outside check
     chaos.py, scenarios rejoin-inflight/.../late.)"""
     c, rank1, fresh, joined, t_join = _restart_in_flight(make_cluster, 20000)
+    # A second waiting Join whose client goes away is withdrawn: the
+    # epoch's end must not answer it (the daemon would touch a freed call).
+    gone = amaxd.Client("jf", 0, 2, socket=c.socket(0), timeout=60)
+    t_gone = threading.Thread(target=lambda: pytest_safe(gone.join))
+    t_gone.start()
+    _wait_log(c[0], "re-joined while epoch 2, which its earlier call entered, is in flight", 2)
+    gone.close()
+    t_gone.join(10)
+    # A client that learns its epoch from Status (after a refusal) learns
+    # the one SendAmax adds to: 3 while epoch 2 is in flight.
+    probe = amaxd.Client("jf", 0, 2, socket=c.socket(0), timeout=60)
+    probe._learn_epoch()
+    assert probe.epoch == 3, probe.epoch
+    probe.close()
     rank1.send({"x": 21.0})
     got1 = rank1.reconcile()  # epoch 2 ends
     assert got1["x"].amax[()] == 22.0, got1["x"].amax  # the old trainer's value counted
     t_join.join(10)
     j = joined["j"]
     assert not isinstance(j, BaseException) and j.rejoined and j.epoch == 3, j
+    assert c[0].log().count("re-joined; state kept (epoch 3 open)") == 1, c[0].log()
     assert fresh.get_scales()["x"].amax[()] == 22.0
     fresh.send({"x": 32.0})
     rank1.send({"x": 31.0})
