@@ -94,6 +94,13 @@ struct amx_devbuf {
     uint32_t token;       /* the last merge's */
     amx_devsignal_t pend; /* the last merge's ready flag (pend_signal: by a flag) */
     int pend_signal, released;
+    /* The last merge waits for a host flag (pend.host): set up, launched
+     * by dev_wait (launch_deferred) when the flag passed. */
+    int deferred, launched;
+    float *m_pending;
+    const uint8_t *m_has;
+    uint64_t m_ncells;
+    size_t m_nruns;
     uint32_t rank;                          /* the last merge's trainer rank */
     uint64_t key_runs, key_gruns, key_qoff; /* the slab serials of the runs and offsets there */
     /* The answer's globals (k_dev_tail): the maps, uploaded when the slab
@@ -625,6 +632,25 @@ static int prof_events(amx_devbuf_t *d)
             cudaEventRecord(d->pt[i], stream);                                                     \
     } while (0)
 
+/* Queues the check and merge of d's slab on sd (state_dev current). */
+static amx_status_t launch_merge(amx_devbuf_t *d, float *pending, const uint8_t *has,
+                                 uint64_t ncells, size_t nruns, cudaStream_t sd, amx_err_t *err)
+{
+    const float *v = (const float *)d->slab;
+    if (ncells > 0) {
+        k_dev_check<<<grid_for(ncells), THREADS, 0, sd>>>(v, has, ncells,
+                                                          d->d_bad + (d->token & 1));
+        k_dev_merge<<<grid_for(ncells), THREADS, 0, sd>>>(pending, v, has, ncells, d->d_runs,
+                                                          (uint32_t)nruns, d->d_bad, d->d_abort,
+                                                          d->token, d->hd_bad);
+        CU(cudaGetLastError(), "device slab merge launch");
+    }
+    d->bad_dirty = 0;
+    CU(cudaEventRecord(d->merged, sd), "cudaEventRecord");
+    d->merged_used = 1;
+    return AMX_OK;
+}
+
 extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, const amx_run_t *runs,
                                             size_t nruns, uint64_t key, uint64_t ncells,
                                             uint64_t has_data_off, const amx_devsignal_t *ready,
@@ -649,9 +675,25 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
     *d->h_bad = NO_BAD; /* what an empty slab (no kernel) leaves */
     d->released = 0;
     d->rank = rank;
-    d->pend_signal = ready != NULL && memops_found();
+    d->pend_signal = ready != NULL && (ready->host != NULL || memops_found());
+    d->deferred = ready != NULL && ready->host != NULL;
+    d->launched = 0;
     if (ready != NULL)
         d->pend = *ready;
+    const uint8_t *has =
+        has_data_off == UINT64_MAX ? NULL : (const uint8_t *)d->slab + has_data_off;
+    if (d->deferred) {
+        /* Armed: nothing waits on the GPU for the trainer's step (a stream
+         * blocked for a step would block every implicit synchronization of
+         * this process: cudaFree, cudaHostAlloc, ...). dev_wait launches
+         * it once the trainer's host flag passed. */
+        d->pt_rec = 0;
+        d->m_pending = pending;
+        d->m_has = has;
+        d->m_ncells = ncells;
+        d->m_nruns = nruns;
+        return AMX_OK;
+    }
     PT(0, sd);
     /* Behind the trainer's writes of the slab: its last record of `ready`
      * (before it called ReconcileDevice), waited on by ds on its GPU (its
@@ -671,29 +713,17 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     CU(cudaStreamWaitEvent(sd, d->seen, 0), "cudaStreamWaitEvent");
     PT(3, sd);
-    const float *v = (const float *)d->slab;
-    const uint8_t *has =
-        has_data_off == UINT64_MAX ? NULL : (const uint8_t *)d->slab + has_data_off;
-    if (ncells > 0) {
-        k_dev_check<<<grid_for(ncells), THREADS, 0, sd>>>(v, has, ncells,
-                                                          d->d_bad + (d->token & 1));
-        k_dev_merge<<<grid_for(ncells), THREADS, 0, sd>>>(pending, v, has, ncells, d->d_runs,
-                                                          (uint32_t)nruns, d->d_bad, d->d_abort,
-                                                          d->token, d->hd_bad);
-        CU(cudaGetLastError(), "device slab merge launch");
-    }
-    d->bad_dirty = 0;
+    AMX_CHECK(launch_merge(d, pending, has, ncells, nruns, sd, err));
     PT(4, sd);
     PT(5, sd);
-    CU(cudaEventRecord(d->merged, sd), "cudaEventRecord");
-    d->merged_used = 1;
+    d->launched = 1;
     CU(cudaEventRecord(in, sd), "cudaEventRecord");
     return AMX_OK;
 }
 
 extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d)
 {
-    if (!d->merged_used || d->released)
+    if (!d->merged_used || d->released || (d->deferred && !d->launched))
         return -1;
     cudaSetDevice(d->state_dev);
     if (cudaEventSynchronize(d->merged) != cudaSuccess)
@@ -708,6 +738,10 @@ extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d)
  * past the flag, the merge kernel reads the token and skips the slab. */
 static amx_status_t release(amx_devbuf_t *d, amx_err_t *err)
 {
+    if (d->deferred) {
+        d->released = 1; /* never launched: nothing on the GPU waits for it */
+        return AMX_OK;
+    }
     cudaStream_t s = NULL;
     CU(cudaSetDevice(d->state_dev), "cudaSetDevice");
     CU(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -736,6 +770,8 @@ static amx_status_t release(amx_devbuf_t *d, amx_err_t *err)
  * get past the ready flag or event). */
 static int stuck(amx_devbuf_t *d)
 {
+    if (d->deferred)
+        return !d->launched && !d->released;
     int s = cudaEventQuery(d->seen) == cudaErrorNotReady;
     cudaGetLastError();
     return s;
@@ -791,10 +827,62 @@ static void log_merge_times(amx_devbuf_t *d)
              d->rank, us[0], us[1], us[2], us[3], us[4]);
 }
 
-extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaEvent_t in,
-                                           int state_dev, uint64_t deadline_ms,
-                                           int (*aborted)(void *ud), void *ud, amx_err_t *err)
+extern "C" int amx__cuda_dev_waiting(amx_devbuf_t *d)
 {
+    if (d->deferred)
+        return !d->launched && !d->released;
+    return d->merged_used && !d->released && stuck(d);
+}
+
+/* Whether the trainer's host flag of deferred merge d reached its seq
+ * (cyclically, as cuStreamWaitValue32's >=). */
+static int host_flag_passed(const amx_devbuf_t *d)
+{
+    uint32_t v = *d->pend.host;
+    return (int32_t)(v - d->pend.seq) >= 0;
+}
+
+/* dev_wait's part for the deferred merges (armed epochs): launches those
+ * whose host flag passed; when none is left, records `in` behind them.
+ * Returns 1 while some still wait. */
+static int launch_deferred(amx_devbuf_t *const *ds, size_t n, cudaStream_t sd, cudaEvent_t in,
+                           int *any, amx_err_t *err, amx_status_t *st)
+{
+    int waiting = 0;
+    *st = AMX_OK;
+    for (size_t i = 0; i < n; i++) {
+        amx_devbuf_t *d = ds[i];
+        if (!d->deferred || d->launched || d->released)
+            continue;
+        if (!host_flag_passed(d)) {
+            waiting = 1;
+            continue;
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if ((*st = launch_merge(d, d->m_pending, d->m_has, d->m_ncells, d->m_nruns, sd, err)) !=
+            AMX_OK)
+            return 0;
+        d->launched = 1;
+        *any = 1;
+    }
+    if (!waiting && *any) {
+        cudaError_t e = cudaEventRecord(in, sd);
+        if (e != cudaSuccess)
+            *st = amx_err_set(err, AMX_EDEVICE, "CUDA cudaEventRecord failed: %s",
+                              cudaGetErrorString(e));
+        *any = 0;
+    }
+    return waiting;
+}
+
+extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaStream_t sd,
+                                           cudaEvent_t in, int state_dev, uint64_t deadline_ms,
+                                           int spin, int (*aborted)(void *ud), void *ud,
+                                           amx_err_t *err)
+{
+    int deferred = 0, launched_any = 0;
+    for (size_t i = 0; i < n; i++)
+        deferred |= ds[i]->deferred;
     int warned = 0, warned_abort = 0;
     int prof = amx_log_profiling(); /* when the flags passed, when the merges ended */
     uint64_t t0 = prof ? amx_now_us() : 0, t_seen = 0;
@@ -807,7 +895,14 @@ extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cu
             if (seen)
                 t_seen = amx_now_us() - t0;
         }
-        cudaError_t e = cudaEventQuery(in);
+        int held = 0;
+        if (deferred) {
+            amx_status_t lst;
+            held = launch_deferred(ds, n, sd, in, &launched_any, err, &lst);
+            if (lst != AMX_OK)
+                return lst;
+        }
+        cudaError_t e = held ? cudaErrorNotReady : cudaEventQuery(in);
         if (e == cudaSuccess) {
             if (prof) {
                 AMX_INFO("profile",
@@ -864,6 +959,13 @@ extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cu
                 if (st != AMX_OK)
                     return st;
             }
+            if (deferred) {
+                /* `in` behind the deferred merges launched before. */
+                amx_status_t lst;
+                (void)launch_deferred(ds, n, sd, in, &launched_any, err, &lst);
+                if (lst != AMX_OK)
+                    return lst;
+            }
             /* The released merges skip their slabs; `in` follows shortly
              * (the loop's unflip waits for it). A trainer whose flag lands
              * between stuck() and release() has its (real) slab merged in
@@ -886,7 +988,7 @@ extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cu
                 "the other contributions are kept for the next epoch",
                 ranks);
         }
-        if (spins < 1000) {
+        if (spin || spins < 1000) {
             sched_yield();
         } else {
             struct timespec ts = {0, 50000};

@@ -38,10 +38,15 @@ extern "C" amx_status_t amx__cuda_dev_merge(amx_devbuf_t *d, float *pending, con
                                             amx_err_t *err);
 
 /* Engine thread. dev_wait of state.h over the `n` buffers `ds` merged at
- * the last flip, whose merges record `in` (state_dev's). */
-extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaEvent_t in,
-                                           int state_dev, uint64_t deadline_ms,
-                                           int (*aborted)(void *ud), void *ud, amx_err_t *err);
+ * the last flip, whose merges record `in` (state_dev's) on sd; deferred
+ * merges (a host flag, armed epochs) are launched here on sd. */
+extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cudaStream_t sd,
+                                           cudaEvent_t in, int state_dev, uint64_t deadline_ms,
+                                           int spin, int (*aborted)(void *ud), void *ud,
+                                           amx_err_t *err);
+
+/* Any thread. dev_waiting of state.h. */
+extern "C" int amx__cuda_dev_waiting(amx_devbuf_t *d);
 
 /* Loop thread. dev_bad of state.h. */
 extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d);

@@ -2034,15 +2034,21 @@ static amx_status_t cuda_dev_merge(amx_state_t *st, amx_devbuf_t *d, const amx_r
     return AMX_OK;
 }
 
-static amx_status_t cuda_dev_wait(amx_state_t *st, uint64_t deadline_ms, int (*aborted)(void *ud),
-                                  void *ud, amx_err_t *err)
+static amx_status_t cuda_dev_wait(amx_state_t *st, uint64_t deadline_ms, int spin,
+                                  int (*aborted)(void *ud), void *ud, amx_err_t *err)
 {
     cuda_state_t *c = (cuda_state_t *)st->impl;
     if (!c->dev_used || c->nmerging == 0)
         return AMX_OK;
     CU(cudaSetDevice(c->device), "cudaSetDevice");
-    return amx__cuda_dev_wait(c->merging, c->nmerging, c->in, c->device, deadline_ms, aborted, ud,
-                              err);
+    return amx__cuda_dev_wait(c->merging, c->nmerging, c->sd, c->in, c->device, deadline_ms, spin,
+                              aborted, ud, err);
+}
+
+static int cuda_dev_waiting(amx_state_t *st, amx_devbuf_t *d)
+{
+    (void)st;
+    return amx__cuda_dev_waiting(d);
 }
 
 static int64_t cuda_dev_bad(amx_state_t *st, amx_devbuf_t *d)
@@ -2201,6 +2207,7 @@ static const amx_state_ops_t cuda_ops = {
     cuda_dev_open,
     cuda_dev_merge,
     cuda_dev_bad,
+    cuda_dev_waiting,
     cuda_dev_answer,
     cuda_dev_close,
     cuda_stat_hist,

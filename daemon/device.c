@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -47,7 +48,12 @@ struct amx_devrank {
     /* This epoch: a slab to merge (ReconcileDevice send), its has-data
      * bytes; merged once queued; an error to answer instead. */
     int send, has_data, merged;
-    uint32_t seq; /* signals: this epoch's (0: the events) */
+    int armed; /* this epoch was armed by the doorbell */
+    /* The armed epochs' flag page (mapped read-only, 4096 bytes): the
+     * trainer's stream writes the ready seq into its first word. */
+    const volatile uint32_t *hpage;
+    int armed_aborted; /* and amx__dev_abort_armed aborted it */
+    uint32_t seq;      /* signals: this epoch's (0: the events) */
     amx_status_t merge_st;
     char merge_msg[1024];
 };
@@ -84,9 +90,32 @@ void amx__dev_close_rank(amx_job_t *j, amx_lrank_t *r, const char *why)
         j->state->ops->dev_close(j->state, d->buf);
     if (d->pidfd >= 0)
         close(d->pidfd);
+    if (d->hpage != NULL)
+        munmap((void *)d->hpage, 4096);
     free(d->slice_end);
     free(d);
     r->dev = NULL;
+}
+
+amx_status_t amx_registry_dev_flag_page(amx_registry_t *reg, const char *job, uint32_t rank, int fd,
+                                        amx_err_t *err)
+{
+    amx_job_t *j;
+    AMX_CHECK(amx__ready_job(reg, job, rank, 1, &j, err));
+    amx_lrank_t *r = amx__local_rank(j, rank);
+    if (r == NULL || r->dev == NULL)
+        return amx_err_set(err, AMX_EPRECOND, "rank %u of job '%s' has no device buffers", rank,
+                           job);
+    void *p = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+        return amx_err_set(err, AMX_EIO,
+                           "job %s, rank %u: the armed epochs' flag page could not be mapped "
+                           "(%s): the next epoch is not armed",
+                           job, rank, strerror(errno));
+    if (r->dev->hpage != NULL)
+        munmap((void *)r->dev->hpage, 4096);
+    r->dev->hpage = p;
+    return AMX_OK;
 }
 
 /* The refusal of every GPU-direct call by a daemon without device state. */
@@ -260,13 +289,37 @@ amx_status_t amx__dev_check_reconcile(amx_registry_t *reg, amx_job_t *j, amx_lra
     return AMX_OK;
 }
 
-void amx__dev_arm(amx_lrank_t *r, int send, int has_data, uint32_t seq)
+void amx__dev_arm(amx_lrank_t *r, int send, int has_data, uint32_t seq, int armed)
 {
     if (r->dev == NULL)
         return;
     r->dev->send = send;
     r->dev->has_data = send && has_data;
     r->dev->seq = seq;
+    r->dev->armed = armed;
+    r->dev->armed_aborted = 0;
+}
+
+int amx__dev_armed(const amx_lrank_t *r)
+{
+    return r->dev != NULL && r->dev->armed;
+}
+
+void amx__dev_abort_armed(amx_job_t *j, amx_lrank_t *r, const char *why)
+{
+    struct amx_devrank *d = r->dev;
+    if (!j->in_flight || d == NULL || !d->armed || !d->merged || d->armed_aborted ||
+        j->eng == NULL || j->state->ops->dev_waiting == NULL ||
+        !j->state->ops->dev_waiting(j->state, d->buf))
+        return;
+    d->armed_aborted = 1;
+    char msg[256];
+    snprintf(msg, sizeof(msg),
+             "the armed epoch %llu waited for the ready flag of trainer rank %u, and %s; the "
+             "daemon wrote the flag itself, nothing of this epoch was reconciled",
+             (unsigned long long)j->epoch, r->rank, why);
+    AMX_WARN("registry", "job %s: %s", j->name, msg);
+    amx_engine_abort(j->eng, 0, 0, 0, 0, AMX_ENGINE_LOCAL, AMX_EABORTED, msg);
 }
 
 void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j)
@@ -286,7 +339,10 @@ void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j)
                              " before epoch %llu started; its device slab (layout %016" PRIx64
                              ") was not merged: open new device buffers (OpenDevice)",
                              r->rank, sl->id, (unsigned long long)j->epoch, d->layout_id);
-        amx_devsignal_t ready = {d->ready_off, d->seq, r->rank};
+        amx_devsignal_t ready = {d->ready_off, d->seq, r->rank, d->armed ? d->hpage : NULL};
+        if (rc == AMX_OK && d->armed && d->hpage == NULL)
+            rc = amx_err_set(&e, AMX_EINTERNAL, "rank %u's epoch is armed without its flag page",
+                             r->rank);
         if (rc == AMX_OK)
             rc = st->ops->dev_merge(st, d->buf, sl->merge, sl->nmerge, sl->serial, d->ncells,
                                     d->has_data ? d->has_off : UINT64_MAX,
@@ -405,7 +461,7 @@ amx_status_t amx__dev_answer(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r, 
                            "results are in GetScales",
                            (unsigned long long)epoch, j->name, r->rank, sl->id, d->layout_id);
     AMX_CHECK(set_maps(j, sl, d, err));
-    amx_devsignal_t done = {d->done_off, d->seq, r->rank};
+    amx_devsignal_t done = {d->done_off, d->seq, r->rank, NULL};
     amx_status_t rc = st->ops->dev_answer(st, d->buf, sl->gather, sl->ngather, d->ncells, &d->lay,
                                           d->seq != 0 ? &done : NULL, err);
     if (rc == AMX_EDEVICE)
@@ -420,6 +476,8 @@ void amx__dev_epoch_end(amx_lrank_t *r)
     r->dev->send = 0;
     r->dev->has_data = 0;
     r->dev->seq = 0;
+    r->dev->armed = 0;
+    r->dev->armed_aborted = 0;
     r->dev->merged = 0;
     r->dev->merge_st = AMX_OK;
     r->dev->merge_msg[0] = '\0';
@@ -439,9 +497,19 @@ static int trainer_gone(const struct amx_devrank *d)
 
 void amx__dev_reap(amx_job_t *j)
 {
-    if (j->in_flight)
-        return;
     char why[96];
+    if (j->in_flight) {
+        /* An armed epoch waits for the flags of trainers that may be gone:
+         * it fails, and the buffers go after it. */
+        for (uint32_t i = 0; i < j->nlocal; i++) {
+            amx_lrank_t *r = &j->lr[i];
+            if (!amx__dev_armed(r) || !trainer_gone(r->dev))
+                continue;
+            snprintf(why, sizeof(why), "its trainer (pid %u) exited", r->dev->pid);
+            amx__dev_abort_armed(j, r, why);
+        }
+        return;
+    }
     for (uint32_t i = 0; i < j->nlocal; i++) {
         amx_lrank_t *r = &j->lr[i];
         if (r->dev == NULL || !trainer_gone(r->dev))

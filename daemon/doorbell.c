@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -39,6 +40,11 @@ typedef struct conn {
     char job[AMX_DOOR_MAX_JOB + 1];
     uint32_t rank, flags, seq;
     uint64_t epoch, layout_id, device_id;
+    int armed;   /* the request being served is an epoch the daemon armed */
+    int flag_fd; /* the arm request's flag page (SCM_RIGHTS), until served; -1 */
+    /* Under the loop lock: its armed request is queued (t_req), so a close
+     * task queued before it only marks it (close_wanted) and serve frees. */
+    int rearm_queued, close_wanted;
 } conn_t;
 
 struct amx_door {
@@ -88,8 +94,8 @@ static void want_requests(conn_t *c, int on)
  * has hung up or never reads: the thread sees the hang-up; a full socket
  * loses the answer (the trainer is told nothing it was not told already:
  * it times out), and the daemon does not wait for it. */
-static void answer(conn_t *c, amx_status_t st, const char *msg, uint64_t epoch, uint64_t next_epoch,
-                   uint64_t layout_id)
+static void answer_as(conn_t *c, amx_status_t st, const char *msg, uint64_t epoch,
+                      uint64_t next_epoch, uint64_t layout_id, int armed)
 {
     uint8_t buf[AMX_DOOR_ANS_BYTES + AMX_DOOR_MAX_MSG];
     size_t n = msg != NULL ? strnlen(msg, AMX_DOOR_MAX_MSG) : 0;
@@ -100,10 +106,18 @@ static void answer(conn_t *c, amx_status_t st, const char *msg, uint64_t epoch, 
     put64(buf + 16, next_epoch);
     put64(buf + 24, layout_id);
     put32(buf + 32, (uint32_t)n);
+    put32(buf + 36, armed ? AMX_DOOR_ARMED : 0u);
     memcpy(buf + AMX_DOOR_ANS_BYTES, msg != NULL ? msg : "", n);
     if (send(c->fd, buf, AMX_DOOR_ANS_BYTES + n, MSG_DONTWAIT | MSG_NOSIGNAL) < 0)
         AMX_DEBUG("door", "an answer was not sent (%s): the trainer went away", strerror(errno));
-    want_requests(c, 1);
+    if (!armed)
+        want_requests(c, 1);
+}
+
+static void answer(conn_t *c, amx_status_t st, const char *msg, uint64_t epoch, uint64_t next_epoch,
+                   uint64_t layout_id)
+{
+    answer_as(c, st, msg, epoch, next_epoch, layout_id, 0);
 }
 
 static void refuse(conn_t *c, amx_status_t st, const char *msg)
@@ -112,22 +126,76 @@ static void refuse(conn_t *c, amx_status_t st, const char *msg)
     answer(c, st, msg, 0, 0, 0);
 }
 
+static ssize_t recv_with_fd(conn_t *c, uint8_t *buf, size_t len, int *fd);
+
+/* Under the loop lock, answering an epoch of a connection that asked to
+ * be armed (the thread reads nothing of it meanwhile): whether the trainer
+ * sent nothing but disarms since, which are taken. Anything else ends the
+ * arming too (*other: a request it should not have sent). */
+static int still_armed(conn_t *c, int *other)
+{
+    uint8_t buf[AMX_DOOR_REQ_BYTES + AMX_DOOR_MAX_JOB];
+    int keep = 1;
+    *other = 0;
+    for (;;) {
+        int fd;
+        ssize_t n = recv_with_fd(c, buf, sizeof(buf), &fd);
+        if (fd >= 0)
+            close(fd);
+        if (n <= 0)
+            return keep; /* nothing more (a hang-up: the thread sees it) */
+        keep = 0;
+        if (n < AMX_DOOR_REQ_BYTES || (size_t)n > sizeof(buf) || get32(buf) != AMX_DOOR_MAGIC ||
+            get32(buf + 4) != AMX_DOOR_DISARM)
+            *other = 1;
+    }
+}
+
+static void serve(void *arg);
+
 /* The registry's answer (under the loop lock). */
 static void on_done(amx_waiter_t *w, amx_status_t st, const char *msg, const amx_reply_t *rep)
 {
     conn_t *c = (conn_t *)(void *)((char *)w - offsetof(conn_t, w));
+    c->w.job = NULL;
     if (st != AMX_OK) {
-        AMX_WARN("door", "ReconcileDevice answered %s: %s", amx_strerror(st), msg);
+        AMX_WARN("door", "ReconcileDevice%s answered %s: %s", c->armed ? " (armed)" : "",
+                 amx_strerror(st), msg);
+        c->armed = 0;
         answer(c, st, msg, 0, 0, 0);
         return;
     }
-    answer(c, AMX_OK, NULL, rep->epoch, rep->next_epoch, c->layout_id);
+    int other = 0;
+    if (!(c->flags & AMX_DOOR_ARM) || !still_armed(c, &other)) {
+        c->armed = 0;
+        answer(c, AMX_OK, NULL, rep->epoch, rep->next_epoch, c->layout_id);
+        if (other)
+            refuse(c, AMX_EINVAL,
+                   "doorbell: a request came while the connection was armed; only a disarm "
+                   "(flags 8) may be sent then. The arming ended with this answer");
+        return;
+    }
+    /* Armed: the same request, for the next epoch and signal, served once
+     * the loop lock is let go (not inside the epoch's end). */
+    c->armed = 1;
+    c->epoch = rep->next_epoch;
+    c->seq = c->seq + 1 ? c->seq + 1 : 1;
+    answer_as(c, AMX_OK, NULL, rep->epoch, rep->next_epoch, c->layout_id, 1);
+    c->rearm_queued = 1;
+    amx_rpc_run_locked(c->door->rpc, &c->t_req);
 }
+
+static void close_conn(void *arg);
 
 /* Serves the request read by the thread (under the loop lock). */
 static void serve(void *arg)
 {
     conn_t *c = arg;
+    c->rearm_queued = 0;
+    if (c->close_wanted) {
+        close_conn(c); /* it hung up before its armed request was served */
+        return;
+    }
     amx_reconcile_req_t q = {0};
     q.job = c->job;
     q.rank = c->rank;
@@ -138,11 +206,38 @@ static void serve(void *arg)
     q.send = (c->flags & AMX_DOOR_SEND) != 0;
     q.has_data = (c->flags & AMX_DOOR_HAS_DATA) != 0;
     q.seq = c->seq;
+    q.armed = c->armed;
+    int fd = c->flag_fd;
+    c->flag_fd = -1;
     memset(&c->w, 0, sizeof(c->w));
     c->w.done = on_done;
     amx_err_t err = {0};
-    if (amx_registry_reconcile(c->door->reg, &q, &c->w, amx_now_ms(), &err) != AMX_OK)
+    amx_status_t st = amx_registry_reconcile(c->door->reg, &q, &c->w, amx_now_ms(), &err);
+    if (st == AMX_OK && fd >= 0)
+        /* The arm request's flag page, for the epochs it arms. */
+        st = amx_registry_dev_flag_page(c->door->reg, c->job, c->rank, fd, &err);
+    if (fd >= 0)
+        close(fd);
+    if (st == AMX_OK)
+        return;
+    if (c->w.job != NULL) {
+        /* Registered, but its flag page could not be mapped: the epoch
+         * goes on for this rank without arming the next. */
+        c->flags &= ~AMX_DOOR_ARM;
+        AMX_WARN("door", "%s", err.msg);
+        return;
+    }
+    c->w.job = NULL;
+    if (!c->armed) {
         refuse(c, err.code, err.msg);
+        return;
+    }
+    /* The trainer hears it as the answer of the armed epoch. */
+    c->armed = 0;
+    char msg[AMX_DOOR_MAX_MSG];
+    snprintf(msg, sizeof(msg), "arming epoch %llu failed: %s", (unsigned long long)c->epoch,
+             err.msg);
+    refuse(c, err.code, msg);
 }
 
 /* Frees a connection that hung up (under the loop lock). */
@@ -150,8 +245,14 @@ static void close_conn(void *arg)
 {
     conn_t *c = arg;
     amx_door_t *d = c->door;
+    if (c->rearm_queued) {
+        c->close_wanted = 1;
+        return;
+    }
     if (c->w.job != NULL)
         amx_registry_cancel(d->reg, &c->w);
+    if (c->flag_fd >= 0)
+        close(c->flag_fd);
     close(c->fd);
     pthread_mutex_lock(&d->mu);
     if (c->prev != NULL)
@@ -174,14 +275,68 @@ static void drop(conn_t *c)
     amx_rpc_run_locked(c->door->rpc, &c->t_close);
 }
 
+/* One datagram of c into buf; a file descriptor it carried (SCM_RIGHTS)
+ * into *fd (-1: none; any more are closed). */
+static ssize_t recv_with_fd(conn_t *c, uint8_t *buf, size_t len, int *fd)
+{
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(4 * sizeof(int))];
+    } ctl;
+    struct iovec iov = {buf, len};
+    struct msghdr m = {0};
+    m.msg_iov = &iov;
+    m.msg_iovlen = 1;
+    m.msg_control = ctl.b;
+    m.msg_controllen = sizeof(ctl.b);
+    *fd = -1;
+    ssize_t n = recvmsg(c->fd, &m, MSG_DONTWAIT | MSG_TRUNC | MSG_CMSG_CLOEXEC);
+    if (n < 0)
+        return n;
+    for (struct cmsghdr *h = CMSG_FIRSTHDR(&m); h != NULL; h = CMSG_NXTHDR(&m, h)) {
+        if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t i = 0; i < k; i++) {
+            int f;
+            memcpy(&f, CMSG_DATA(h) + i * sizeof(int), sizeof(int));
+            if (*fd < 0)
+                *fd = f;
+            else
+                close(f);
+        }
+    }
+    if (m.msg_flags & MSG_CTRUNC)
+        AMX_WARN("door", "a datagram carried more file descriptors than one: closed");
+    return n;
+}
+
+/* Whether fd is a flag page an armed epoch may read: at least a page,
+ * sealed against shrinking (the daemon's reads can never fault). */
+static int flag_page_ok(int fd)
+{
+    struct stat st;
+#ifdef F_GET_SEALS
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (seals < 0 || !(seals & F_SEAL_SHRINK))
+        return 0;
+#else
+    return 0;
+#endif
+    return fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= 4096;
+}
+
 /* Doorbell thread: one datagram from c. */
 static void read_request(conn_t *c)
 {
     uint8_t buf[AMX_DOOR_REQ_BYTES + AMX_DOOR_MAX_JOB];
-    ssize_t n = recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT | MSG_TRUNC);
+    int fd;
+    ssize_t n = recv_with_fd(c, buf, sizeof(buf), &fd);
     if (n < 0 && (errno == EAGAIN || errno == EINTR))
         return;
     if (n <= 0) {
+        if (fd >= 0)
+            close(fd);
         drop(c);
         return;
     }
@@ -203,18 +358,44 @@ static void read_request(conn_t *c)
                  "doorbell: the request names a job of %u bytes but carries %zd after its "
                  "header",
                  job_len, n - AMX_DOOR_REQ_BYTES);
-    else if ((get32(buf + 4) & ~(AMX_DOOR_SEND | AMX_DOOR_HAS_DATA)) != 0)
-        snprintf(msg, sizeof(msg), "doorbell: unknown request flags 0x%x (1: send, 2: has_data)",
+    else if (get32(buf + 4) == AMX_DOOR_DISARM)
+        msg[0] = '\1'; /* a disarm after the arming ended (an error answered it): nothing to do */
+    else if ((get32(buf + 4) & ~(AMX_DOOR_SEND | AMX_DOOR_HAS_DATA | AMX_DOOR_ARM)) != 0)
+        snprintf(msg, sizeof(msg),
+                 "doorbell: unknown request flags 0x%x (1: send, 2: has_data, 4: arm; 8, alone: "
+                 "disarm)",
                  get32(buf + 4));
+    else if ((get32(buf + 4) & AMX_DOOR_ARM) &&
+             (!(get32(buf + 4) & AMX_DOOR_SEND) || get32(buf + 40) == 0))
+        snprintf(msg, sizeof(msg),
+                 "doorbell: arm (flag 4) needs send (flag 1) and a signal (seq != 0): an armed "
+                 "epoch starts when the trainer's ready flag reaches seq + 1");
+    else if ((get32(buf + 4) & AMX_DOOR_ARM) && (fd < 0 || !flag_page_ok(fd)))
+        snprintf(msg, sizeof(msg),
+                 "doorbell: arm (flag 4) needs its flag page with the request: a memfd of at "
+                 "least 4096 bytes sealed against shrinking (F_SEAL_SHRINK), passed with "
+                 "SCM_RIGHTS (%s)",
+                 fd < 0 ? "none came" : "the one that came is not");
     else if (get32(buf + 44) != 0)
         snprintf(msg, sizeof(msg), "doorbell: bytes 44-47 of a request are reserved (0), not 0x%x",
                  get32(buf + 44));
     else
         msg[0] = '\0';
+    if (fd >= 0 && (msg[0] != '\0' || !(get32(buf + 4) & AMX_DOOR_ARM))) {
+        close(fd);
+        fd = -1;
+    }
+    if (msg[0] == '\1') {
+        AMX_DEBUG("door", "a disarm on a connection that is not armed: ignored");
+        return;
+    }
     if (msg[0] != '\0') {
         refuse(c, AMX_EINVAL, msg);
         return;
     }
+    if (c->flag_fd >= 0)
+        close(c->flag_fd);
+    c->flag_fd = fd;
     c->flags = get32(buf + 4);
     c->device_id = get64(buf + 8);
     c->epoch = get64(buf + 16);
@@ -223,6 +404,7 @@ static void read_request(conn_t *c)
     c->seq = get32(buf + 40);
     memcpy(c->job, buf + AMX_DOOR_REQ_BYTES, job_len);
     c->job[job_len] = '\0';
+    c->armed = 0;
     want_requests(c, 0);
     amx_rpc_run_locked(c->door->rpc, &c->t_req);
 }
@@ -243,6 +425,7 @@ static void accept_all(amx_door_t *d)
         if (c != NULL) {
             c->door = d;
             c->fd = fd;
+            c->flag_fd = -1;
             amx_rpc_task_init(&c->t_req, serve, c);
             amx_rpc_task_init(&c->t_close, close_conn, c);
             c->next = d->conns;
@@ -394,6 +577,8 @@ void amx_door_free(amx_door_t *d, amx_rpc_t *rpc)
         d->conns = c->next;
         if (c->w.job != NULL)
             amx_registry_cancel(d->reg, &c->w);
+        if (c->flag_fd >= 0)
+            close(c->flag_fd);
         close(c->fd);
         free(c);
     }

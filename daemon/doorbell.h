@@ -38,6 +38,9 @@
 #define AMX_DOOR_MAX_MSG 2048
 #define AMX_DOOR_SEND 1u     /* flags: merge the device slab */
 #define AMX_DOOR_HAS_DATA 2u /* flags: with its has-data bytes */
+#define AMX_DOOR_ARM 4u      /* flags: then arm the next epoch (docs/API.md "Armed epochs") */
+#define AMX_DOOR_DISARM 8u   /* flags, alone: do not arm again after the armed epoch */
+#define AMX_DOOR_ARMED 1u    /* answer bytes 36-39: the next epoch is armed for the trainer */
 #define AMX_DOOR_MAX_CONNS 1024
 
 typedef struct amx_door amx_door_t;

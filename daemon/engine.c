@@ -734,7 +734,8 @@ static amx_status_t wait_device_slabs(amx_engine_t *e, uint64_t deadline)
         return AMX_OK;
     amx_err_t err = {0};
     uint64_t t0 = amx_now_us();
-    amx_status_t st = j->state->ops->dev_wait(j->state, deadline, wait_aborted, e, &err);
+    amx_status_t st =
+        j->state->ops->dev_wait(j->state, deadline, e->busy_poll, wait_aborted, e, &err);
     e->res.wait_us += amx_now_us() - t0;
     if (st == AMX_EABORTED && atomic_load(&e->abort_flag)) {
         /* The trainers hear the abort's own cause; what the wait did is
@@ -780,8 +781,20 @@ static void run_epoch(amx_engine_t *e)
     e->stale_here = 0;
     e->watch_gone = 0;
     uint64_t full_deadline = e->deadline;
+    int slabs_in = 0;
+    if (e->armed_ms != 0) {
+        /* Armed (docs/API.md "Armed epochs"): the trainers' ready flags
+         * come when their next steps end; the epoch's deadline runs from
+         * then. An abort meanwhile (a trainer gone, a peer, a drop) ends
+         * the wait as it would any. */
+        if (wait_device_slabs(e, UINT64_MAX) != AMX_OK)
+            goto out;
+        e->deadline = amx_now_ms() + e->armed_ms;
+        full_deadline = e->deadline;
+        slabs_in = 1;
+    }
     if (j->mship.npart <= 1) {
-        if (wait_device_slabs(e, e->deadline) != AMX_OK)
+        if (!slabs_in && wait_device_slabs(e, e->deadline) != AMX_OK)
             goto out;
         expect_end(e);
         if (j->nprop > 0 && adopt_locally(e) != AMX_OK)
@@ -802,11 +815,11 @@ static void run_epoch(amx_engine_t *e)
          * end first (the wait sees the abort at once and releases those
          * whose trainers are late), or the loop's unflip would wait for
          * them. */
-        if (wait_device_slabs(e, e->deadline) == AMX_OK)
+        if (slabs_in || wait_device_slabs(e, e->deadline) == AMX_OK)
             amx__engine_fail_aborted(e, "the epoch");
         goto out;
     }
-    if (wait_device_slabs(e, e->deadline) != AMX_OK)
+    if (!slabs_in && wait_device_slabs(e, e->deadline) != AMX_OK)
         goto out;
     expect_end(e);
     if (e->comm == NULL || e->need_sync) {
@@ -1010,10 +1023,11 @@ static int abort_is_late(const amx_engine_t *e, uint64_t seq, uint64_t inc)
     return e->agreed_seq != 0 && (inc != e->agreed_inc || seq < e->agreed_seq);
 }
 
-void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms)
+void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms, uint64_t armed_ms)
 {
     res_clear(&e->res);
     pthread_mutex_lock(&e->mu);
+    e->armed_ms = armed_ms;
     e->epoch = epoch;
     e->start_epoch = epoch;
     e->relabeled = 0;

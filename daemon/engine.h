@@ -97,8 +97,11 @@ amx_status_t amx_engine_create(amx_job_t *job, const amx_engine_env_t *env, amx_
                                amx_err_t *err);
 
 /* Loop lock: runs one epoch of the job (job->in_flight must be set and
- * the pending buffers flipped) with a deadline (CLOCK_MONOTONIC ms). */
-void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms);
+ * the pending buffers flipped) with a deadline (CLOCK_MONOTONIC ms).
+ * armed_ms != 0 (an armed epoch, deadline_ms UINT64_MAX): the device
+ * slabs are waited for without a deadline, and the epoch's deadline is
+ * armed_ms after they were merged. */
+void amx_engine_start(amx_engine_t *e, uint64_t epoch, uint64_t deadline_ms, uint64_t armed_ms);
 
 /* Loop lock: amx_engine_start is about to be called (the loop flips the
  * epoch first): the idle engine thread wakes now and spins for it instead

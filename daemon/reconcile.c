@@ -107,9 +107,16 @@ static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *er
     if (j->eng == NULL)
         AMX_CHECK(amx_engine_create(j, &reg->env, &j->eng, err));
     uint64_t deadline = UINT64_MAX;
-    for (uint32_t i = 0; i < j->nlocal; i++)
+    int armed = 0;
+    for (uint32_t i = 0; i < j->nlocal; i++) {
         if (j->lr[i].rec_w != NULL && j->lr[i].rec_w->deadline_ms < deadline)
             deadline = j->lr[i].rec_w->deadline_ms;
+        armed |= amx__dev_armed(&j->lr[i]);
+    }
+    /* Only armed calls (no deadline until their flags passed): the
+     * epoch's deadline runs from when the slabs were merged. */
+    uint64_t armed_ms =
+        armed && deadline == UINT64_MAX ? (uint64_t)reg->cfg->reconcile_timeout_ms : 0;
     j->flight_entered_us = amx_now_us();
     amx_engine_expect(j->eng);
     j->state->ops->flip(j->state);
@@ -119,7 +126,7 @@ static amx_status_t start_epoch(amx_registry_t *reg, amx_job_t *j, amx_err_t *er
     j->flight_started_us = amx_now_us();
     AMX_DEBUG("registry", "job %s: epoch %llu handed to its engine", j->name,
               (unsigned long long)j->epoch);
-    amx_engine_start(j->eng, j->epoch, deadline);
+    amx_engine_start(j->eng, j->epoch, deadline, armed_ms);
     return AMX_OK;
 }
 
@@ -207,11 +214,12 @@ amx_status_t amx_registry_reconcile(amx_registry_t *reg, const amx_reconcile_req
         AMX_CHECK(amx__reconcile_answer_fits(reg, j, req->rank, req->names, req->n_names, err));
     /* The device slab is merged only for a ReconcileDevice that sends it
      * (not for one of an earlier call that went away). */
-    amx__dev_arm(r, req->device && req->send, req->has_data, req->seq);
+    amx__dev_arm(r, req->device && req->send, req->has_data, req->seq, req->device && req->armed);
     w->job = j;
     w->rank = req->rank;
     w->kind = WAIT_RECONCILE;
-    w->deadline_ms = now_ms + (uint64_t)reg->cfg->reconcile_timeout_ms;
+    w->deadline_ms =
+        req->device && req->armed ? UINT64_MAX : now_ms + (uint64_t)reg->cfg->reconcile_timeout_ms;
     w->names = req->names;
     w->n_names = req->n_names;
     w->gone = 0;

@@ -330,11 +330,13 @@ void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w)
     }
     r->rec_w = NULL;
     if (j->in_flight) {
-        /* The epoch goes on without it; its answer is dropped. */
+        /* The epoch goes on without it; its answer is dropped. An armed
+         * one still waiting for this rank's flag would wait for ever. */
         AMX_INFO("registry",
                  "job %s: rank %u left Reconcile of epoch %llu while it was being "
                  "reconciled (client went away)",
                  j->name, w->rank, (unsigned long long)j->epoch);
+        amx__dev_abort_armed(j, r, "its client went away (the doorbell connection closed)");
         return;
     }
     r->in_reconcile = 0;

@@ -129,6 +129,12 @@ void amx_registry_cancel(amx_registry_t *reg, amx_waiter_t *w);
 amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_req_t *req,
                                       amx_dev_opened_t *out, amx_err_t *err);
 
+/* The flag page of rank `rank`'s armed epochs (docs/API.md "Armed
+ * epochs"): maps fd (the caller closes it) for its device buffers,
+ * replacing the last. */
+amx_status_t amx_registry_dev_flag_page(amx_registry_t *reg, const char *job, uint32_t rank, int fd,
+                                        amx_err_t *err);
+
 /* CloseDevice: frees a rank's device buffers `id`. */
 amx_status_t amx_registry_device_close(amx_registry_t *reg, const char *job, uint32_t rank,
                                        uint64_t id, amx_err_t *err);

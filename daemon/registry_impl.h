@@ -203,7 +203,13 @@ void amx__dev_close_rank(amx_job_t *j, amx_lrank_t *r, const char *why);
 amx_status_t amx__dev_check_reconcile(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r,
                                       const amx_reconcile_req_t *req, amx_err_t *err);
 /* Whether rank r's device slab goes into the epoch it enters (NULL-safe). */
-void amx__dev_arm(amx_lrank_t *r, int send, int has_data, uint32_t seq);
+void amx__dev_arm(amx_lrank_t *r, int send, int has_data, uint32_t seq, int armed);
+/* Whether rank r's call of the epoch was armed by the doorbell. */
+int amx__dev_armed(const amx_lrank_t *r);
+/* Loop, the job in flight: rank r's armed epoch waits for its trainer's
+ * ready flag, which will not come (`why`: its client or process went):
+ * the epoch is aborted here (and so on every daemon of the job). */
+void amx__dev_abort_armed(amx_job_t *j, amx_lrank_t *r, const char *why);
 /* Just after the flip of an epoch: queues the device slabs of the ranks that sent one. */
 void amx__dev_merge_epoch(amx_registry_t *reg, amx_job_t *j);
 /* EINVAL naming the cell and quantizer when rank r's device slab of `epoch` failed its check

@@ -68,6 +68,10 @@ typedef struct amx_reconcile_req {
      * reaches `seq` (cyclically) when the slab is written; the daemon
      * writes `seq` into the answer's done flag. 0: the events. */
     uint32_t seq;
+    /* Armed (the doorbell started this epoch for the rank when it answered
+     * the last, docs/API.md "Armed epochs"): no deadline until the rank's
+     * ready flag passed; the epoch's own deadline runs from then. */
+    int armed;
 } amx_reconcile_req_t;
 
 /* OpenDevice: device buffers for rank `rank`'s layout `layout_id` on the

@@ -182,7 +182,7 @@ static void h_join(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 static void h_reconcile(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__ReconcileRequest *req = (const void *)m;
-    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, req->names, req->n_names, 0, 0, 0,
+    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, req->names, req->n_names, 0, 0, 0, 0,
                              0,        0,         0,          0};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
@@ -590,8 +590,8 @@ static void reconcile_packed_done(amx_waiter_t *w, amx_status_t st, const char *
 static void h_reconcile_packed(amx_svc_t *svc, amx_call_t *c, const ProtobufCMessage *m)
 {
     const Amaxd__V1__ReconcilePackedRequest *req = (const void *)m;
-    amx_reconcile_req_t q = {req->job,       req->rank, req->epoch, NULL, 0, 1,
-                             req->layout_id, 0,         0,          0,    0, 0};
+    amx_reconcile_req_t q = {req->job, req->rank, req->epoch, NULL, 0, 1, req->layout_id,
+                             0,        0,         0,          0,    0, 0};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
     packed_out_t *o = amx_arena_alloc(amx__call_arena(c), sizeof(*o));
@@ -701,7 +701,7 @@ static void h_reconcile_device(amx_svc_t *svc, amx_call_t *c, const ProtobufCMes
     const Amaxd__V1__ReconcileDeviceRequest *req = (const void *)m;
     amx_reconcile_req_t q = {
         req->job, req->rank,      req->epoch, NULL,          0, 0, req->layout_id,
-        1,        req->device_id, req->send,  req->has_data, 0};
+        1,        req->device_id, req->send,  req->has_data, 0, 0};
     amx_err_t err = {0};
     amx_waiter_t *w = amx__call_waiter(c);
     w->done = reconcile_device_done;

@@ -184,6 +184,12 @@ typedef struct amx_devsignal {
     uint64_t flag_off;
     uint32_t seq;
     uint32_t rank; /* ready: the trainer rank whose slab it orders (messages) */
+    /* ready of an armed epoch (docs/API.md "Armed epochs"): the trainer's
+     * stream writes seq into this word of host memory shared with the
+     * daemon instead; dev_merge queues nothing behind it (no stream of the
+     * daemon waits for a trainer's step): dev_wait polls it and launches
+     * the merge when it passed. */
+    const volatile uint32_t *host;
 } amx_devsignal_t;
 /* What dev_answer writes where: byte offsets of the device answer's
  * arrays, and the maps from the slab's quantizers and slices to the
@@ -366,6 +372,9 @@ typedef struct amx_state_ops {
      * cell that failed its check (the slab was then not merged), or -1
      * (also for a slab dev_wait released). */
     int64_t (*dev_bad)(amx_state_t *st, struct amx_devbuf *d);
+    /* Optional. Any thread: whether the last dev_merge of d still waits
+     * for its trainer's ready flag (it was neither passed nor released). */
+    int (*dev_waiting)(amx_state_t *st, struct amx_devbuf *d);
     /* Loop. Writes the front outputs of the `ngather` runs (run.src =
      * output cell, run.dst = slab cell, sorted by dst) of a slab of
      * `ncells` cells into the answer buffer in slab order: amax (no data:
@@ -407,9 +416,11 @@ typedef struct amx_state_ops {
      * released the same way and the wait ends with EABORTED. Once every
      * slab is merged, a slab that failed its check (dev_bad) fails the
      * wait with EINVAL naming its rank and cell: the epoch must fail on
-     * every rank, not go on without that slab. */
-    amx_status_t (*dev_wait)(amx_state_t *st, uint64_t deadline_ms, int (*aborted)(void *ud),
-                             void *ud, amx_err_t *err);
+     * every rank, not go on without that slab. `spin`: poll without
+     * sleeping (a core busy while it waits), else sleep 50 us between
+     * polls once the first thousand found nothing. */
+    amx_status_t (*dev_wait)(amx_state_t *st, uint64_t deadline_ms, int spin,
+                             int (*aborted)(void *ud), void *ud, amx_err_t *err);
     /* Engine, optional; after prepare. Pinned host memory for the reduced
      * header and, in *dev, where it is on the device (recv): a collective
      * that can copy it out behind itself (amx_comm_ops_t.tail) saves the

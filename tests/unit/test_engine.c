@@ -71,7 +71,7 @@ static amx_epoch_result_t *run_epoch(amx_job_t *j)
     pthread_mutex_unlock(&mu);
     j->state->ops->flip(j->state);
     j->in_flight = 1;
-    amx_engine_start(j->eng, j->epoch, UINT64_MAX);
+    amx_engine_start(j->eng, j->epoch, UINT64_MAX, 0);
     struct timespec until;
     clock_gettime(CLOCK_REALTIME, &until);
     until.tv_sec += 10;

@@ -191,7 +191,7 @@ static amx_reply_t *reconcile_all(const char *job, uint32_t world, uint32_t want
     rec_t **x = track(calloc(world, sizeof(rec_t *)));
     for (uint32_t r = 0; r < world; r++) {
         x[r] = rec_new();
-        amx_reconcile_req_t req = {job, r, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0};
+        amx_reconcile_req_t req = {job, r, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0};
         amx_err_t err = {0};
         ck_assert_int_eq(amx_registry_reconcile(reg, &req, &x[r]->w, 0, &err), AMX_OK);
     }
@@ -520,7 +520,7 @@ START_TEST(reconcile_timeout_then_retry)
     float v = 3.0f;
     ck_assert_int_eq(send1("j", 0, 0, "a", &v, 1, &err), AMX_OK);
     rec_t *x = rec_new();
-    amx_reconcile_req_t req = {"j", 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0};
+    amx_reconcile_req_t req = {"j", 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     ck_assert_int_eq(amx_registry_reconcile(reg, &req, &x->w, 0, &err), AMX_OK);
     /* A rank in Reconcile cannot send more to this epoch. */
     ck_assert_int_eq(send1("j", 0, 0, "a", &v, 1, &err), AMX_EPRECOND);
@@ -538,7 +538,7 @@ START_TEST(drop_job_aborts_waiters)
 {
     join_all("j", 2);
     rec_t *x = rec_new();
-    amx_reconcile_req_t req = {"j", 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0};
+    amx_reconcile_req_t req = {"j", 0, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     amx_err_t err = {0};
     ck_assert_int_eq(amx_registry_reconcile(reg, &req, &x->w, 0, &err), AMX_OK);
     amx_reset_req_t rr = {"j", NULL, 0, 1};
