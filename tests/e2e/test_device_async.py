@@ -34,8 +34,9 @@ class FakeDoor:
         self.outcomes = list(outcomes)
         self.sent = []
         self.send_error = None
+        self.armed, self.conn = False, 1
 
-    def send(self, req, seq=0):
+    def send(self, req, seq=0, arm_fd=None):
         if self.send_error is not None:
             raise self.send_error
         self.sent.append((req, seq))

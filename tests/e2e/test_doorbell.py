@@ -7,6 +7,8 @@ ReconcileDevice gets the same FAILED_PRECONDITION as the gRPC call; the
 connection stays usable after each refusal, many connections come and go,
 and nothing of the job changes (the packed form still works). On a GPU,
 tests/gpu/test_device.py runs the device path through the doorbell."""
+import array
+import fcntl
 import os
 import socket
 import stat
@@ -64,7 +66,10 @@ def test_doorbell_socket_and_bad_datagrams(daemon):
         (request(job_len=5), "names a job of 5 bytes but carries 1"),
         (request(job=b""), "names no job"),
         (request(job=b"", job_len=0) + b"x", "names no job"),
-        (request(flags=8), "unknown request flags 0x8"),
+        (request(flags=16), "unknown request flags 0x10"),
+        (request(flags=9), "unknown request flags 0x9"),
+        (request(flags=4 | 1), "arm (flag 4) needs send (flag 1) and a signal (seq != 0)"),
+        (request(flags=4 | 2, seq=3), "arm (flag 4) needs send (flag 1)"),
         (request(reserved=7), "bytes 44-47 of a request are reserved (0), not 0x7"),
     ]
     s = connect(daemon)
@@ -76,6 +81,29 @@ def test_doorbell_socket_and_bad_datagrams(daemon):
     code, msg = ask(s, request(layout_id=lay.id))
     assert code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
     assert "ReconcileDevice: this daemon keeps its state on the host (backend 'host')" in msg
+    # A disarm (flags 8 alone) on a connection that is not armed is
+    # ignored: no answer; the next request is answered as before. An armed
+    # request is refused as the plain one (no device state to arm).
+    s.send(request(flags=8, layout_id=lay.id))
+    code, msg2 = ask(s, request(flags=4 | 1, seq=1, layout_id=lay.id))
+    assert code == inv and "needs its flag page" in msg2 and "none came" in msg2, msg2
+    # A flag page that could shrink under the daemon's reads is refused;
+    # a sealed one passes the doorbell (and the host backend refuses).
+    for sealed in (False, True):
+        fd = os.memfd_create("flags", os.MFD_ALLOW_SEALING)
+        os.ftruncate(fd, 4096)
+        if sealed:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        s.sendmsg([request(flags=4 | 1, seq=1, layout_id=lay.id)],
+                  [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        os.close(fd)
+        a = s.recv(ANS.size + 4096)
+        code = ANS.unpack_from(a)[1]
+        text = a[ANS.size:].decode()
+        if sealed:
+            assert code == grpc.StatusCode.FAILED_PRECONDITION.value[0] and text == msg, text
+        else:
+            assert code == inv and "the one that came is not" in text, text
     s.close()
     with daemon.channel() as ch:
         fn = ch.unary_unary("/amaxd.v1.Calibration/ReconcileDevice",
@@ -86,7 +114,7 @@ def test_doorbell_socket_and_bad_datagrams(daemon):
                                          send=True), timeout=10)
     assert ei.value.details() == msg
     log = daemon.log()
-    assert "doorbell: unknown request flags 0x8" in log and "device doorbell on" in log
+    assert "doorbell: unknown request flags 0x10" in log and "device doorbell on" in log
     # Many connections, some closed with a request unanswered (read).
     socks = [connect(daemon) for _ in range(64)]
     for k, t in enumerate(socks):

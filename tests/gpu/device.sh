@@ -23,7 +23,7 @@ steps=${AMAXD_DEVICE_STEPS:-1 2 3}
 if [[ " $steps " == *" 1 "* ]]; then
   echo "== 1. tests/gpu/test_device.py (daemon on the CUDA backend)"
   python3 tests/gpu/diag_cai.py 2>&1 | tee "$out/diag_cai.txt"
-  AMAXD_BACKEND=cuda python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_device.py 2>&1 \
+  AMAXD_BACKEND=cuda python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_device.py tests/gpu/test_armed.py 2>&1 \
     | tee "$out/test_device.txt" | grep -v "^$" | tail -40
   [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
 fi

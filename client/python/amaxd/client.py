@@ -6,6 +6,7 @@ Quantizer, Masked, Result) and packed.py (Layout, PackedResult), encoded in
 wire.py where not by protobuf, and carried by transport.py.
 """
 import os
+import time
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import grpc
@@ -78,6 +79,9 @@ class Client:
         self._door: Any = None
         self._reader: Any = None  # amaxd.device.AsyncReader of the async variant
         self._pending: Any = None  # its last PendingDevice
+        # The epoch the daemon armed for this rank (docs/API.md "Armed
+        # epochs"): (doorbell, its connection, buffers id, epoch, has_data).
+        self._armed: Any = None
         self.epoch = 0
 
     def __enter__(self) -> "Client":
@@ -348,7 +352,7 @@ class Client:
 
     def reconcile_device(self, send: bool = True, has_data: bool = False,
                          epoch: Optional[int] = None, stream: Any = None,
-                         timeout: Optional[float] = None) -> Any:
+                         timeout: Optional[float] = None, arm: bool = False) -> Any:
         """Reconcile through the device buffers: marks the slab written on
         `stream` (default: torch's current stream), the daemon merges the
         slab after it on the GPU (send=False: this rank sends nothing this
@@ -358,10 +362,26 @@ class Client:
         until the next call. Never synchronizes the stream from the host.
         Through the daemon's doorbell when it has one, with the buffers'
         flags (signals) when both sides can, else the interprocess events
-        (docs/API.md "Device buffers")."""
+        (docs/API.md "Device buffers").
+
+        arm=True (doorbell and signals only): when the daemon answers, it
+        starts the next epoch for this rank at once (docs/API.md "Armed
+        epochs"); the next call then sends nothing: its ready flag alone
+        starts the merge. Every armed call must send the slab with the
+        same has_data; pass arm=False on the last one (it disarms), or the
+        close of this client aborts the armed epoch on every daemon."""
         self._collect_async()
         bufs, L, sp, req = self._device_request(send, has_data, epoch, stream)
         door = self._door if self.doorbell else None
+        tmo = self.timeout if timeout is None else timeout
+        if self._take_armed(door, bufs, send, has_data, epoch):
+            seq = bufs.next_seq()
+            if not arm:
+                door.disarm(req)
+            dv.memops().write(bufs.dev, sp, bufs.flag_page()[1], seq)
+            r = self._device_answer(epoch, lambda: door.recv(tmo, self.doorbell_spin))
+            return self._device_done(bufs, L, sp, seq, r, door, has_data)
+        self._check_arm(arm, door, bufs, send)
         seq = bufs.next_seq() if door is not None and self._signals(bufs) else 0
         if send:
             if seq:
@@ -371,20 +391,55 @@ class Client:
 
         def call() -> Any:
             if door is not None:
-                return door.call(req, self.timeout if timeout is None else timeout, seq,
-                                 self.doorbell_spin)
+                return door.call(req, tmo, seq, self.doorbell_spin,
+                                 bufs.flag_page()[0] if arm else None)
             return self._unary("ReconcileDevice", req, pb.ReconcileDeviceResponse, timeout)
         r = self._device_answer(epoch, call)
+        return self._device_done(bufs, L, sp, seq, r, door, has_data)
+
+    def _take_armed(self, door: Any, bufs: Any, send: bool, has_data: bool,
+                    epoch: Optional[int]) -> bool:
+        """Whether the daemon armed this call's epoch (the last answer on
+        this doorbell connection said so); the arming is used up here."""
+        a, self._armed = self._armed, None
+        if a is None:
+            return False
+        if door is None or door is not a[0] or door.conn != a[1] or bufs.id != a[2]:
+            return False  # another connection or buffers: the daemon dropped that arming
+        if not send or bool(has_data) != a[4] or (epoch is not None and epoch != a[3]):
+            self._armed = a
+            raise ValueError(
+                f"epoch {a[3]} is armed for this rank (reconcile_device(arm=True)): the next "
+                f"call must send the slab with has_data={a[4]} for that epoch; got send={send}, "
+                f"has_data={has_data}, epoch={epoch}")
+        return True
+
+    def _check_arm(self, arm: bool, door: Any, bufs: Any, send: bool) -> None:
+        if arm and (door is None or not self._signals(bufs) or not send):
+            raise dv.DeviceUnavailable(
+                "arm=True needs send=True, the daemon's doorbell and signals (stream memory "
+                f"operations on both sides): doorbell {bufs.doorbell or 'none'}, signals "
+                f"{bufs.signals} at the daemon, {dv.memops() is not None} here")
+
+    def _device_done(self, bufs: Any, L: Any, sp: int, seq: int, r: Any, door: Any,
+                     has_data: bool) -> Any:
+        """After an OK answer: the stream waits for the done flag (or
+        event); an arming the answer announced is kept for the next call."""
         if seq:
             dv.memops().wait(bufs.dev, sp, bufs.done_flag, seq)
         else:
             bufs.wait_done(sp)
         self.epoch = r.next_epoch
+        self._keep_armed(door, bufs, r, has_data)
         return dv.DeviceResult(bufs, L, r.epoch, r.next_epoch)
+
+    def _keep_armed(self, door: Any, bufs: Any, r: Any, has_data: bool) -> None:
+        if door is not None and door.armed:
+            self._armed = (door, door.conn, bufs.id, r.next_epoch, bool(has_data))
 
     def reconcile_device_async(self, send: bool = True, has_data: bool = False,
                                epoch: Optional[int] = None, stream: Any = None,
-                               timeout: Optional[float] = None) -> Any:
+                               timeout: Optional[float] = None, arm: bool = False) -> Any:
         """The asynchronous variant: marks the slab written and makes
         `stream` wait for the daemon's done flag on the GPU, sends the
         request on the doorbell and returns at once, without waiting for
@@ -392,10 +447,12 @@ class Client:
         PendingDevice; its result() (or the next call of this client)
         waits for the daemon's answer and gives the DeviceResult, or raises
         its error: the results the stream read are trustworthy only then.
-        Needs the doorbell and signals (DeviceUnavailable otherwise)."""
+        Needs the doorbell and signals (DeviceUnavailable otherwise).
+        arm: as in reconcile_device."""
         self._collect_async()
         bufs, L, sp, req = self._device_request(send, has_data, epoch, stream)
         door = self._door if self.doorbell else None
+        armed = self._take_armed(door, bufs, send, has_data, epoch)
         if door is None or not self._signals(bufs):
             raise dv.DeviceUnavailable(
                 "reconcile_device_async needs the daemon's doorbell and signals (stream memory "
@@ -414,6 +471,7 @@ class Client:
 
         def finish(r: Any) -> Any:
             self.epoch = r.next_epoch
+            self._keep_armed(door, bufs, r, has_data)
             return dv.DeviceResult(bufs, L, r.epoch, r.next_epoch)
 
         def failed(e: BaseException) -> None:
@@ -421,7 +479,13 @@ class Client:
             if epoch is None and isinstance(e, (InvalidArgument, FailedPrecondition)):
                 self._learn_epoch()
         pending = dv.PendingDevice(finish, failed)
-        if send:
+        if not armed:
+            self._check_arm(arm, door, bufs, send)
+        elif not arm:
+            door.disarm(req)  # before the flag: the daemon sees it when it answers
+        if armed:
+            mo.write(bufs.dev, sp, bufs.flag_page()[1], seq)
+        elif send:
             mo.write(bufs.dev, sp, bufs.ready_flag, seq)
         mo.wait(bufs.dev, sp, bufs.done_flag, seq)
         # From here the stream waits for the done flag: every way out that
@@ -430,7 +494,8 @@ class Client:
             if (self._reader is None or self._reader.door is not door
                     or not self._reader.alive()):
                 self._reader = dv.AsyncReader(door, bufs.dev)
-            door.send(req, seq)
+            if not armed:
+                door.send(req, seq, bufs.flag_page()[0] if arm else None)
         except AmaxdError as e:
             pending._set(None, dv.release_after(release, e))
             return pending
@@ -494,9 +559,24 @@ class Client:
         if bufs is None:
             return
         bufs.close()
-        self._unary("CloseDevice", pb.CloseDeviceRequest(job=self.job, rank=self.rank,
-                                                         device_id=bufs.id),
-                    pb.CloseDeviceResponse)
+        req = pb.CloseDeviceRequest(job=self.job, rank=self.rank, device_id=bufs.id)
+        if self._armed is None:
+            self._unary("CloseDevice", req, pb.CloseDeviceResponse)
+            return
+        # An armed epoch waits for this rank: closing the doorbell aborts
+        # it (on every daemon of the job); the rank is out of it shortly.
+        self._armed = None
+        if self._door is not None:
+            self._door.close()
+        end = time.monotonic() + 5.0
+        while True:
+            try:
+                self._unary("CloseDevice", req, pb.CloseDeviceResponse)
+                return
+            except FailedPrecondition as e:
+                if "waiting in Reconcile" not in str(e) or time.monotonic() > end:
+                    raise
+                time.sleep(0.01)
 
     def get_scales(self, names: Sequence[str] = (), whole: bool = False,
                    window_cells: Optional[int] = None) -> Dict[str, Result]:

@@ -28,7 +28,9 @@ asynchronously. (The first launch of a kernel in a process loads its
 module, CUDA's lazy loading, and that waits for the device: a trainer's
 first sync may block once; tests/gpu/diag_ipc.py.)
 """
+import array
 import ctypes
+import os
 import queue
 import select
 import socket
@@ -218,6 +220,7 @@ class DeviceBuffers:
     torch CUDA tensors on device `dev`."""
 
     def __init__(self, r: Any, dev: int) -> None:
+        self._page: Any = None  # the armed epochs' flag page (flag_page())
         t = _torch()
         b = ipc()
         self.id = r.device_id
@@ -304,8 +307,45 @@ class DeviceBuffers:
         self.seq = (self.seq + 1) & 0xFFFFFFFF or 1
         return self.seq
 
+    def flag_page(self) -> Tuple[int, int]:
+        """(fd, address) of the armed epochs' flag page (docs/API.md
+        "Armed epochs"): a memfd of 4096 bytes sealed against shrinking and
+        growing, mapped here and registered with CUDA (mapped, portable),
+        so that a stream can write the ready seq into its first word
+        (its address is the device's too: unified addressing). Made once."""
+        if self._page is None:
+            import fcntl
+            import mmap
+            fd = os.memfd_create("amaxd-flags", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, 4096)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+                mm = mmap.mmap(fd, 4096)
+                word = ctypes.c_uint32.from_buffer(mm)
+                addr = ctypes.addressof(word)
+                rc = _torch().cuda.cudart().cudaHostRegister(addr, 4096, 3)  # portable, mapped
+                if int(rc) != 0:
+                    del word
+                    mm.close()
+                    raise DeviceUnavailable(f"cudaHostRegister of the flag page failed ({rc})")
+            except BaseException:
+                os.close(fd)
+                raise
+            self._page = (fd, addr, mm, word)
+        return self._page[0], self._page[1]
+
     def close(self) -> None:
         """Unmaps the buffers (the views must not be used after)."""
+        if self._page is not None:
+            fd, addr, mm, word = self._page
+            self._page = None
+            try:
+                _torch().cuda.cudart().cudaHostUnregister(addr)
+            except Exception:  # noqa: BLE001 - best effort at close
+                pass
+            del word
+            mm.close()
+            os.close(fd)
         for ev in self._events:
             try:
                 self._b.destroy_event(ev)
@@ -397,12 +437,18 @@ class Doorbell:
 
     # magic, flags, device_id, epoch, layout_id, rank, job_len, seq, 0
     REQ = struct.Struct("<IIQQQIIII")
-    ANS = struct.Struct("<IIQQQII")  # magic, code, epoch, next_epoch, layout_id, msg_len, 0
+    # magic, code, epoch, next_epoch, layout_id, msg_len, flags (1: armed)
+    ANS = struct.Struct("<IIQQQII")
     MAGIC = 0x31424441  # "ADB1"
+    SEND, HAS_DATA, ARM, DISARM = 1, 2, 4, 8
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._s: Optional[socket.socket] = None
+        # Whether the last answer said the next epoch is armed (docs/API.md
+        # "Armed epochs").
+        self.armed = False
+        self.conn = 0  # counts the connections made: arming belongs to one
 
     def close(self) -> None:
         if self._s is not None:
@@ -417,12 +463,24 @@ class Doorbell:
                                     f"no answer on the doorbell {self.path} within {what} s")
         return Unavailable(grpc.StatusCode.UNAVAILABLE, f"the doorbell {self.path} failed: {e}")
 
-    def send(self, req: Any, seq: int = 0) -> None:
-        """Sends ReconcileDeviceRequest `req` (seq != 0: signals)."""
+    def send(self, req: Any, seq: int = 0, arm_fd: Optional[int] = None) -> None:
+        """Sends ReconcileDeviceRequest `req` (seq != 0: signals; arm_fd:
+        arm, the daemon arms the next epoch when it answers this one, with
+        this flag page)."""
         job = req.job.encode()
-        flags = (1 if req.send else 0) | (2 if req.has_data else 0)
-        msg = self.REQ.pack(self.MAGIC, flags, req.device_id, req.epoch, req.layout_id, req.rank,
-                            len(job), seq, 0) + job
+        flags = ((self.SEND if req.send else 0) | (self.HAS_DATA if req.has_data else 0)
+                 | (self.ARM if arm_fd is not None else 0))
+        self._send(self.REQ.pack(self.MAGIC, flags, req.device_id, req.epoch, req.layout_id,
+                                 req.rank, len(job), seq, 0) + job, arm_fd)
+
+    def disarm(self, req: Any) -> None:
+        """Asks the daemon not to arm again after the armed epoch: sent
+        before the trainer writes that epoch's ready flag."""
+        job = req.job.encode()
+        self._send(self.REQ.pack(self.MAGIC, self.DISARM, req.device_id, 0, 0, req.rank,
+                                 len(job), 0, 0) + job)
+
+    def _send(self, msg: bytes, fd: Optional[int] = None) -> None:
         try:
             if self._s is None:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -432,8 +490,13 @@ class Doorbell:
                     s.close()
                     raise
                 self._s = s
+                self.conn += 1
             self._s.settimeout(None)
-            self._s.send(msg)
+            if fd is None:
+                self._s.send(msg)
+            else:
+                self._s.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                         array.array("i", [fd]))])
         except OSError as e:
             raise self._fail(e, "") from e
 
@@ -476,7 +539,8 @@ class Doorbell:
             self.close()
             raise Unavailable(grpc.StatusCode.UNAVAILABLE,
                               f"the doorbell {self.path} closed or answered {len(data)} bytes")
-        magic, code, epoch, next_epoch, layout_id, n, _ = self.ANS.unpack_from(data)
+        self.armed = False
+        magic, code, epoch, next_epoch, layout_id, n, aflags = self.ANS.unpack_from(data)
         text = data[self.ANS.size:self.ANS.size + n].decode("utf-8", "replace")
         if magic != self.MAGIC:
             self.close()
@@ -484,11 +548,13 @@ class Doorbell:
                               f"the doorbell {self.path} answered magic 0x{magic:08x}")
         if code != 0:
             raise from_status(code, text)
+        self.armed = bool(aflags & 1)
         return pb.ReconcileDeviceResponse(epoch=epoch, next_epoch=next_epoch,
                                           layout_id=layout_id)
 
-    def call(self, req: Any, timeout: Optional[float], seq: int = 0, spin: float = 0.0) -> Any:
-        self.send(req, seq)
+    def call(self, req: Any, timeout: Optional[float], seq: int = 0, spin: float = 0.0,
+             arm_fd: Optional[int] = None) -> Any:
+        self.send(req, seq, arm_fd)
         return self.recv(timeout, spin)
 
 
