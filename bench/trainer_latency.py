@@ -23,6 +23,12 @@ the same way):
           "ready": when the stream was done, before result(), i.e. when
           kernels queued after the call could run: what a trainer that
           collects result() later waits for)
+  armed   reconcile_device(arm=True): the daemon starts the next epoch as
+          it answers this one (docs/API.md "Armed epochs"), so the next
+          sync sends nothing: its ready flag alone starts the merge
+  armasync the asynchronous variant of armed; "armready" its "ready"
+  (--paths picks which run; the armed ones keep their epochs armed, and
+  their daemons' engines polling, between their syncs)
 
 Each sync starts after a barrier of the trainers (W > 1); the printed
 number per path is the median over the syncs of the slowest rank's time;
@@ -117,7 +123,8 @@ def worker(rank, world, socks, port, args, q):
     for size in args.sizes.split(","):
         specs = catalog(size, rank, world)
         clients = {}
-        for path in ("grpc", "shm", "device", "devgrpc", "async"):
+        want = args.paths.split(",")
+        for path in [p for p in ALL_PATHS if p != "inproc" and p in want]:
             c = amaxd.Client(f"lat-{size.replace('+', '_')}-{path}", rank, world,
                              socket=socks[rank % len(socks)], timeout=600,
                              max_message_bytes=512 << 20, shm=(path == "shm"))
@@ -126,14 +133,15 @@ def worker(rank, world, socks, port, args, q):
             for i in range(0, len(specs), 50000):
                 c.register(specs[i:i + 50000])
             clients[path] = c
-        L = clients["grpc"].layout()
+        L = next(iter(clients.values())).layout()
         n = L.total_cells
         gen = torch.Generator(device=dev)
         gen.manual_seed(rank)
         x = torch.rand(n, device=dev, generator=gen) * 100
-        slab = clients["device"].device_slab()
-        slab_g = clients["devgrpc"].device_slab()
-        slab_a = clients["async"].device_slab()
+        slabs = {p: c.device_slab() for p, c in clients.items()
+                 if p in ("device", "devgrpc", "async", "armed", "armasync")}
+        last = args.warmup + args.iters - 1
+        it_now = [0]
         host_ret = []  # async: when the call gave the host back, after its start
         s = torch.cuda.current_stream(dev)
 
@@ -152,35 +160,50 @@ def worker(rank, world, socks, port, args, q):
         marks = []  # per timed device sync: the trainer's CLOCK_MONOTONIC us around the call
 
         def device():
-            slab.copy_(x)
+            slabs["device"].copy_(x)
             t0 = time.monotonic_ns() // 1000
             r = clients["device"].reconcile_device(stream=s)
             marks.append((t0, time.monotonic_ns() // 1000))
             return r.scale
 
         def devgrpc():
-            slab_g.copy_(x)
+            slabs["devgrpc"].copy_(x)
             return clients["devgrpc"].reconcile_device(stream=s).scale
+
+        def armed():
+            # Armed epochs (docs/API.md): the ready flag alone starts the
+            # merge; the last sync disarms.
+            slabs["armed"].copy_(x)
+            return clients["armed"].reconcile_device(stream=s, arm=it_now[0] < last).scale
 
         ready = []  # async: when the stream got past the done flag, after the path began
 
-        def devasync():
-            t0 = time.perf_counter()
-            slab_a.copy_(x)
-            t1 = time.perf_counter()
-            p = clients["async"].reconcile_device_async(stream=s)
-            host_ret.append(time.perf_counter() - t1)
-            s.synchronize()  # the results are in the answer buffer: the stream waited
-            ready.append(time.perf_counter() - t0)
-            return p.result().scale
+        def asyncof(path, rec, arm):
+            def f():
+                t0 = time.perf_counter()
+                slabs[path].copy_(x)
+                t1 = time.perf_counter()
+                p = clients[path].reconcile_device_async(stream=s, arm=arm and it_now[0] < last)
+                if path == "async":
+                    host_ret.append(time.perf_counter() - t1)
+                s.synchronize()  # the results are in the answer buffer: the stream waited
+                rec.append(time.perf_counter() - t0)
+                return p.result().scale
+            return f
 
-        paths = {"inproc": inproc, "grpc": packed(clients["grpc"]),
-                 "shm": packed(clients["shm"]), "device": device, "devgrpc": devgrpc,
-                 "async": devasync}
+        ready_armed = []
+        fns = {"inproc": inproc, "device": device, "devgrpc": devgrpc, "armed": armed,
+               "async": asyncof("async", ready, False),
+               "armasync": asyncof("armasync", ready_armed, True)}
+        for p in ("grpc", "shm"):
+            if p in clients:
+                fns[p] = packed(clients[p])
+        paths = {p: fns[p] for p in ALL_PATHS if p in want}
         times = {p: [] for p in paths}
         phases = []
         check = {}
         for it in range(args.warmup + args.iters):
+            it_now[0] = it
             for p, fn in paths.items():
                 dist.barrier(group=gloo)
                 torch.cuda.synchronize(dev)
@@ -192,6 +215,8 @@ def worker(rank, world, socks, port, args, q):
                     times[p].append(t1 - t0)
                     if p == "async":
                         times.setdefault("ready", []).append(ready[-1])
+                    if p == "armasync":
+                        times.setdefault("armready", []).append(ready_armed[-1])
                 if p == "device" and args.breakdown:
                     # Where the device sync's time went: the daemon's own
                     # marks of this epoch (Status, outside the timed part).
@@ -210,8 +235,7 @@ def worker(rank, world, socks, port, args, q):
                 if it == args.warmup + args.iters - 1:
                     check[p] = res[:4].cpu().numpy().tolist() if res is not None else None
         # The device and packed paths answer the same scales.
-        same = (check["device"] == check["devgrpc"] == check["async"] == check["grpc"]
-                == check["shm"])
+        same = all(check[p] == check[paths_ref(check)] for p in check if p != "inproc")
         allt = [None] * world
         dist.all_gather_object(allt, times, group=gloo)
         if rank == 0:
@@ -219,13 +243,21 @@ def worker(rank, world, socks, port, args, q):
                     for p in times}
             out.append({"size": size, "cells_per_rank": n, "world": world, "same_scales": same,
                         "times_s": slow, "device_phases_us_rank0": phases,
-                        "async_host_return_s_rank0": host_ret[args.warmup:]})
+                        "async_host_return_s_rank0": host_ret[args.warmup:] or [0.0]})
         for c in clients.values():
             c.close()
         dist.barrier(group=gloo)
     if rank == 0:
         q.put(out)
     dist.destroy_process_group()
+
+
+ALL_PATHS = ("inproc", "grpc", "shm", "device", "devgrpc", "async", "armed", "armasync")
+
+
+def paths_ref(check):
+    """The path every other is compared with: the first of check after inproc."""
+    return next(p for p in check if p != "inproc")
 
 
 PROFILE_KINDS = (("engine", re.compile(r"profile: job (\S+), epoch \d+ \(reconciled\): (.*)")),
@@ -290,6 +322,11 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--out")
+    ap.add_argument("--paths", default="inproc,grpc,shm,device,devgrpc,async",
+                    help="which paths, of " + ",".join(ALL_PATHS) + " (inproc always runs): "
+                         "armed / armasync = reconcile_device(_async) with arm=True (docs/API.md "
+                         "\"Armed epochs\"); their jobs stay armed between their syncs, so "
+                         "they run alone with the baseline unless asked")
     ap.add_argument("--one-daemon", action="store_true",
                     help="one amaxd (GPU 0) for all the trainers, instead of one per GPU")
     ap.add_argument("--profile", action="store_true",
@@ -334,18 +371,18 @@ def main():
     print(f"daemon busy_poll={bp} ({'on' if bp == 'on' or (bp == 'auto' and ncpu >= 8) else 'off'}"
           f", {ncpu} CPUs), client doorbell spin {spin * 1e3:g} ms, AMAXD_PROFILE "
           f"{'on' if args.profile else 'off'}")
-    print(f"{'per rank':>16} {'cells':>9} | {'inproc ms':>9} | {'grpc ms':>8} {'x':>6} | "
-          f"{'shm ms':>8} {'x':>6} | {'device ms':>9} {'x':>6} | {'dev/gRPC':>8} {'x':>6} | "
-          f"{'async':>8} {'x':>6} {'host back':>9} {'ready':>8} {'x':>6} | same scales")
+    cols = [p for p in ("grpc", "shm", "device", "devgrpc", "async", "ready", "armed",
+                        "armasync", "armready") if p in res[0]["times_s"]]
+    print(f"{'per rank':>16} {'cells':>9} | {'inproc ms':>9} | "
+          + " | ".join(f"{p + ' ms':>13} {'x':>6}" for p in cols)
+          + (f" | {'async host back':>15}" if "async" in cols else "") + " | same scales")
     for r in res:
         med = {p: statistics.median(t) * 1e3 for p, t in r["times_s"].items()}
         b = med["inproc"]
-        print(f"{r['size']:>16} {r['cells_per_rank']:>9} | {b:9.3f} | {med['grpc']:8.3f} "
-              f"{med['grpc'] / b:6.1f} | {med['shm']:8.3f} {med['shm'] / b:6.1f} | "
-              f"{med['device']:9.3f} {med['device'] / b:6.2f} | {med['devgrpc']:8.3f} "
-              f"{med['devgrpc'] / b:6.2f} | {med['async']:8.3f} {med['async'] / b:6.2f} "
-              f"{statistics.median(r['async_host_return_s_rank0']) * 1e3:9.3f} "
-              f"{med['ready']:8.3f} {med['ready'] / b:6.2f} | {r['same_scales']}")
+        print(f"{r['size']:>16} {r['cells_per_rank']:>9} | {b:9.3f} | "
+              + " | ".join(f"{med[p]:13.3f} {med[p] / b:6.2f}" for p in cols)
+              + (f" | {statistics.median(r['async_host_return_s_rank0']) * 1e3:15.3f}"
+                 if "async" in cols else "") + f" | {r['same_scales']}")
         r["median_ms"] = med
     if args.breakdown:
         names = ["call>entered", "entered>started", "started>engine", "engine",
