@@ -46,7 +46,8 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from test_device import ARRAYS, ENV, host, long_kernel_setup, run_ranks  # noqa: E402
+from test_device import (ARRAYS, ENV, host, long_kernel_setup, packed_and_device,  # noqa: E402
+                         run_ranks)
 
 
 def wait_log(d, text, timeout=20.0):
@@ -317,14 +318,8 @@ def test_armed_two_daemons_nccl(tmp_path):
         W = 2
 
         def rank(r):
-            torch.cuda.set_device(r)
             rng = np.random.default_rng(4000 + r)
-            cp = amaxd.Client("pka", r, W, socket=ds[r].socket, timeout=120)
-            cd = amaxd.Client("arm2", r, W, socket=ds[r].socket, timeout=120)
-            for c in (cp, cd):
-                c.join()
-                c.register(TP.catalog(r % TP.W))
-            cd.open_device(r)
+            cp, cd, _ = packed_and_device(ds, r, W, "pka", "arm2")
             got = armed_epochs(cp, cd, r % TP.W, rng, 4, False)
             cp.close()
             cd.close()

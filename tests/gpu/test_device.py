@@ -797,6 +797,19 @@ def same_bytes_epochs(cp, cd, bufs, r, tp_rank, rng, epochs=3):
             assert np.asarray(getattr(rp, k)).tobytes() == host(getattr(rd, k)), (r, e, k)
 
 
+def packed_and_device(ds, r, W, packed_job, device_job):
+    """Rank r on GPU r through daemon ds[r]: a packed client and a device
+    client (jobs packed_job, device_job), joined and registered with the
+    packed tests' catalog, the device buffers open on GPU r."""
+    torch.cuda.set_device(r)
+    cp = amaxd.Client(packed_job, r, W, socket=ds[r].socket, timeout=120)
+    cd = amaxd.Client(device_job, r, W, socket=ds[r].socket, timeout=120)
+    for c in (cp, cd):
+        c.join()
+        c.register(TP.catalog(r % TP.W))
+    return cp, cd, cd.open_device(r)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_daemons_nccl_same_bytes(tmp_path):
     """Two daemons, one per GPU, reconciling over NCCL; rank r on GPU r
@@ -808,14 +821,8 @@ def test_two_daemons_nccl_same_bytes(tmp_path):
         W = 2
 
         def rank(r):
-            torch.cuda.set_device(r)
             rng = np.random.default_rng(2000 + r)
-            cp = amaxd.Client("pk2", r, W, socket=ds[r].socket, timeout=120)
-            cd = amaxd.Client("dv2", r, W, socket=ds[r].socket, timeout=120)
-            for c in (cp, cd):
-                c.join()
-                c.register(TP.catalog(r % TP.W))
-            bufs = cd.open_device(r)
+            cp, cd, bufs = packed_and_device(ds, r, W, "pk2", "dv2")
             assert bufs.slab.device.index == r
             same_bytes_epochs(cp, cd, bufs, r, r % TP.W, rng)
             cp.close()
