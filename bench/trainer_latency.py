@@ -269,9 +269,9 @@ PROFILE_KINDS = (("engine", re.compile(r"profile: job (\S+), epoch \d+ \(reconci
                  ("devans", re.compile(r"profile: device answer of rank \d+: (.*)")))
 
 
-def print_profile(log, res, warmup):
-    """Medians of the AMAXD_PROFILE lines of the device path's epochs
-    (job lat-SIZE-device) in one daemon's log: each engine line, and the
+def print_profile(log, res, warmup, path="device"):
+    """Medians of the AMAXD_PROFILE lines of a device path's epochs
+    (job lat-SIZE-PATH) in one daemon's log: each engine line, and the
     NCCL and finish lines of the same engine thread just before it."""
     per_job, last, last_row = {}, {}, None
     for line in log.splitlines():
@@ -296,10 +296,10 @@ def print_profile(log, res, warmup):
             last_row = {"engine": text, **last}
             rows.append(last_row)
             last = {}
-    print("daemon 0's profile of the device path (AMAXD_PROFILE=1), medians in us after the "
+    print(f"daemon 0's profile of the {path} path (AMAXD_PROFILE=1), medians in us after the "
           "warm-up:")
     for r in res:
-        rows = per_job.get(f"lat-{r['size'].replace('+', '_')}-device", [])[warmup:]
+        rows = per_job.get(f"lat-{r['size'].replace('+', '_')}-{path}", [])[warmup:]
         if not rows:
             print(f"{r['size']:>16} | no profile lines")
             continue
@@ -333,6 +333,8 @@ def main():
                     help="daemons run with AMAXD_PROFILE=1: print the medians of daemon 0's "
                          "profile lines (engine steps, NCCL all-reduce, finish) of the device "
                          "path's epochs")
+    ap.add_argument("--profile-path", default="device",
+                    help="whose epochs --profile prints (device, armed, async, armasync, devgrpc)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also print where rank 0's device sync went (daemon's Status marks)")
     args = ap.parse_args()
@@ -397,7 +399,7 @@ def main():
                 meds = [statistics.median(v[k] for v in ph) for k in range(len(names))]
                 print(f"{r['size']:>16} | " + " ".join(f"{m:17.0f}" for m in meds))
     if args.profile:
-        print_profile(ds[0].log(), res, args.warmup)
+        print_profile(ds[0].log(), res, args.warmup, args.profile_path)
     if args.out:
         with open(args.out, "a") as f:
             for r in res:
