@@ -739,7 +739,8 @@ extern "C" int64_t amx__cuda_dev_bad(amx_devbuf_t *d)
 static amx_status_t release(amx_devbuf_t *d, amx_err_t *err)
 {
     if (d->deferred) {
-        d->released = 1; /* never launched: nothing on the GPU waits for it */
+        /* never launched: nothing on the GPU waits for it */
+        __atomic_store_n(&d->released, 1, __ATOMIC_RELEASE);
         return AMX_OK;
     }
     cudaStream_t s = NULL;
@@ -829,8 +830,10 @@ static void log_merge_times(amx_devbuf_t *d)
 
 extern "C" int amx__cuda_dev_waiting(amx_devbuf_t *d)
 {
+    /* The loop asks while the engine launches or releases. */
     if (d->deferred)
-        return !d->launched && !d->released;
+        return !__atomic_load_n(&d->launched, __ATOMIC_ACQUIRE) &&
+               !__atomic_load_n(&d->released, __ATOMIC_ACQUIRE);
     return d->merged_used && !d->released && stuck(d);
 }
 
@@ -860,9 +863,13 @@ static int launch_deferred(amx_devbuf_t *const *ds, size_t n, cudaStream_t sd, c
         }
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         if ((*st = launch_merge(d, d->m_pending, d->m_has, d->m_ncells, d->m_nruns, sd, err)) !=
-            AMX_OK)
+            AMX_OK) {
+            /* `in` behind what was launched, for the unflip. */
+            if (*any)
+                cudaEventRecord(in, sd);
             return 0;
-        d->launched = 1;
+        }
+        __atomic_store_n(&d->launched, 1, __ATOMIC_RELEASE);
         *any = 1;
     }
     if (!waiting && *any) {
@@ -973,10 +980,10 @@ extern "C" amx_status_t amx__cuda_dev_wait(amx_devbuf_t *const *ds, size_t n, cu
             if (!late)
                 return amx_err_set(
                     err, AMX_EABORTED,
-                    "the epoch was aborted while the daemon's stream waited for the ready flag "
-                    "of trainer rank %s; the daemon wrote the flag itself so that its own "
-                    "stream goes on, and that slab was not merged (unless its flag arrived at "
-                    "that very moment)",
+                    "the epoch was aborted while the daemon waited for the ready flag of "
+                    "trainer rank %s; the daemon released that merge (writing the flag itself "
+                    "where its stream waited on it), and that slab was not merged (unless its "
+                    "flag arrived at that very moment)",
                     ranks);
             return amx_err_set(
                 err, AMX_ETIMEDOUT,

@@ -52,6 +52,9 @@ struct amx_devrank {
     /* The armed epochs' flag page (mapped read-only, 4096 bytes): the
      * trainer's stream writes the ready seq into its first word. */
     const volatile uint32_t *hpage;
+    /* A page that came while an epoch was in flight (the engine may be
+     * reading hpage): swapped in when the epoch ends. */
+    const volatile uint32_t *hpage_next;
     int armed_aborted; /* and amx__dev_abort_armed aborted it */
     uint32_t seq;      /* signals: this epoch's (0: the events) */
     amx_status_t merge_st;
@@ -78,6 +81,17 @@ static uint64_t new_id(void)
     return z ? z : 1;
 }
 
+static void unmap_page(const volatile uint32_t *p)
+{
+    if (p != NULL && munmap((void *)p, 4096) != 0)
+        AMX_WARN("registry", "munmap of a flag page: %s", strerror(errno));
+}
+
+int amx_registry_shutting_down(const amx_registry_t *reg)
+{
+    return reg->shutting_down;
+}
+
 void amx__dev_close_rank(amx_job_t *j, amx_lrank_t *r, const char *why)
 {
     struct amx_devrank *d = r->dev;
@@ -90,8 +104,8 @@ void amx__dev_close_rank(amx_job_t *j, amx_lrank_t *r, const char *why)
         j->state->ops->dev_close(j->state, d->buf);
     if (d->pidfd >= 0)
         close(d->pidfd);
-    if (d->hpage != NULL)
-        munmap((void *)d->hpage, 4096);
+    unmap_page(d->hpage);
+    unmap_page(d->hpage_next);
     free(d->slice_end);
     free(d);
     r->dev = NULL;
@@ -112,8 +126,14 @@ amx_status_t amx_registry_dev_flag_page(amx_registry_t *reg, const char *job, ui
                            "job %s, rank %u: the armed epochs' flag page could not be mapped "
                            "(%s): the next epoch is not armed",
                            job, rank, strerror(errno));
-    if (r->dev->hpage != NULL)
-        munmap((void *)r->dev->hpage, 4096);
+    if (j->in_flight) {
+        /* The engine may be polling the current page: the new one waits
+         * for the epoch's end (amx__dev_epoch_end). */
+        unmap_page(r->dev->hpage_next);
+        r->dev->hpage_next = p;
+        return AMX_OK;
+    }
+    unmap_page(r->dev->hpage);
     r->dev->hpage = p;
     return AMX_OK;
 }
@@ -316,7 +336,7 @@ void amx__dev_abort_armed(amx_job_t *j, amx_lrank_t *r, const char *why)
     char msg[256];
     snprintf(msg, sizeof(msg),
              "the armed epoch %llu waited for the ready flag of trainer rank %u, and %s; the "
-             "daemon wrote the flag itself, nothing of this epoch was reconciled",
+             "epoch is aborted and that rank's slab is not merged",
              (unsigned long long)j->epoch, r->rank, why);
     AMX_WARN("registry", "job %s: %s", j->name, msg);
     amx_engine_abort(j->eng, 0, 0, 0, 0, AMX_ENGINE_LOCAL, AMX_EABORTED, msg);
@@ -478,6 +498,11 @@ void amx__dev_epoch_end(amx_lrank_t *r)
     r->dev->seq = 0;
     r->dev->armed = 0;
     r->dev->armed_aborted = 0;
+    if (r->dev->hpage_next != NULL) {
+        unmap_page(r->dev->hpage);
+        r->dev->hpage = r->dev->hpage_next;
+        r->dev->hpage_next = NULL;
+    }
     r->dev->merged = 0;
     r->dev->merge_st = AMX_OK;
     r->dev->merge_msg[0] = '\0';

@@ -23,6 +23,8 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
+#include <linux/magic.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -95,7 +97,7 @@ static void want_requests(conn_t *c, int on)
  * loses the answer (the trainer is told nothing it was not told already:
  * it times out), and the daemon does not wait for it. */
 static void answer_as(conn_t *c, amx_status_t st, const char *msg, uint64_t epoch,
-                      uint64_t next_epoch, uint64_t layout_id, int armed)
+                      uint64_t next_epoch, uint64_t layout_id, int armed, int more)
 {
     uint8_t buf[AMX_DOOR_ANS_BYTES + AMX_DOOR_MAX_MSG];
     size_t n = msg != NULL ? strnlen(msg, AMX_DOOR_MAX_MSG) : 0;
@@ -110,14 +112,14 @@ static void answer_as(conn_t *c, amx_status_t st, const char *msg, uint64_t epoc
     memcpy(buf + AMX_DOOR_ANS_BYTES, msg != NULL ? msg : "", n);
     if (send(c->fd, buf, AMX_DOOR_ANS_BYTES + n, MSG_DONTWAIT | MSG_NOSIGNAL) < 0)
         AMX_DEBUG("door", "an answer was not sent (%s): the trainer went away", strerror(errno));
-    if (!armed)
+    if (!armed && !more)
         want_requests(c, 1);
 }
 
 static void answer(conn_t *c, amx_status_t st, const char *msg, uint64_t epoch, uint64_t next_epoch,
                    uint64_t layout_id)
 {
-    answer_as(c, st, msg, epoch, next_epoch, layout_id, 0);
+    answer_as(c, st, msg, epoch, next_epoch, layout_id, 0, 0);
 }
 
 static void refuse(conn_t *c, amx_status_t st, const char *msg)
@@ -166,9 +168,12 @@ static void on_done(amx_waiter_t *w, amx_status_t st, const char *msg, const amx
         return;
     }
     int other = 0;
-    if (!(c->flags & AMX_DOOR_ARM) || !still_armed(c, &other)) {
+    if (!(c->flags & AMX_DOOR_ARM) || !still_armed(c, &other) ||
+        amx_registry_shutting_down(c->door->reg)) {
         c->armed = 0;
-        answer(c, AMX_OK, NULL, rep->epoch, rep->next_epoch, c->layout_id);
+        /* Reading goes on after the last datagram of the two, not between
+         * them (a request read in between would be served twice). */
+        answer_as(c, AMX_OK, NULL, rep->epoch, rep->next_epoch, c->layout_id, 0, other);
         if (other)
             refuse(c, AMX_EINVAL,
                    "doorbell: a request came while the connection was armed; only a disarm "
@@ -180,7 +185,7 @@ static void on_done(amx_waiter_t *w, amx_status_t st, const char *msg, const amx
     c->armed = 1;
     c->epoch = rep->next_epoch;
     c->seq = c->seq + 1 ? c->seq + 1 : 1;
-    answer_as(c, AMX_OK, NULL, rep->epoch, rep->next_epoch, c->layout_id, 1);
+    answer_as(c, AMX_OK, NULL, rep->epoch, rep->next_epoch, c->layout_id, 1, 0);
     c->rearm_queued = 1;
     amx_rpc_run_locked(c->door->rpc, &c->t_req);
 }
@@ -213,20 +218,21 @@ static void serve(void *arg)
     c->w.done = on_done;
     amx_err_t err = {0};
     amx_status_t st = amx_registry_reconcile(c->door->reg, &q, &c->w, amx_now_ms(), &err);
-    if (st == AMX_OK && fd >= 0)
-        /* The arm request's flag page, for the epochs it arms. */
-        st = amx_registry_dev_flag_page(c->door->reg, c->job, c->rank, fd, &err);
-    if (fd >= 0)
-        close(fd);
-    if (st == AMX_OK)
-        return;
-    if (c->w.job != NULL) {
-        /* Registered, but its flag page could not be mapped: the epoch
-         * goes on for this rank without arming the next. */
-        c->flags &= ~AMX_DOOR_ARM;
-        AMX_WARN("door", "%s", err.msg);
+    if (st == AMX_OK) {
+        /* The arm request's flag page, for the epochs it arms. Should it
+         * not map, this epoch goes on (its answer may even be sent by
+         * now) and the next is not armed. */
+        if (fd >= 0 &&
+            amx_registry_dev_flag_page(c->door->reg, c->job, c->rank, fd, &err) != AMX_OK) {
+            c->flags &= ~AMX_DOOR_ARM;
+            AMX_WARN("door", "%s", err.msg);
+        }
+        if (fd >= 0)
+            close(fd);
         return;
     }
+    if (fd >= 0)
+        close(fd);
     c->w.job = NULL;
     if (!c->armed) {
         refuse(c, err.code, err.msg);
@@ -323,7 +329,9 @@ static int flag_page_ok(int fd)
 #else
     return 0;
 #endif
-    return fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= 4096;
+    struct statfs fs; /* shmem (a plain memfd), not hugetlbfs: a 4096-byte mapping */
+    return fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= 4096 &&
+           fstatfs(fd, &fs) == 0 && fs.f_type == TMPFS_MAGIC;
 }
 
 /* Doorbell thread: one datagram from c. */

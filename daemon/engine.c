@@ -734,8 +734,10 @@ static amx_status_t wait_device_slabs(amx_engine_t *e, uint64_t deadline)
         return AMX_OK;
     amx_err_t err = {0};
     uint64_t t0 = amx_now_us();
-    amx_status_t st =
-        j->state->ops->dev_wait(j->state, deadline, e->busy_poll, wait_aborted, e, &err);
+    /* Spin (busy_poll) only for an armed epoch's flag page: a plain
+     * epoch's trainers wrote their flags before they called. */
+    amx_status_t st = j->state->ops->dev_wait(j->state, deadline, e->busy_poll && e->armed_ms != 0,
+                                              wait_aborted, e, &err);
     e->res.wait_us += amx_now_us() - t0;
     if (st == AMX_EABORTED && atomic_load(&e->abort_flag)) {
         /* The trainers hear the abort's own cause; what the wait did is

@@ -135,6 +135,9 @@ amx_status_t amx_registry_device_open(amx_registry_t *reg, const amx_dev_open_re
 amx_status_t amx_registry_dev_flag_page(amx_registry_t *reg, const char *job, uint32_t rank, int fd,
                                         amx_err_t *err);
 
+/* Whether shutdown began (amx_registry_shutdown): nothing is armed then. */
+int amx_registry_shutting_down(const amx_registry_t *reg);
+
 /* CloseDevice: frees a rank's device buffers `id`. */
 amx_status_t amx_registry_device_close(amx_registry_t *reg, const char *job, uint32_t rank,
                                        uint64_t id, amx_err_t *err);
