@@ -213,3 +213,22 @@ def test_doorbell_spin_setting(daemon, monkeypatch):
     monkeypatch.delenv("AMAXD_DOORBELL_SPIN_S")
     want = 0.002 if (os.cpu_count() or 1) >= 8 else 0.0
     assert daemon.client("sp", 0, 1).doorbell_spin == want
+
+
+def test_client_refuses_register_and_reset_while_armed(daemon):
+    """A Register or Reset of an armed rank would wait for the epoch in
+    flight, which waits for that rank's next sync: the client refuses
+    them while it holds an arming (docs/API.md "Armed epochs"). The state
+    is set by hand here (arming needs a GPU; tests/gpu/test_armed.py)."""
+    c = daemon.client("ar", 0, 1)
+    c.join()
+    c._armed = (None, 1, 7, 3, False)
+    q = amaxd.Quantizer("q", [4], amaxd.Recipe.fp8_current())
+    with pytest.raises(ValueError, match="register: epoch 3 is armed for this rank"):
+        c.register([q])
+    with pytest.raises(ValueError, match="reset: epoch 3 is armed"):
+        c.reset(["q"])
+    c._armed = None
+    c.register([q])  # and nothing was sent before: the catalog takes it now
+    assert [x.name for x in c.list_quantizers().quantizers] == ["q"]
+    c.close()

@@ -19,6 +19,7 @@ the merge.
   the buffers freed (CloseDevice);
 - an armed job blocks nothing else: another job's first epochs (its state
   allocated meanwhile) and SIGTERM;
+- one daemon for two GPUs (peer access), armed: the same bytes;
 - two daemons over NCCL (2 GPUs): the same bytes armed; a rank that leaves
   while armed fails the other rank's armed sync with an error, not a hang.
 
@@ -355,3 +356,27 @@ def test_armed_two_daemons_nccl(tmp_path):
     finally:
         for d in ds:
             d.stop()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_armed_one_daemon_two_gpus(start_daemon):
+    """One daemon (state on GPU 0) for trainers on GPU 0 and GPU 1, armed:
+    rank 1's slab is merged by peer access after its flag page passed;
+    the same bytes as the packed path, blocking and asynchronous."""
+    d = start_daemon("--cuda-device=0", env=ENV)
+    W = 2
+
+    def rank(r):
+        torch.cuda.set_device(r)
+        rng = np.random.default_rng(5000 + r)
+        cp, cd = d.client("pk1a", r, W), d.client("arm1", r, W)
+        for c in (cp, cd):
+            c.join()
+            c.register(TP.catalog(r))
+        assert cd.open_device(r).slab.device.index == r
+        got = armed_epochs(cp, cd, r, rng, 4, r == 1)  # rank 1 async
+        cp.close()
+        cd.close()
+        return got
+    print("one daemon, two GPUs, armed, same bytes:", run_ranks(rank, W))
+    assert "state on GPU 0" in d.log()

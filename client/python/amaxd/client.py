@@ -134,6 +134,7 @@ class Client:
         whole by the daemon, within its max_request_memory). Each request
         is atomic; the answer sums created and existing over all of them,
         with the catalog size after the last."""
+        self._not_armed("register")
         # Encoded by hand (wire.spec_bytes): building protobuf objects for
         # 100k quantizers costs seconds; this costs ~1 us each.
         cache: Dict[Any, bytes] = {}
@@ -414,6 +415,16 @@ class Client:
                 f"has_data={has_data}, epoch={epoch}")
         return True
 
+    def _not_armed(self, what: str) -> None:
+        """A Register or Reset of this rank waits for the epoch in flight,
+        which, armed, waits for this rank's next sync: refused here
+        instead of waiting for its own deadline."""
+        if self._armed is not None:
+            raise ValueError(
+                f"{what}: epoch {self._armed[3]} is armed for this rank and waits for its next "
+                "sync; the daemon would hold this call until that epoch ends. Sync first "
+                "(the last with reconcile_device(arm=False)), then " + what)
+
     def _check_arm(self, arm: bool, door: Any, bufs: Any, send: bool) -> None:
         if arm and (door is None or not self._signals(bufs) or not send):
             raise dv.DeviceUnavailable(
@@ -649,6 +660,8 @@ class Client:
         return epoch or 0
 
     def reset(self, names: Sequence[str] = (), drop_job: bool = False) -> pb.ResetResponse:
+        if not drop_job:
+            self._not_armed("reset")
         return self._unary("Reset", pb.ResetRequest(job=self.job, names=list(names),
                                                     drop_job=drop_job), pb.ResetResponse)
 
