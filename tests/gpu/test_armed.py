@@ -47,8 +47,8 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from test_device import (ARRAYS, ENV, host, long_kernel_setup, packed_and_device,  # noqa: E402
-                         run_ranks)
+from test_device import (ARRAYS, ENV, async_behind_kernel, daemons_per_gpu,  # noqa: E402,F401
+                         host, long_kernel_setup, packed_and_device, run_ranks)
 
 
 def wait_log(d, text, timeout=20.0):
@@ -147,22 +147,9 @@ def test_armed_async_returns_while_the_kernel_runs(start_daemon):
     # Epoch 3 of the reference: the same values again (max stays b).
     ref.send_packed(b)
     want3 = ref.reconcile_packed()
-    done_ev = torch.cuda.Event()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.stream(s):
-            torch.cuda._sleep(cycles)
-            torch.amax(stacked, dim=0, out=slab)  # b, behind the sleep
-            t0 = time.perf_counter()
-            p = c.reconcile_device_async(stream=s, arm=False)  # armed epoch 3; disarms
-            t1 = time.perf_counter()
-            answered_at_return = p.done()
-            for k in ARRAYS:
-                out[k].copy_(c._dev.answer[k])  # queued behind the done flag
-            done_ev.record(s)
-            kernel_running = not done_ev.query()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    # The armed epoch 3, behind the kernel; arm=False disarms.
+    p, t0, t1, answered_at_return, kernel_running = async_behind_kernel(c, s, slab, stacked,
+                                                                        cycles, out, arm=False)
     res = p.result(timeout=60)
     t2 = time.perf_counter()
     s.synchronize()
@@ -311,51 +298,45 @@ def test_armed_client_closed(start_daemon):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_armed_two_daemons_nccl(tmp_path):
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
-    from trainer_latency import start_daemons
-    ds = start_daemons(os.environ["AMAXD_BIN"], 2, str(tmp_path))
-    try:
-        W = 2
+def test_armed_two_daemons_nccl(daemons_per_gpu):
+    ds = daemons_per_gpu(2)
+    W = 2
 
-        def rank(r):
-            rng = np.random.default_rng(4000 + r)
-            cp, cd, _ = packed_and_device(ds, r, W, "pka", "arm2")
-            got = armed_epochs(cp, cd, r % TP.W, rng, 4, False)
-            cp.close()
-            cd.close()
-            return got
-        print("two daemons over NCCL, armed, same bytes:", run_ranks(rank, W))
+    def rank(r):
+        rng = np.random.default_rng(4000 + r)
+        cp, cd, _ = packed_and_device(ds[r].socket, r, W, "pka", "arm2")
+        got = armed_epochs(cp, cd, r % TP.W, rng, 4, False)
+        cp.close()
+        cd.close()
+        return got
+    print("two daemons over NCCL, armed, same bytes:", run_ranks(rank, W))
 
-        # Rank 1 leaves while armed; rank 0's armed sync fails, not hangs.
-        def leave(r):
-            torch.cuda.set_device(r)
-            c = amaxd.Client("lv", r, W, socket=ds[r].socket, timeout=60)
-            c.join()
-            c.register([amaxd.Quantizer("w", [16], amaxd.Recipe.fp8_current())])
-            c.open_device(r).slab.fill_(float(r + 1))
-            c.reconcile_device(arm=True)
-            torch.cuda.current_stream(r).synchronize()
-            if r == 1:
-                time.sleep(0.5)
-                c.close()
-                return None
-            t0 = time.perf_counter()
-            try:
-                c.reconcile_device(arm=True)
-                err = None
-            except errors.AmaxdError as e:
-                err = e
-            dt = time.perf_counter() - t0
+    # Rank 1 leaves while armed; rank 0's armed sync fails, not hangs.
+    def leave(r):
+        torch.cuda.set_device(r)
+        c = amaxd.Client("lv", r, W, socket=ds[r].socket, timeout=60)
+        c.join()
+        c.register([amaxd.Quantizer("w", [16], amaxd.Recipe.fp8_current())])
+        c.open_device(r).slab.fill_(float(r + 1))
+        c.reconcile_device(arm=True)
+        torch.cuda.current_stream(r).synchronize()
+        if r == 1:
+            time.sleep(0.5)
             c.close()
-            return err, dt
-        out = run_ranks(leave, W)
-        err, dt = out[0]
-        print(f"rank 1 left while armed: rank 0's armed sync answered after {dt:.2f} s: {err}")
-        assert err is not None and dt < 30, (err, dt)
-    finally:
-        for d in ds:
-            d.stop()
+            return None
+        t0 = time.perf_counter()
+        try:
+            c.reconcile_device(arm=True)
+            err = None
+        except errors.AmaxdError as e:
+            err = e
+        dt = time.perf_counter() - t0
+        c.close()
+        return err, dt
+    out = run_ranks(leave, W)
+    err, dt = out[0]
+    print(f"rank 1 left while armed: rank 0's armed sync answered after {dt:.2f} s: {err}")
+    assert err is not None and dt < 30, (err, dt)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -367,13 +348,9 @@ def test_armed_one_daemon_two_gpus(start_daemon):
     W = 2
 
     def rank(r):
-        torch.cuda.set_device(r)
         rng = np.random.default_rng(5000 + r)
-        cp, cd = d.client("pk1a", r, W), d.client("arm1", r, W)
-        for c in (cp, cd):
-            c.join()
-            c.register(TP.catalog(r))
-        assert cd.open_device(r).slab.device.index == r
+        cp, cd, bufs = packed_and_device(d.socket, r, W, "pk1a", "arm1")
+        assert bufs.slab.device.index == r
         got = armed_epochs(cp, cd, r, rng, 4, r == 1)  # rank 1 async
         cp.close()
         cd.close()

@@ -309,6 +309,31 @@ def test_no_host_sync_long_kernel(start_daemon):
     c.close()
 
 
+def async_behind_kernel(c, s, slab, stacked, cycles, out, **kw):
+    """On stream s: a ~1 s kernel, the slab's values (b) behind it, then
+    reconcile_device_async(**kw) and the answer copied into `out` behind
+    the done flag, under torch's sync debug mode "error". (pending, the
+    call's start and return times, whether it was answered when it
+    returned, whether the kernel still ran then)."""
+    done_ev = torch.cuda.Event()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(cycles)
+            torch.amax(stacked, dim=0, out=slab)  # b, behind the sleep
+            t0 = time.perf_counter()
+            p = c.reconcile_device_async(stream=s, **kw)
+            t1 = time.perf_counter()
+            answered = p.done()
+            for k in ARRAYS:
+                out[k].copy_(c._dev.answer[k])  # queued behind the done flag
+            done_ev.record(s)
+            running = not done_ev.query()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return p, t0, t1, answered, running
+
+
 def test_async_returns_while_the_kernel_runs(start_daemon):
     """The asynchronous variant: the call returns while the ~1 s kernel
     queued before it on the trainer's stream still runs; the results read
@@ -318,22 +343,8 @@ def test_async_returns_while_the_kernel_runs(start_daemon):
     d = start_daemon(env=ENV)
     ref, c, s, slab, stacked, b, b_d, cycles, out, want = long_kernel_setup(d)
     assert c._dev.signals and c._door is not None, "no doorbell or no signals on this GPU"
-    done_ev = torch.cuda.Event()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.stream(s):
-            torch.cuda._sleep(cycles)
-            torch.amax(stacked, dim=0, out=slab)  # b, behind the sleep
-            t0 = time.perf_counter()
-            p = c.reconcile_device_async(stream=s)
-            t1 = time.perf_counter()
-            answered_at_return = p.done()
-            for k in ARRAYS:
-                out[k].copy_(getattr(c._dev, "answer")[k])  # queued behind the done flag
-            done_ev.record(s)
-            kernel_running = not done_ev.query()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    p, t0, t1, answered_at_return, kernel_running = async_behind_kernel(c, s, slab, stacked,
+                                                                        cycles, out)
     res = p.result(timeout=60)
     t2 = time.perf_counter()
     s.synchronize()
@@ -797,13 +808,30 @@ def same_bytes_epochs(cp, cd, bufs, r, tp_rank, rng, epochs=3):
             assert np.asarray(getattr(rp, k)).tobytes() == host(getattr(rd, k)), (r, e, k)
 
 
-def packed_and_device(ds, r, W, packed_job, device_job):
-    """Rank r on GPU r through daemon ds[r]: a packed client and a device
-    client (jobs packed_job, device_job), joined and registered with the
-    packed tests' catalog, the device buffers open on GPU r."""
+@pytest.fixture
+def daemons_per_gpu(tmp_path):
+    """start(n): n daemons, one per GPU, NCCL between them
+    (bench/trainer_latency.py start_daemons), stopped after the test."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+    from trainer_latency import start_daemons
+    started = []
+
+    def start(n):
+        ds = start_daemons(os.environ["AMAXD_BIN"], n, str(tmp_path))
+        started.extend(ds)
+        return ds
+    yield start
+    for d in started:
+        d.stop()
+
+
+def packed_and_device(sock, r, W, packed_job, device_job):
+    """Rank r on GPU r through the daemon at `sock`: a packed client and a
+    device client (jobs packed_job, device_job), joined and registered
+    with the packed tests' catalog, the device buffers open on GPU r."""
     torch.cuda.set_device(r)
-    cp = amaxd.Client(packed_job, r, W, socket=ds[r].socket, timeout=120)
-    cd = amaxd.Client(device_job, r, W, socket=ds[r].socket, timeout=120)
+    cp = amaxd.Client(packed_job, r, W, socket=sock, timeout=120)
+    cd = amaxd.Client(device_job, r, W, socket=sock, timeout=120)
     for c in (cp, cd):
         c.join()
         c.register(TP.catalog(r % TP.W))
@@ -811,27 +839,21 @@ def packed_and_device(ds, r, W, packed_job, device_job):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_daemons_nccl_same_bytes(tmp_path):
+def test_two_daemons_nccl_same_bytes(daemons_per_gpu):
     """Two daemons, one per GPU, reconciling over NCCL; rank r on GPU r
     through daemon r: the device path gives the packed path's bytes."""
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
-    from trainer_latency import start_daemons
-    ds = start_daemons(os.environ["AMAXD_BIN"], 2, str(tmp_path))
-    try:
-        W = 2
+    ds = daemons_per_gpu(2)
+    W = 2
 
-        def rank(r):
-            rng = np.random.default_rng(2000 + r)
-            cp, cd, bufs = packed_and_device(ds, r, W, "pk2", "dv2")
-            assert bufs.slab.device.index == r
-            same_bytes_epochs(cp, cd, bufs, r, r % TP.W, rng)
-            cp.close()
-            cd.close()
-            return bufs.bus_id
-        print("two daemons over NCCL, same bytes; buffers on", run_ranks(rank, W))
-    finally:
-        for d in ds:
-            d.stop()
+    def rank(r):
+        rng = np.random.default_rng(2000 + r)
+        cp, cd, bufs = packed_and_device(ds[r].socket, r, W, "pk2", "dv2")
+        assert bufs.slab.device.index == r
+        same_bytes_epochs(cp, cd, bufs, r, r % TP.W, rng)
+        cp.close()
+        cd.close()
+        return bufs.bus_id
+    print("two daemons over NCCL, same bytes; buffers on", run_ranks(rank, W))
 
 
 def open_device_ranks(ds, job):
@@ -852,43 +874,37 @@ def open_device_ranks(ds, job):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_two_daemons_nccl_bad_slab_fails_everywhere(tmp_path):
+def test_two_daemons_nccl_bad_slab_fails_everywhere(daemons_per_gpu):
     """Two daemons over NCCL: a NaN in rank 0's device slab (daemon 0)
     fails the epoch on rank 1 too (daemon 1), with INVALID_ARGUMENT naming
     rank 0, instead of reconciling without the slab; the next epoch is
     right on both."""
-    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
-    from trainer_latency import start_daemons
-    ds = start_daemons(os.environ["AMAXD_BIN"], 2, str(tmp_path))
-    try:
-        W = 2
-        cs, bs = open_device_ranks(ds, "nan2")
+    ds = daemons_per_gpu(2)
+    W = 2
+    cs, bs = open_device_ranks(ds, "nan2")
 
-        def rec(r):
-            torch.cuda.set_device(r)
-            try:
-                res = cs[r].reconcile_device()
-                torch.cuda.current_stream(r).synchronize()
-                return res.amax.cpu().numpy().tolist()
-            except errors.AmaxdError as e:
-                return e
-        bs[0].slab.fill_(2.0)
-        bs[0].slab[3] = float("inf")
-        bs[1].slab.fill_(3.0)
-        r0, r1 = run_ranks(rec, W)
-        print(f"NaN/inf slab over NCCL: rank 0 {type(r0).__name__}: {str(r0)[:160]}")
-        print(f"                        rank 1 {type(r1).__name__}: {str(r1)[:160]}")
-        assert isinstance(r0, errors.InvalidArgument) and "cell 3" in r0.message, r0
-        assert isinstance(r1, errors.AmaxdError), f"rank 1 got an answer: {r1}"
-        assert "trainer rank 0" in r1.message, r1.message
-        bs[0].slab.fill_(4.0)
-        r0, r1 = run_ranks(rec, W)
-        assert r0 == r1 == [4.0] * 16, (r0, r1)
-        for c in cs:
-            c.close()
-    finally:
-        for d in ds:
-            d.stop()
+    def rec(r):
+        torch.cuda.set_device(r)
+        try:
+            res = cs[r].reconcile_device()
+            torch.cuda.current_stream(r).synchronize()
+            return res.amax.cpu().numpy().tolist()
+        except errors.AmaxdError as e:
+            return e
+    bs[0].slab.fill_(2.0)
+    bs[0].slab[3] = float("inf")
+    bs[1].slab.fill_(3.0)
+    r0, r1 = run_ranks(rec, W)
+    print(f"NaN/inf slab over NCCL: rank 0 {type(r0).__name__}: {str(r0)[:160]}")
+    print(f"                        rank 1 {type(r1).__name__}: {str(r1)[:160]}")
+    assert isinstance(r0, errors.InvalidArgument) and "cell 3" in r0.message, r0
+    assert isinstance(r1, errors.AmaxdError), f"rank 1 got an answer: {r1}"
+    assert "trainer rank 0" in r1.message, r1.message
+    bs[0].slab.fill_(4.0)
+    r0, r1 = run_ranks(rec, W)
+    assert r0 == r1 == [4.0] * 16, (r0, r1)
+    for c in cs:
+        c.close()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -984,13 +1000,8 @@ def test_one_daemon_two_gpus_same_bytes(start_daemon):
     W = 2
 
     def rank(r):
-        torch.cuda.set_device(r)
         rng = np.random.default_rng(3000 + r)
-        cp, cd = d.client("pk1", r, W), d.client("dv1", r, W)
-        for c in (cp, cd):
-            c.join()
-            c.register(TP.catalog(r))
-        bufs = cd.open_device(r)
+        cp, cd, bufs = packed_and_device(d.socket, r, W, "pk1", "dv1")
         assert bufs.slab.device.index == r
         same_bytes_epochs(cp, cd, bufs, r, r, rng)
         cp.close()
