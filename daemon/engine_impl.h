@@ -43,7 +43,7 @@ struct amx_engine {
     atomic_int expect, work;
     int busy_poll; /* config busy_poll: expect and expect_end spin */
     uint64_t epoch, deadline;
-    uint64_t armed_ms; /* amx_engine_start's */
+    uint64_t armed_ms;    /* amx_engine_start's */
     uint64_t start_epoch; /* the epoch handed to amx_engine_start (under mu) */
     /* The epoch this attempt became when it caught up (the peers' number
      * for it; 0: none; under mu), and whether it then failed for it. */
