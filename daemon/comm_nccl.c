@@ -327,9 +327,18 @@ static int poll_one(nreq_t *r)
             cudaError_t q = cudaEventQuery(r->ev);
             if (q == cudaSuccess) {
                 /* Kernels that NCCL stopped (a peer's failure) end too:
-                 * done only if the communicator is still sound. */
+                 * done only if the communicators are still sound, the
+                 * parent's too (the child shares its connections, so a
+                 * peer's failure may show on either). */
                 ncclResult_t after = ncclSuccess;
                 ncclCommGetAsyncError(c->fast ? c->fast : c->comm, &after);
+                if ((after == ncclSuccess || after == ncclInProgress) && c->fast != NULL &&
+                    c->comm != NULL) {
+                    ncclResult_t parent = ncclSuccess;
+                    ncclCommGetAsyncError(c->comm, &parent);
+                    if (parent != ncclSuccess && parent != ncclInProgress)
+                        after = parent;
+                }
                 if (after != ncclSuccess && after != ncclInProgress) {
                     const char *m = ncclGetErrorString(after);
                     kill_comm(c, m);

@@ -136,8 +136,8 @@ static int64_t get_pieces(const float *h, int at, int n, uint64_t *v)
     return 0;
 }
 
-static void make_header(float *h, uint64_t epoch, uint64_t hash, uint64_t gen, uint64_t cells,
-                        int flag)
+void amx__engine_make_header(float *h, uint64_t epoch, uint64_t hash, uint64_t gen, uint64_t cells,
+                             int flag)
 {
     memset(h, 0, AMX_HDR_CELLS * sizeof(float));
     put_pieces(h, H_EPOCH, epoch, 4);
@@ -444,37 +444,69 @@ static void mark_local_resets(amx_engine_t *e)
 
 /* ---- the epoch ---- */
 
+amx_hdr_verdict_t amx__engine_header_verdict(const float *h, uint64_t epoch, uint64_t hash,
+                                             uint64_t gen, uint64_t cells)
+{
+    uint64_t ep, hh, g, nc;
+    /* Exactly what the older header wrote (+1.0) from one daemon, the
+     * others' -HDR_VERSION: a daemon of that version. Any other value is
+     * not a version: a contribution that is missing (the poisoned 0), or
+     * the data of a collective stopped under way (a peer's abort, a
+     * communicator torn down), which can hold anything. */
+    if (h[H_VERSION] == 1.0f)
+        return AMX_HDR_OLD_VERSION;
+    if (h[H_VERSION] != -HDR_VERSION || get_pieces(h, H_EPOCH, 4, &ep) != 0 || ep != epoch)
+        return AMX_HDR_INCOMPLETE;
+    if (get_pieces(h, H_HASH, 4, &hh) != 0 || get_pieces(h, H_CELLS, 3, &nc) != 0 || nc != cells ||
+        hh != hash)
+        return AMX_HDR_CATALOG;
+    if (get_pieces(h, H_GEN, 4, &g) != 0 || g != gen)
+        return AMX_HDR_COMM;
+    return AMX_HDR_OK;
+}
+
 static amx_status_t check_header(amx_engine_t *e, const float *h, uint64_t cells, int *flag)
 {
     amx_job_t *j = e->job;
-    uint64_t ep, hash, gen, nc;
     unsigned long long epoch = (unsigned long long)e->epoch;
     /* A collective that "completes" without every daemon's contribution
      * (a daemon that died with the communicator, as NCCL peers can) must
      * be an error, never results: every field is checked against this
      * daemon's own, and the presence of all in the version cell. */
-    if (h[H_VERSION] > 0.0f)
+    amx_hdr_verdict_t v =
+        amx__engine_header_verdict(h, e->epoch, e->w_cat->hash, atomic_load(&e->comm_gen), cells);
+    if (v != AMX_HDR_OK && atomic_load(&e->abort_flag)) {
+        /* An abort came while the collective ran (its communicator torn
+         * down under it): that is the cause, not what its data says. */
+        AMX_WARN("epoch", "job %s, epoch %llu: the aborted collective's header was discarded",
+                 j->name, epoch);
+        return amx__engine_fail_aborted(e, "the collective");
+    }
+    switch (v) {
+    case AMX_HDR_OK:
+        break;
+    case AMX_HDR_OLD_VERSION:
         return amx__engine_fail(e, AMX_EINTERNAL,
                                 "job '%s': a daemon of another amaxd version took part in "
                                 "the collective",
                                 j->name);
-    if (h[H_VERSION] != -HDR_VERSION || get_pieces(h, H_EPOCH, 4, &ep) != 0 || ep != e->epoch)
+    case AMX_HDR_INCOMPLETE:
         return amx__engine_fail(e, AMX_EUNAVAIL,
                                 "job '%s', epoch %llu: the collective ended without a current "
-                                "contribution of every daemon (one died, restarted or left the "
-                                "communicator); the results were discarded and the daemons agree "
-                                "again at the next attempt",
+                                "contribution of every daemon (one died, restarted, aborted or "
+                                "left the communicator); the results were discarded and the "
+                                "daemons agree again at the next attempt",
                                 j->name, epoch);
-    if (get_pieces(h, H_HASH, 4, &hash) != 0 || get_pieces(h, H_CELLS, 3, &nc) != 0 ||
-        nc != cells || hash != e->w_cat->hash)
+    case AMX_HDR_CATALOG:
         return amx__engine_fail(e, AMX_EINTERNAL,
                                 "job '%s', epoch %llu: the daemons reduced different catalogs "
                                 "together (this must not happen; the results were discarded)",
                                 j->name, epoch);
-    if (get_pieces(h, H_GEN, 4, &gen) != 0 || gen != atomic_load(&e->comm_gen))
+    case AMX_HDR_COMM:
         return amx__engine_fail(e, AMX_EUNAVAIL,
                                 "job '%s', epoch %llu: the daemons used different communicators",
                                 j->name, epoch);
+    }
     *flag = h[H_FLAG] != 0.0f;
     return AMX_OK;
 }
@@ -489,7 +521,7 @@ static amx_status_t collective(amx_engine_t *e, int *flag)
     int want = !e->synced && (j->nprop > 0 || j->nreset > 0);
     if (e->comm->ops->soon != NULL)
         e->comm->ops->soon(e->comm); /* wakes the NCCL thread while we prepare */
-    make_header(hdr, e->epoch, e->w_cat->hash, atomic_load(&e->comm_gen), cells, want);
+    amx__engine_make_header(hdr, e->epoch, e->w_cat->hash, atomic_load(&e->comm_gen), cells, want);
     uint64_t tp = amx_now_us();
     amx_status_t st = j->state->ops->prepare(j->state, hdr, cells, &send, &recv, &stream, &err);
     if (st != AMX_OK)

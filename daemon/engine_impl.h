@@ -29,6 +29,21 @@ enum {
  * from an older version (1.0, written positive) shows. */
 #define HDR_VERSION 2.0f
 
+/* What a reduced header says, against this daemon's epoch, catalog hash,
+ * communicator generation and cell count (check_header). */
+typedef enum {
+    AMX_HDR_OK,
+    AMX_HDR_OLD_VERSION, /* a daemon of the older header (+1.0) took part */
+    AMX_HDR_INCOMPLETE,  /* a contribution missing, of another epoch, or garbage */
+    AMX_HDR_CATALOG,     /* every daemon there, with different catalogs */
+    AMX_HDR_COMM,        /* every daemon there, on different communicators */
+} amx_hdr_verdict_t;
+
+void amx__engine_make_header(float *h, uint64_t epoch, uint64_t hash, uint64_t gen, uint64_t cells,
+                             int flag);
+amx_hdr_verdict_t amx__engine_header_verdict(const float *h, uint64_t epoch, uint64_t hash,
+                                             uint64_t gen, uint64_t cells);
+
 struct amx_engine {
     amx_job_t *job;
     amx_engine_env_t env;

@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "engine_impl.h"
 #include "log.h"
 #include "snapshot.h"
 #include "unit_job.h"
@@ -325,6 +326,73 @@ START_TEST(fetch_without_a_published_state)
 }
 END_TEST
 
+/* The reduced header (engine_impl.h): the element-wise MAX of every
+ * daemon's, as the collective gives it. */
+static void hdr_max(float *into, const float *h)
+{
+    for (int i = 0; i < AMX_HDR_CELLS; i++)
+        into[i] = fmaxf(into[i], h[i]);
+}
+
+START_TEST(header_verdicts)
+{
+    const uint64_t ep = 7, hash = 0x1234abcd5678ef90ull, gen = 3, cells = 1000;
+    float mine[AMX_HDR_CELLS], peer[AMX_HDR_CELLS], r[AMX_HDR_CELLS];
+    amx__engine_make_header(mine, ep, hash, gen, cells, 0);
+    amx__engine_make_header(peer, ep, hash, gen, cells, 1);
+    memcpy(r, mine, sizeof(r));
+    hdr_max(r, peer);
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_OK);
+    ck_assert_float_eq(r[H_FLAG], 1.0f); /* some daemon asked for an agreement */
+
+    /* A daemon missing: its part of the receive buffer stayed poisoned (0). */
+    memcpy(r, mine, sizeof(r));
+    r[H_VERSION] = 0.0f;
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
+
+    /* A daemon of the older header wrote +1.0 there. */
+    memcpy(r, mine, sizeof(r));
+    r[H_VERSION] = fmaxf(r[H_VERSION], 1.0f);
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_OLD_VERSION);
+
+    /* A collective stopped under way (4 daemons over NCCL, one aborting an
+     * armed epoch, 2026-11-27) left any positive value there: incomplete,
+     * not "another version". */
+    memcpy(r, mine, sizeof(r));
+    r[H_VERSION] = 3.5e7f;
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
+    r[H_VERSION] = 2.0f;
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
+
+    /* Garbage in a piece of the epoch, or every daemon on another epoch. */
+    memcpy(r, mine, sizeof(r));
+    r[H_EPOCH + 1] = 17.0f;
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
+    amx__engine_make_header(r, ep + 1, hash, gen, cells, 0);
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
+    amx__engine_make_header(peer, ep - 1, hash, gen, cells, 0);
+    memcpy(r, mine, sizeof(r));
+    hdr_max(r, peer);
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
+
+    /* Every daemon there, different catalogs (hash or cells). */
+    amx__engine_make_header(peer, ep, hash ^ 0x10000ull, gen, cells, 0);
+    memcpy(r, mine, sizeof(r));
+    hdr_max(r, peer);
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_CATALOG);
+    amx__engine_make_header(peer, ep, hash, gen, cells + 1, 0);
+    memcpy(r, mine, sizeof(r));
+    hdr_max(r, peer);
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_CATALOG);
+
+    /* Every daemon there, different communicators. */
+    amx__engine_make_header(peer, ep, hash, gen + 1, cells, 0);
+    memcpy(r, mine, sizeof(r));
+    hdr_max(r, peer);
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_COMM);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("engine");
@@ -337,6 +405,7 @@ int main(void)
     tcase_add_test(tc, device_fault_fails_the_epoch);
     tcase_add_test(tc, reconciled_epoch_is_snapshotted);
     tcase_add_test(tc, fetch_without_a_published_state);
+    tcase_add_test(tc, header_verdicts);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
