@@ -128,7 +128,9 @@ static int64_t get_pieces(const float *h, int at, int n, uint64_t *v)
     uint64_t x = 0;
     for (int k = 0; k < n; k++) {
         float hi = h[at + k], lo = 65535.0f - h[at + n + k];
-        if (hi != lo)
+        /* A header of a collective stopped under way holds anything: a
+         * piece is a whole number of 0..65535 or the field is not one. */
+        if (hi != lo || !(hi >= 0.0f && hi <= 65535.0f) || (float)(uint32_t)hi != hi)
             return -1;
         x |= (uint64_t)hi << (16 * k);
     }
@@ -448,12 +450,13 @@ amx_hdr_verdict_t amx__engine_header_verdict(const float *h, uint64_t epoch, uin
                                              uint64_t gen, uint64_t cells)
 {
     uint64_t ep, hh, g, nc;
-    /* Exactly what the older header wrote (+1.0) from one daemon, the
-     * others' -HDR_VERSION: a daemon of that version. Any other value is
-     * not a version: a contribution that is missing (the poisoned 0), or
-     * the data of a collective stopped under way (a peer's abort, a
-     * communicator torn down), which can hold anything. */
-    if (h[H_VERSION] == 1.0f)
+    /* Exactly what the older header wrote (+1.0), with the same epoch
+     * (whose pieces it wrote the same way): a daemon of that version. Any
+     * other value is not a version: a contribution that is missing (the
+     * poisoned 0), or the data of a collective stopped under way (a
+     * peer's abort, a communicator torn down), which can hold anything,
+     * 1.0 included (a data cell's value). */
+    if (h[H_VERSION] == 1.0f && get_pieces(h, H_EPOCH, 4, &ep) == 0 && ep == epoch)
         return AMX_HDR_OLD_VERSION;
     if (h[H_VERSION] != -HDR_VERSION || get_pieces(h, H_EPOCH, 4, &ep) != 0 || ep != epoch)
         return AMX_HDR_INCOMPLETE;
@@ -494,9 +497,10 @@ static amx_status_t check_header(amx_engine_t *e, const float *h, uint64_t cells
         return amx__engine_fail(e, AMX_EUNAVAIL,
                                 "job '%s', epoch %llu: the collective ended without a current "
                                 "contribution of every daemon (one died, restarted, aborted or "
-                                "left the communicator); the results were discarded and the "
-                                "daemons agree again at the next attempt",
-                                j->name, epoch);
+                                "left the communicator; its header's version cell read %g); the "
+                                "results were discarded and the daemons agree again at the next "
+                                "attempt",
+                                j->name, epoch, (double)h[H_VERSION]);
     case AMX_HDR_CATALOG:
         return amx__engine_fail(e, AMX_EINTERNAL,
                                 "job '%s', epoch %llu: the daemons reduced different catalogs "

@@ -350,10 +350,15 @@ START_TEST(header_verdicts)
     r[H_VERSION] = 0.0f;
     ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
 
-    /* A daemon of the older header wrote +1.0 there. */
+    /* A daemon of the older header wrote +1.0 there (and its epoch's
+     * pieces as this one does). */
     memcpy(r, mine, sizeof(r));
     r[H_VERSION] = fmaxf(r[H_VERSION], 1.0f);
     ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_OLD_VERSION);
+    /* 1.0 with the epoch's pieces garbage: a data value, not a version
+     * (the GPU test's slabs hold 1.0). */
+    r[H_EPOCH] = 1.0f;
+    ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
 
     /* A collective stopped under way (4 daemons over NCCL, one aborting an
      * armed epoch, 2026-11-27) left any positive value there: incomplete,
@@ -368,6 +373,15 @@ START_TEST(header_verdicts)
     memcpy(r, mine, sizeof(r));
     r[H_EPOCH + 1] = 17.0f;
     ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
+    /* A piece and its complement that agree on what no piece can be
+     * (negative, fractional, past 65535): not a field. */
+    const float bad[] = {-3.0f, 0.5f, 70000.0f, NAN};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        memcpy(r, mine, sizeof(r));
+        r[H_EPOCH + 3] = bad[i];
+        r[H_EPOCH + 3 + 4] = 65535.0f - bad[i];
+        ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
+    }
     amx__engine_make_header(r, ep + 1, hash, gen, cells, 0);
     ck_assert_int_eq(amx__engine_header_verdict(r, ep, hash, gen, cells), AMX_HDR_INCOMPLETE);
     amx__engine_make_header(peer, ep - 1, hash, gen, cells, 0);
