@@ -30,7 +30,7 @@ el() { echo "[+$(( $(date +%s) - t0 )) s] $*"; }
 mps_on() { export CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d) CUDA_MPS_LOG_DIRECTORY=$(mktemp -d); nvidia-cuda-mps-control -d; }
 mps_off() { echo quit | nvidia-cuda-mps-control; sleep 1; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; }
 if [[ $steps == *" tests "* ]]; then
-  for g in 1 2 $n; do
+  for g in $(printf '%s\n' 1 2 "$n" | awk -v n="$n" '$1 <= n' | sort -un); do
     vis=$(seq -s, 0 $((g-1)))
     el "== test_device.py + test_armed.py on $g GPU(s) (CUDA_VISIBLE_DEVICES=$vis)"
     CUDA_VISIBLE_DEVICES=$vis AMAXD_BACKEND=cuda timeout 240 python3 -m pytest -q -s -rs -p no:cacheprovider \

@@ -19,9 +19,10 @@ the merge.
   the buffers freed (CloseDevice);
 - an armed job blocks nothing else: another job's first epochs (its state
   allocated meanwhile) and SIGTERM;
-- one daemon for two GPUs (peer access), armed: the same bytes;
-- two daemons over NCCL (2 GPUs): the same bytes armed; a rank that leaves
-  while armed fails the other rank's armed sync with an error, not a hang.
+- one daemon for every GPU (up to 4; peer access), armed: the same bytes;
+- one daemon per GPU over NCCL (every GPU, up to 4): the same bytes armed;
+  a rank that leaves while armed fails the other ranks' armed syncs with
+  ABORTED or UNAVAILABLE, not a hang.
 
 Run by tests/gpu/device.sh with test_device.py.
 """
