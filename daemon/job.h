@@ -184,6 +184,11 @@ typedef struct amx_job {
      * published, catalog order): j->prev_* may lag until the answers are
      * queued. */
     int prev_dev;
+    /* The host answers of the epoch being answered read the previous
+     * globals in place, from the output set behind the front (all
+     * published, catalog order, cat->n of them; amx_job_previous):
+     * j->prev_* lag until the answers are out. NULL otherwise. */
+    const float *prev_front_ga, *prev_front_gs;
     /* Per quantizer of cat (< pub_n): whether the front outputs hold a
      * global that an epoch published for it, rather than the placeholder
      * (0, 1) a layout change gives a quantizer new to it. NULL: all do. */
@@ -197,6 +202,25 @@ typedef struct amx_job {
 static inline int amx_job_published(const amx_job_t *j, uint32_t ci)
 {
     return j->pub_ok == NULL || (ci < j->pub_n && j->pub_ok[ci]);
+}
+
+/* The previous-epoch global amax and scale of quantizer `ci` of the
+ * installed catalog: 0 when there are none (a quantizer new to the
+ * catalog, the first epoch, a restore). */
+static inline int amx_job_previous(const amx_job_t *j, uint32_t ci, float *ga, float *gs)
+{
+    if (j->prev_front_ga != NULL) {
+        if (j->cat == NULL || ci >= j->cat->n)
+            return 0;
+        *ga = j->prev_front_ga[ci];
+        *gs = j->prev_front_gs[ci];
+        return 1;
+    }
+    if (ci >= j->prev_n || !j->prev_ok[ci])
+        return 0;
+    *ga = j->prev_ga[ci];
+    *gs = j->prev_gs[ci];
+    return 1;
 }
 
 /* The registry's own state (registry.c). */

@@ -434,28 +434,34 @@ static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res, con
     j->prev_n = n;
 }
 
-/* Whether the previous globals of this epoch's answers can come from the
- * device's output set behind the front once published (prev_dev): every
- * rank in Reconcile waits for a device answer (or for nothing), the front
- * set is the last finish's, of this catalog, and every global of it was
- * published. Then the host copy (save_previous) waits for the answers. */
-static int previous_on_device(const amx_job_t *j, const amx_epoch_result_t *res)
+/* Whether the previous globals of this epoch's answers can be read from
+ * the output set behind the front once published, so that the host copy
+ * (save_previous) waits for the answers: the front set is the last
+ * finish's, of this catalog, and every global of it was published. Then
+ * the device answers read them on the device (prev_dev; *all_device: every
+ * rank in Reconcile waits for one) and the others in place (prev_front_*:
+ * none does). A mix of both copies first. */
+static int previous_in_front(const amx_job_t *j, const amx_epoch_result_t *res, int *all_device)
 {
     const amx_state_t *st = j->state;
-    int f = st->front, ndev = 0;
+    int f = st->front, ndev = 0, nhost = 0;
     if (!j->front_finished || res->cat != NULL || j->pub_ok != NULL || j->cat == NULL ||
-        j->cat->n == 0 || st->g_amax[f] == NULL || st->out_nq[f] < j->cat->n ||
-        st->ops->dev_answer == NULL)
+        j->cat->n == 0 || st->g_amax[f] == NULL || st->g_scale[f] == NULL ||
+        st->out_nq[f] < j->cat->n)
         return 0;
     for (uint32_t i = 0; i < j->nlocal; i++) {
         const amx_lrank_t *r = &j->lr[i];
         if (!r->in_reconcile || r->rec_w == NULL)
             continue;
-        if (!r->rec_w->device_answer)
-            return 0;
-        ndev++;
+        if (r->rec_w->device_answer)
+            ndev++;
+        else
+            nhost++;
     }
-    return ndev > 0;
+    if (ndev > 0 && (nhost > 0 || st->ops->dev_answer == NULL))
+        return 0;
+    *all_device = ndev > 0;
+    return 1;
 }
 
 void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
@@ -467,10 +473,19 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
     j->in_flight = 0;
     j->prev_serial++; /* what follows may change the previous globals */
     j->prev_dev = 0;
+    j->prev_front_ga = j->prev_front_gs = NULL;
+    int prev_late = 0; /* save_previous after the answers */
     if (res->reconciled && !res->imported && !j->dropped && j->last_reconciled > 0) {
-        j->prev_dev = previous_on_device(j, res);
-        if (!j->prev_dev)
+        int all_device = 0;
+        prev_late = previous_in_front(j, res, &all_device);
+        if (!prev_late) {
             save_previous(j, f_prev);
+        } else if (all_device) {
+            j->prev_dev = 1;
+        } else {
+            j->prev_front_ga = j->state->g_amax[f_prev];
+            j->prev_front_gs = j->state->g_scale[f_prev];
+        }
     }
     /* Moves on below, after a reconciled epoch that changed nothing else. */
     j->front_finished = 0;
@@ -607,13 +622,15 @@ void amx__epoch_done(amx_registry_t *reg, amx_job_t *j)
             amx_arena_free(&a);
         }
         j->last_answered_us = amx_now_us();
-        if (j->prev_dev) {
-            /* The answers read them on the device; the host's copy now. */
+        if (prev_late) {
+            /* The answers read them on the device or in place; the host's
+             * copy now. */
+            j->prev_front_ga = j->prev_front_gs = NULL;
             save_previous(j, f_prev);
             j->prev_dev = 0;
         }
         j->front_finished = !res->imported && !installed;
-        if (ndev > 0 && amx_log_profiling())
+        if (amx_log_profiling())
             AMX_INFO("profile",
                      "job %s, epoch %llu answered: %llu us, device answers %llu us (%u rank(s)); "
                      "the loop took the epoch %llu us after the engine ended it, previous "

@@ -25,12 +25,9 @@
 static int previous_of(const amx_job_t *j, uint32_t lid, float *ga, float *gs)
 {
     const amx_lq_t *q = &j->lq[lid];
-    if (q->status != LQ_AGREED || q->cidx < 0 || (uint32_t)q->cidx >= j->prev_n ||
-        !j->prev_ok[q->cidx])
+    if (q->status != LQ_AGREED || q->cidx < 0)
         return 0;
-    *ga = j->prev_ga[q->cidx];
-    *gs = j->prev_gs[q->cidx];
-    return 1;
+    return amx_job_previous(j, (uint32_t)q->cidx, ga, gs);
 }
 
 /* Whether a cell of a[0..n) holds -inf. */
@@ -202,11 +199,11 @@ amx_status_t amx__build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r
     }
     amx__slab_globals(j, sl, p->g_amax, p->g_scale, p->g_inv, p->s_amax, p->s_scale, p->s_inv);
     for (uint32_t i = 0; i < sl->n; i++) {
-        uint32_t ci = sl->cidx[i];
-        int prev = ci < j->prev_n && j->prev_ok[ci];
+        float ga = 0.0f, gs = 0.0f;
+        int prev = sl->cidx[i] != UINT32_MAX && amx_job_previous(j, sl->cidx[i], &ga, &gs);
         p->has_previous[i] = (uint8_t)prev;
-        p->prev_amax[i] = prev ? j->prev_ga[ci] : 0.0f;
-        p->prev_scale[i] = prev ? j->prev_gs[ci] : 0.0f;
+        p->prev_amax[i] = prev ? ga : 0.0f;
+        p->prev_scale[i] = prev ? gs : 0.0f;
     }
     /* Only a peer group raises cells: the others' marks are 0. */
     uint64_t nfilled = 0;

@@ -45,3 +45,67 @@ def test_previous_globals_follow_a_reordered_catalog(daemon):
         again = c.get_scales()
         for n in got4:
             assert again[n].previous_global_amax == got4[n].previous_global_amax, n
+
+
+
+def test_previous_globals_of_steady_epochs_named_and_packed(daemon):
+    """Epochs of one catalog after another, answered while the previous
+    globals are read in place from the output set behind the front (the
+    host copy is made after the answers): every epoch's previous globals
+    are the epoch before's globals, for a named rank and a packed rank of
+    the same job, and GetScales between epochs (the host copy) agrees."""
+    import threading
+    R = amaxd.Recipe
+    qs = [amaxd.Quantizer(f"s.{i:02d}", [] if i % 3 else [3], R.fp8_current(),
+                          accumulation=amaxd.PER_EPOCH) for i in range(12)]
+    rng = np.random.default_rng(7)
+    epochs = [{q.name: (rng.random(3, dtype=np.float32) * (e + 1) if q.global_shape
+                        else np.float32(rng.random() * (e + 1))) for q in qs} for e in range(6)]
+    got_named, got_packed, again, errs = [], [], [], []
+
+    def named_rank():
+        with daemon.client("steady", 0, 2) as c:
+            c.join()
+            c.register(qs)
+            for vals in epochs:
+                c.send(vals)
+                got_named.append(c.reconcile())
+                again.append(c.get_scales())
+
+    def packed_rank():
+        with daemon.client("steady", 1, 2) as c:
+            c.join()
+            c.register(qs)
+            L = c.layout()
+            for vals in epochs:
+                c.send_packed(L.pack(vals)[0], None)
+                got_packed.append((L.names, c.reconcile_packed()))
+
+    def body(fn):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errs.append(e)
+    ts = [threading.Thread(target=body, args=(f,)) for f in (named_rank, packed_rank)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errs:
+        raise errs[0]
+    assert len(got_named) == len(got_packed) == len(epochs)
+    for e, (got, (names, pk)) in enumerate(zip(got_named, got_packed)):
+        for i, name in enumerate(names):
+            assert got[name].global_amax == pk.global_amax[i], (e, name)
+            if e == 0:
+                assert got[name].previous_global_amax is None, name
+                assert not pk.has_previous[i], name
+                continue
+            before = got_named[e - 1][name]
+            assert got[name].previous_global_amax == before.global_amax, (e, name)
+            assert got[name].previous_global_scale == before.global_scale, (e, name)
+            assert pk.has_previous[i], (e, name)
+            assert pk.previous_global_amax[i] == before.global_amax, (e, name)
+            assert pk.previous_global_scale[i] == before.global_scale, (e, name)
+        for name in got:
+            assert again[e][name].previous_global_amax == got[name].previous_global_amax, name
