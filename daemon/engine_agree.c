@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <math.h>
 
@@ -249,6 +250,21 @@ static int engine_watch(void *ud, char *why, size_t len)
     return gone;
 }
 
+/* Tests only: AMAXD_TEST_RENDEZVOUS_PAUSE="R:MS" makes the daemon of
+ * cluster rank R wait MS ms before its rendezvous (a window for a test to
+ * kill it there), with a log line. */
+static void test_rendezvous_pause(amx_engine_t *e)
+{
+    const char *v = getenv("AMAXD_TEST_RENDEZVOUS_PAUSE");
+    unsigned rank, ms;
+    if (v == NULL || sscanf(v, "%u:%u", &rank, &ms) != 2 || rank != amx_peer_id(e->env.peer)->rank)
+        return;
+    AMX_WARN("engine", "job %s: AMAXD_TEST_RENDEZVOUS_PAUSE: waiting %u ms before the rendezvous",
+             e->job->name, ms);
+    struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
 static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
 {
     amx_job_t *j = e->job;
@@ -263,7 +279,8 @@ static amx_status_t make_comm(amx_engine_t *e, const amx_sync_result_t *sr)
     snprintf(prefix, sizeof(prefix), "comm/%s/%016" PRIx64 "/%" PRIu64 "/", j->name, sr->coord_inc,
              sr->comm_gen);
     amx_kv_t kv;
-    amx_peer_kv(e->env.peer, &e->abort_flag, &kv);
+    amx_peer_kv(e->env.peer, &e->abort_flag, e->watch.n > 0 ? engine_watch : NULL, e, &kv);
+    test_rendezvous_pause(e);
     amx_comm_params_t p = {
         .rank = me,
         .size = (int)sr->members.npart,

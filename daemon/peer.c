@@ -967,6 +967,9 @@ fail:
 typedef struct kv_ctx {
     amx_peer_t *p;
     const atomic_int *abort;
+    /* Asked between slices of a get's wait (comm.h's watch; NULL: none). */
+    int (*watch)(void *ud, char *why, size_t len);
+    void *watch_ud;
 } kv_ctx_t;
 
 static amx_status_t kv_set(void *ud, const char *key, const void *val, size_t len, amx_err_t *err)
@@ -993,8 +996,25 @@ static amx_status_t kv_get(void *ud, const char *key, uint64_t deadline, void **
     q.key = (char *)key;
     uint8_t *out = NULL;
     size_t olen = 0;
-    amx_status_t st = call_coord(k->p, SVC "KvGet", &q.base, 0, &q.timeout_ms, deadline,
-                                 deadline + 1000, k->abort, &out, &olen, err);
+    amx_status_t st;
+    for (;;) {
+        /* With a watch, the wait goes in slices: a participant that died
+         * before it published its key (an address, the NCCL unique id) is
+         * found by its ring neighbours' pings between them, not at the
+         * deadline. */
+        uint64_t now = amx_now_ms(), until = deadline;
+        if (k->watch != NULL && deadline > now + AMX_COMM_WATCH_MS)
+            until = now + AMX_COMM_WATCH_MS;
+        st = call_coord(k->p, SVC "KvGet", &q.base, 0, &q.timeout_ms, until, until + 1000, k->abort,
+                        &out, &olen, err);
+        if (st != AMX_ETIMEDOUT || until >= deadline)
+            break;
+        amx_err_clear(err); /* the slice's "not set in time" */
+        char why[256] = "";
+        if (k->watch(k->watch_ud, why, sizeof(why)))
+            return amx_err_set(err, AMX_EUNAVAIL, "%s (while the rendezvous waited for '%s')", why,
+                               key);
+    }
     if (st != AMX_OK)
         return st;
     Amaxd__Peer__V1__KvGetResponse *r = amaxd__peer__v1__kv_get_response__unpack(NULL, olen, out);
@@ -1017,10 +1037,13 @@ static amx_status_t kv_get(void *ud, const char *key, uint64_t deadline, void **
  * its context lives in thread-local storage for as long as that takes. */
 static _Thread_local kv_ctx_t tls_kv;
 
-void amx_peer_kv(amx_peer_t *p, const atomic_int *abort, amx_kv_t *kv)
+void amx_peer_kv(amx_peer_t *p, const atomic_int *abort, int (*watch)(void *, char *, size_t),
+                 void *watch_ud, amx_kv_t *kv)
 {
     tls_kv.p = p;
     tls_kv.abort = abort;
+    tls_kv.watch = watch;
+    tls_kv.watch_ud = watch_ud;
     kv->ud = &tls_kv;
     kv->set = kv_set;
     kv->get = kv_get;

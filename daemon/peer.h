@@ -134,8 +134,12 @@ void amx_sync_result_free(amx_sync_result_t *r);
 amx_status_t amx_peer_call_sync(amx_peer_t *p, const amx_coord_sync_req_t *req,
                                 const atomic_int *abort, amx_sync_result_t *res, amx_err_t *err);
 
-/* A rendezvous store on the coordinator's key-value store (comm.h). */
-void amx_peer_kv(amx_peer_t *p, const atomic_int *abort, amx_kv_t *kv);
+/* A rendezvous store on the coordinator's key-value store (comm.h). Its
+ * gets end early on *abort, or when `watch` (if not NULL; comm.h's, asked
+ * every AMX_COMM_WATCH_MS of a get's wait) says a participant is gone:
+ * EUNAVAIL with the watch's reason. */
+void amx_peer_kv(amx_peer_t *p, const atomic_int *abort, int (*watch)(void *, char *, size_t),
+                 void *watch_ud, amx_kv_t *kv);
 
 /* The state a donor published for agreement `seq` of `job` (malloc'd). */
 amx_status_t amx_peer_call_fetch(amx_peer_t *p, const char *addr, const char *job, uint64_t seq,

@@ -115,6 +115,104 @@ def test_daemon_killed_during_epoch_then_restarted(make_cluster):
         cl.close()
 
 
+def test_daemon_killed_in_the_rendezvous(make_cluster):
+    """A daemon that dies after the agreement, before it published its part
+    of the rendezvous (its Gloo address; over NCCL it is then missing from
+    the communicator's init): the others' trainers get UNAVAILABLE naming
+    it once its ring neighbours' pings fail, far before the 20 s deadline
+    (before, a rendezvous get waited for the deadline). The daemon's pause
+    there is a test hook (AMAXD_TEST_RENDEZVOUS_PAUSE)."""
+    n = max_daemons(3)
+    last = n - 1
+    deadline_ms = 20000
+    c = make_cluster(n, f"--reconcile-timeout-ms={deadline_ms}",
+                     env={"AMAXD_TEST_RENDEZVOUS_PAUSE": f"{last}:60000"})
+    qs = [Q("w", [3]), Q("x")]
+    vals = lambda r: {"w": np.array([r + 1, 10 - r, 5], np.float32), "x": np.float32(r * 2)}
+    clients = [amaxd.Client("rv", r, n, socket=c.socket(r), timeout=60) for r in range(n)]
+    res = {}
+
+    def rank(r):
+        clients[r].join()
+        clients[r].register(qs)
+        clients[r].send(vals(r))
+        try:
+            res[r] = clients[r].reconcile()
+        except amaxd.AmaxdError as e:
+            res[r] = e
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    [t.start() for t in ts]
+    limit = time.monotonic() + 30
+    while "waiting 60000 ms before the rendezvous" not in c[last].log():
+        assert time.monotonic() < limit, c.logs()
+        time.sleep(0.05)
+    time.sleep(0.3)  # the others are in the rendezvous now
+    killed = time.monotonic()
+    c.kill(last)
+    for r in range(last):
+        ts[r].join(deadline_ms / 1000 + 10)
+    assert not any(ts[r].is_alive() for r in range(last)), "a trainer hangs"
+    elapsed = time.monotonic() - killed
+    for r in range(last):
+        e = res[r]
+        assert isinstance(e, amaxd.errors.Unavailable), (r, e, c.logs())
+        assert f"daemon {last}" in e.message, (r, e.message)
+    print(f"\n{COLLECTIVE}: the others' errors {elapsed:.2f} s after the kill in the rendezvous: "
+          f"{res[0].message[:300]}")
+    assert elapsed < 6, f"the errors came {elapsed:.2f} s after the kill (deadline 20 s)"
+    if COLLECTIVE == "gloo":
+        assert any("while the rendezvous waited for" in c[i].log() for i in range(last)), c.logs()
+    # Restarted without the pause, the daemon (empty) and its trainer join
+    # again; every rank gets epoch 1.
+    c.env = None
+    c.start(last)
+    ts[last].join(10)
+    clients[last].close()
+    clients[last] = amaxd.Client("rv", last, n, socket=c.socket(last), timeout=60)
+
+    def again(r):
+        if r == last:
+            clients[r].join()
+            clients[r].register(qs)
+            clients[r].send(vals(r))
+            return reconcile_as_trainer(clients[r], resend=vals(r))[0]
+        return reconcile_as_trainer(clients[r], resend=vals(r))[0]
+    out, errs = run_threads({r: (lambda r=r: again(r)) for r in range(n)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    w = np.max([vals(r)["w"] for r in range(n)], axis=0)
+    for r in range(n):
+        assert out[r]["w"].amax.tobytes() == w.tobytes(), (r, out[r]["w"].amax, w)
+    for cl in clients:
+        cl.close()
+
+
+def test_slow_daemon_in_the_rendezvous_is_waited_for(make_cluster):
+    """A daemon alive but slow to publish its part of the rendezvous (1.5 s,
+    several of the watch's 0.4 s slices): the others wait for it (their
+    pings succeed) and the epoch is reconciled everywhere."""
+    n = max_daemons(3)
+    last = n - 1
+    c = make_cluster(n, "--reconcile-timeout-ms=20000",
+                     env={"AMAXD_TEST_RENDEZVOUS_PAUSE": f"{last}:1500"})
+    qs = [Q("w", [3])]
+    clients = [amaxd.Client("sl", r, n, socket=c.socket(r), timeout=60) for r in range(n)]
+
+    def rank(r):
+        clients[r].join()
+        clients[r].register(qs)
+        clients[r].send({"w": np.array([r, 2 * r, 7], np.float32)})
+        return clients[r].reconcile()
+    t0 = time.monotonic()
+    out, errs = run_threads({r: (lambda r=r: rank(r)) for r in range(n)})
+    assert not errs, f"{errs}\n{c.logs()}"
+    assert time.monotonic() - t0 >= 1.5
+    assert "waiting 1500 ms before the rendezvous" in c[last].log()
+    want = np.array([last, 2 * last, 7], np.float32).tobytes()
+    assert all(out[r]["w"].amax.tobytes() == want for r in range(n)), out
+    for cl in clients:
+        cl.close()
+
+
 def test_trainer_that_never_reconciles_is_named(make_cluster):
     c = make_cluster(2, f"--reconcile-timeout-ms={TIMEOUT_MS}")
     clients = [amaxd.Client("n", r, 4, socket=c.socket(r // 2), timeout=30) for r in range(4)]
