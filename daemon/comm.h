@@ -42,7 +42,10 @@ typedef struct amx_kv {
     /* Stores `len` bytes under `key` (replacing any old value). */
     amx_status_t (*set)(void *ud, const char *key, const void *val, size_t len, amx_err_t *err);
     /* Waits until `key` exists or the CLOCK_MONOTONIC time `deadline_ms`
-     * passes (ETIMEDOUT); on AMX_OK *val is malloc'd (the caller frees it). */
+     * passes (ETIMEDOUT); ends early with EABORTED (the caller's abort) or,
+     * where the store has a watch (peer.h amx_peer_kv), EUNAVAIL naming a
+     * participant that is gone. On AMX_OK *val is malloc'd (the caller
+     * frees it). */
     amx_status_t (*get)(void *ud, const char *key, uint64_t deadline_ms, void **val, size_t *len,
                         amx_err_t *err);
 } amx_kv_t;
@@ -107,9 +110,10 @@ typedef struct amx_comm_params {
     int (*aborted)(void *ud);
     void *abort_ud;
     /* Optional (nccl, which does not notice a dead peer: its collectives
-     * wait for the deadline): called on the calling thread about every
-     * AMX_COMM_WATCH_MS while the create, or any later all-reduce, has
-     * waited that long; it may block for a ping round and a TCP connect
+     * wait for the deadline; the engine gives the same function to the
+     * rendezvous store, whose gets both backends make): called on the
+     * calling thread about every AMX_COMM_WATCH_MS while the create, or any
+     * later all-reduce, has waited that long; it may block for a ping round and a TCP connect
      * (AMX_COMM_WATCH_MS / 2 each at most; no name lookup). Non-zero: a
      * participant is gone (`why`, a sentence naming it); the operation is
      * aborted and fails with EUNAVAIL and that sentence. Kept for the

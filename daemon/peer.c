@@ -1010,7 +1010,10 @@ static amx_status_t kv_get(void *ud, const char *key, uint64_t deadline, void **
         if (st != AMX_ETIMEDOUT || until >= deadline)
             break;
         amx_err_clear(err); /* the slice's "not set in time" */
-        char why[256] = "";
+        if (k->abort != NULL && atomic_load(k->abort))
+            return amx_err_set(err, AMX_EABORTED, "aborted while the rendezvous waited for '%s'",
+                               key);
+        char why[512] = "";
         if (k->watch(k->watch_ud, why, sizeof(why)))
             return amx_err_set(err, AMX_EUNAVAIL, "%s (while the rendezvous waited for '%s')", why,
                                key);

@@ -362,11 +362,6 @@ void amx__install_catalog(amx_registry_t *reg, amx_job_t *j, amx_epoch_result_t 
     (void)reg;
 }
 
-/* Keeps the published global amax and scale of every quantizer of the
- * catalog (the front outputs, made in the installed catalog's layout) as
- * the previous epoch's, in catalog order, before the epoch that just ended
- * is published: two copies of the catalog's globals, no per-quantizer work
- * (amx__install_catalog carries them over to a new catalog's order). */
 /* Room for the previous globals of n quantizers (-1: out of memory; the
  * three arrays share prev_cap, which moves once all have grown). */
 static int reserve_previous(amx_job_t *j, uint32_t n)
@@ -380,8 +375,13 @@ static int reserve_previous(amx_job_t *j, uint32_t n)
     return 0;
 }
 
-/* The previous globals (j->prev_*) from output set f, the front before
- * this epoch's publish. */
+/* Keeps the published global amax and scale of every quantizer of the
+ * catalog (output set f, the front before this epoch's publish, made in
+ * the installed catalog's layout) as the previous epoch's (j->prev_*), in
+ * catalog order: two copies of the catalog's globals, no per-quantizer
+ * work (amx__install_catalog carries them over to a new catalog's order).
+ * Before the answers, or after them when they read the set in place
+ * (previous_in_front). */
 static void save_previous(amx_job_t *j, int f)
 {
     amx_state_t *st = j->state;
@@ -440,7 +440,10 @@ static void previous_from_donor(amx_job_t *j, const amx_epoch_result_t *res, con
  * finish's, of this catalog, and every global of it was published. Then
  * the device answers read them on the device (prev_dev; *all_device: every
  * rank in Reconcile waits for one) and the others in place (prev_front_*:
- * none does). A mix of both copies first. */
+ * none does). A mix of both copies first. The other readers of j->prev_*
+ * cannot run before the late copy: amx__install_catalog only with a new
+ * catalog (res->cat, excluded here), the engine's publish_state only in a
+ * later epoch (the next starts under the loop lock, after this returns). */
 static int previous_in_front(const amx_job_t *j, const amx_epoch_result_t *res, int *all_device)
 {
     const amx_state_t *st = j->state;

@@ -200,7 +200,7 @@ amx_status_t amx__build_packed(amx_registry_t *reg, amx_job_t *j, amx_lrank_t *r
     amx__slab_globals(j, sl, p->g_amax, p->g_scale, p->g_inv, p->s_amax, p->s_scale, p->s_inv);
     for (uint32_t i = 0; i < sl->n; i++) {
         float ga = 0.0f, gs = 0.0f;
-        int prev = sl->cidx[i] != UINT32_MAX && amx_job_previous(j, sl->cidx[i], &ga, &gs);
+        int prev = amx_job_previous(j, sl->cidx[i], &ga, &gs); /* UINT32_MAX: none */
         p->has_previous[i] = (uint8_t)prev;
         p->prev_amax[i] = prev ? ga : 0.0f;
         p->prev_scale[i] = prev ? gs : 0.0f;
