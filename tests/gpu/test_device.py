@@ -841,6 +841,19 @@ def packed_and_device(sock, r, W, packed_job, device_job):
     return cp, cd, cd.open_device(r)
 
 
+def same_bytes_rank(sock, r, W, packed_job, device_job, seed):
+    """Rank r on GPU r through the daemon at `sock` (packed_and_device):
+    epochs of the packed tests' contributions (rank r % TP.W's shards),
+    the device answer equal to the packed one; returns its buffers' bus id."""
+    rng = np.random.default_rng(seed + r)
+    cp, cd, bufs = packed_and_device(sock, r, W, packed_job, device_job)
+    assert bufs.slab.device.index == r
+    same_bytes_epochs(cp, cd, bufs, r, r % TP.W, rng)
+    cp.close()
+    cd.close()
+    return bufs.bus_id
+
+
 @pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
 def test_daemons_per_gpu_nccl_same_bytes(daemons_per_gpu):
     """One daemon per GPU (every GPU, up to 4), reconciling over NCCL; rank
@@ -850,15 +863,7 @@ def test_daemons_per_gpu_nccl_same_bytes(daemons_per_gpu):
     W = NGPU
     ds = daemons_per_gpu(W)
 
-    def rank(r):
-        rng = np.random.default_rng(2000 + r)
-        cp, cd, bufs = packed_and_device(ds[r].socket, r, W, "pk2", "dv2")
-        assert bufs.slab.device.index == r
-        same_bytes_epochs(cp, cd, bufs, r, r % TP.W, rng)
-        cp.close()
-        cd.close()
-        return bufs.bus_id
-    buses = run_ranks(rank, W)
+    buses = run_ranks(lambda r: same_bytes_rank(ds[r].socket, r, W, "pk2", "dv2", 2000), W)
     print(f"{W} daemons over NCCL, same bytes; buffers on", buses)
     assert len(set(buses)) == W
 
@@ -1006,15 +1011,7 @@ def test_one_daemon_all_gpus_same_bytes(start_daemon):
     d = start_daemon("--cuda-device=0", env=ENV)
     W = NGPU
 
-    def rank(r):
-        rng = np.random.default_rng(3000 + r)
-        cp, cd, bufs = packed_and_device(d.socket, r, W, "pk1", "dv1")
-        assert bufs.slab.device.index == r
-        same_bytes_epochs(cp, cd, bufs, r, r % TP.W, rng)
-        cp.close()
-        cd.close()
-        return bufs.bus_id
-    buses = run_ranks(rank, W)
+    buses = run_ranks(lambda r: same_bytes_rank(d.socket, r, W, "pk1", "dv1", 3000), W)
     print(f"one daemon, {W} GPUs (peer access), same bytes; buffers on", buses)
     assert len(set(buses)) == W
     assert "state on GPU 0" in d.log()
