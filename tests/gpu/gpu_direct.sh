@@ -7,7 +7,9 @@
 #             (CUDA_VISIBLE_DEVICES), then the outside checks
 #             (tests/gpu/outside/armed_check.py, device_check.py)
 #     cluster the cluster suite (tests/cluster), one daemon per GPU, NCCL
-#             (CLUSTER_LIMIT seconds, default 500)
+#             (CLUSTER_LIMIT seconds, default 500; CLUSTER_FILES, default
+#             ".", the test files of this call: the whole suite takes more
+#             than one call)
 #     lat     bench/trainer_latency.py, LAT_RUNS runs (default "1 2 3"),
 #             gRPC, shm, device, async and armed paths, three catalog sizes
 #     mps     the same under MPS (a private nvidia-cuda-mps-control -d,
@@ -48,8 +50,8 @@ fi
 if [[ $steps == *" cluster "* ]]; then
   el "== cluster suite: $n daemons, NCCL + CUDA"
   cd tests/cluster && AMAXD_CLUSTER_COLLECTIVE=nccl AMAXD_CLUSTER_BACKEND=cuda AMAXD_CLUSTER_GPUS=$n \
-    timeout ${CLUSTER_LIMIT:-500} python3 -m pytest -q -rs -p no:cacheprovider . > "$OUT/cluster.txt" 2>&1
-  echo "rc=$?"; tail -4 "$OUT/cluster.txt"; cd "$root"; el done
+    timeout ${CLUSTER_LIMIT:-500} python3 -m pytest -q -rs -p no:cacheprovider --durations=5 ${CLUSTER_FILES:-.} > "$OUT/cluster.txt" 2>&1
+  echo "rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/cluster.txt" | head; tail -12 "$OUT/cluster.txt"; cd "$root"; el done
 fi
 lat() { # tag args...
   local tag=$1; shift
