@@ -10,6 +10,9 @@
 #             (CLUSTER_LIMIT seconds, default 500; CLUSTER_FILES, default
 #             ".", the test files of this call: the whole suite takes more
 #             than one call)
+#     e2e     tests/e2e files (E2E_FILES, default test_previous.py
+#             test_packed.py test_shm.py test_named_wire.py) against daemons
+#             on the CUDA backend (GPU 0)
 #     lat     bench/trainer_latency.py, LAT_RUNS runs (default "1 2 3"),
 #             gRPC, shm, device, async and armed paths, three catalog sizes
 #     mps     the same under MPS (a private nvidia-cuda-mps-control -d,
@@ -52,6 +55,12 @@ if [[ $steps == *" cluster "* ]]; then
   cd tests/cluster && AMAXD_CLUSTER_COLLECTIVE=nccl AMAXD_CLUSTER_BACKEND=cuda AMAXD_CLUSTER_GPUS=$n \
     timeout ${CLUSTER_LIMIT:-500} python3 -m pytest -q -rs -p no:cacheprovider --durations=5 ${CLUSTER_FILES:-.} > "$OUT/cluster.txt" 2>&1
   echo "rc=$?"; grep -E "^FAILED|^ERROR" "$OUT/cluster.txt" | head; tail -12 "$OUT/cluster.txt"; cd "$root"; el done
+fi
+if [[ $steps == *" e2e "* ]]; then
+  el "== tests/e2e on the CUDA backend: ${E2E_FILES:=test_previous.py test_packed.py test_shm.py test_named_wire.py}"
+  (cd tests/e2e && CUDA_VISIBLE_DEVICES=0 AMAXD_BACKEND=cuda timeout ${E2E_LIMIT:-240} python3 -m pytest -q -rs \
+    -p no:cacheprovider $E2E_FILES) > "$OUT/e2e.txt" 2>&1
+  echo "rc=$?"; grep -E "^FAILED|^ERROR|^SKIPPED" "$OUT/e2e.txt" | head; tail -3 "$OUT/e2e.txt"; el done
 fi
 lat() { # tag args...
   local tag=$1; shift
