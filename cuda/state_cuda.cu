@@ -48,7 +48,8 @@ struct fin_args {
     uint8_t *o_bytes, *o_filled;
     unsigned long long *d_counts, *h_counts;
     float *g_amax, *g_scale, *g_inv, *s_amax, *s_scale, *s_inv; /* pinned host results */
-    int uva; /* the pinned results are written by a kernel (k_copy_out), not copied */
+    int uva;  /* the pinned results are written by a kernel (k_copy_out), not copied */
+    int fuse; /* scales of scales_in_accumulate quantizers written by k_accumulate */
 };
 
 struct fin_graph {
@@ -161,6 +162,7 @@ typedef struct cuda_state {
     struct fin_graph graphs[4];
     uint64_t graph_clock;
     int graphs_off; /* AMAXD_FINISH_GRAPH=0, or a capture failed */
+    int fuse;       /* finish_launch's fin_args.fuse */
 } cuda_state_t;
 
 /* Stream s waits for the device slabs merged into the in-flight buffer. */
@@ -332,6 +334,17 @@ __device__ __forceinline__ void publish_q(const amx_qdesc_t *qs, uint32_t mq, fl
         empty[mq] = 1;
 }
 
+/* A quantizer whose per-cell scales need nothing but the cell's own amax
+ * (and its previous scale): no peer stage, and a format whose cell scale
+ * does not read the quantizer's or a slice's global (FP8, MXFP8; NVFP4's
+ * block scales do). With the fused finish, k_accumulate writes its scales
+ * as it writes its amax, and k_scales skips it: one pass over its cells
+ * instead of two. */
+__device__ __forceinline__ int scales_in_accumulate(const amx_qdesc_t *q)
+{
+    return q->peer_group < 0 && q->recipe.format != AMX_FMT_NVFP4;
+}
+
 /*
  * Accumulates the reduced values into the running state and writes each
  * cell's amax. Each thread keeps a running max of its cells of one
@@ -340,12 +353,16 @@ __device__ __forceinline__ void publish_q(const amx_qdesc_t *qs, uint32_t mq, fl
  * `empty`. Inside a large tensor every lane of a warp ends on the same
  * quantizer: the warp then publishes once (atomics on one address
  * serialize). `clear`, when set, is the next epoch's pending buffer, reset
- * here rather than by a pass of its own.
+ * here rather than by a pass of its own. `fuse`: the cells of quantizers
+ * that scales_in_accumulate also get their scales here (amx_pp_cell, as in
+ * k_scales), and their cells without data are counted into counts[1].
  */
 __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells,
                              const float *pending, float *accum, float *hist, float *out_amax,
                              float *peer_max, float *gamax, uint8_t *empty, float *clear,
-                             const uint32_t *chunkq, const float *ovr)
+                             const uint32_t *chunkq, const float *ovr, int fuse, float *prev,
+                             float *out_scale, float *out_inv, uint8_t *out_bytes,
+                             uint8_t *out_filled, unsigned long long *counts)
 {
     uint32_t qi = chunk_q(qs, nq, chunkq);
     uint64_t base = (uint64_t)blockIdx.x * CHUNK + threadIdx.x;
@@ -371,6 +388,7 @@ __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells
     float m = AMX_NEG_INF;
     uint32_t mq = qi;
     int e = 0;
+    unsigned long long nmiss = 0;
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
         uint64_t i = base + (uint64_t)k * THREADS;
@@ -395,6 +413,18 @@ __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells
                 a = o;
         }
         out_amax[i] = a;
+        if (fuse && scales_in_accumulate(q)) {
+            float sc, inv;
+            uint8_t b;
+            /* The global arguments are not read for these formats. */
+            amx_pp_cell(&q->recipe, a, 0.0f, 0.0f, 0.0f, &prev[i], &sc, &inv, &b);
+            out_scale[i] = sc;
+            out_inv[i] = inv;
+            out_bytes[i] = b;
+            if (out_filled != NULL)
+                out_filled[i] = 0;
+            nmiss += a == AMX_NEG_INF;
+        }
         if (a == AMX_NEG_INF)
             e = 1;
         else /* NVFP4 per-block search: the global stays the running max's */
@@ -402,6 +432,12 @@ __global__ void k_accumulate(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells
     }
     /* Lanes past the end hold m = -inf, e = 0: publishing them is a no-op. */
     const unsigned full = 0xffffffffu;
+    if (fuse && counts != NULL) {
+        for (int off = 16; off > 0; off /= 2)
+            nmiss += __shfl_xor_sync(full, nmiss, off);
+        if ((threadIdx.x & 31) == 0 && nmiss != 0)
+            atomicAdd(&counts[1], nmiss);
+    }
     uint32_t q0 = __shfl_sync(full, mq, 0);
     if (__all_sync(full, mq == q0)) {
         for (int off = 16; off > 0; off /= 2)
@@ -584,18 +620,22 @@ __device__ __forceinline__ void scale_cell(const amx_qdesc_t *q, uint32_t qi, ui
  * counts[1] (when those are given). A cell of a quantizer with global
  * slices uses its slice's global amax and scale. A block whose cells all
  * belong to one quantizer (every block of a large tensor) keeps that
- * quantizer's descriptor in registers instead of reading it per cell. */
+ * quantizer's descriptor in registers instead of reading it per cell.
+ * `fused`: the cells that k_accumulate scaled (scales_in_accumulate) are
+ * skipped; a block of one such quantizer returns at once. */
 __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, float *out_amax,
                          const float *peer_max, const float *gamax, const float *gscale,
                          const float *gdec, const float *samax, const float *sscale,
                          const float *sdec, float *prev, float *out_scale, float *out_inv,
                          uint8_t *out_bytes, const uint32_t *chunkq, uint8_t *out_filled,
-                         unsigned long long *counts)
+                         unsigned long long *counts, int fused)
 {
     unsigned long long nfill = 0, nmiss = 0;
     uint32_t qi = chunk_q(qs, nq, chunkq);
     uint64_t first = (uint64_t)blockIdx.x * CHUNK, base = first + threadIdx.x;
     uint64_t end = first + CHUNK < ncells ? first + CHUNK : ncells;
+    if (fused && qs[qi].base + qs[qi].ncells >= end && scales_in_accumulate(&qs[qi]))
+        return; /* block-uniform: no lane is left in the warp reductions below */
     float a[ITEMS];
 #pragma unroll
     for (int k = 0; k < ITEMS; k++) {
@@ -622,6 +662,8 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, fl
                 break;
             qi = seek_q(qs, nq, qi, i);
             const amx_qdesc_t *q = &qs[qi];
+            if (fused && scales_in_accumulate(q))
+                continue;
             float pm = q->peer_group >= 0 ? peer_max[q->peer_group] : 0.0f;
             scale_cell(q, qi, i, a[k], pm, gamax, gscale, gdec, samax, sscale, sdec, out_amax, prev,
                        out_scale, out_inv, out_bytes, out_filled, &nfill, &nmiss);
@@ -667,7 +709,7 @@ amx__cuda_scales_launch(const amx_qdesc_t *d_q, uint32_t nq, uint64_t ncells, fl
         return AMX_OK;
     k_scales<<<chunks_for(ncells), THREADS, 0, stream>>>(
         d_q, nq, ncells, out_amax, peer_max, gamax, gscale, gdec, samax, sscale, sdec, prev,
-        out_scale, out_inv, out_bytes, chunkq, out_filled, counts);
+        out_scale, out_inv, out_bytes, chunkq, out_filled, counts, 0);
     CU(cudaGetLastError(), "scale kernel launch");
     return AMX_OK;
 }
@@ -1502,7 +1544,8 @@ static amx_status_t finish_launch(const struct fin_args *a, cudaStream_t s, cuda
         if (a->n > 0)
             k_accumulate<<<chunks_for(a->n), THREADS, 0, s>>>(
                 a->dq, nq, a->n, a->red, a->accum, a->hist, a->o_amax, peer_max, a->o_gamax,
-                a->empty, a->clear, a->chunkq, a->d_ovr);
+                a->empty, a->clear, a->chunkq, a->d_ovr, a->fuse, a->prev, a->o_scale, a->o_inv,
+                a->o_bytes, a->o_filled, a->d_counts);
         AT(P_ACCUM);
         k_quantizer_max<<<blocks_for(nq), THREADS, 0, s>>>(a->dq, nq, peer_max, a->empty,
                                                            a->o_gamax, scale_max);
@@ -1516,10 +1559,12 @@ static amx_status_t finish_launch(const struct fin_args *a, cudaStream_t s, cuda
         }
         CU(cudaGetLastError(), "epoch kernels launch");
         AT(P_GLOBAL);
-        AMX_CHECK(amx__cuda_scales_launch(a->dq, nq, a->n, a->o_amax, peer_max, a->o_gamax,
-                                          a->o_gscale, a->gdec, a->o_samax, a->o_sscale, a->sdec,
-                                          a->prev, a->o_scale, a->o_inv, a->o_bytes, a->chunkq,
-                                          a->o_filled, a->d_counts, s, err));
+        if (a->n > 0)
+            k_scales<<<chunks_for(a->n), THREADS, 0, s>>>(
+                a->dq, nq, a->n, a->o_amax, peer_max, a->o_gamax, a->o_gscale, a->gdec, a->o_samax,
+                a->o_sscale, a->sdec, a->prev, a->o_scale, a->o_inv, a->o_bytes, a->chunkq,
+                a->o_filled, a->d_counts, a->fuse);
+        CU(cudaGetLastError(), "scale kernel launch");
         AT(P_SCALES);
         size_t gbytes = (size_t)nq * 4;
         if (a->uva) {
@@ -1762,6 +1807,7 @@ static amx_status_t finish_epoch(amx_state_t *st, const amx_qdesc_t *qs, uint32_
     a.s_scale = st->s_scale[back];
     a.s_inv = st->s_inv[back];
     a.uva = c->uva;
+    a.fuse = c->fuse;
     int graphed = 0;
     AMX_CHECK(finish_graph(c, &a, s, prof ? ev : NULL, &graphed, err));
     MARK(P_CLEAR);
@@ -2260,6 +2306,10 @@ extern "C" amx_status_t amx__state_cuda_create(int device, amx_state_t **out, am
     if (e == cudaSuccess && (ck == NULL || strcmp(ck, "0") != 0) &&
         cudaDeviceGetAttribute(&c->uva, cudaDevAttrUnifiedAddressing, device) != cudaSuccess)
         c->uva = 0;
+    /* The fused finish (scales_in_accumulate): on unless
+     * AMAXD_FUSED_FINISH=0, kept for comparing the two in one run. */
+    const char *fz = getenv("AMAXD_FUSED_FINISH");
+    c->fuse = fz == NULL || strcmp(fz, "0") != 0;
     if (e == cudaSuccess)
         e = cudaStreamCreateWithFlags(&c->sl, cudaStreamNonBlocking);
     if (e == cudaSuccess)

@@ -20,6 +20,9 @@
 #     one     one run with one daemon for all GPUs (--one-daemon)
 #     cbench  bench/cluster_bench.py three times (the daemon's epoch at
 #             10.1M cells against one packed NCCL all-reduce)
+#     fused   the fused finish (AMAXD_FUSED_FINISH): backend_compare on it,
+#             the same-bytes GPU tests, then cluster_bench with it off and
+#             on, alternating, two runs each
 #     prof    the armed path's profile under MPS and cluster_bench's profile
 source "$(dirname "$0")/env.sh" "$@"
 OUT=$out
@@ -88,6 +91,23 @@ if [[ $steps == *" cbench "* ]]; then
     el "== cluster_bench $r"
     timeout 200 python3 bench/cluster_bench.py --amaxd "$build/amaxd" --floor "$build/nccl_floor" --daemons $n > "$OUT/cluster_bench.$r.txt" 2>&1
     echo "rc=$?"; tail -15 "$OUT/cluster_bench.$r.txt"
+  done
+fi
+if [[ $steps == *" fused "* ]]; then
+  el "== backend_compare, fused finish"
+  timeout 200 "$build/backend_compare" tests/vectors/recipes.tsv "${AMAXD_COMPARE_N:-2000000}" > "$OUT/backend_compare.txt" 2>&1
+  echo "rc=$?"; tail -4 "$OUT/backend_compare.txt"
+  el "== same-bytes GPU tests ($n GPUs)"
+  AMAXD_BACKEND=cuda timeout 150 python3 -m pytest -q -s -p no:cacheprovider -k "same_bytes or packed" \
+    tests/gpu/test_device.py tests/gpu/test_armed.py > "$OUT/same_bytes.txt" 2>&1
+  echo "rc=$?"; tail -2 "$OUT/same_bytes.txt"
+  for r in 1 2; do
+    for f in 0 1; do
+      el "== cluster_bench run $r, AMAXD_FUSED_FINISH=$f"
+      AMAXD_FUSED_FINISH=$f timeout 150 python3 bench/cluster_bench.py --amaxd "$build/amaxd" --floor "$build/nccl_floor" \
+        --daemons $n > "$OUT/cluster_bench.fused$f.$r.txt" 2>&1
+      echo "rc=$?"; grep -E "amaxd reconcile|its finish|its all-reduce|^\(a\) " "$OUT/cluster_bench.fused$f.$r.txt"
+    done
   done
 fi
 if [[ $steps == *" prof "* ]]; then
