@@ -669,7 +669,8 @@ __global__ void k_scales(const amx_qdesc_t *qs, uint32_t nq, uint64_t ncells, fl
                        out_scale, out_inv, out_bytes, out_filled, &nfill, &nmiss);
         }
     }
-    /* Every lane gets here (no lane returned early): one atomic per warp. */
+    /* Every lane gets here (a block returns early only as a whole): one atomic
+     * per warp. */
     if (counts != NULL) {
         for (int off = 16; off > 0; off /= 2) {
             nfill += __shfl_xor_sync(0xffffffffu, nfill, off);
