@@ -20,8 +20,8 @@
 #     one     one run with one daemon for all GPUs (--one-daemon)
 #     cbench  bench/cluster_bench.py three times (the daemon's epoch at
 #             10.1M cells against one packed NCCL all-reduce)
-#     fused   the fused finish (AMAXD_FUSED_FINISH): backend_compare on it,
-#             the same-bytes GPU tests, then cluster_bench with it off and
+#     fused   the fused finish (AMAXD_FUSED_FINISH): backend_compare with it
+#             on and off, the same-bytes GPU tests, then cluster_bench with it off and
 #             on, alternating, two runs each
 #     prof    the armed path's profile under MPS and cluster_bench's profile
 source "$(dirname "$0")/env.sh" "$@"
@@ -97,6 +97,9 @@ if [[ $steps == *" fused "* ]]; then
   el "== backend_compare, fused finish"
   timeout 200 "$build/backend_compare" tests/vectors/recipes.tsv "${AMAXD_COMPARE_N:-2000000}" > "$OUT/backend_compare.txt" 2>&1
   echo "rc=$?"; tail -4 "$OUT/backend_compare.txt"
+  el "== backend_compare, two passes (AMAXD_FUSED_FINISH=0)"
+  AMAXD_FUSED_FINISH=0 timeout 200 "$build/backend_compare" tests/vectors/recipes.tsv "${AMAXD_COMPARE_N:-2000000}" > "$OUT/backend_compare.unfused.txt" 2>&1
+  echo "rc=$?"; tail -1 "$OUT/backend_compare.unfused.txt"
   el "== same-bytes GPU tests ($n GPUs)"
   AMAXD_BACKEND=cuda timeout 150 python3 -m pytest -q -s -p no:cacheprovider -k "same_bytes or packed" \
     tests/gpu/test_device.py tests/gpu/test_armed.py > "$OUT/same_bytes.txt" 2>&1
