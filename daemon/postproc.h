@@ -87,7 +87,10 @@ AMX_HD uint64_t amx_pp_slice(const amx_qdesc_t *q, uint64_t c)
 /*
  * Scales of one cell with amax `a` (-inf = no data, read as 0), the
  * quantizer's (group) global amax `g` and global encode scale `s_enc`.
- * `prev` is the cell's previous delayed scale (updated).
+ * `prev` is the cell's previous delayed scale (updated). Only NVFP4 reads
+ * g, s_enc and s_dec: the CUDA finish scales FP8 and MXFP8 cells in its
+ * accumulation pass, before the globals exist (scales_in_accumulate in
+ * cuda/state_cuda.cu); a format that reads them must not be listed there.
  */
 AMX_HD void amx_pp_cell(const amx_recipe_t *r, float a, float g, float s_enc, float s_dec,
                         float *prev, float *scale, float *inv, uint8_t *byte)
