@@ -20,6 +20,15 @@ from test_basic import Q, reconcile_as_trainer, run_threads
 TIMEOUT_MS = 4000
 
 
+def _try(fn):
+    """fn()'s result, or the amaxd error it raised (for trainer threads
+    whose failure is the test's point)."""
+    try:
+        return fn()
+    except amaxd.AmaxdError as e:
+        return e
+
+
 def test_daemon_killed_during_epoch_then_restarted(make_cluster):
     n = max_daemons(3)
     last = n - 1
@@ -44,10 +53,7 @@ def test_daemon_killed_during_epoch_then_restarted(make_cluster):
 
     def waiting(r):
         clients[r].send(vals(r, 3))
-        try:
-            res[r] = clients[r].reconcile()
-        except amaxd.AmaxdError as e:
-            res[r] = e
+        res[r] = _try(clients[r].reconcile)
     ts = [threading.Thread(target=waiting, args=(r,)) for r in range(last)]
     [t.start() for t in ts]
     time.sleep(0.5)
@@ -136,10 +142,7 @@ def test_daemon_killed_in_the_rendezvous(make_cluster):
         clients[r].join()
         clients[r].register(qs)
         clients[r].send(vals(r))
-        try:
-            res[r] = clients[r].reconcile()
-        except amaxd.AmaxdError as e:
-            res[r] = e
+        res[r] = _try(clients[r].reconcile)
     ts = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
     [t.start() for t in ts]
     limit = time.monotonic() + 30
@@ -363,13 +366,6 @@ def test_job_stuck_on_hung_peer_does_not_stop_another(make_cluster):
         cl.close()
 
 
-def _try(fn):
-    try:
-        return fn()
-    except amaxd.AmaxdError as e:
-        return e
-
-
 @pytest.mark.parametrize("where", [0, 1], ids=["reset_on_coordinator", "reset_on_member"])
 def test_drop_while_joins_wait_on_several_daemons(make_cluster, where):
     """Reset(drop_job) before all ranks joined: every waiting Join, on this
@@ -379,10 +375,7 @@ def test_drop_while_joins_wait_on_several_daemons(make_cluster, where):
     res = {}
 
     def join(r):
-        try:
-            res[r] = amaxd.Client("dj", r, 3, socket=c.socket(r), timeout=30).join()
-        except amaxd.AmaxdError as e:
-            res[r] = e
+        res[r] = _try(lambda: amaxd.Client("dj", r, 3, socket=c.socket(r), timeout=30).join())
     ts = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
     [t.start() for t in ts]
     deadline = time.monotonic() + 10
@@ -497,10 +490,7 @@ def test_abort_from_a_peer_passes_on_its_cause(make_cluster):
 
         def waiting():
             cl[1].send({"x": 5.0})
-            try:
-                res[1] = cl[1].reconcile()
-            except amaxd.AmaxdError as e:
-                res[1] = e
+            res[1] = _try(cl[1].reconcile)
         t = threading.Thread(target=waiting)
         t.start()
         _wait_log(c[1], "epoch 2 handed to its engine")
@@ -566,10 +556,7 @@ def test_late_abort_of_a_failed_attempt_is_ignored(make_cluster):
     res = {}
 
     def waiting(r):
-        try:
-            res[r] = cl[r].reconcile()
-        except amaxd.AmaxdError as e:
-            res[r] = e
+        res[r] = _try(cl[r].reconcile)
     # Epoch 2, next attempt: daemon 0 waits for daemon 1's rank when the
     # failed round's Abort comes.
     t = threading.Thread(target=waiting, args=(0,))
