@@ -8,14 +8,17 @@
  *   merge           value 4 B + pending 4 B read, pending 4 B written = 12 B
  *   nvfp4 scales    amax 4 B read; scale 4 B, scale_inv 4 B, E4M3 1 B written = 13 B
  * Each kernel is timed with CUDA events, median of REPS runs after warm-up.
+ * With IDLE_MS > 0 each run follows IDLE_MS of an idle GPU (what a kernel
+ * of an epoch after a pause meets) instead of the run before it.
  *
- *   bench_kernels [N] [REPS]
+ *   bench_kernels [N] [REPS] [IDLE_MS]
  */
 #include <algorithm>
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <vector>
 
 #include "../cuda/kernels.h"
@@ -40,6 +43,8 @@ __global__ void k_init(float *p, uint64_t n, uint32_t seed)
     }
 }
 
+static int idle_ms;
+
 template <typename F> static float median_ms(F fn, int reps)
 {
     cudaEvent_t a, b;
@@ -50,6 +55,10 @@ template <typename F> static float median_ms(F fn, int reps)
     CK(cudaDeviceSynchronize());
     std::vector<float> t;
     for (int r = 0; r < reps; r++) {
+        if (idle_ms > 0) {
+            CK(cudaDeviceSynchronize());
+            usleep((useconds_t)idle_ms * 1000);
+        }
         CK(cudaEventRecord(a));
         fn();
         CK(cudaEventRecord(b));
@@ -66,6 +75,7 @@ int main(int argc, char **argv)
 {
     uint64_t n = argc > 1 ? strtoull(argv[1], NULL, 10) : (1ull << 28);
     int reps = argc > 2 ? atoi(argv[2]) : 20;
+    idle_ms = argc > 3 ? atoi(argv[3]) : 0;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     float *src, *dst, *pending, *vals, *amax, *scale, *inv, *prev, *gamax, *gscale, *gscale_inv;
@@ -146,8 +156,10 @@ int main(int argc, char **argv)
                 {"merge, 4096 runs, plain max", 12, t_m4k},
                 {"merge, 4096 runs, atomic max", 12, t_ma},
                 {"NVFP4 per-block scales (TE)", 13, t_nv}};
-    printf("%s, %d SMs; N = %llu amax values (%.2f GiB of float32); median of %d runs\n", prop.name,
-           prop.multiProcessorCount, (unsigned long long)n, n * 4.0 / (1 << 30), reps);
+    printf("%s, %d SMs; N = %llu amax values (%.2f GiB of float32); median of %d runs, each after "
+           "%d ms idle\n",
+           prop.name, prop.multiProcessorCount, (unsigned long long)n, n * 4.0 / (1 << 30), reps,
+           idle_ms);
     printf("%-32s %10s %10s %10s\n", "kernel", "ms", "GB/s", "of copy");
     for (auto &r : rows) {
         double gbs = r.bytes_per * n / (r.ms * 1e6);

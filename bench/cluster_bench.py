@@ -15,7 +15,14 @@ Floors, measured in the same run on the same devices by bench/nccl_floor
   (a) one packed all-reduce of the same number of cells (header included),
       and (a') the same on a non-blocking communicator, the kind amaxd's
       all-reduces use with AMAXD_NCCL_BLOCKING=0 (by default a blocking child);
-  (b) one all-reduce per quantizer, what a per-quantizer loop does.
+  (b) one all-reduce per quantizer, what a per-quantizer loop does;
+  (a'') (a) after the GPUs sat idle for IDLE_MS (--idle-ms, 0: not run):
+      the daemons' epochs here come ~1 s apart (the trainers send named
+      amax), where (a) runs back to back.
+
+An idle H200 drops its SM clock (345 MHz against 1980 read by nvidia-smi),
+and after 200 ms of idling the same all-reduce takes about twice as long
+(bench/NOTES.md, seventh session): compare the epoch with (a'') as well.
 
     python bench/cluster_bench.py --amaxd build-gpu/amaxd --floor build-gpu/nccl_floor \
         --daemons 2 [--per-tensor 100000 --channel-q 1000 --channels 10000 --epochs 10]
@@ -112,13 +119,15 @@ def floors(args, tmp, cells):
     idf = os.path.join(tmp, "nccl.id")
     procs = [subprocess.Popen([args.floor, str(r), str(args.daemons), idf, str(cells),
                                str(args.per_tensor), str(args.channel_q),
-                               str(args.channels), str(args.reps), str(args.reps_b)],
+                               str(args.channels), str(args.reps), str(args.reps_b),
+                               str(args.idle_ms)],
                               stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
              for r in range(args.daemons)]
     out = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
     return (max(o["packed_us"] for o in out), max(o["per_quantizer_us"] for o in out),
-            out[0]["per_quantizer_calls"], max(o["packed_nonblocking_us"] for o in out))
+            out[0]["per_quantizer_calls"], max(o["packed_nonblocking_us"] for o in out),
+            max(o.get("packed_idle_us", 0) for o in out))
 
 
 def main():
@@ -134,6 +143,8 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--reps-b", type=int, default=3)
     ap.add_argument("--logs", help="copy the daemons' logs into this folder")
+    ap.add_argument("--idle-ms", type=int, default=200,
+                    help="the idle gap before each run of floor (a''); 0 skips it")
     args = ap.parse_args()
     cells = args.per_tensor + args.channel_q * args.channels
     with tempfile.TemporaryDirectory(prefix="amaxd-bench-") as tmp:
@@ -197,13 +208,16 @@ def main():
     if fl:
         rows.append(("(a) one packed NCCL all-reduce of the same cells", fl[0]))
         rows.append(("(a') the same on a non-blocking communicator (AMAXD_NCCL_BLOCKING=0)", fl[3]))
+        if fl[4] > 0:
+            rows.append((f"(a'') (a) after {args.idle_ms} ms idle, the ranks lined up", fl[4]))
         rows.append((f"(b) one NCCL all-reduce per quantizer ({fl[2]} calls)", fl[1]))
     for name, v in rows:
         ratio = f"{v / fl[0]:.2f}x" if fl else ""
         print(f"{name:62s} {v:9.0f} {ratio:>8s}")
     if fl:
-        print(f"amaxd reconcile = {med(lat) / fl[0]:.2f} x (a);  (b) = {fl[1] / med(lat):.0f} x "
-              f"amaxd reconcile")
+        idle = f" = {med(lat) / fl[4]:.2f} x (a'')" if fl[4] > 0 else ""
+        print(f"amaxd reconcile = {med(lat) / fl[0]:.2f} x (a){idle};  (b) = "
+              f"{fl[1] / med(lat):.0f} x amaxd reconcile")
     print("per-epoch latency (us): " + ", ".join(str(v) for v in lat))
     # Where the time between the hand-off and the answers goes, per daemon
     # (medians of the steady epochs): the engine thread waking up, the

@@ -11,14 +11,19 @@
  *       then NQ2 quantizers of C2 cells, enqueued back to back on one stream
  *       (what a per-quantizer loop of torch.distributed.all_reduce does).
  *
+ *   (a'') with IDLE_MS > 0: (a) after the GPUs sat idle for IDLE_MS, the
+ *       ranks lined up first by a one-cell all-reduce: what an epoch that
+ *       follows a pause meets (lower clocks, cold caches), where (a) runs
+ *       back to back.
+ *
  * Each figure is the wall time from the first enqueue to the end of the
  * stream, median of REPS (REPS_B for b) runs after 3 warm-up runs of (a) and
  * one of (b). Rendezvous: rank 0 writes the NCCL unique id to ID_FILE.
  *
- *   nccl_floor RANK NRANKS ID_FILE CELLS NQ1 NQ2 C2 REPS REPS_B
+ *   nccl_floor RANK NRANKS ID_FILE CELLS NQ1 NQ2 C2 REPS REPS_B [IDLE_MS]
  *
  * Prints one JSON line: {"rank":..,"packed_us":..,"packed_nonblocking_us":..,
- * "per_quantizer_us":..}.
+ * "per_quantizer_us":..,"packed_idle_us":..} (the last 0 without IDLE_MS).
  */
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -63,15 +68,16 @@ static double median(std::vector<double> v)
 
 int main(int argc, char **argv)
 {
-    if (argc != 10) {
-        fprintf(stderr, "usage: %s RANK NRANKS ID_FILE CELLS NQ1 NQ2 C2 REPS REPS_B\n", argv[0]);
+    if (argc != 10 && argc != 11) {
+        fprintf(stderr, "usage: %s RANK NRANKS ID_FILE CELLS NQ1 NQ2 C2 REPS REPS_B [IDLE_MS]\n",
+                argv[0]);
         return 2;
     }
     int rank = atoi(argv[1]), n = atoi(argv[2]);
     const char *idf = argv[3];
     size_t cells = strtoull(argv[4], NULL, 10), nq1 = strtoull(argv[5], NULL, 10),
            nq2 = strtoull(argv[6], NULL, 10), c2 = strtoull(argv[7], NULL, 10);
-    int reps = atoi(argv[8]), reps_b = atoi(argv[9]);
+    int reps = atoi(argv[8]), reps_b = atoi(argv[9]), idle_ms = argc > 10 ? atoi(argv[10]) : 0;
     CK(cudaSetDevice(rank));
     ncclUniqueId id[2];
     if (rank == 0) {
@@ -106,7 +112,7 @@ int main(int argc, char **argv)
     CK(cudaMalloc(&send, need * sizeof(float)));
     CK(cudaMalloc(&recv, need * sizeof(float)));
     CK(cudaMemset(send, 0, need * sizeof(float)));
-    std::vector<double> a, a_nb, b;
+    std::vector<double> a, a_nb, b, a_idle;
     for (int i = 0; i < 3 + reps; i++) {
         CK(cudaStreamSynchronize(s));
         double t0 = now_us();
@@ -138,9 +144,19 @@ int main(int argc, char **argv)
         if (i >= 1)
             b.push_back(now_us() - t0);
     }
+    for (int i = 0; idle_ms > 0 && i < reps; i++) {
+        NK(ncclAllReduce(send, recv, 1, ncclFloat32, ncclMax, comm, s)); /* lines the ranks up */
+        CK(cudaStreamSynchronize(s));
+        usleep((useconds_t)idle_ms * 1000);
+        double t0 = now_us();
+        NK(ncclAllReduce(send, recv, cells, ncclFloat32, ncclMax, comm, s));
+        CK(cudaStreamSynchronize(s));
+        a_idle.push_back(now_us() - t0);
+    }
     printf("{\"rank\": %d, \"cells\": %zu, \"packed_us\": %.1f, \"packed_nonblocking_us\": %.1f, "
-           "\"per_quantizer_us\": %.1f, \"per_quantizer_calls\": %zu}\n",
-           rank, cells, median(a), median(a_nb), median(b), nq1 + nq2);
+           "\"per_quantizer_us\": %.1f, \"per_quantizer_calls\": %zu, \"packed_idle_us\": %.1f}\n",
+           rank, cells, median(a), median(a_nb), median(b), nq1 + nq2,
+           a_idle.empty() ? 0.0 : median(a_idle));
     ncclCommDestroy(comm);
     ncclCommAbort(nb);
     return 0;
