@@ -9,7 +9,10 @@
  *   nvfp4 scales    amax 4 B read; scale 4 B, scale_inv 4 B, E4M3 1 B written = 13 B
  * Each kernel is timed with CUDA events, median of REPS runs after warm-up.
  * With IDLE_MS > 0 each run follows IDLE_MS of an idle GPU (what a kernel
- * of an epoch after a pause meets) instead of the run before it.
+ * of an epoch after a pause meets) instead of the run before it; the run
+ * (start event, kernel, end event) is queued behind a one-thread gate
+ * kernel that the host opens once all of it is queued, so the interval
+ * holds the GPU's time only, not the host's launch after its sleep.
  *
  *   bench_kernels [N] [REPS] [IDLE_MS]
  */
@@ -44,6 +47,13 @@ __global__ void k_init(float *p, uint64_t n, uint32_t seed)
 }
 
 static int idle_ms;
+static volatile unsigned *gate; /* mapped host memory: the gate kernel waits for it */
+
+__global__ void k_gate(volatile unsigned *g, unsigned v)
+{
+    while (*g < v) {
+    }
+}
 
 template <typename F> static float median_ms(F fn, int reps)
 {
@@ -54,14 +64,18 @@ template <typename F> static float median_ms(F fn, int reps)
     fn();
     CK(cudaDeviceSynchronize());
     std::vector<float> t;
+    static unsigned ticket;
     for (int r = 0; r < reps; r++) {
         if (idle_ms > 0) {
             CK(cudaDeviceSynchronize());
             usleep((useconds_t)idle_ms * 1000);
+            k_gate<<<1, 1>>>(gate, ++ticket);
         }
         CK(cudaEventRecord(a));
         fn();
         CK(cudaEventRecord(b));
+        if (idle_ms > 0)
+            *gate = ticket;
         CK(cudaEventSynchronize(b));
         float ms;
         CK(cudaEventElapsedTime(&ms, a, b));
@@ -76,6 +90,8 @@ int main(int argc, char **argv)
     uint64_t n = argc > 1 ? strtoull(argv[1], NULL, 10) : (1ull << 28);
     int reps = argc > 2 ? atoi(argv[2]) : 20;
     idle_ms = argc > 3 ? atoi(argv[3]) : 0;
+    CK(cudaHostAlloc((void **)&gate, sizeof(unsigned), cudaHostAllocMapped));
+    *gate = 0;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     float *src, *dst, *pending, *vals, *amax, *scale, *inv, *prev, *gamax, *gscale, *gscale_inv;

@@ -16,13 +16,13 @@ Floors, measured in the same run on the same devices by bench/nccl_floor
       and (a') the same on a non-blocking communicator, the kind amaxd's
       all-reduces use with AMAXD_NCCL_BLOCKING=0 (by default a blocking child);
   (b) one all-reduce per quantizer, what a per-quantizer loop does;
-  (a'') (a) after the GPUs sat idle for IDLE_MS (--idle-ms, 0: not run):
+  (a'') (a) after the GPUs sat idle for IDLE_MS (--idle-ms, 0: not run),
+      each run timed from the last rank's start to the last rank's end:
       the daemons' epochs here come ~1 s apart (the trainers send named
       amax), where (a) runs back to back.
 
-An idle H200 drops its SM clock (345 MHz against 1980 read by nvidia-smi),
-and after 200 ms of idling the same all-reduce takes about twice as long
-(bench/NOTES.md, seventh session): compare the epoch with (a'') as well.
+After a pause the same all-reduce takes about twice as long (bench/NOTES.md,
+seventh session): compare the epoch with (a'') as well.
 
     python bench/cluster_bench.py --amaxd build-gpu/amaxd --floor build-gpu/nccl_floor \
         --daemons 2 [--per-tensor 100000 --channel-q 1000 --channels 10000 --epochs 10]
@@ -117,16 +117,28 @@ def status(sock):
 
 def floors(args, tmp, cells):
     idf = os.path.join(tmp, "nccl.id")
+    idle = [str(args.idle_ms)] if args.idle_ms > 0 else []
     procs = [subprocess.Popen([args.floor, str(r), str(args.daemons), idf, str(cells),
                                str(args.per_tensor), str(args.channel_q),
-                               str(args.channels), str(args.reps), str(args.reps_b),
-                               str(args.idle_ms)],
+                               str(args.channels), str(args.reps), str(args.reps_b)] + idle,
                               stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, NCCL_NVLS_ENABLE="0"))
              for r in range(args.daemons)]
-    out = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    out = []
+    for p in procs:
+        text = p.communicate(timeout=600)[0].strip()
+        if p.returncode != 0 or not text:
+            raise SystemExit(f"{args.floor} failed (exit {p.returncode}); an nccl_floor older "
+                             f"than --idle-ms takes no IDLE_MS: pass --idle-ms 0")
+        out.append(json.loads(text.splitlines()[-1]))
+    # (a''): each run from the last rank's start to the last rank's end (the
+    # ranks share one clock), as the epochs are timed from the last hand-off.
+    a_idle = 0.0
+    if idle and all(o.get("idle_t0") for o in out):
+        runs = zip(zip(*[o["idle_t0"] for o in out]), zip(*[o["idle_end"] for o in out]))
+        a_idle = statistics.median(max(e) - max(t) for t, e in runs)
     return (max(o["packed_us"] for o in out), max(o["per_quantizer_us"] for o in out),
-            out[0]["per_quantizer_calls"], max(o["packed_nonblocking_us"] for o in out),
+            out[0]["per_quantizer_calls"], max(o["packed_nonblocking_us"] for o in out), a_idle,
             max(o.get("packed_idle_us", 0) for o in out))
 
 
@@ -209,7 +221,8 @@ def main():
         rows.append(("(a) one packed NCCL all-reduce of the same cells", fl[0]))
         rows.append(("(a') the same on a non-blocking communicator (AMAXD_NCCL_BLOCKING=0)", fl[3]))
         if fl[4] > 0:
-            rows.append((f"(a'') (a) after {args.idle_ms} ms idle, the ranks lined up", fl[4]))
+            rows.append((f"(a'') (a) after {args.idle_ms} ms idle, last start -> last end", fl[4]))
+            rows.append(("      the same, the slowest rank's own median (first to start)", fl[5]))
         rows.append((f"(b) one NCCL all-reduce per quantizer ({fl[2]} calls)", fl[1]))
     for name, v in rows:
         ratio = f"{v / fl[0]:.2f}x" if fl else ""

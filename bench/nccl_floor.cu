@@ -13,8 +13,12 @@
  *
  *   (a'') with IDLE_MS > 0: (a) after the GPUs sat idle for IDLE_MS, the
  *       ranks lined up first by a one-cell all-reduce: what an epoch that
- *       follows a pause meets (lower clocks, cold caches), where (a) runs
- *       back to back.
+ *       follows a pause meets, where (a) runs back to back. Each rank
+ *       prints its start and end times (CLOCK_MONOTONIC, us) per run, so
+ *       that the caller, on the same host, can time each run from the last
+ *       rank's start to the last rank's end, as cluster_bench times the
+ *       daemons' epochs; "packed_idle_us" is this rank's own median, which
+ *       includes waiting for ranks that woke later.
  *
  * Each figure is the wall time from the first enqueue to the end of the
  * stream, median of REPS (REPS_B for b) runs after 3 warm-up runs of (a) and
@@ -23,13 +27,15 @@
  *   nccl_floor RANK NRANKS ID_FILE CELLS NQ1 NQ2 C2 REPS REPS_B [IDLE_MS]
  *
  * Prints one JSON line: {"rank":..,"packed_us":..,"packed_nonblocking_us":..,
- * "per_quantizer_us":..,"packed_idle_us":..} (the last 0 without IDLE_MS).
+ * "per_quantizer_us":..,"packed_idle_us":..,"idle_t0":[..],"idle_end":[..]}
+ * (packed_idle_us 0 and the lists empty without IDLE_MS).
  */
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -144,19 +150,34 @@ int main(int argc, char **argv)
         if (i >= 1)
             b.push_back(now_us() - t0);
     }
+    std::vector<double> i_t0, i_end;
+    prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* the default 50 us would skew the ranks' wake */
     for (int i = 0; idle_ms > 0 && i < reps; i++) {
         NK(ncclAllReduce(send, recv, 1, ncclFloat32, ncclMax, comm, s)); /* lines the ranks up */
         CK(cudaStreamSynchronize(s));
-        usleep((useconds_t)idle_ms * 1000);
+        struct timespec ts = {idle_ms / 1000, (long)(idle_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
         double t0 = now_us();
         NK(ncclAllReduce(send, recv, cells, ncclFloat32, ncclMax, comm, s));
         CK(cudaStreamSynchronize(s));
-        a_idle.push_back(now_us() - t0);
+        double t1 = now_us();
+        a_idle.push_back(t1 - t0);
+        i_t0.push_back(t0);
+        i_end.push_back(t1);
     }
     printf("{\"rank\": %d, \"cells\": %zu, \"packed_us\": %.1f, \"packed_nonblocking_us\": %.1f, "
-           "\"per_quantizer_us\": %.1f, \"per_quantizer_calls\": %zu, \"packed_idle_us\": %.1f}\n",
+           "\"per_quantizer_us\": %.1f, \"per_quantizer_calls\": %zu, \"packed_idle_us\": %.1f",
            rank, cells, median(a), median(a_nb), median(b), nq1 + nq2,
            a_idle.empty() ? 0.0 : median(a_idle));
+    const char *sep = "";
+    printf(", \"idle_t0\": [");
+    for (double v : i_t0)
+        printf("%s%.1f", sep, v), sep = ", ";
+    sep = "";
+    printf("], \"idle_end\": [");
+    for (double v : i_end)
+        printf("%s%.1f", sep, v), sep = ", ";
+    printf("]}\n");
     ncclCommDestroy(comm);
     ncclCommAbort(nb);
     return 0;
