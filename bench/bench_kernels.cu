@@ -47,7 +47,8 @@ __global__ void k_init(float *p, uint64_t n, uint32_t seed)
 }
 
 static int idle_ms;
-static volatile unsigned *gate; /* mapped host memory: the gate kernel waits for it */
+static volatile unsigned *gate;   /* mapped host memory: the host opens the gate */
+static volatile unsigned *d_gate; /* the same, as the device sees it */
 
 __global__ void k_gate(volatile unsigned *g, unsigned v)
 {
@@ -69,7 +70,7 @@ template <typename F> static float median_ms(F fn, int reps)
         if (idle_ms > 0) {
             CK(cudaDeviceSynchronize());
             usleep((useconds_t)idle_ms * 1000);
-            k_gate<<<1, 1>>>(gate, ++ticket);
+            k_gate<<<1, 1>>>(d_gate, ++ticket);
         }
         CK(cudaEventRecord(a));
         fn();
@@ -82,7 +83,7 @@ template <typename F> static float median_ms(F fn, int reps)
         t.push_back(ms);
     }
     std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
+    return t.empty() ? 0.0f : t[t.size() / 2];
 }
 
 int main(int argc, char **argv)
@@ -92,6 +93,7 @@ int main(int argc, char **argv)
     idle_ms = argc > 3 ? atoi(argv[3]) : 0;
     CK(cudaHostAlloc((void **)&gate, sizeof(unsigned), cudaHostAllocMapped));
     *gate = 0;
+    CK(cudaHostGetDevicePointer((void **)&d_gate, (void *)gate, 0));
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     float *src, *dst, *pending, *vals, *amax, *scale, *inv, *prev, *gamax, *gscale, *gscale_inv;

@@ -69,7 +69,7 @@ static double now_us(void)
 static double median(std::vector<double> v)
 {
     std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
+    return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 int main(int argc, char **argv)
